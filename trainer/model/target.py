@@ -1,0 +1,230 @@
+"""The frozen target: load a local Hugging Face causal LM and capture decoder-layer outputs.
+
+Index convention (the one that silently breaks drafters when it is off by one): layer id `i`
+is the OUTPUT of decoder layer `i` (0-based), which is HF `output_hidden_states[i + 1]`
+(entry 0 is the embedding output; the last entry is post-final-norm in recent transformers,
+so it is never used here). Capture stops after the deepest requested layer by raising a
+private exception from its forward hook: the remaining layers, the final norm and the LM head
+never run.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager, suppress
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
+
+
+class TargetError(ValueError):
+    """A target directory or layer selection that cannot work (message names the culprit)."""
+
+
+class _StopForward(Exception):
+    """Raised by the deepest capture hook to end the target forward early."""
+
+
+def default_target_layer_ids(num_target_layers_total: int, num_draft_layers: int) -> list[int]:
+    """DFlash rule: `n` ids spread uniformly from layer 1 to layer L-3, rounded.
+
+    One feature takes the middle layer. Examples: (36, 5) -> [1, 9, 17, 25, 33]; (8, 2) -> [1, 5].
+    """
+    n, total = num_draft_layers, num_target_layers_total
+    if n < 1:
+        raise TargetError(f"num_draft_layers must be >= 1, got {n}")
+    if total < 4 and n > 1:
+        raise TargetError(f"a target with {total} layers is too shallow for {n} features")
+    if n == 1:
+        return [total // 2]
+    start, end = 1, total - 3
+    # Python's round() is banker's rounding; the reference rule rounds half up.
+    return [int(start + i * (end - start) / (n - 1) + 0.5) for i in range(n)]
+
+
+def validate_layer_ids(layer_ids: Sequence[int], num_layers: int) -> list[int]:
+    """Ids must be distinct, ascending and inside [0, num_layers - 1]."""
+    ids = [int(i) for i in layer_ids]
+    if not ids:
+        raise TargetError("target_layer_ids is empty")
+    if sorted(set(ids)) != ids:
+        raise TargetError(f"target_layer_ids must be strictly ascending, got {ids}")
+    if ids[0] < 0 or ids[-1] >= num_layers:
+        raise TargetError(f"target_layer_ids {ids} out of range for a {num_layers}-layer target")
+    return ids
+
+
+def default_dtype(device: torch.device | str) -> torch.dtype:
+    """bf16 on accelerators (what serving uses), fp32 on CPU (bf16 matmuls are slow there)."""
+    return torch.float32 if torch.device(device).type == "cpu" else torch.bfloat16
+
+
+def _decoder_of(model: nn.Module) -> nn.Module:
+    decoder = getattr(model, "model", None)
+    if decoder is None or not hasattr(decoder, "layers"):
+        get = getattr(model, "get_decoder", None)
+        decoder = get() if callable(get) else None
+    if decoder is None or not isinstance(getattr(decoder, "layers", None), nn.ModuleList):
+        raise TargetError(f"{type(model).__name__} has no decoder layer list (model.layers)")
+    return decoder
+
+
+def _layer_output(output: Any) -> Tensor:
+    # transformers 5 decoder layers return a tensor; older ones return (hidden, ...).
+    return output[0] if isinstance(output, tuple) else output
+
+
+class TargetModel:
+    """A frozen causal LM plus forward hooks on the decoder layers in `layer_ids`.
+
+    `embed_tokens` and `lm_head` are the target's own modules (no copies), shared with the
+    drafter; every parameter has `requires_grad=False`.
+    """
+
+    def __init__(self, model: nn.Module, layer_ids: Sequence[int]) -> None:
+        model.eval()
+        model.requires_grad_(False)
+        self.model = model
+        self.decoder = _decoder_of(model)
+        self.layers: nn.ModuleList = self.decoder.layers
+        self.num_layers = len(self.layers)
+        self.layer_ids = validate_layer_ids(layer_ids, self.num_layers)
+        self.embed_tokens: nn.Embedding = model.get_input_embeddings()
+        self.lm_head: nn.Linear = model.get_output_embeddings()
+        self.hidden_size = int(self.embed_tokens.weight.shape[1])
+        # Embedding rows (padded vocab), which is what a mask token id must index.
+        self.vocab_size = int(self.embed_tokens.weight.shape[0])
+        self.config = model.config
+        self._captured: dict[int, Tensor] | None = None
+        self._stop_after: int | None = None
+        for i in self.layer_ids:
+            self.layers[i].register_forward_hook(self._make_hook(i))
+
+    @classmethod
+    def load(
+        cls,
+        path: str | Path,
+        layer_ids: Sequence[int] | None = None,
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype | None = None,
+        *,
+        num_draft_layers: int | None = None,
+    ) -> TargetModel:
+        """Load a local HF causal LM directory (never the hub), frozen, in eval mode.
+
+        Args:
+            path: directory written by `save_pretrained`.
+            layer_ids: decoder layers to capture; None derives them with
+                `default_target_layer_ids(num_layers, num_draft_layers)`.
+            device: where the target runs.
+            dtype: None picks bf16 on accelerators and fp32 on CPU.
+        """
+        path = Path(path)
+        if not (path / "config.json").is_file():
+            raise TargetError(f"{path}: not a model directory (no config.json)")
+        dtype = dtype or default_dtype(device)
+        try:
+            AutoConfig.from_pretrained(path, local_files_only=True)
+            model = AutoModelForCausalLM.from_pretrained(
+                path, dtype=dtype, local_files_only=True, attn_implementation="sdpa"
+            )
+        except (OSError, ValueError) as err:
+            first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+            raise TargetError(f"{path}: cannot load target model: {first}") from err
+        model.to(device)
+        if layer_ids is None:
+            if num_draft_layers is None:
+                raise TargetError("give layer_ids or num_draft_layers")
+            layer_ids = default_target_layer_ids(len(_decoder_of(model).layers), num_draft_layers)
+        return cls(model, layer_ids)
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed_tokens.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed_tokens.weight.dtype
+
+    @property
+    def feature_size(self) -> int:
+        """Width of one captured position: len(layer_ids) * hidden_size."""
+        return len(self.layer_ids) * self.hidden_size
+
+    def _make_hook(self, layer_id: int) -> Callable[[nn.Module, Any, Any], None]:
+        def hook(_module: nn.Module, _args: Any, output: Any) -> None:
+            if self._captured is None:
+                return
+            self._captured[layer_id] = _layer_output(output)
+            if self._stop_after == layer_id:
+                raise _StopForward
+
+        return hook
+
+    @contextmanager
+    def _capturing(self, stop_early: bool) -> Iterator[dict[int, Tensor]]:
+        self._captured = {}
+        self._stop_after = self.layer_ids[-1] if stop_early else None
+        try:
+            yield self._captured
+        finally:
+            self._captured = None
+            self._stop_after = None
+
+    def new_cache(self) -> Any:
+        """An empty KV cache for `forward_with_capture`."""
+        return DynamicCache(config=self.config)
+
+    @staticmethod
+    def crop_cache(cache: Any, length: int) -> None:
+        """Drop cached positions >= `length` (rejected draft tokens after a verify step)."""
+        extra = cache.get_seq_length() - length
+        if extra < 0:
+            raise ValueError(f"cannot crop a cache of {cache.get_seq_length()} to {length}")
+        cache.crop(-extra)
+
+    def _concat(self, captured: dict[int, Tensor]) -> Tensor:
+        return torch.cat([captured[i] for i in self.layer_ids], dim=-1)
+
+    @torch.no_grad()
+    def capture(self, input_ids: Tensor, attention_mask: Tensor | None = None) -> Tensor:
+        """Hidden states of the capture layers, concatenated in `layer_ids` order.
+
+        Runs only layers 0..max(layer_ids); the rest of the model and the LM head never run.
+
+        Returns:
+            Tensor[B, T, len(layer_ids) * hidden_size] in the target dtype.
+        """
+        with self._capturing(stop_early=True) as captured:
+            with suppress(_StopForward):
+                self.decoder(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+            return self._concat(captured)
+
+    @torch.no_grad()
+    def forward_with_capture(
+        self,
+        input_ids: Tensor,
+        *,
+        cache: Any = None,
+        attention_mask: Tensor | None = None,
+    ) -> tuple[Tensor, Tensor]:
+        """Full forward (logits for every position) that also returns the captured features.
+
+        Used by the speculative decoding loop, where one verify forward both checks the draft
+        and yields the features of the tokens it commits. `cache` is an HF cache object that
+        the call extends in place.
+
+        Returns:
+            (logits [B, T, V] float32, features [B, T, len(layer_ids) * H])
+        """
+        with self._capturing(stop_early=False) as captured:
+            out = self.model(
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                cache=cache,
+                use_cache=cache is not None,
+            )
+            return out.logits.float(), self._concat(captured)

@@ -1,0 +1,131 @@
+"""A tiny random Qwen3 target built from a config, for CPU tests, demos and benchmarks.
+
+Nothing is downloaded: the weights are drawn from a seeded generator and written with
+`save_pretrained` (safetensors), so the directory loads like any Hugging Face checkpoint.
+
+    python -m trainer.model.tiny --out /tmp/tiny-qwen3 [--seed 0] [--vocab-size 512]
+
+Random weights give a near-uniform next-token distribution, so greedy text from it is
+little more than noise; `init_std` is larger than HF's 0.02 so that greedy continuations
+depend on the context (a drafter then has something to learn from the hidden states).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+from transformers import Qwen3Config, Qwen3ForCausalLM
+
+
+def tiny_config(
+    *,
+    vocab_size: int = 512,
+    hidden_size: int = 64,
+    num_layers: int = 8,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    head_dim: int = 16,
+    intermediate_size: int = 128,
+    max_position_embeddings: int = 1024,
+    init_std: float = 0.1,
+) -> Qwen3Config:
+    """The smallest Qwen3 that still has GQA, QK-norm and RoPE (reference §6)."""
+    return Qwen3Config(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        head_dim=head_dim,
+        max_position_embeddings=max_position_embeddings,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        initializer_range=init_std,
+        attn_implementation="sdpa",
+        # No special tokens: the synthetic data reserves the top ids itself.
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
+    )
+
+
+def build_tiny_target(
+    out_dir: str | Path,
+    *,
+    seed: int = 0,
+    vocab_size: int = 512,
+    hidden_size: int = 64,
+    num_layers: int = 8,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    head_dim: int = 16,
+    intermediate_size: int = 128,
+    init_std: float = 0.1,
+) -> Path:
+    """Build a seeded random Qwen3ForCausalLM and save it to `out_dir` (safetensors).
+
+    The same arguments always give bit-identical weights, so tests can rebuild it freely.
+
+    Returns:
+        The output directory.
+    """
+    out = Path(out_dir)
+    config = tiny_config(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        num_layers=num_layers,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        intermediate_size=intermediate_size,
+        init_std=init_std,
+    )
+    cpu_rng = torch.random.get_rng_state()
+    try:
+        torch.manual_seed(seed)
+        model = Qwen3ForCausalLM(config)
+        # Norm weights start at 1.0; jitter them so every layer differs from the next.
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if name.endswith("norm.weight"):
+                    param.add_(torch.randn_like(param) * 0.1)
+    finally:
+        torch.random.set_rng_state(cpu_rng)
+    model.eval()
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out, safe_serialization=True)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m trainer.model.tiny", description="Write a tiny random Qwen3 target."
+    )
+    parser.add_argument("--out", required=True, type=Path, help="output directory")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--vocab-size", type=int, default=512)
+    parser.add_argument("--hidden-size", type=int, default=64)
+    parser.add_argument("--num-layers", type=int, default=8)
+    args = parser.parse_args(argv)
+    try:
+        out = build_tiny_target(
+            args.out,
+            seed=args.seed,
+            vocab_size=args.vocab_size,
+            hidden_size=args.hidden_size,
+            num_layers=args.num_layers,
+        )
+    except OSError as err:
+        print(f"error: cannot write tiny target to {args.out}: {err}", file=sys.stderr)
+        return 1
+    print(out)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
