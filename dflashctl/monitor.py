@@ -1,0 +1,446 @@
+"""Per-host run state for the TUI, with no Textual imports.
+
+Two halves:
+
+* a pure reducer: `apply_line` / `apply_event` / `apply_status` fold `trainer.events` events and
+  `RunControl.status()` results into an immutable `RunState`, so replayed status lines give the
+  exact state a live stream gives, and every pane is a pure function of one `RunState`;
+* `HostFollower`: one async task per host that streams `RunControl.follow`, polls `status()` and
+  `gpus()`, and reconnects with capped exponential backoff. It never touches widgets; it publishes
+  each new `RunState` through a callback, and the app coalesces those into a few redraws a second.
+
+Plus the restart plan (`plan_restart`): the unified diff between the deployed and the local run
+config and whether the restart can resume or must start fresh (and which keys force that).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import difflib
+import tempfile
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Literal, Protocol
+
+from trainer.events import (
+    CheckpointEvent,
+    ErrorEvent,
+    Event,
+    PhaseEvent,
+    StatusEvent,
+    format_line,
+    parse_line,
+)
+
+HISTORY = 180
+"""Points kept per history series (sparklines): 180 status lines is 15 min at one line per 5 s."""
+LOG_TAIL = 400
+"""Raw lines kept per host; the full log screen re-reads nothing, so this bounds memory."""
+STALE_AFTER_S = 60.0
+"""A running host whose last line is older than this is shown as stale (with its age)."""
+
+LinkState = Literal["connecting", "live", "retrying"]
+
+
+@dataclass(frozen=True, slots=True)
+class RunState:
+    """Everything the TUI shows about one host. Immutable: reducers return a new one."""
+
+    host: str
+    run: str = "unknown"
+    """From `RunControl.status()`: running, stopped, crashed, unreachable, or unknown (not yet)."""
+    exit_status: int | None = None
+    release: str | None = None
+    config_hash: str | None = None
+    link: LinkState = "connecting"
+    """State of our stream to the host, independent of the run's own state."""
+    link_error: str | None = None
+    retry_at: float | None = None
+    """Wall-clock time of the next reconnect attempt while `link == "retrying"`."""
+    last_line_at: float | None = None
+    """Wall-clock time the last status.log line arrived (drives the age and staleness)."""
+    lines_seen: int = 0
+    """status.log lines consumed; a reconnect follows from here so nothing is counted twice."""
+    status: StatusEvent | None = None
+    phase: str | None = None
+    checkpoint: tuple[int, str] | None = None
+    last_error: str | None = None
+    ktok_hist: tuple[float, ...] = ()
+    loss_hist: tuple[float, ...] = ()
+    acc_hist: tuple[float, ...] = ()
+    streak_hist: tuple[float, ...] = ()
+    q_pre_hist: tuple[tuple[int, ...], ...] = ()
+    q_hs_hist: tuple[tuple[int, ...], ...] = ()
+    log_tail: tuple[str, ...] = ()
+    gpus: tuple[Any, ...] = ()
+    config_changed: bool = False
+    config_note: str | None = None
+    """Why the config comparison could not be made (e.g. local file unreadable), if it could not."""
+
+
+def _push(hist: tuple[Any, ...], value: Any, limit: int = HISTORY) -> tuple[Any, ...]:
+    if len(hist) >= limit:
+        return (*hist[len(hist) - limit + 1 :], value)
+    return (*hist, value)
+
+
+def _push_opt(hist: tuple[float, ...], value: float | None) -> tuple[float, ...]:
+    return hist if value is None else _push(hist, float(value))
+
+
+def apply_event(state: RunState, event: Event, now: float, line: str | None = None) -> RunState:
+    """Fold one parsed status.log event into the state (pure); `line` is its raw text."""
+    log_tail = _push(state.log_tail, line if line is not None else format_line(event), LOG_TAIL)
+    base = replace(state, log_tail=log_tail, last_line_at=now, lines_seen=state.lines_seen + 1)
+    if isinstance(event, StatusEvent):
+        return replace(
+            base,
+            status=event,
+            phase="running",
+            ktok_hist=_push_opt(state.ktok_hist, event.ktok_s),
+            loss_hist=_push_opt(state.loss_hist, event.loss),
+            acc_hist=_push_opt(state.acc_hist, event.acc),
+            streak_hist=_push_opt(state.streak_hist, event.streak),
+            q_pre_hist=_push(state.q_pre_hist, tuple(event.q_pre)),
+            q_hs_hist=_push(state.q_hs_hist, tuple(event.q_hs)),
+        )
+    if isinstance(event, PhaseEvent):
+        return replace(base, phase=event.phase)
+    if isinstance(event, CheckpointEvent):
+        return replace(base, checkpoint=(event.step, event.path))
+    if isinstance(event, ErrorEvent):
+        return replace(base, last_error=event.message)
+    return base
+
+
+def apply_line(state: RunState, line: str, now: float) -> RunState:
+    """Parse one status.log line and fold it in. Never raises (the parser never does)."""
+    line = line.rstrip("\n")
+    return apply_event(state, parse_line(line), now, line)
+
+
+def apply_lines(state: RunState, lines: Iterable[str], now: float) -> RunState:
+    """Fold a replayed block of lines (e.g. a whole status.log) in order."""
+    for line in lines:
+        state = apply_line(state, line, now)
+    return state
+
+
+def apply_status(state: RunState, status: Any) -> RunState:
+    """Fold a `RunControl.status()` result (a `RunStatus`) into the state.
+
+    Read by attribute so this module depends on the agreed field names only: state,
+    exit_status, release, config_hash.
+    """
+    return replace(
+        state,
+        run=str(getattr(status, "state", "unknown")),
+        exit_status=getattr(status, "exit_status", None),
+        release=getattr(status, "release", None) or state.release,
+        config_hash=getattr(status, "config_hash", None) or state.config_hash,
+    )
+
+
+def apply_link(
+    state: RunState, link: LinkState, error: str | None = None, retry_at: float | None = None
+) -> RunState:
+    """Record the state of our stream to the host (pure)."""
+    return replace(state, link=link, link_error=error, retry_at=retry_at)
+
+
+def display_state(state: RunState, now: float, stale_after: float = STALE_AFTER_S) -> str:
+    """The one-word state a fleet row shows, honest about what we do not know.
+
+    A run that says "running" but has sent nothing for `stale_after` seconds is "stale"; a host we
+    cannot reach is "unreachable" whatever its last known run state was.
+    """
+    if state.run == "unreachable":
+        return "unreachable"
+    if state.run == "crashed":
+        code = "?" if state.exit_status is None else str(state.exit_status)
+        return f"crashed (exit {code})"
+    if state.run == "stopped":
+        return "stopped"
+    if state.link == "retrying":
+        return "unreachable"
+    if state.run == "running":
+        age = line_age(state, now)
+        return "stale" if age is not None and age > stale_after else "running"
+    return "connecting" if state.link == "connecting" else state.run
+
+
+def line_age(state: RunState, now: float) -> float | None:
+    """Seconds since the last line, or None when no line has arrived yet."""
+    return None if state.last_line_at is None else max(0.0, now - state.last_line_at)
+
+
+def format_age(seconds: float | None) -> str:
+    """Compact age: 4s, 2m05s, 3h12m, 2d04h; an em dash when there is none."""
+    if seconds is None:
+        return "—"
+    s = int(seconds)
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    if s < 86400:
+        return f"{s // 3600}h{(s % 3600) // 60:02d}m"
+    return f"{s // 86400}d{(s % 86400) // 3600:02d}h"
+
+
+def bucket_labels(boundaries: Sequence[int] | None, count: int) -> list[str]:
+    """Length-range labels for the q_pre gauges: `[0,770)` ... from K+1 bucket edges.
+
+    Falls back to `b0..bN` when the boundaries are unknown or do not match the queue count.
+    """
+    if boundaries is not None and len(boundaries) == count + 1:
+        return [f"[{boundaries[i]},{boundaries[i + 1]})" for i in range(count)]
+    return [f"b{i}" for i in range(count)]
+
+
+@dataclass(frozen=True, slots=True)
+class RunShape:
+    """What only the run config knows and panes need: bucket ranges, queue capacity, LR schedule."""
+
+    boundaries: tuple[int, ...] | None = None
+    q_pre_capacity: int | None = None
+    q_hs_capacity: int | None = None
+    warmup_steps: int | None = None
+    warmup_ratio: float | None = None
+    total_steps: int | None = None
+    epochs: float | None = None
+    schedule: Callable[[int, int, int], float] | None = None
+    """LR at (step, warmup_steps, total_steps): the trainer's own schedule, so the curve drawn is
+    the one it follows."""
+
+
+def total_steps(shape: RunShape, state: RunState) -> int | None:
+    """Total optimizer steps: from the trainer (`extra["total_steps"]`), else the shape, else
+    extrapolated from the reported epoch fraction (step / epoch * epochs)."""
+    st = state.status
+    if st is not None and "total_steps" in st.extra:
+        with contextlib.suppress(ValueError):
+            return int(st.extra["total_steps"])
+    if shape.total_steps:
+        return shape.total_steps
+    if st is not None and st.epoch and shape.epochs and st.step > 0:
+        return max(st.step, round(st.step / st.epoch * shape.epochs))
+    return None
+
+
+def warmup_steps(shape: RunShape, state: RunState) -> int | None:
+    """Warmup length: from the trainer (`extra["warmup_steps"]`) when it reports it, else config."""
+    st = state.status
+    if st is not None and "warmup_steps" in st.extra:
+        with contextlib.suppress(ValueError):
+            return int(st.extra["warmup_steps"])
+    if shape.warmup_steps is not None:
+        return shape.warmup_steps
+    total = total_steps(shape, state)
+    if shape.warmup_ratio is not None and total:
+        return max(1, round(shape.warmup_ratio * total))
+    return None
+
+
+# ----------------------------------------------------------------------------- restart plan
+
+
+@dataclass(frozen=True, slots=True)
+class RestartPlan:
+    """What `r` would do: the diff, and resume vs. fresh with the keys that decide it."""
+
+    diff: str
+    fresh: bool
+    critical_keys: tuple[str, ...] = ()
+    error: str | None = None
+    """Set when the local config is invalid: the restart is refused and this says why."""
+
+    @property
+    def changed(self) -> bool:
+        return bool(self.diff)
+
+    @property
+    def verdict(self) -> str:
+        if self.error:
+            return f"cannot restart: {self.error}"
+        if self.fresh:
+            return (
+                "start FRESH (checkpoints set aside): resume-critical keys changed: "
+                + ", ".join(self.critical_keys)
+            )
+        return "resume from the latest checkpoint (no resume-critical key changed)"
+
+
+def config_diff(deployed: str, local: str, local_name: str) -> str:
+    """Unified diff deployed -> local, empty when the texts are equal."""
+    lines = difflib.unified_diff(
+        deployed.splitlines(keepends=True),
+        local.splitlines(keepends=True),
+        fromfile="deployed: run/config.toml",
+        tofile=f"local: {local_name}",
+    )
+    return "".join(line if line.endswith("\n") else line + "\n" for line in lines)
+
+
+def _load_config_text(text: str, name: str) -> Any:
+    """Validate config text with the trainer's own loader (it reads files, so give it one)."""
+    from trainer.config import TrainConfig
+
+    with tempfile.TemporaryDirectory(prefix="dflashctl-cfg-") as tmp:
+        path = Path(tmp) / Path(name).name
+        path.write_text(text)
+        return TrainConfig.load(path)
+
+
+def plan_restart(deployed: str, local: str, local_name: str) -> RestartPlan:
+    """Decide resume vs. fresh exactly as the trainer will, via `resume_critical_changes`.
+
+    An invalid deployed config (e.g. an older schema) cannot be resumed safely, so it means fresh;
+    an invalid local config refuses the restart and names the problem.
+    """
+    from trainer.config import ConfigError, resume_critical_changes
+
+    diff = config_diff(deployed, local, local_name)
+    try:
+        new = _load_config_text(local, local_name)
+    except ConfigError as exc:
+        return RestartPlan(diff=diff, fresh=False, error=str(exc).replace("\n", " "))
+    try:
+        old = _load_config_text(deployed, "deployed-config.toml")
+    except ConfigError:
+        return RestartPlan(diff=diff, fresh=True, critical_keys=("(deployed config unreadable)",))
+    keys = tuple(resume_critical_changes(old, new))
+    return RestartPlan(diff=diff, fresh=bool(keys), critical_keys=keys)
+
+
+# ----------------------------------------------------------------------------- follower
+
+
+class Control(Protocol):
+    """The slice of `dflashctl.control.RunControl` the follower uses."""
+
+    async def status(self) -> Any: ...
+
+    def follow(self, from_line: int = 0) -> AsyncIterator[str]: ...
+
+    async def gpus(self) -> list[Any]: ...
+
+
+@dataclass(frozen=True, slots=True)
+class Backoff:
+    """Capped exponential reconnect delay: 1, 2, 4, ... 30 s."""
+
+    initial: float = 1.0
+    factor: float = 2.0
+    maximum: float = 30.0
+
+    def delay(self, attempt: int) -> float:
+        return min(self.maximum, self.initial * self.factor ** max(0, attempt))
+
+
+@dataclass
+class HostFollower:
+    """Keeps one host's `RunState` current over a `Control`; isolates that host's failures.
+
+    `publish` is called with every new state; it must be cheap (the app just stores it and marks
+    the host dirty). A dead or slow host only ever blocks its own task.
+    """
+
+    host: str
+    control: Control
+    publish: Callable[[RunState], None]
+    clock: Callable[[], float] = time.time
+    backoff: Backoff = field(default_factory=Backoff)
+    status_every: float = 5.0
+    gpu_every: float = 10.0
+    call_timeout: float = 20.0
+    sleep: Callable[[float], Awaitable[None]] = asyncio.sleep
+    state: RunState = field(init=False)
+    _wake: asyncio.Event = field(init=False)
+    _attempt: int = field(init=False, default=0)
+
+    def __post_init__(self) -> None:
+        self.state = RunState(host=self.host)
+        self._wake = asyncio.Event()
+
+    def _set(self, state: RunState) -> None:
+        self.state = state
+        self.publish(state)
+
+    def reconnect_now(self) -> None:
+        """Skip the remaining backoff (the `c` key)."""
+        self._attempt = 0
+        self._wake.set()
+
+    def mark_config(self, changed: bool, note: str | None = None) -> None:
+        self._set(replace(self.state, config_changed=changed, config_note=note))
+
+    def reset_stream(self) -> None:
+        """Forget what was read: after a fresh restart status.log starts over."""
+        self._set(replace(self.state, lines_seen=0))
+
+    async def poll_status(self) -> None:
+        """One status poll; failures mark the host unreachable instead of raising."""
+        try:
+            status = await asyncio.wait_for(self.control.status(), self.call_timeout)
+        except Exception as exc:  # any failure of one host is that host's state, not a crash
+            self._set(replace(self.state, run="unreachable", link_error=_one_line(exc)))
+            return
+        self._set(apply_status(self.state, status))
+
+    async def poll_gpus(self) -> None:
+        with contextlib.suppress(Exception):
+            gpus = await asyncio.wait_for(self.control.gpus(), self.call_timeout)
+            self._set(replace(self.state, gpus=tuple(gpus)))
+
+    async def _follow_once(self) -> None:
+        self._set(apply_link(self.state, "connecting"))
+        stream = self.control.follow(from_line=self.state.lines_seen)
+        live = False
+        async for line in stream:
+            if not live:
+                live = True
+                self._attempt = 0
+                self._set(apply_link(self.state, "live"))
+            self._set(apply_line(self.state, line, self.clock()))
+        raise ConnectionError("log stream ended")
+
+    async def _poll_loop(self, every: float, poll: Callable[[], Awaitable[None]]) -> None:
+        while True:
+            await poll()
+            await self.sleep(every)
+
+    async def run(self) -> None:
+        """Follow forever (until cancelled), reconnecting with backoff."""
+        pollers = [
+            asyncio.create_task(self._poll_loop(self.status_every, self.poll_status)),
+            asyncio.create_task(self._poll_loop(self.gpu_every, self.poll_gpus)),
+        ]
+        try:
+            while True:
+                try:
+                    await self._follow_once()
+                except asyncio.CancelledError:
+                    raise
+                except Exception as exc:
+                    delay = self.backoff.delay(self._attempt)
+                    self._attempt += 1
+                    self._set(
+                        apply_link(self.state, "retrying", _one_line(exc), self.clock() + delay)
+                    )
+                    self._wake.clear()
+                    with contextlib.suppress(asyncio.TimeoutError):
+                        await asyncio.wait_for(self._wake.wait(), delay)
+                    await self.poll_status()
+        finally:
+            for task in pollers:
+                task.cancel()
+            await asyncio.gather(*pollers, return_exceptions=True)
+
+
+def _one_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__

@@ -1,0 +1,1 @@
+"""The Textual TUI: the only package in dflash that imports Textual."""

@@ -1,0 +1,373 @@
+"""The dflashctl Textual app: fleet and host screens over live per-host followers.
+
+Data path: one `HostFollower` task per host publishes immutable `RunState`s into `self.states`
+and marks the host dirty; a single timer redraws the visible screen at `refresh_hz`, so 16 hosts
+at 2 lines/s each cost a handful of redraws per second, not 32. Every service call (restart, stop,
+deploy, config read) runs in a worker and reports through notifications, so a slow or dead host
+never freezes the app.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shlex
+import subprocess
+import time
+from collections.abc import Awaitable, Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar
+
+from textual import work
+from textual.app import App, SystemCommand
+from textual.binding import Binding, BindingType
+from textual.screen import Screen
+
+from dflashctl.monitor import (
+    HostFollower,
+    RestartPlan,
+    RunShape,
+    RunState,
+    apply_lines,
+    apply_status,
+    plan_restart,
+)
+from dflashctl.tui.screens.confirm import ConfirmScreen
+from dflashctl.tui.screens.fleet import FleetScreen
+from dflashctl.tui.screens.help import HelpScreen
+from dflashctl.tui.screens.host import HostScreen
+from dflashctl.tui.screens.log import LogScreen
+from dflashctl.tui.screens.restart import Report, RestartScreen
+
+CONFIG_CHECK_S = 2.0
+STOP_TIMEOUT_S = 120.0
+
+
+@dataclass
+class HostBinding:
+    """What the app needs per host: the run control service and the local side of the host.
+
+    `control` is a `dflashctl.control.RunControl` (status, follow, gpus, start, stop, restart,
+    push_config, deployed_config). `deploy` and `shape` are optional: without `deploy` the `d` key
+    says so; without a shape the panes fall back to what the status lines alone show.
+    """
+
+    name: str
+    control: Any
+    config_path: Path | None = None
+    attach_argv: Sequence[str] | None = None
+    deploy: Callable[[], Awaitable[Any]] | None = None
+    shape: RunShape = field(default_factory=RunShape)
+
+
+class DflashApp(App[None]):
+    """`DflashApp(bindings)`; tests pass `live=False` and feed lines with `feed`."""
+
+    TITLE = "dflashctl"
+    CSS_PATH = "dflashctl.tcss"
+    BINDINGS: ClassVar[list[BindingType]] = [
+        Binding("r", "restart", "Restart", tooltip="Diff, verdict, then push + restart"),
+        Binding("d", "deploy", "Deploy"),
+        Binding("s", "stop", "Stop"),
+        Binding("e", "edit", "Edit config"),
+        Binding("a", "attach", "Attach"),
+        Binding("l", "log", "Log"),
+        Binding("c", "reconnect", "Reconnect"),
+        Binding("question_mark", "help", "Help", key_display="?"),
+        Binding("q", "quit", "Quit"),
+    ]
+
+    def __init__(
+        self,
+        hosts: Sequence[HostBinding],
+        *,
+        clock: Callable[[], float] = time.time,
+        live: bool = True,
+        refresh_hz: float = 4.0,
+        editor: str | None = None,
+    ) -> None:
+        super().__init__()
+        self.hosts: dict[str, HostBinding] = {h.name: h for h in hosts}
+        self.clock = clock
+        self.live = live
+        self.refresh_hz = refresh_hz
+        self.editor = editor or os.environ.get("VISUAL") or os.environ.get("EDITOR") or "vi"
+        self.states: dict[str, RunState] = {name: RunState(host=name) for name in self.hosts}
+        self.followers: dict[str, HostFollower] = {}
+        self.dirty: set[str] = set(self.hosts)
+        self.frames = 0
+        self._config_seen: dict[str, tuple[float, str | None]] = {}
+        self._deployed_cache: dict[str, str] = {}
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def on_mount(self) -> None:
+        self.push_screen(FleetScreen())
+        if self.live:
+            for name, binding in self.hosts.items():
+                follower = HostFollower(name, binding.control, self._publish, clock=self.clock)
+                self.followers[name] = follower
+                self.run_worker(follower.run(), group=f"follow:{name}", exit_on_error=False)
+            self.set_interval(CONFIG_CHECK_S, self.check_configs)
+            self.call_later(self.check_configs)
+        self.set_interval(1.0 / self.refresh_hz, self.flush)
+        self.call_later(self.flush)
+
+    def _publish(self, state: RunState) -> None:
+        self.states[state.host] = state
+        self.dirty.add(state.host)
+
+    def feed(self, host: str, lines: Iterable[str], now: float | None = None) -> None:
+        """Fold replayed status.log lines into a host's state (tests, benchmarks, replays)."""
+        t = self.clock() if now is None else now
+        self._publish(apply_lines(self.states[host], lines, t))
+
+    def set_state(self, state: RunState) -> None:
+        """Replace a host's state wholesale (tests and the demo's synthetic hosts)."""
+        self._publish(state)
+
+    def flush(self) -> None:
+        """The coalesced redraw: one pass over the visible screen with everything that changed."""
+        screen = self.screen
+        refresh = getattr(screen, "refresh_view", None)
+        if refresh is None:
+            return
+        dirty, self.dirty = self.dirty, set()
+        refresh(self.states, self.clock(), dirty)
+        self.frames += 1
+
+    def shape_for(self, host: str) -> RunShape:
+        return self.hosts[host].shape
+
+    # ------------------------------------------------------------------ navigation
+
+    def open_host(self, host: str) -> None:
+        self.push_screen(HostScreen(host))
+        self.dirty.add(host)
+        self.call_later(self.flush)
+
+    def current_host(self) -> str | None:
+        """The host the keys act on: the host screen's, or the fleet's highlighted row."""
+        for screen in reversed(self.screen_stack):
+            host = getattr(screen, "host", None)
+            if isinstance(host, str):
+                return host
+            if isinstance(screen, FleetScreen):
+                return screen.selected_host()
+        return None
+
+    # ------------------------------------------------------------------ config watching
+
+    async def check_configs(self) -> None:
+        """Mark hosts whose local run config differs from the deployed one ("config changed")."""
+        for name, binding in self.hosts.items():
+            if binding.config_path is None or name not in self.followers:
+                continue
+            self._check_config(name, binding)
+
+    @work(exit_on_error=False, group="config")
+    async def _check_config(self, name: str, binding: HostBinding) -> None:
+        path = binding.config_path
+        assert path is not None
+        follower = self.followers[name]
+        try:
+            mtime = path.stat().st_mtime
+        except OSError as exc:
+            follower.mark_config(False, f"{path}: {exc.strerror}")
+            return
+        seen = self._config_seen.get(name)
+        if seen is not None and seen[0] == mtime and name in self._deployed_cache:
+            return
+        try:
+            local = path.read_text()
+            if name not in self._deployed_cache:
+                self._deployed_cache[name] = await binding.control.deployed_config()
+        except Exception as exc:  # unreachable host or unreadable file: say so, keep going
+            follower.mark_config(False, f"{path}: {exc}")
+            return
+        self._config_seen[name] = (mtime, local)
+        follower.mark_config(local != self._deployed_cache[name])
+
+    # ------------------------------------------------------------------ actions
+
+    def _need_host(self) -> str | None:
+        host = self.current_host()
+        if host is None:
+            self.notify("no host selected", severity="warning")
+        return host
+
+    def action_help(self) -> None:
+        self.push_screen(HelpScreen())
+
+    def action_log(self) -> None:
+        host = self._need_host()
+        if host is not None:
+            self.push_screen(LogScreen(host))
+            self.dirty.add(host)
+
+    def action_reconnect(self) -> None:
+        host = self._need_host()
+        if host is not None and host in self.followers:
+            self.followers[host].reconnect_now()
+            self.notify(f"{host}: reconnecting now")
+
+    def action_restart(self) -> None:
+        host = self._need_host()
+        if host is not None:
+            self._open_restart(host)
+
+    async def build_restart_plan(self, host: str) -> RestartPlan:
+        """Deployed config (fresh from the host) vs. the local file, through the trainer's rules."""
+        binding = self.hosts[host]
+        if binding.config_path is None:
+            return RestartPlan(
+                diff="", fresh=False, error=f"{host}: no run_config in the inventory"
+            )
+        try:
+            local = binding.config_path.read_text()
+        except OSError as exc:
+            return RestartPlan(diff="", fresh=False, error=f"{binding.config_path}: {exc.strerror}")
+        deployed = await binding.control.deployed_config()
+        self._deployed_cache[host] = deployed
+        return await asyncio.to_thread(plan_restart, deployed, local, str(binding.config_path))
+
+    @work(exclusive=True, exit_on_error=False, group="restart-plan")
+    async def _open_restart(self, host: str) -> None:
+        try:
+            plan = await self.build_restart_plan(host)
+        except Exception as exc:
+            self.notify(f"{host}: cannot read the deployed config: {exc}", severity="error")
+            return
+        self.push_screen(
+            RestartScreen(host, plan, lambda report: self.do_restart(host, plan, report))
+        )
+
+    async def do_restart(self, host: str, plan: RestartPlan, report: Report) -> str:
+        """Push the local config and restart (fresh when the plan says so); returns the result."""
+        binding = self.hosts[host]
+        control = binding.control
+        if plan.changed and binding.config_path is not None:
+            report(f"pushing {binding.config_path} ...")
+            await control.push_config(binding.config_path)
+        report("restarting (graceful stop, checkpoint, start) ...")
+        await control.restart(fresh=plan.fresh)
+        self._deployed_cache.pop(host, None)
+        self._config_seen.pop(host, None)
+        follower = self.followers.get(host)
+        status = await control.status()
+        if follower is not None:
+            if plan.fresh:
+                follower.reset_stream()
+            follower.state = apply_status(follower.state, status)
+            follower.mark_config(False)
+            follower.reconnect_now()
+        mode = "fresh" if plan.fresh else "resumed"
+        result = f"{host}: restarted ({mode}), run is {getattr(status, 'state', 'unknown')}"
+        self.notify(result)
+        return result
+
+    def action_stop(self) -> None:
+        host = self._need_host()
+        if host is None:
+            return
+
+        def confirmed(ok: bool | None) -> None:
+            if ok:
+                self._stop(host)
+
+        self.push_screen(
+            ConfirmScreen(f"Stop the run on {host}? (graceful: checkpoint, then exit)", "Stop"),
+            confirmed,
+        )
+
+    @work(exit_on_error=False, group="stop")
+    async def _stop(self, host: str) -> None:
+        self.notify(f"{host}: stopping (waiting for the checkpoint) ...")
+        try:
+            await self.hosts[host].control.stop(timeout=STOP_TIMEOUT_S)
+        except Exception as exc:
+            self.notify(f"{host}: stop failed: {exc}", severity="error")
+            return
+        if host in self.followers:
+            await self.followers[host].poll_status()
+        self.notify(f"{host}: stopped")
+
+    def action_deploy(self) -> None:
+        host = self._need_host()
+        if host is not None:
+            self._deploy(host)
+
+    @work(exit_on_error=False, group="deploy")
+    async def _deploy(self, host: str) -> None:
+        deploy = self.hosts[host].deploy
+        if deploy is None:
+            self.notify(f"{host}: deploy is not available here", severity="warning")
+            return
+        self.notify(f"{host}: deploying ...")
+        try:
+            result = await deploy()
+        except Exception as exc:
+            self.notify(f"{host}: deploy failed: {exc}", severity="error")
+            return
+        release = getattr(result, "release", None) or getattr(result, "release_hash", None)
+        self.notify(f"{host}: deployed" + (f" release {release}" if release else ""))
+        if host in self.followers:
+            await self.followers[host].poll_status()
+
+    def action_edit(self) -> None:
+        host = self._need_host()
+        if host is None:
+            return
+        path = self.hosts[host].config_path
+        if path is None:
+            self.notify(f"{host}: no run_config in the inventory", severity="warning")
+            return
+        self._suspend_and_run([*shlex.split(self.editor), str(path)])
+        self._config_seen.pop(host, None)
+        self.call_later(self.check_configs)
+
+    def action_attach(self) -> None:
+        host = self._need_host()
+        if host is None:
+            return
+        argv = self.hosts[host].attach_argv
+        if not argv:
+            self.notify(f"{host}: attach is not available", severity="warning")
+            return
+        self._suspend_and_run(list(argv))
+
+    def _suspend_and_run(self, argv: list[str]) -> None:
+        try:
+            with self.suspend():
+                subprocess.call(argv)
+        except Exception as exc:  # SuspendNotSupported (headless) or the program is missing
+            self.notify(f"cannot run {argv[0]}: {exc}", severity="error")
+
+    def get_system_commands(self, screen: Screen[Any]) -> Iterable[SystemCommand]:
+        yield from super().get_system_commands(screen)
+        yield SystemCommand(
+            "Restart host", "Diff the config, then push + restart", self.action_restart
+        )
+        yield SystemCommand("Deploy host", "Deploy the trainer release", self.action_deploy)
+        yield SystemCommand("Stop host", "Graceful stop (asks first)", self.action_stop)
+        yield SystemCommand(
+            "Edit run config", "Open the local run config in $EDITOR", self.action_edit
+        )
+        yield SystemCommand("Attach", "Attach to the tmux session", self.action_attach)
+        yield SystemCommand("Full log", "Show the host's log", self.action_log)
+        yield SystemCommand("Reconnect now", "Skip the backoff wait", self.action_reconnect)
+        yield SystemCommand("Key map", "Show the keys", self.action_help)
+
+
+def run_app(args: Any) -> int:
+    """`dflashctl tui [HOST...]`: build a binding per inventory host and run the app."""
+    from dflashctl.tui.wiring import bindings_from_inventory
+
+    try:
+        hosts = bindings_from_inventory(args)
+    except Exception as exc:
+        print(f"dflashctl: {exc}")
+        return 2
+    DflashApp(hosts).run()
+    return 0

@@ -1,0 +1,1 @@
+"""One screen per mode: fleet overview, host detail, full log, modals, help."""

@@ -1,0 +1,101 @@
+"""Fleet screen: one row per host, the table the seed's user assembled by hand from tmux captures."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import ClassVar
+
+from rich.text import Text
+from textual.app import ComposeResult
+from textual.binding import BindingType
+from textual.screen import Screen
+from textual.widgets import DataTable, Footer, Header, Static
+
+from dflashctl.monitor import RunState, display_state, format_age, line_age
+from dflashctl.tui.widgets.panes import DASH, fmt, state_style
+from trainer.events import format_eta
+
+COLUMNS: tuple[tuple[str, str], ...] = (
+    ("host", "Host"),
+    ("state", "State"),
+    ("release", "Release"),
+    ("step", "Step"),
+    ("loss", "Loss"),
+    ("ktok", "Ktok/s"),
+    ("eta", "ETA"),
+    ("age", "Last line"),
+    ("config", "Config"),
+)
+
+
+def fleet_row(state: RunState, now: float) -> dict[str, Text | str]:
+    """The cells of one host's row (pure, so tests check values without rendering)."""
+    st = state.status
+    shown = display_state(state, now)
+    return {
+        "host": state.host,
+        "state": Text(shown, style=state_style(shown)),
+        "release": state.release or DASH,
+        "step": str(st.step) if st else DASH,
+        "loss": fmt(st.loss if st else None, ".4f"),
+        "ktok": fmt(st.ktok_s if st else None, ".1f"),
+        "eta": format_eta(st.eta_s) if st else DASH,
+        "age": format_age(line_age(state, now)),
+        "config": Text("changed", style="bold magenta") if state.config_changed else "",
+    }
+
+
+class FleetScreen(Screen[None]):
+    """The overview; `enter` drills into a host, the app's keys act on the highlighted one."""
+
+    BINDINGS: ClassVar[list[BindingType]] = [("enter", "open_host", "Open host")]
+
+    def compose(self) -> ComposeResult:
+        yield Header(show_clock=False)
+        yield Static("", id="fleet-summary")
+        table: DataTable[Text | str] = DataTable(id="fleet", cursor_type="row", zebra_stripes=True)
+        for key, label in COLUMNS:
+            table.add_column(label, key=key)
+        yield table
+        yield Footer()
+
+    @property
+    def table(self) -> DataTable[Text | str]:
+        return self.query_one("#fleet", DataTable)
+
+    def selected_host(self) -> str | None:
+        table = self.table
+        if table.row_count == 0:
+            return None
+        row_key, _ = table.coordinate_to_cell_key((table.cursor_row, 0))
+        return None if row_key.value is None else str(row_key.value)
+
+    def refresh_view(self, states: dict[str, RunState], now: float, dirty: Iterable[str]) -> None:
+        """Update every row: ages change every tick even when no line arrived."""
+        del dirty  # the age column changes for all hosts on every tick
+        table = self.table
+        existing = {str(k.value) for k in table.rows}
+        for host, state in states.items():
+            cells = fleet_row(state, now)
+            if host not in existing:
+                table.add_row(*(cells[k] for k, _ in COLUMNS), key=host)
+                continue
+            for key, _ in COLUMNS[1:]:
+                table.update_cell(host, key, cells[key])
+        counts: dict[str, int] = {}
+        for state in states.values():
+            shown = display_state(state, now).split(" ")[0]
+            counts[shown] = counts.get(shown, 0) + 1
+        summary = Text(f" {len(states)} hosts  ")
+        for name, n in sorted(counts.items()):
+            summary.append(f"{name} {n}  ", style=state_style(name))
+        self.query_one("#fleet-summary", Static).update(summary)
+
+    def action_open_host(self) -> None:
+        host = self.selected_host()
+        if host is not None:
+            self.app.open_host(host)  # type: ignore[attr-defined]
+
+    def on_data_table_row_selected(self, event: DataTable.RowSelected) -> None:
+        if event.row_key.value is not None:
+            self.app.open_host(str(event.row_key.value))  # type: ignore[attr-defined]

@@ -1,0 +1,48 @@
+"""Help screen: the key map (the same table docs/tui.md shows)."""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+from rich.table import Table
+from textual.app import ComposeResult
+from textual.binding import BindingType
+from textual.containers import Vertical
+from textual.screen import ModalScreen
+from textual.widgets import Static
+
+KEYMAP: tuple[tuple[str, str], ...] = (
+    ("enter", "open the highlighted host"),
+    ("escape", "back to the fleet (closes modals)"),
+    ("r", "restart: show the config diff and resume/fresh verdict, confirm to push + restart"),
+    ("d", "deploy the trainer release to the host"),
+    ("s", "stop the run gracefully (asks first)"),
+    ("e", "edit the host's local run config in $EDITOR (app suspended)"),
+    ("a", "attach to the run's tmux session (app suspended; detach with C-b d)"),
+    ("l", "full log screen"),
+    ("c", "reconnect now (skip the backoff wait)"),
+    ("ctrl+p", "command palette: every action above by name"),
+    ("?", "this help"),
+    ("q", "quit (the runs keep going)"),
+)
+
+
+def keymap_table() -> Table:
+    table = Table(show_header=True, header_style="bold", box=None, padding=(0, 2))
+    table.add_column("key", style="bold cyan")
+    table.add_column("action")
+    for key, action in KEYMAP:
+        table.add_row(key, action)
+    return table
+
+
+class HelpScreen(ModalScreen[None]):
+    BINDINGS: ClassVar[list[BindingType]] = [
+        ("escape", "dismiss", "Close"),
+        ("question_mark", "dismiss", "Close"),
+    ]
+
+    def compose(self) -> ComposeResult:
+        with Vertical(id="help-box", classes="modal-box"):
+            yield Static("dflashctl keys", classes="modal-title")
+            yield Static(keymap_table())

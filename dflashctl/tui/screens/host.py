@@ -1,0 +1,97 @@
+"""Host screen: everything about one run, live; the panes the seed's user squinted at."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import ClassVar
+
+from textual.app import ComposeResult
+from textual.binding import BindingType
+from textual.containers import Grid, Horizontal, Vertical
+from textual.screen import Screen
+from textual.widgets import Digits, Footer, Log, Static
+
+from dflashctl.monitor import RunShape, RunState
+from dflashctl.tui.widgets.panes import (
+    Pane,
+    eta_text,
+    fmt,
+    gpus_text,
+    header_text,
+    lr_text,
+    metrics_text,
+    queues_text,
+    throughput_text,
+)
+
+LOG_PANE_LINES = 200
+
+
+class HostScreen(Screen[None]):
+    """Panes re-rendered from the host's `RunState` on the app's coalesced tick."""
+
+    BINDINGS: ClassVar[list[BindingType]] = [("escape", "app.pop_screen", "Fleet")]
+
+    def __init__(self, host: str) -> None:
+        super().__init__(name=host)
+        self.host = host
+        self._log_lines_seen = 0
+        self._painted = False
+
+    def compose(self) -> ComposeResult:
+        yield Static("", id="host-header")
+        with Grid(id="host-grid"):
+            with Vertical(id="throughput", classes="pane"):
+                yield Digits("—", id="ktok-digits")
+                yield Static("", id="throughput-body")
+            yield Pane("ETA and epoch", id="eta")
+            yield Pane("warmup LR", id="lr")
+            yield Pane("queues", id="queues")
+            yield Pane("loss / acc / streak", id="metrics")
+            yield Pane("GPUs", id="gpus")
+        with Horizontal(id="log-row"):
+            yield Log(max_lines=LOG_PANE_LINES, auto_scroll=True, id="host-log")
+        yield Footer()
+
+    def on_mount(self) -> None:
+        self.query_one("#throughput").border_title = "throughput (Ktok/s)"
+        self.query_one("#host-log").border_title = "log tail"
+
+    def refresh_view(self, states: dict[str, RunState], now: float, dirty: Iterable[str]) -> None:
+        state = states.get(self.host)
+        if state is None:
+            return
+        shape: RunShape = self.app.shape_for(self.host)  # type: ignore[attr-defined]
+        self.query_one("#host-header", Static).update(header_text(state, now))
+        if self._painted and self.host not in set(dirty):
+            return
+        self._painted = True
+        st = state.status
+        self.query_one("#ktok-digits", Digits).update(fmt(st.ktok_s if st else None, ".1f"))
+        self._pane("#throughput-body").update(throughput_text(state, self._width("#throughput")))
+        self._pane("#eta").update(eta_text(state, shape, self._width("#eta")))
+        self._pane("#lr").update(lr_text(state, shape, self._width("#lr")))
+        self._pane("#queues").update(queues_text(state, shape, self._width("#queues")))
+        self._pane("#metrics").update(metrics_text(state, self._width("#metrics")))
+        self._pane("#gpus").update(gpus_text(state))
+        self._append_log(state)
+
+    def _pane(self, selector: str) -> Static:
+        return self.query_one(selector, Static)
+
+    def _width(self, selector: str) -> int:
+        width = self.query_one(selector).content_region.width
+        return width if width > 0 else 40
+
+    def _append_log(self, state: RunState) -> None:
+        """Write only the lines that arrived since the last tick (the tail is bounded)."""
+        log = self.query_one("#host-log", Log)
+        new = state.lines_seen - self._log_lines_seen
+        if new == 0:
+            return
+        if new < 0 or new >= len(state.log_tail) or self._log_lines_seen == 0:
+            log.clear()
+            log.write_lines(state.log_tail[-LOG_PANE_LINES:])
+        else:
+            log.write_lines(state.log_tail[-new:])
+        self._log_lines_seen = state.lines_seen

@@ -1,0 +1,1 @@
+"""Reusable panes for the host and fleet screens."""

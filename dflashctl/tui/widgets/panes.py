@@ -1,0 +1,257 @@
+"""Host-screen panes: pure `RunState -> Rich Text` renderers plus one thin Static per pane.
+
+Rendering is a pure function of (state, shape, now, width) so tests check pane values without an
+app, and a redraw costs one Text build per pane, not one widget update per number.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from rich.text import Text
+from textual.widgets import Static
+
+from dflashctl.monitor import (
+    RunShape,
+    RunState,
+    bucket_labels,
+    display_state,
+    format_age,
+    line_age,
+    total_steps,
+    warmup_steps,
+)
+from dflashctl.tui.widgets.charts import bar, curve, spark
+from trainer.events import BOTTLENECK_KEY, STAGE_WAIT_KEYS, format_eta
+
+DASH = "—"
+
+STATE_STYLES = {
+    "running": "bold green",
+    "stale": "bold yellow",
+    "stopped": "bold blue",
+    "unreachable": "bold red",
+    "connecting": "dim",
+}
+
+
+def state_style(state: str) -> str:
+    """Colour of a display state; any crash is red."""
+    return "bold red" if state.startswith("crashed") else STATE_STYLES.get(state, "")
+
+
+def fmt(value: float | None, spec: str) -> str:
+    return DASH if value is None else format(value, spec)
+
+
+def _kv(text: Text, key: str, value: str, style: str = "bold") -> None:
+    text.append(f"{key} ", style="dim")
+    text.append(value, style=style)
+
+
+def header_text(state: RunState, now: float) -> Text:
+    """One line: host, state, release, step, age of the last line, config / link notes."""
+    shown = display_state(state, now)
+    out = Text()
+    out.append(f" {state.host} ", style="bold reverse")
+    out.append("  ")
+    out.append(shown, style=state_style(shown))
+    out.append("  ")
+    _kv(out, "release", state.release or DASH)
+    out.append("  ")
+    _kv(out, "step", str(state.status.step) if state.status else DASH)
+    out.append("  ")
+    _kv(out, "last line", format_age(line_age(state, now)) + " ago")
+    if state.link == "retrying":
+        retry = DASH if state.retry_at is None else format_age(max(0.0, state.retry_at - now))
+        out.append(f"  link down ({state.link_error or 'no error text'}), retry in {retry}", "red")
+    if state.config_changed:
+        out.append("  config changed: press r", style="bold magenta")
+    if state.last_error:
+        out.append(f"  error: {state.last_error}", style="red")
+    return out
+
+
+def throughput_text(state: RunState, width: int) -> Text:
+    """Ktok/s history and the target / drafter batch rates."""
+    st = state.status
+    out = Text()
+    _kv(out, "target", f"{fmt(st.tgt_bps if st else None, '.2f')} b/s")
+    out.append("   ")
+    _kv(out, "drafter", f"{fmt(st.dft_bps if st else None, '.2f')} b/s")
+    out.append("\n")
+    hist = state.ktok_hist
+    if hist:
+        out.append(f"min {min(hist):.1f}  max {max(hist):.1f}  n={len(hist)}\n", style="dim")
+    out.append_text(spark(hist, max(8, width), lo=0.0, style="green"))
+    return out
+
+
+def eta_text(state: RunState, shape: RunShape, width: int) -> Text:
+    """The trainer's own ETA and epoch progress (never a widget-side estimate)."""
+    st = state.status
+    out = Text()
+    _kv(out, "ETA", format_eta(st.eta_s) if st else DASH, "bold cyan")
+    out.append("\n")
+    epoch = st.epoch if st else None
+    total = shape.epochs
+    _kv(out, "epoch", fmt(epoch, ".2f") + (f" / {total:g}" if total else ""))
+    out.append("\n")
+    if epoch is not None and total:
+        out.append_text(bar(epoch, total, max(4, width), style="cyan"))
+        out.append("\n")
+    total_s = total_steps(shape, state)
+    _kv(out, "step", (str(st.step) if st else DASH) + (f" / {total_s}" if total_s else ""))
+    out.append("\n")
+    _kv(out, "elapsed", f"{st.elapsed_min}m" if st else DASH)
+    if state.checkpoint:
+        out.append("\n")
+        _kv(out, "checkpoint", f"step {state.checkpoint[0]}", "")
+    return out
+
+
+def lr_points(shape: RunShape, state: RunState, width: int) -> tuple[list[float], int | None]:
+    """The LR schedule sampled at `width` columns over the run, and the marker column."""
+    total = total_steps(shape, state)
+    warm = warmup_steps(shape, state)
+    if shape.schedule is None or not total or warm is None or width < 2:
+        return [], None
+    steps = [round(i * (total - 1) / (width - 1)) for i in range(width)]
+    values = [shape.schedule(s, warm, total) for s in steps]
+    step = state.status.step if state.status else 0
+    marker = min(width - 1, round(step / max(1, total - 1) * (width - 1)))
+    return values, marker
+
+
+def lr_text(state: RunState, shape: RunShape, width: int, height: int = 4) -> Text:
+    """Current LR, warmup progress, and the schedule curve with a marker at the current step."""
+    st = state.status
+    warm = warmup_steps(shape, state)
+    out = Text()
+    _kv(out, "lr", fmt(st.lr if st else None, ".2e"), "bold yellow")
+    out.append("   ")
+    step = st.step if st else 0
+    if warm:
+        pct = min(100.0, 100.0 * step / warm)
+        label = f"{step}/{warm} ({pct:.0f}%)" if step < warm else f"done ({warm} steps)"
+        _kv(out, "warmup", label)
+    else:
+        _kv(out, "warmup", DASH)
+    out.append("\n")
+    values, marker = lr_points(shape, state, max(2, width))
+    if values:
+        out.append_text(curve(values, height, marker=marker))
+    else:
+        out.append("schedule unknown (no run config)", style="dim")
+    return out
+
+
+def _queue_rows(
+    out: Text,
+    labels: Sequence[str],
+    hist: Sequence[Sequence[int]],
+    capacity: int | None,
+    width: int,
+) -> None:
+    if not hist:
+        out.append("no status line yet\n", style="dim")
+        return
+    current = hist[-1]
+    cap_known = capacity is not None
+    cap = capacity or max((max(row, default=0) for row in hist), default=1) or 1
+    label_w = max((len(lbl) for lbl in labels), default=2)
+    bar_w = max(6, min(24, (width - label_w - 12) // 2))
+    spark_w = max(4, width - label_w - bar_w - 12)
+    for i, depth in enumerate(current):
+        style = "red" if depth == 0 else ("yellow" if depth < cap / 4 else "green")
+        out.append(f"{labels[i]:>{label_w}} ", style="bold" if depth else "bold red")
+        out.append_text(bar(depth, cap, bar_w, style=style))
+        out.append(f" {depth:>3}/{cap}{'' if cap_known else '~'} ", style=style)
+        series = [row[i] for row in hist if i < len(row)]
+        out.append_text(spark(series, spark_w, lo=0.0, hi=float(cap), style="grey70"))
+        out.append("\n")
+
+
+def queues_text(state: RunState, shape: RunShape, width: int) -> Text:
+    """q_pre gauges per length bucket and q_hs per drafter, with short histories.
+
+    An empty queue is red: starvation is visible at a glance. The trainer's stage-wait extras
+    (percent of time blocked) and its bottleneck verdict follow when present.
+    """
+    out = Text()
+    q_pre = state.q_pre_hist
+    count = len(q_pre[-1]) if q_pre else 0
+    out.append("q_pre (prefetch, per length bucket)\n", style="dim")
+    _queue_rows(out, bucket_labels(shape.boundaries, count), q_pre, shape.q_pre_capacity, width)
+    q_hs = state.q_hs_hist
+    n_hs = len(q_hs[-1]) if q_hs else 0
+    out.append("q_hs (hidden states, per drafter)\n", style="dim")
+    _queue_rows(out, [f"d{i}" for i in range(n_hs)], q_hs, shape.q_hs_capacity, width)
+    extra = state.status.extra if state.status else {}
+    waits = [f"{k}={extra[k]}%" for k in STAGE_WAIT_KEYS if k in extra]
+    if waits or BOTTLENECK_KEY in extra:
+        _kv(out, "bottleneck", extra.get(BOTTLENECK_KEY, DASH), "bold magenta")
+        out.append("  " + " ".join(waits), style="dim")
+    return out
+
+
+def metrics_text(state: RunState, width: int) -> Text:
+    """Loss / acc / streak: current value and history."""
+    st = state.status
+    out = Text()
+    spark_w = max(8, width - 18)
+    rows = (
+        ("loss", st.loss if st else None, ".4f", state.loss_hist, "red"),
+        ("acc", st.acc if st else None, ".3f", state.acc_hist, "green"),
+        ("streak", st.streak if st else None, ".2f", state.streak_hist, "cyan"),
+    )
+    for i, (name, value, spec, hist, colour) in enumerate(rows):
+        out.append(f"{name:>6} ", style="dim")
+        out.append(f"{fmt(value, spec):>8} ", style="bold")
+        out.append_text(spark(hist, spark_w, style=colour))
+        if i < len(rows) - 1:
+            out.append("\n")
+    return out
+
+
+def _gpu_field(sample: Any, *names: str) -> Any:
+    for name in names:
+        value = getattr(sample, name, None)
+        if value is not None:
+            return value
+    return None
+
+
+def gpus_text(state: RunState) -> Text:
+    """Per-GPU utilisation, memory and temperature from nvidia-smi in the container."""
+    out = Text()
+    if not state.gpus:
+        out.append("no GPU samples (nvidia-smi absent or not yet polled)", style="dim")
+        return out
+    for i, g in enumerate(state.gpus):
+        idx = _gpu_field(g, "index") or i
+        util = _gpu_field(g, "util_pct", "utilization", "util")
+        used = _gpu_field(g, "mem_used_mib", "memory_used_mib", "mem_used")
+        total = _gpu_field(g, "mem_total_mib", "memory_total_mib", "mem_total")
+        temp = _gpu_field(g, "temp_c", "temperature_c", "temperature", "temp")
+        out.append(f"GPU{idx} ", style="bold")
+        out.append_text(bar(float(util or 0), 100.0, 10, style="green"))
+        out.append(f" {fmt(util, '.0f'):>3}%  ")
+        mem = f"{fmt(used, '.0f')}/{fmt(total, '.0f')} MiB" if total else DASH
+        out.append(f"{mem:>18}  {fmt(temp, '.0f')}°C")
+        if i < len(state.gpus) - 1:
+            out.append("\n")
+    return out
+
+
+class Pane(Static):
+    """A bordered pane whose content is re-rendered from the latest state by the screen."""
+
+    DEFAULT_CSS = """
+    Pane { border: round $primary 40%; padding: 0 1; height: auto; }
+    """
+
+    def __init__(self, title: str, *, id: str | None = None, classes: str | None = None) -> None:
+        super().__init__(id=id, classes=classes)
+        self.border_title = title
