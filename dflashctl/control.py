@@ -1,0 +1,514 @@
+"""Run control: start, stop, restart, status, follow, GPUs — over any Transport.
+
+The trainer runs in tmux on a private socket (`-L dflash`), session name from the inventory,
+exact-match targets, remain-on-exit (a crash leaves a dead pane with its exit status). It is
+started against a resolved release directory, not the `current` symlink, so a deploy while it
+runs never swaps code under it; `run/.release` records which release that is (deploy never
+prunes it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections.abc import AsyncIterator, Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from dflashctl.deploy import RUNNING_RELEASE_FILE, DeployResult, deploy, push_config_file
+from dflashctl.inventory import NAME_RE, HostConfig
+from dflashctl.remote.commands import (
+    PANE_FORMAT,
+    guarded,
+    parse_pane_state,
+    read_file,
+    tail_follow,
+    tmux_capture,
+    tmux_interrupt,
+    tmux_kill_session,
+    tmux_new_session,
+    write_file_atomic,
+)
+from dflashctl.remote.transport import HostUnreachable, Transport, TransportError
+from trainer.events import CheckpointEvent, ErrorEvent, Event, StatusEvent, parse_line, parse_text
+
+MARK = "@@dflash@@:"
+GPU_QUERY = "index,name,utilization.gpu,memory.used,memory.total,temperature.gpu,power.draw"
+
+
+class ControlError(Exception):
+    """A run-control operation failed (one line naming the host)."""
+
+
+@dataclass(frozen=True)
+class GpuSample:
+    index: int
+    name: str
+    util_pct: float | None
+    mem_used_mib: float | None
+    mem_total_mib: float | None
+    temp_c: float | None
+    power_w: float | None
+
+
+@dataclass(frozen=True)
+class RunStatus:
+    host: str
+    state: str  # running | stopped | crashed | unreachable
+    exit_status: int | None = None
+    release: str | None = None  # what `current` points at (deployed)
+    run_release: str | None = None  # what the trainer was started from
+    config_hash: str | None = None  # of the running/last run (run-state.json)
+    deployed_config_hash: str | None = None  # of run/config.toml now
+    last_event: StatusEvent | None = None
+    last_checkpoint: CheckpointEvent | None = None
+    last_error: str | None = None
+    log_lines: int = 0
+    run_state: dict[str, Any] = field(default_factory=dict)
+    pane_tail: list[str] = field(default_factory=list)
+    message: str | None = None
+
+    @property
+    def step(self) -> int | None:
+        return self.last_event.step if self.last_event else None
+
+    def to_json_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["last_event"] = self.last_event.model_dump() if self.last_event else None
+        d["last_checkpoint"] = self.last_checkpoint.model_dump() if self.last_checkpoint else None
+        d["step"] = self.step
+        return d
+
+
+@dataclass(frozen=True)
+class StartResult:
+    host: str
+    started: bool  # False: it was already running
+    release: str
+    pane_pid: int | None
+    argv: list[str]
+
+
+@dataclass(frozen=True)
+class StopResult:
+    host: str
+    was_running: bool
+    checkpoint: CheckpointEvent | None
+    outcome: str  # exited | checkpointed | timeout | not-running | dead
+    exit_status: int | None = None
+
+
+@dataclass(frozen=True)
+class RestartResult:
+    host: str
+    deploy: DeployResult
+    stop: StopResult
+    start: StartResult
+    config_diff: str
+    old_config_hash: str | None
+    new_config_hash: str | None
+
+
+# --- pure builders and parsers -------------------------------------------------------------
+
+# $1 workdir $2 session $3 pane format. Sections, each after a MARK line.
+STATUS_SCRIPT = (
+    'm="' + MARK + '"; cd "$1" 2>/dev/null || { echo "${m}noworkdir"; exit 0; }\n'
+    'echo "${m}session"; tmux -L dflash has-session -t "=$2" 2>/dev/null && echo yes || echo no\n'
+    'echo "${m}pane"; tmux -L dflash display-message -p -t "=$2:" "$3" 2>/dev/null\n'
+    'echo "${m}current"; readlink current 2>/dev/null\n'
+    'echo "${m}run_release"; cat ' + RUNNING_RELEASE_FILE + " 2>/dev/null\n"
+    'echo "${m}run_state"; cat run/run-state.json 2>/dev/null\n'
+    'echo "${m}log_lines"; wc -l < run/status.log 2>/dev/null || echo 0\n'
+    'echo "${m}log"; tail -n 400 run/status.log 2>/dev/null\n'
+    'echo "${m}config"; cat run/config.toml 2>/dev/null\n'
+    'echo "${m}capture"; tmux -L dflash capture-pane -p -J -t "=$2:" -S -60 2>/dev/null\n'
+    "exit 0\n"
+)
+
+
+def status_argv(workdir: str, session: str) -> list[str]:
+    return ["sh", "-c", STATUS_SCRIPT, "dflash-status", workdir, session, PANE_FORMAT]
+
+
+def split_sections(stdout: str) -> dict[str, str]:
+    """MARK-delimited sections -> {name: text}."""
+    sections: dict[str, list[str]] = {}
+    current: list[str] | None = None
+    for line in stdout.split("\n"):
+        if line.startswith(MARK):
+            current = sections.setdefault(line[len(MARK) :].strip(), [])
+        elif current is not None:
+            current.append(line)
+    return {k: "\n".join(v).strip("\n") for k, v in sections.items()}
+
+
+def _events(text: str) -> list[Event]:
+    return [parse_line(line) for line in text.splitlines() if line.strip()]
+
+
+def parse_status(host: str, stdout: str, hash_text: Callable[[str], str | None]) -> RunStatus:
+    """Build a RunStatus from the status script's output (pure apart from `hash_text`)."""
+    import json
+
+    s = split_sections(stdout)
+    if "noworkdir" in s:
+        return RunStatus(host=host, state="stopped", message="nothing deployed yet")
+    pane = parse_pane_state(s.get("pane", "")) if s.get("session") == "yes" else None
+    capture = s.get("capture", "")
+    if pane is None:
+        state, exit_status = "stopped", None
+    elif not pane.dead:
+        state, exit_status = "running", None
+    else:
+        exit_status = pane.exit_status
+        state = "stopped" if exit_status == 0 else "crashed"
+    try:
+        run_state = json.loads(s.get("run_state") or "{}")
+        if not isinstance(run_state, dict):
+            run_state = {}
+    except json.JSONDecodeError:
+        run_state = {}
+    log_events = _events(s.get("log", ""))
+    last_status = next((e for e in reversed(log_events) if isinstance(e, StatusEvent)), None)
+    last_ckpt = next((e for e in reversed(log_events) if isinstance(e, CheckpointEvent)), None)
+    pane_events = parse_text(capture, pane.width if pane else None) if capture else []
+    if last_status is None:
+        last_status = next((e for e in reversed(pane_events) if isinstance(e, StatusEvent)), None)
+    if last_ckpt is None:
+        last_ckpt = next((e for e in reversed(pane_events) if isinstance(e, CheckpointEvent)), None)
+    errors = [e for e in [*log_events, *pane_events] if isinstance(e, ErrorEvent)]
+    config_text = s.get("config", "")
+    lines = s.get("log_lines", "0").strip()
+    current = s.get("current", "").strip()
+    return RunStatus(
+        host=host,
+        state=state,
+        exit_status=exit_status,
+        release=current.rsplit("/", 1)[-1] if current else None,
+        run_release=s.get("run_release", "").strip() or run_state.get("release"),
+        config_hash=run_state.get("config_hash"),
+        deployed_config_hash=hash_text(config_text) if config_text else None,
+        last_event=last_status,
+        last_checkpoint=last_ckpt,
+        last_error=errors[-1].message if errors else None,
+        log_lines=int(lines) if lines.isdigit() else 0,
+        run_state=run_state,
+        pane_tail=capture.splitlines()[-20:] if state == "crashed" else [],
+    )
+
+
+def trainer_argv(python: str, fresh: bool) -> list[str]:
+    argv = [python, "-m", "trainer", "--config", "run/config.toml", "--run-dir", "run"]
+    return [*argv, "--fresh"] if fresh else [*argv, "--resume", "auto"]
+
+
+# $1 workdir $2 session $3 first status.log line to scan (1-based) $4 max ticks of 0.2 s.
+STOP_WAIT_SCRIPT = r"""cd "$1"
+i=0; seen=""
+while :; do
+  dead=$(tmux -L dflash display-message -p -t "=$2:" '#{pane_dead}' 2>/dev/null || echo gone)
+  if [ "$dead" != 0 ]; then echo "exited"; break; fi
+  if [ -z "$seen" ] && tail -n +"$3" run/status.log 2>/dev/null | grep -q '^Checkpoint saved: '; then
+    seen=$i
+  fi
+  if [ -n "$seen" ] && [ $((i - seen)) -ge 25 ]; then echo "checkpointed"; break; fi
+  i=$((i + 1))
+  if [ "$i" -ge "$4" ]; then echo "timeout"; break; fi
+  sleep 0.2
+done
+"""
+
+
+def stop_wait_argv(workdir: str, session: str, from_line: int, timeout: float) -> list[str]:
+    ticks = max(1, int(timeout / 0.2))
+    return [
+        "sh",
+        "-c",
+        STOP_WAIT_SCRIPT,
+        "dflash-stop",
+        workdir,
+        session,
+        str(from_line + 1),
+        str(ticks),
+    ]
+
+
+def parse_gpu_csv(stdout: str) -> list[GpuSample]:
+    def num(v: str) -> float | None:
+        try:
+            return float(v)
+        except ValueError:
+            return None  # "[N/A]", "[Not Supported]"
+
+    out: list[GpuSample] = []
+    for line in stdout.splitlines():
+        cols = [c.strip() for c in line.split(",")]
+        if len(cols) != 7 or not cols[0].isdigit():
+            continue
+        out.append(
+            GpuSample(
+                int(cols[0]),
+                cols[1],
+                num(cols[2]),
+                num(cols[3]),
+                num(cols[4]),
+                num(cols[5]),
+                num(cols[6]),
+            )
+        )
+    return out
+
+
+def backoff_delays(base: float = 1.0, cap: float = 30.0) -> Callable[[int], float]:
+    def delay(attempt: int) -> float:
+        return min(cap, base * 2**attempt) * (0.8 + 0.4 * random.random())
+
+    return delay
+
+
+# --- the service ---------------------------------------------------------------------------
+
+
+class RunControl:
+    """Operate one host's run through a Transport (SSH+pct or local)."""
+
+    def __init__(self, transport: Transport, host: HostConfig) -> None:
+        self.transport = transport
+        self.host = host
+
+    def _path(self, rel: str) -> str:
+        return f"{self.host.workdir}/{rel}"
+
+    async def _run(
+        self, argv: list[str], *, timeout: float = 60, input: bytes | None = None
+    ) -> Any:
+        return await self.transport.run(argv, timeout=timeout, input=input)
+
+    async def status(self) -> RunStatus:
+        """Never raises for transport problems: an unreachable host is a state."""
+        from dflashctl.runconfig import config_hash_of_text
+
+        try:
+            res = await self._run(status_argv(self.host.workdir, self.host.session))
+        except TransportError as err:
+            return RunStatus(host=self.host.name, state="unreachable", message=str(err))
+        if not res.ok:
+            return RunStatus(host=self.host.name, state="unreachable", message=res.error_line())
+        return parse_status(self.host.name, res.stdout, config_hash_of_text)
+
+    async def deployed_config(self) -> str:
+        res = await self._run(read_file(self._path("run/config.toml")))
+        return res.stdout if res.ok else ""
+
+    async def push_config(self, path: Path) -> None:
+        await push_config_file(self.transport, self.host, path)
+
+    async def put_secret(self, name: str, data: bytes) -> str:
+        """Write a secret to WORKDIR/secrets/NAME (0600) through stdin: never on a command line."""
+        if not NAME_RE.match(name):
+            raise ControlError(f"{self.host.name}: secret name {name!r} is not a plain name")
+        path = self._path(f"secrets/{name}")
+        res = await self._run(write_file_atomic(path, "600"), input=data)
+        if not res.ok:
+            raise ControlError(f"{self.host.name}: writing {path}: {res.error_line()}")
+        return path
+
+    async def start(self, *, fresh: bool = False) -> StartResult:
+        st = await self.status()
+        if st.state == "unreachable":
+            raise HostUnreachable(st.message or f"{self.host.name}: unreachable")
+        argv = trainer_argv(self.host.python, fresh)
+        if st.state == "running":
+            return StartResult(self.host.name, False, st.run_release or "", None, argv)
+        if st.release is None:
+            raise ControlError(
+                f"{self.host.name}: nothing deployed; run `dflashctl deploy {self.host.name}`"
+            )
+        if st.deployed_config_hash is None and not (await self.deployed_config()):
+            raise ControlError(
+                f"{self.host.name}: no {self.host.run_dir}/config.toml; "
+                f"deploy with --config PATH or set run_config in hosts.toml"
+            )
+        if st.exit_status is not None:  # a dead pane from the last run: clear it
+            await self._run(tmux_kill_session(self.host.session))
+        release = st.release
+        rec = await self._run(
+            write_file_atomic(self._path(RUNNING_RELEASE_FILE), "644"),
+            input=f"{release}\n".encode(),
+        )
+        if not rec.ok:
+            raise ControlError(f"{self.host.name}: recording the run's release: {rec.error_line()}")
+        env = {
+            **self.host.env,
+            "PYTHONUNBUFFERED": "1",
+            "PYTHONPATH": self._path(f"releases/{release}"),
+            "DFLASH_RELEASE": release,
+        }
+        res = await self._run(
+            tmux_new_session(self.host.session, argv, cwd=self.host.workdir, env=env)
+        )
+        if not res.ok:
+            raise ControlError(f"{self.host.name}: tmux new-session: {res.error_line()}")
+        pane = await self._run(
+            [
+                "tmux",
+                "-L",
+                "dflash",
+                "display-message",
+                "-p",
+                "-t",
+                f"={self.host.session}:",
+                PANE_FORMAT,
+            ]
+        )
+        state = parse_pane_state(pane.stdout) if pane.ok else None
+        return StartResult(self.host.name, True, release, state.pid if state else None, argv)
+
+    async def stop(self, timeout: float = 120.0) -> StopResult:
+        """SIGINT, wait for the checkpoint line (or exit) up to `timeout`, then kill the session."""
+        st = await self.status()
+        if st.state == "unreachable":
+            raise HostUnreachable(st.message or f"{self.host.name}: unreachable")
+        if st.state != "running":
+            if st.exit_status is not None:
+                await self._run(tmux_kill_session(self.host.session))
+            return StopResult(
+                self.host.name,
+                False,
+                None,
+                "dead" if st.exit_status is not None else "not-running",
+                st.exit_status,
+            )
+        mark = st.log_lines
+        sent = await self._run(tmux_interrupt(self.host.session))
+        if not sent.ok:
+            raise ControlError(f"{self.host.name}: sending C-c: {sent.error_line()}")
+        waited = await self._run(
+            stop_wait_argv(self.host.workdir, self.host.session, mark, timeout),
+            timeout=timeout + 30,
+        )
+        outcome = (waited.stdout.strip().splitlines() or ["timeout"])[-1]
+        log = await self._run(["tail", "-n", f"+{mark + 1}", self._path("run/status.log")])
+        cap = await self._run(tmux_capture(self.host.session, 300))
+        events = [*_events(log.stdout if log.ok else ""), *parse_text(cap.stdout if cap.ok else "")]
+        ckpts = [e for e in events if isinstance(e, CheckpointEvent)]
+        pane = await self._run(
+            [
+                "tmux",
+                "-L",
+                "dflash",
+                "display-message",
+                "-p",
+                "-t",
+                f"={self.host.session}:",
+                PANE_FORMAT,
+            ]
+        )
+        state = parse_pane_state(pane.stdout) if pane.ok else None
+        await self._run(tmux_kill_session(self.host.session))
+        best = max(ckpts, key=lambda e: e.step) if ckpts else None
+        return StopResult(
+            self.host.name, True, best, outcome, state.exit_status if state and state.dead else None
+        )
+
+    async def restart(
+        self,
+        fresh: bool = False,
+        *,
+        config: Path | None = None,
+        stop_timeout: float = 120.0,
+        progress: Callable[[str], None] | None = None,
+    ) -> RestartResult:
+        """Push config, deploy if the tree changed, stop, start.
+
+        Refuses (ControlError) when the config change makes resuming impossible and `fresh` is
+        not set: silently training from scratch, or crashing on resume, both waste GPU hours.
+        """
+        from dflashctl.runconfig import (
+            config_diff,
+            config_hash_of_file,
+            config_hash_of_text,
+            resume_breaking_changes,
+        )
+
+        path = config or self.host.run_config
+        old_text = await self.deployed_config()
+        diff = ""
+        new_hash = config_hash_of_text(old_text) if old_text else None
+        if path is not None:
+            new_text = path.read_text(encoding="utf-8")
+            diff = config_diff(
+                old_text, new_text, old_name=f"{self.host.name}:run/config.toml", new_name=str(path)
+            )
+            breaking = resume_breaking_changes(old_text, path) if old_text else []
+            if breaking and not fresh:
+                raise ControlError(
+                    f"{self.host.name}: {path} changes {', '.join(breaking)}, which makes resuming "
+                    f"impossible; restart with --fresh (checkpoints are archived, not deleted)"
+                )
+            new_hash = config_hash_of_file(path)
+        dep = await deploy(self.transport, self.host, config=path, progress=progress)
+        stopped = await self.stop(stop_timeout)
+        started = await self.start(fresh=fresh)
+        return RestartResult(
+            self.host.name,
+            dep,
+            stopped,
+            started,
+            diff,
+            config_hash_of_text(old_text) if old_text else None,
+            new_hash,
+        )
+
+    async def gpus(self) -> list[GpuSample]:
+        """GPU samples from nvidia-smi in the container ([] when it has none)."""
+        res = await self._run(
+            ["nvidia-smi", f"--query-gpu={GPU_QUERY}", "--format=csv,noheader,nounits"], timeout=30
+        )
+        if res.rc == 127 or "not found" in res.stderr or "No such file" in res.stderr:
+            return []
+        if not res.ok:
+            raise ControlError(f"{self.host.name}: nvidia-smi: {res.error_line()}")
+        return parse_gpu_csv(res.stdout)
+
+    async def follow(
+        self,
+        from_line: int = 0,
+        *,
+        on_link: Callable[[str], None] | None = None,
+        delay: Callable[[int], float] | None = None,
+        max_attempts: int | None = None,
+    ) -> AsyncIterator[str]:
+        """Lines of run/status.log from 0-based `from_line`, forever, across dropped links.
+
+        One long-lived `tail -F` per connection. The count of lines delivered is the resume
+        point, and only newline-terminated lines are delivered, so a reconnect neither repeats
+        nor skips a line. `on_link` hears "connected"/"lost: ..." for the UI.
+        """
+        delay = delay or backoff_delays()
+        next_line = from_line
+        attempt = 0
+        path = self._path("run/status.log")
+        while True:
+            try:
+                if on_link:
+                    on_link("connected")
+                async for line in self.transport.stream_lines(
+                    guarded(tail_follow(path, next_line))
+                ):
+                    next_line += 1
+                    attempt = 0
+                    yield line
+                reason = "stream ended"
+            except HostUnreachable as err:
+                reason = str(err)
+            attempt += 1
+            if max_attempts is not None and attempt > max_attempts:
+                raise HostUnreachable(
+                    f"{self.host.name}: giving up after {max_attempts} attempts: {reason}"
+                )
+            if on_link:
+                on_link(f"lost: {reason}")
+            await asyncio.sleep(delay(attempt - 1))

@@ -1,0 +1,268 @@
+"""hosts.toml -> validated pydantic models.
+
+The inventory is the only place operator input enters remote command lines, so every name that
+ends up in an argv (host names, tmux session, paths) is validated here against a strict
+alphabet: nothing read from the file can smuggle shell or tmux syntax. The file holds references
+(key paths, known_hosts paths), never secrets.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import tomllib
+from pathlib import Path, PurePosixPath
+from typing import Annotated, Any
+
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+
+NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+ENV_KEY_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+# Remote paths: absolute, no whitespace, quotes, globs or shell/tmux specials. Quoting would make
+# any path safe for the shell, but tmux and humans reading `ps` deserve boring paths too.
+REMOTE_PATH_RE = re.compile(r"^/[A-Za-z0-9_./@+-]*$")
+DEFAULT_ENV = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
+DEFAULT_INVENTORY = Path("hosts.toml")
+
+
+class InventoryError(Exception):
+    """A user-caused inventory problem; the message is one line naming file, host and key."""
+
+
+def _check_name(value: str) -> str:
+    if not NAME_RE.match(value):
+        raise ValueError(f"{value!r} is not a plain name (allowed: letters, digits, '_', '.', '-')")
+    return value
+
+
+def _check_remote_path(value: str) -> str:
+    if not REMOTE_PATH_RE.match(value) or ".." in PurePosixPath(value).parts:
+        raise ValueError(
+            f"{value!r} must be an absolute path of letters, digits and '_./@+-' without '..'"
+        )
+    return value.rstrip("/") or "/"
+
+
+Name = Annotated[str, AfterValidator(_check_name)]
+RemotePath = Annotated[str, AfterValidator(_check_remote_path)]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class HostSettings(_Strict):
+    """Fields a host may set or inherit from [defaults]; None means "inherit"."""
+
+    port: int | None = Field(default=None, ge=1, le=65535)
+    user: Name | None = None
+    identity_file: str | None = None
+    use_agent: bool | None = None
+    known_hosts: str | None = None
+    workdir: RemotePath | None = None
+    python: RemotePath | None = None
+    session: Name | None = None
+    run_config: str | None = None
+    data_store: RemotePath | None = None
+    keep_releases: int | None = Field(default=None, ge=1, le=100)
+    connect_timeout: float | None = Field(default=None, gt=0)
+    command_timeout: float | None = Field(default=None, gt=0)
+    env: dict[str, str] | None = None
+
+    @field_validator("env")
+    @classmethod
+    def _env_keys(cls, env: dict[str, str] | None) -> dict[str, str] | None:
+        if env is None:
+            return env
+        for key, value in env.items():
+            if not ENV_KEY_RE.match(key):
+                raise ValueError(f"env key {key!r} is not a valid variable name")
+            if "\n" in value or "\0" in value:
+                raise ValueError(f"env value of {key} contains a newline or NUL")
+        return env
+
+
+class HostEntry(HostSettings):
+    """One [hosts.NAME] table: where the Proxmox node is and which container to drive."""
+
+    address: str
+    ctid: int = Field(ge=100, le=999_999_999)
+
+    @field_validator("address")
+    @classmethod
+    def _address(cls, value: str) -> str:
+        if not re.match(r"^[A-Za-z0-9_.:-]+$", value) or value.startswith("-"):
+            raise ValueError(f"{value!r} is not a host name or IP address")
+        return value
+
+
+class HostConfig(_Strict):
+    """A fully resolved host: defaults applied, local paths made absolute."""
+
+    name: Name
+    address: str
+    port: int = 22
+    user: Name = "root"
+    identity_file: Path | None = None
+    use_agent: bool = True
+    known_hosts: Path
+    ctid: int
+    workdir: RemotePath = "/opt/dflash"
+    python: RemotePath = "/usr/bin/python3"
+    session: Name = "dflash"
+    run_config: Path | None = None
+    data_store: RemotePath | None = None
+    keep_releases: int = 5
+    connect_timeout: float = 10.0
+    command_timeout: float = 120.0
+    env: dict[str, str] = Field(default_factory=lambda: dict(DEFAULT_ENV))
+
+    @property
+    def run_dir(self) -> str:
+        return f"{self.workdir}/run"
+
+    @model_validator(mode="after")
+    def _no_tmux_specials(self) -> HostConfig:
+        # '.' and ':' separate window/pane in tmux targets; '=' exact match keeps prefixes safe,
+        # but a session name containing them would still be parsed as a pane spec.
+        if any(ch in self.session for ch in ".:"):
+            raise ValueError(f"session {self.session!r} must not contain '.' or ':'")
+        return self
+
+
+class Inventory(_Strict):
+    path: Path
+    hosts: dict[str, HostConfig]
+
+    def get(self, name: str) -> HostConfig:
+        """Look a host up, failing with a message that lists the known names."""
+        try:
+            return self.hosts[name]
+        except KeyError:
+            known = ", ".join(sorted(self.hosts)) or "none"
+            raise InventoryError(f"{self.path}: no host {name!r} (known: {known})") from None
+
+
+class _File(_Strict):
+    defaults: HostSettings = HostSettings()
+    hosts: dict[str, HostEntry] = Field(default_factory=dict)
+
+
+def user_config_dir() -> Path:
+    base = os.environ.get("XDG_CONFIG_HOME") or str(Path.home() / ".config")
+    return Path(base) / "dflashctl"
+
+
+def default_inventory_path() -> Path:
+    """./hosts.toml if present, else the user config dir's hosts.toml."""
+    if DEFAULT_INVENTORY.exists():
+        return DEFAULT_INVENTORY
+    return user_config_dir() / "hosts.toml"
+
+
+def _format_error(path: Path, err: ValidationError) -> str:
+    first = err.errors()[0]
+    loc = [str(p) for p in first["loc"]]
+    where = ""
+    if len(loc) >= 2 and loc[0] == "hosts":
+        where = f"host {loc[1]!r}: "
+        loc = loc[2:]
+    key = ".".join(loc) or "(table)"
+    msg = first["msg"]
+    if first["type"] == "extra_forbidden":
+        msg = "unknown key"
+    elif first["type"] == "missing":
+        msg = "required key is missing"
+    extra = len(err.errors()) - 1
+    more = f" (+{extra} more)" if extra else ""
+    return f"{path}: {where}{key}: {msg}{more}"
+
+
+def _resolve_local(base: Path, value: str | None) -> Path | None:
+    if value is None:
+        return None
+    p = Path(os.path.expanduser(value))
+    return p if p.is_absolute() else (base / p).resolve()
+
+
+def _merge(path: Path, name: str, entry: HostEntry, defaults: HostSettings) -> HostConfig:
+    base = path.parent.resolve()
+    merged: dict[str, Any] = {}
+    for field in HostSettings.model_fields:
+        value = getattr(entry, field)
+        merged[field] = value if value is not None else getattr(defaults, field)
+    env = dict(DEFAULT_ENV)
+    env.update(defaults.env or {})
+    env.update(entry.env or {})
+    known = _resolve_local(base, merged["known_hosts"]) or (user_config_dir() / "known_hosts")
+    resolved: dict[str, Any] = {
+        k: v for k, v in merged.items() if v is not None and k not in {"env", "known_hosts"}
+    }
+    resolved.update(
+        name=name,
+        address=entry.address,
+        ctid=entry.ctid,
+        env=env,
+        known_hosts=known,
+        identity_file=_resolve_local(base, merged["identity_file"]),
+        run_config=_resolve_local(base, merged["run_config"]),
+    )
+    try:
+        return HostConfig(**resolved)
+    except ValidationError as err:
+        first = err.errors()[0]
+        key = ".".join(str(p) for p in first["loc"]) or "(host)"
+        raise InventoryError(f"{path}: host {name!r}: {key}: {first['msg']}") from None
+
+
+def parse_inventory(text: str, path: Path) -> Inventory:
+    """Parse inventory text (pure; `path` is used for messages and relative paths)."""
+    try:
+        raw = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as err:
+        raise InventoryError(f"{path}: not valid TOML: {err}") from None
+    try:
+        parsed = _File.model_validate(raw)
+    except ValidationError as err:
+        raise InventoryError(_format_error(path, err)) from None
+    hosts: dict[str, HostConfig] = {}
+    for name, entry in parsed.hosts.items():
+        try:
+            _check_name(name)
+        except ValueError as err:
+            raise InventoryError(f"{path}: host {name!r}: {err}") from None
+        hosts[name] = _merge(path, name, entry, parsed.defaults)
+    return Inventory(path=path, hosts=hosts)
+
+
+def load_inventory(path: Path | str | None = None) -> Inventory:
+    """Read and validate hosts.toml; every failure is an InventoryError naming the file."""
+    p = Path(path) if path is not None else default_inventory_path()
+    try:
+        text = p.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise InventoryError(f"{p}: inventory not found (pass --hosts FILE)") from None
+    except OSError as err:
+        raise InventoryError(f"{p}: cannot read inventory: {err.strerror}") from None
+    return parse_inventory(text, p)
+
+
+def local_host(name: str, workdir: Path, *, python: str, session: str = "dflash") -> HostConfig:
+    """A host whose 'container' is this machine (LocalTransport): demo and local tests."""
+    return HostConfig(
+        name=name,
+        address="localhost",
+        ctid=100,
+        workdir=str(workdir.resolve()),
+        python=python,
+        session=session,
+        known_hosts=user_config_dir() / "known_hosts",
+    )

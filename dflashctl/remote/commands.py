@@ -1,0 +1,210 @@
+"""Pure argv builders and output parsers for everything dflashctl runs remotely.
+
+Every remote action is an argv list built here. Container argvs are wrapped by `pct_exec` and
+joined once with `shlex.join` for the Proxmox host's login shell; variable data inside `sh -c`
+scripts travels as positional parameters ("$1"), never interpolated into the script text.
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+TMUX_SOCKET = "dflash"
+# A clean, explicit environment inside the container: `pct exec` carries the SSH session's
+# environment over by default (--keep-env), which differs between PVE versions.
+CONTAINER_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+BASE_ENV = {"PATH": CONTAINER_PATH, "HOME": "/root", "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8"}
+PANE_WIDTH = 250
+PANE_HEIGHT = 50
+HISTORY_LIMIT = 20_000
+
+
+def shell_join(argv: Sequence[str]) -> str:
+    """Quote an argv once for a POSIX shell (the Proxmox host's login shell)."""
+    return shlex.join([str(a) for a in argv])
+
+
+def clean_env(argv: Sequence[str], extra: Mapping[str, str] | None = None) -> list[str]:
+    """Run argv under `env -i` with BASE_ENV plus `extra`: nothing leaks in from the SSH side."""
+    env = dict(BASE_ENV)
+    env.update(extra or {})
+    return ["env", "-i", *(f"{k}={v}" for k, v in env.items()), *argv]
+
+
+def pct_exec(ctid: int, argv: Sequence[str]) -> list[str]:
+    """`pct exec CTID -- argv` ('--' so pct never parses the inner command's options)."""
+    return ["pct", "exec", str(int(ctid)), "--", *argv]
+
+
+def pct_status(ctid: int) -> list[str]:
+    return ["pct", "status", str(int(ctid))]
+
+
+def pct_push(ctid: int, src: str, dst: str) -> list[str]:
+    return ["pct", "push", str(int(ctid)), src, dst]
+
+
+def parse_pct_status(stdout: str) -> str:
+    """`status: running` -> "running"; anything unrecognised -> "unknown"."""
+    for line in stdout.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() == "status" and value.strip():
+            return value.strip()
+    return "unknown"
+
+
+# --- tmux (private socket, exact-match targets) -------------------------------------------
+
+
+def _session_target(session: str) -> str:
+    return f"={session}"
+
+
+def _pane_target(session: str) -> str:
+    # `=NAME:` is window-relative: the session's current window and active pane.
+    return f"={session}:"
+
+
+def tmux(*args: str) -> list[str]:
+    return ["tmux", "-L", TMUX_SOCKET, *args]
+
+
+def tmux_has_session(session: str) -> list[str]:
+    return tmux("has-session", "-t", _session_target(session))
+
+
+def tmux_new_session(
+    session: str,
+    command: Sequence[str],
+    *,
+    cwd: str,
+    env: Mapping[str, str],
+    width: int = PANE_WIDTH,
+    height: int = PANE_HEIGHT,
+) -> list[str]:
+    """Start a detached session running `command` directly (multi-arg form: no shell).
+
+    Options are set in the same tmux command sequence before the session exists, so a trainer
+    that dies at once still leaves a dead pane with its exit status (remain-on-exit), and the
+    pane's scrollback is large enough to keep a traceback.
+    """
+    if any(a == ";" for a in command):
+        raise ValueError("a standalone ';' would split the tmux command sequence")
+    env_args: list[str] = []
+    for key, value in env.items():
+        env_args += ["-e", f"{key}={value}"]
+    return tmux(
+        "start-server",
+        ";",
+        "set-option",
+        "-g",
+        "remain-on-exit",
+        "on",
+        ";",
+        "set-option",
+        "-g",
+        "history-limit",
+        str(HISTORY_LIMIT),
+        ";",
+        "new-session",
+        "-d",
+        "-s",
+        session,
+        "-x",
+        str(width),
+        "-y",
+        str(height),
+        "-c",
+        cwd,
+        *env_args,
+        *command,
+    )
+
+
+def tmux_interrupt(session: str) -> list[str]:
+    """Send Ctrl-C to the pane: the trainer checkpoints on SIGINT."""
+    return tmux("send-keys", "-t", _pane_target(session), "C-c")
+
+
+def tmux_kill_session(session: str) -> list[str]:
+    return tmux("kill-session", "-t", _session_target(session))
+
+
+PANE_FORMAT = "#{pane_dead}|#{pane_dead_status}|#{pane_pid}|#{pane_width}"
+
+
+def tmux_pane_state(session: str) -> list[str]:
+    return tmux("display-message", "-p", "-t", _pane_target(session), PANE_FORMAT)
+
+
+def tmux_capture(session: str, lines: int = 200) -> list[str]:
+    """Last `lines` of the pane including scrollback, wrapped lines joined (-J)."""
+    return tmux("capture-pane", "-p", "-J", "-t", _pane_target(session), "-S", f"-{int(lines)}")
+
+
+def tmux_attach(session: str) -> list[str]:
+    return tmux("attach-session", "-t", _session_target(session))
+
+
+@dataclass(frozen=True)
+class PaneState:
+    dead: bool
+    exit_status: int | None
+    pid: int | None
+    width: int | None
+
+
+def parse_pane_state(stdout: str) -> PaneState | None:
+    """Parse PANE_FORMAT output; None when it is not there (no session)."""
+    line = stdout.strip().splitlines()[-1] if stdout.strip() else ""
+    parts = line.split("|")
+    if len(parts) != 4 or parts[0] not in {"0", "1"}:
+        return None
+
+    def num(s: str) -> int | None:
+        return int(s) if re.fullmatch(r"-?\d+", s) else None
+
+    return PaneState(
+        dead=parts[0] == "1", exit_status=num(parts[1]), pid=num(parts[2]), width=num(parts[3])
+    )
+
+
+# --- files ---------------------------------------------------------------------------------
+
+
+def tail_follow(path: str, from_line: int = 0) -> list[str]:
+    """Stream `path` from 0-based line `from_line` on, following it by name across rotation."""
+    return ["tail", "-n", f"+{int(from_line) + 1}", "-F", path]
+
+
+def write_file_atomic(path: str, mode: str = "644") -> list[str]:
+    """Write stdin to `path` via a temp file + rename: readers never see a half-written file."""
+    script = (
+        'set -e; umask 077; mkdir -p "$(dirname "$1")"; tmp="$1.tmp.$$"; '
+        'cat > "$tmp"; chmod "$2" "$tmp"; mv -f "$tmp" "$1"'
+    )
+    return ["sh", "-c", script, "dflash-write", path, mode]
+
+
+def read_file(path: str) -> list[str]:
+    return ["cat", "--", path]
+
+
+GUARD_SCRIPT = (
+    'exec 3<&0; "$@" </dev/null & p=$!; '
+    '{ cat <&3 >/dev/null; kill "$p" 2>/dev/null; } >/dev/null 2>&1 3<&3 & '
+    'wait "$p"'
+)
+
+
+def guarded(argv: Sequence[str]) -> list[str]:
+    """Run a long-lived helper that dies when our stdin closes.
+
+    Closing an SSH channel (or losing the link) closes the remote command's stdin, through
+    `pct exec` and `lxc-attach` alike; the watcher then kills the helper, so an interrupted
+    `logs -f` leaves no `tail -F` behind in the container.
+    """
+    return ["sh", "-c", GUARD_SCRIPT, "dflash-guard", *argv]

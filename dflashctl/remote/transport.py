@@ -1,0 +1,155 @@
+"""The Transport protocol and the local implementation.
+
+A Transport runs *container-side* argvs. SshTransport wraps them in `pct exec` on a Proxmox
+node; LocalTransport runs them on this machine (demo, tests without SSH). Deploy and run control
+are written once against this protocol.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+from collections.abc import AsyncIterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+
+class TransportError(Exception):
+    """A remote operation failed for transport reasons (one-line message naming the host)."""
+
+
+class HostUnreachable(TransportError):
+    """The host could not be reached or the link dropped: CLI exit code 3."""
+
+
+class HostKeyError(HostUnreachable):
+    """The host key is unknown or changed: never bypassed, only `dflashctl trust` pins keys."""
+
+
+class CommandTimeout(TransportError):
+    """A remote command ran past its timeout; it was killed."""
+
+
+@dataclass(frozen=True)
+class CommandResult:
+    rc: int
+    stdout: str
+    stderr: str
+    stdout_bytes: bytes = b""
+
+    @property
+    def ok(self) -> bool:
+        return self.rc == 0
+
+    def error_line(self) -> str:
+        """The most useful single line of stderr (or stdout) for an error message."""
+        for text in (self.stderr, self.stdout):
+            lines = [ln.strip() for ln in text.strip().splitlines() if ln.strip()]
+            if lines:
+                return lines[-1]
+        return f"exit status {self.rc}"
+
+
+@runtime_checkable
+class Transport(Protocol):
+    label: str
+
+    async def run(
+        self, argv: Sequence[str], *, input: bytes | None = None, timeout: float | None = None
+    ) -> CommandResult: ...
+
+    def stream_lines(self, argv: Sequence[str]) -> AsyncIterator[str]: ...
+
+    async def container_state(self) -> str: ...
+
+    async def close(self) -> None: ...
+
+
+def _decode(data: bytes) -> str:
+    return data.decode("utf-8", errors="replace")
+
+
+async def _kill_group(proc: asyncio.subprocess.Process) -> None:
+    if proc.returncode is not None:
+        return
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    with contextlib.suppress(ProcessLookupError):
+        proc.kill()
+    await proc.wait()
+
+
+class LocalTransport:
+    """Runs container argvs as local processes, each in its own process group.
+
+    A timeout or cancellation kills the whole group, so no helper (tail, sleep loops) outlives
+    the local command that started it.
+    """
+
+    def __init__(self, *, env: Mapping[str, str] | None = None, label: str = "local") -> None:
+        self.label = label
+        self._env = {**os.environ, **(env or {})}
+        self._procs: set[asyncio.subprocess.Process] = set()
+
+    async def run(
+        self, argv: Sequence[str], *, input: bytes | None = None, timeout: float | None = None
+    ) -> CommandResult:
+        try:
+            proc = await asyncio.create_subprocess_exec(
+                *argv,
+                stdin=asyncio.subprocess.PIPE if input is not None else asyncio.subprocess.DEVNULL,
+                stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.PIPE,
+                env=self._env,
+                start_new_session=True,
+            )
+        except FileNotFoundError:
+            return CommandResult(127, "", f"{argv[0]}: command not found")
+        self._procs.add(proc)
+        try:
+            out, err = await asyncio.wait_for(proc.communicate(input), timeout)
+        except TimeoutError:
+            await _kill_group(proc)
+            raise CommandTimeout(
+                f"{self.label}: {argv[0]} did not finish within {timeout:g}s; killed"
+            ) from None
+        except BaseException:
+            await _kill_group(proc)
+            raise
+        finally:
+            self._procs.discard(proc)
+        return CommandResult(proc.returncode or 0, _decode(out), _decode(err), out)
+
+    async def stream_lines(self, argv: Sequence[str]) -> AsyncIterator[str]:
+        """Yield complete stdout lines (without newline) until the process ends."""
+        proc = await asyncio.create_subprocess_exec(
+            *argv,
+            stdin=asyncio.subprocess.PIPE,  # held open: closing it stops guarded helpers
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.DEVNULL,
+            env=self._env,
+            start_new_session=True,
+        )
+        self._procs.add(proc)
+        assert proc.stdout is not None
+        try:
+            while True:
+                raw = await proc.stdout.readline()
+                if not raw.endswith(b"\n"):
+                    break  # EOF (a trailing partial line is incomplete: not delivered)
+                yield _decode(raw[:-1])
+        finally:
+            if proc.stdin is not None:
+                proc.stdin.close()
+            await _kill_group(proc)
+            self._procs.discard(proc)
+
+    async def container_state(self) -> str:
+        return "running"
+
+    async def close(self) -> None:
+        for proc in list(self._procs):
+            await _kill_group(proc)
+        self._procs.clear()

@@ -1,0 +1,74 @@
+"""The run config seen from dflashctl: validate, hash and diff through `trainer.config`.
+
+`trainer.config` is torch-free and the single authority on what a valid config is and what
+its hash is; dflashctl never re-implements either. Text from the container is written to a
+temp file so `TrainConfig.load` reports errors the same way for both sides.
+"""
+
+from __future__ import annotations
+
+import difflib
+import tempfile
+from pathlib import Path
+
+
+class RunConfigError(Exception):
+    """The run config is invalid (message names the file and key)."""
+
+
+def validate_config(path: Path) -> object:
+    """Load `path` with TrainConfig.load; RunConfigError on any problem."""
+    if not path.is_file():
+        raise RunConfigError(f"{path}: run config not found")
+    from trainer.config import ConfigError, TrainConfig
+
+    try:
+        return TrainConfig.load(path)
+    except ConfigError as err:
+        raise RunConfigError(str(err)) from None
+
+
+def _load_text(text: str, name: str) -> object:
+    with tempfile.TemporaryDirectory() as tmp:
+        p = Path(tmp) / name
+        p.write_text(text, encoding="utf-8")
+        return validate_config(p)
+
+
+def config_hash_of_file(path: Path) -> str:
+    from trainer.config import config_hash
+
+    return str(config_hash(validate_config(path)))
+
+
+def config_hash_of_text(text: str) -> str | None:
+    """Hash of a config's text (None if it does not validate: a remote file we only show)."""
+    from trainer.config import config_hash
+
+    try:
+        return str(config_hash(_load_text(text, "remote-config.toml")))
+    except RunConfigError:
+        return None
+
+
+def resume_breaking_changes(old_text: str, new_path: Path) -> list[str]:
+    """Dotted keys whose change makes `--resume auto` impossible (empty if old is invalid)."""
+    from trainer.config import resume_critical_changes
+
+    try:
+        old = _load_text(old_text, "remote-config.toml")
+    except RunConfigError:
+        return []
+    return list(resume_critical_changes(old, validate_config(new_path)))
+
+
+def config_diff(old_text: str, new_text: str, *, old_name: str, new_name: str) -> str:
+    """Unified diff shown before a restart replaces the remote config."""
+    return "".join(
+        difflib.unified_diff(
+            old_text.splitlines(keepends=True),
+            new_text.splitlines(keepends=True),
+            fromfile=old_name,
+            tofile=new_name,
+        )
+    )
