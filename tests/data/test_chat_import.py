@@ -1,0 +1,235 @@
+"""Chat JSONL import: exact assistant masks, schemas, truncation, bad input by reason and line."""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tests.data.conftest import write_jsonl
+from trainer.data.chat_import import import_chat_jsonl, load_tokenizer
+from trainer.data.errors import InputError
+from trainer.data.store import FIRST_LINES_KEPT, TokenStore, sha256_file
+
+CHAT = [
+    {"role": "system", "content": "You are terse."},
+    {"role": "user", "content": "hello world"},
+    {"role": "assistant", "content": "the quick brown fox"},
+    {"role": "user", "content": "how are you?"},
+    {"role": "assistant", "content": "def add(x, y):\n    return x + y"},
+]
+
+
+def _runs(mask: np.ndarray) -> list[tuple[int, int]]:
+    """[start, end) of each maximal run of 1s."""
+    padded = np.concatenate([[0], mask.astype(np.int8), [0]])
+    edges = np.flatnonzero(np.diff(padded))
+    return list(zip(edges[::2].tolist(), edges[1::2].tolist(), strict=True))
+
+
+def _import(tmp_path: Path, tok_dir: Path, rows: list[object], max_length: int = 256, **kw):
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    source = write_jsonl(tmp_path / "chats.jsonl", rows)
+    out = tmp_path / "store"
+    manifest = import_chat_jsonl(source, tok_dir, max_length, out, **kw)
+    return TokenStore.open(out, verify=True), manifest
+
+
+@pytest.mark.parametrize("tok_fixture", ["qwen_tokenizer_dir", "generation_tokenizer_dir"])
+def test_mask_is_exactly_assistant_content_plus_end_of_turn(
+    tmp_path: Path, tok_fixture: str, request: pytest.FixtureRequest
+) -> None:
+    tok_dir = request.getfixturevalue(tok_fixture)
+    store, manifest = _import(tmp_path, tok_dir, [{"conversations": CHAT}])
+    tokenizer = load_tokenizer(tok_dir)
+    tokens, mask = store.row(0)
+    supervised = [tokenizer.decode(tokens[a:b].tolist()) for a, b in _runs(mask)]
+    assert supervised == [m["content"] + "<|im_end|>" for m in CHAT if m["role"] == "assistant"]
+    # Everything else (system, user, headers, the newline between turns) is unsupervised and
+    # the row is the template's rendering token for token.
+    rendered = tokenizer.apply_chat_template(CHAT, tokenize=False)
+    assert tokenizer.decode(tokens.tolist()) == rendered
+    assert manifest.mask_strategy == (
+        "generation-tags" if tok_fixture == "generation_tokenizer_dir" else "incremental-prefix"
+    )
+    assert manifest.num_supervised_tokens == int(mask.sum())
+
+
+def test_both_strategies_give_identical_rows(
+    tmp_path: Path, qwen_tokenizer_dir: Path, generation_tokenizer_dir: Path
+) -> None:
+    rows = [
+        {"conversations": CHAT},
+        {
+            "messages": [
+                {"role": "user", "content": "é ü 你好"},
+                {"role": "assistant", "content": "ok 好"},
+            ]
+        },
+    ]
+    a, _ = _import(tmp_path / "a", qwen_tokenizer_dir, rows)
+    b, _ = _import(tmp_path / "b", generation_tokenizer_dir, rows)
+    assert len(a) == len(b) == 2
+    for i in range(2):
+        assert a.row(i)[0].tolist() == b.row(i)[0].tolist()
+        assert a.row(i)[1].tolist() == b.row(i)[1].tolist()
+
+
+def test_three_schemas_import_identically(tmp_path: Path, qwen_tokenizer_dir: Path) -> None:
+    chat = CHAT[1:3]
+    sharegpt = [
+        {"from": "human", "value": chat[0]["content"]},
+        {"from": "gpt", "value": chat[1]["content"]},
+    ]
+    openai_parts = [
+        {
+            "role": "user",
+            "content": [{"type": "text", "text": "hello "}, {"type": "text", "text": "world"}],
+        },
+        chat[1],
+    ]
+    rows = [
+        {"conversations": chat},
+        {"messages": chat},
+        {"conversations": sharegpt},
+        {"id": "x", "messages": openai_parts},
+    ]
+    store, manifest = _import(tmp_path, qwen_tokenizer_dir, rows)
+    assert len(store) == 4 and manifest.num_skipped == 0
+    first = store.row(0)
+    for i in range(1, 4):
+        assert store.row(i)[0].tolist() == first[0].tolist()
+        assert store.row(i)[1].tolist() == first[1].tolist()
+
+
+def test_truncation_keeps_prefix_and_counts_lines(tmp_path: Path, qwen_tokenizer_dir: Path) -> None:
+    long_answer = " ".join(["the quick brown fox"] * 40)
+    short = {"conversations": CHAT[1:3]}
+    long = {"conversations": [CHAT[1], {"role": "assistant", "content": long_answer}]}
+    # Prompt alone exceeds the limit: nothing supervised survives the cut.
+    prompt_heavy = {
+        "conversations": [
+            {"role": "user", "content": " ".join(["hello world"] * 40)},
+            {"role": "assistant", "content": "ok"},
+        ]
+    }
+    store, manifest = _import(
+        tmp_path, qwen_tokenizer_dir, [short, long, prompt_heavy], max_length=32
+    )
+    full, _ = _import(tmp_path / "full", qwen_tokenizer_dir, [long], max_length=4096)
+    assert len(store) == 2
+    assert store.lengths.tolist()[1] == 32
+    assert store.row(1)[0].tolist() == full.row(0)[0][:32].tolist()
+    assert store.row(1)[1].tolist() == full.row(0)[1][:32].tolist()
+    assert manifest.truncated.count == 1 and manifest.truncated.first_lines == [2]
+    assert manifest.skipped["no_supervised_pair_after_truncation"].first_lines == [3]
+    assert int(store.lengths.max()) <= manifest.max_length == 32
+
+
+def test_every_bad_input_reason_is_counted_with_its_line(
+    tmp_path: Path, qwen_tokenizer_dir: Path
+) -> None:
+    good = {"conversations": CHAT[1:3]}
+    rows: list[object] = [
+        good,  # 1
+        b'{"conversations": [',  # 2 malformed_json
+        b'{"conversations": [{"role": "user", "content": "caf\xe9"}]}',  # 3 not_utf8 (latin-1)
+        {"conversations": [{"role": "narrator", "content": "x"}]},  # 4 unknown_role
+        {"conversations": []},  # 5 empty_conversation
+        [1, 2, 3],  # 6 bad_schema: not an object
+        {"conversations": [{"role": "user", "content": 5}]},  # 7 bad_schema: content
+        {"conversations": [{"role": "user", "content": "hi"}]},  # 8 no_assistant_turn
+        {"conversations": [CHAT[1], {"role": "assistant", "content": ""}]},  # 9 no_supervised_pair
+        {"conversations": [CHAT[1], {"role": "assistant", "content": "a<|im_end|>b"}]},  # 10
+        b"",  # 11 blank: ignored
+        {"text": "no conversation key"},  # 12 bad_schema
+        good,  # 13
+    ]
+    store, manifest = _import(tmp_path, qwen_tokenizer_dir, rows)
+    assert len(store) == 2
+    got = {reason: stat.first_lines for reason, stat in manifest.skipped.items()}
+    assert got == {
+        "malformed_json": [2],
+        "not_utf8": [3],
+        "unknown_role": [4],
+        "empty_conversation": [5],
+        "bad_schema": [6, 7, 12],
+        "no_assistant_turn": [8],
+        "no_supervised_pair": [9],
+        "control_token_in_content": [10],
+    }
+    assert manifest.params["blank_lines"] == 1 and manifest.params["lines"] == 13
+
+
+def test_first_lines_are_capped_but_counts_are_not(
+    tmp_path: Path, qwen_tokenizer_dir: Path
+) -> None:
+    rows: list[object] = [b"{oops"] * (FIRST_LINES_KEPT + 5) + [{"conversations": CHAT[1:3]}]
+    _, manifest = _import(tmp_path, qwen_tokenizer_dir, rows)
+    stat = manifest.skipped["malformed_json"]
+    assert stat.count == FIRST_LINES_KEPT + 5
+    assert stat.first_lines == list(range(1, FIRST_LINES_KEPT + 1))
+
+
+def test_template_that_rewrites_history_supervises_only_stable_turns(
+    tmp_path: Path, rewriting_tokenizer_dir: Path
+) -> None:
+    store, manifest = _import(tmp_path, rewriting_tokenizer_dir, [{"conversations": CHAT}])
+    tokenizer = load_tokenizer(rewriting_tokenizer_dir)
+    tokens, mask = store.row(0)
+    supervised = [tokenizer.decode(tokens[a:b].tolist()) for a, b in _runs(mask)]
+    # The earlier turn renders differently once it is no longer last: not guessed, counted.
+    assert supervised == ["<think>\n\n</think>\n\n" + CHAT[4]["content"] + "<|im_end|>"]
+    assert manifest.params["unstable_turns"] == 1
+
+
+def test_manifest_identifies_source_and_tokenizer(tmp_path: Path, qwen_tokenizer_dir: Path) -> None:
+    store, manifest = _import(tmp_path, qwen_tokenizer_dir, [{"conversations": CHAT}])
+    source = tmp_path / "chats.jsonl"
+    assert manifest.source == str(source.absolute())
+    assert manifest.source_sha256 == hashlib.sha256(source.read_bytes()).hexdigest()
+    ident = manifest.tokenizer
+    assert ident is not None and ident.files["tokenizer.json"] == sha256_file(
+        qwen_tokenizer_dir / "tokenizer.json"
+    )
+    assert "chat_template.jinja" in ident.files
+    assert manifest.vocab_size == len(load_tokenizer(qwen_tokenizer_dir))
+    assert int(store.tokens.max()) < manifest.vocab_size
+    on_disk = json.loads((store.path / "manifest.json").read_text())
+    assert on_disk["kind"] == "chat-import" and on_disk["max_length"] == 256
+
+
+def test_gzip_input_matches_plain(tmp_path: Path, qwen_tokenizer_dir: Path) -> None:
+    plain = write_jsonl(tmp_path / "c.jsonl", [{"conversations": CHAT}])
+    gz = tmp_path / "c.jsonl.gz"
+    gz.write_bytes(gzip.compress(plain.read_bytes()))
+    import_chat_jsonl(plain, qwen_tokenizer_dir, 256, tmp_path / "p")
+    import_chat_jsonl(gz, qwen_tokenizer_dir, 256, tmp_path / "g")
+    p, g = TokenStore.open(tmp_path / "p"), TokenStore.open(tmp_path / "g")
+    assert p.row(0)[0].tolist() == g.row(0)[0].tolist()
+
+
+def test_no_usable_rows_writes_nothing(tmp_path: Path, qwen_tokenizer_dir: Path) -> None:
+    source = write_jsonl(tmp_path / "bad.jsonl", [b"{x", {"messages": []}])
+    with pytest.raises(
+        InputError, match=r"bad\.jsonl: no usable rows in 2 lines .*malformed_json=1"
+    ):
+        import_chat_jsonl(source, qwen_tokenizer_dir, 64, tmp_path / "store")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.jsonl"]
+
+
+def test_whole_input_errors_name_the_path(tmp_path: Path, qwen_tokenizer_dir: Path) -> None:
+    source = write_jsonl(tmp_path / "c.jsonl", [{"conversations": CHAT}])
+    with pytest.raises(InputError, match=r"missing\.jsonl: input file not found"):
+        import_chat_jsonl(tmp_path / "missing.jsonl", qwen_tokenizer_dir, 64, tmp_path / "s")
+    with pytest.raises(InputError, match=r"nodir: tokenizer directory not found"):
+        import_chat_jsonl(source, tmp_path / "nodir", 64, tmp_path / "s")
+    empty_dir = tmp_path / "emptytok"
+    empty_dir.mkdir()
+    with pytest.raises(InputError, match=r"emptytok: cannot load tokenizer"):
+        import_chat_jsonl(source, empty_dir, 64, tmp_path / "s")
+    assert not (tmp_path / "s").exists()

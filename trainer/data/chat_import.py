@@ -1,0 +1,232 @@
+"""Import chat JSONL into a token store (`python -m trainer.data import`).
+
+A bad row never stops the import: it is counted under a reason with its line number and the
+first few line numbers land in the manifest, so a 900k-row import that loses 3% of its rows says
+which rows and why. Only problems with the whole input (missing file, unloadable tokenizer, no
+usable row at all) are errors, and then nothing is written.
+"""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import os
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+import numpy as np
+
+from trainer.data.chat_mask import ChatEncoder, Encoded
+from trainer.data.conversations import Message, Rejected, parse_line
+from trainer.data.errors import InputError
+from trainer.data.store import LineStat, Manifest, StoreWriter, TokenizerIdentity, sha256_file
+
+NO_SUPERVISED_PAIR = "no_supervised_pair"
+NO_SUPERVISED_PAIR_AFTER_TRUNCATION = "no_supervised_pair_after_truncation"
+
+# Files that define a Hugging Face tokenizer's behaviour; their hashes identify it.
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "chat_template.jinja",
+    "chat_template.json",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+)
+
+Progress = Callable[[int, int], None]  # (lines read, rows kept)
+
+
+@dataclass
+class ImportStats:
+    """Per-reason counts accumulated while streaming the input."""
+
+    lines: int = 0
+    blank_lines: int = 0
+    unstable_turns: int = 0
+    skipped: dict[str, LineStat] = field(default_factory=dict)
+    truncated: LineStat = field(default_factory=LineStat)
+
+    def skip(self, reason: str, line: int) -> None:
+        self.skipped.setdefault(reason, LineStat()).add(line)
+
+    def summary(self) -> str:
+        parts = [f"{r}={s.count} (lines {_lines(s)})" for r, s in sorted(self.skipped.items())]
+        return ", ".join(parts) or "nothing skipped"
+
+
+def _lines(stat: LineStat) -> str:
+    more = ", ..." if stat.count > len(stat.first_lines) else ""
+    return ", ".join(map(str, stat.first_lines)) + more
+
+
+def has_supervised_pair(mask: np.ndarray) -> bool:
+    """True when some position and its successor are both supervised (an anchor needs that)."""
+    return bool(np.any(mask[:-1] & mask[1:])) if mask.size > 1 else False
+
+
+def load_tokenizer(directory: Path, chat_template: Path | None = None) -> Any:
+    """Load a local Hugging Face tokenizer; never touches the network."""
+    if not directory.is_dir():
+        raise InputError(f"{directory}: tokenizer directory not found")
+    from transformers import AutoTokenizer  # heavy; only the import command needs it
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
+    except Exception as exc:
+        raise InputError(f"{directory}: cannot load tokenizer: {_one_line(exc)}") from None
+    if chat_template is not None:
+        try:
+            tokenizer.chat_template = chat_template.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise InputError(
+                f"{chat_template}: cannot read chat template: {_one_line(exc)}"
+            ) from None
+    return tokenizer
+
+
+def tokenizer_identity(
+    directory: Path, tokenizer: Any, chat_template: Path | None = None
+) -> TokenizerIdentity:
+    """Name + per-file sha256 of the tokenizer, so a store can be matched to its target."""
+    files = {
+        name: sha256_file(directory / name)
+        for name in TOKENIZER_FILES
+        if (directory / name).is_file()
+    }
+    if chat_template is not None:
+        files["chat_template (override)"] = sha256_file(chat_template)
+    combined = hashlib.sha256()
+    for name in sorted(files):
+        combined.update(f"{name}\0{files[name]}\n".encode())
+    return TokenizerIdentity(
+        name_or_path=str(directory.absolute()),
+        class_name=type(tokenizer).__name__,
+        sha256=combined.hexdigest(),
+        files=files,
+    )
+
+
+class _HashingLines:
+    """Iterate (line number, raw bytes) over a JSONL (or .jsonl.gz) file, hashing its bytes."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.digest = hashlib.sha256()
+
+    def __iter__(self) -> Iterator[tuple[int, bytes]]:
+        opener: Callable[..., IO[bytes]] = gzip.open if self.path.suffix == ".gz" else open
+        try:
+            with opener(self.path, "rb") as fh:
+                for number, raw in enumerate(fh, start=1):
+                    self.digest.update(raw)
+                    yield number, raw.rstrip(b"\r\n")
+        except (OSError, EOFError) as exc:  # unreadable, or a truncated .gz
+            raise InputError(f"{self.path}: read failed: {_one_line(exc)}") from None
+
+
+def import_chat_jsonl(
+    input_path: str | os.PathLike[str],
+    tokenizer_dir: str | os.PathLike[str],
+    max_length: int,
+    out: str | os.PathLike[str],
+    *,
+    overwrite: bool = False,
+    chat_template: str | os.PathLike[str] | None = None,
+    template_kwargs: dict[str, Any] | None = None,
+    chunk_rows: int = 256,
+    progress: Progress | None = None,
+) -> Manifest:
+    """Stream `input_path` through the chat template into a new store at `out`.
+
+    Rows are encoded in chunks of `chunk_rows` (one batched tokenizer call each); a row longer
+    than `max_length` keeps its first `max_length` tokens and is counted as truncated.
+    """
+    source = Path(input_path)
+    tok_dir = Path(tokenizer_dir)
+    template_path = Path(chat_template) if chat_template is not None else None
+    if max_length < 2:
+        raise InputError(f"--max-length {max_length}: must be at least 2")
+    if not source.is_file():
+        raise InputError(f"{source}: input file not found")
+    tokenizer = load_tokenizer(tok_dir, template_path)
+    try:
+        encoder = ChatEncoder(tokenizer, template_kwargs)
+    except ValueError as exc:
+        raise InputError(f"{tok_dir}: {_one_line(exc)}") from None
+    identity = tokenizer_identity(tok_dir, tokenizer, template_path)
+    stats = ImportStats()
+    lines = _HashingLines(source)
+    with StoreWriter(out, overwrite=overwrite) as writer:
+        pending: list[tuple[int, list[Message]]] = []
+
+        def flush() -> None:
+            results = encoder.encode_batch([messages for _, messages in pending])
+            for (line, _), result in zip(pending, results, strict=True):
+                _store_row(writer, stats, line, result, max_length)
+            pending.clear()
+            if progress is not None:
+                progress(stats.lines, writer.num_rows)
+
+        for line, raw in lines:
+            stats.lines = line
+            parsed = parse_line(raw)
+            if parsed is None:
+                stats.blank_lines += 1
+            elif isinstance(parsed, Rejected):
+                stats.skip(parsed.reason, line)
+            else:
+                pending.append((line, parsed))
+                if len(pending) >= chunk_rows:
+                    flush()
+        if pending:
+            flush()
+        if writer.num_rows == 0:
+            raise InputError(f"{source}: no usable rows in {stats.lines} lines ({stats.summary()})")
+        return writer.commit(
+            kind="chat-import",
+            source=str(source.absolute()),
+            source_sha256=lines.digest.hexdigest(),
+            tokenizer=identity,
+            vocab_size=len(tokenizer),
+            max_length=max_length,
+            skipped=stats.skipped,
+            truncated=stats.truncated,
+            mask_strategy=encoder.strategy,
+            params={
+                "lines": stats.lines,
+                "blank_lines": stats.blank_lines,
+                "unstable_turns": stats.unstable_turns,
+                "template_kwargs": encoder.template_kwargs,
+                "chat_template": str(template_path.absolute()) if template_path else None,
+            },
+        )
+
+
+def _store_row(
+    writer: StoreWriter, stats: ImportStats, line: int, result: Encoded | Rejected, max_length: int
+) -> None:
+    if isinstance(result, Rejected):
+        stats.skip(result.reason, line)
+        return
+    stats.unstable_turns += result.unstable_turns
+    tokens, mask = result.tokens, result.mask
+    truncated = tokens.size > max_length
+    if truncated:
+        tokens, mask = tokens[:max_length], mask[:max_length]
+    if not has_supervised_pair(mask):
+        reason = NO_SUPERVISED_PAIR_AFTER_TRUNCATION if truncated else NO_SUPERVISED_PAIR
+        stats.skip(reason, line)
+        return
+    if truncated:
+        stats.truncated.add(line)
+    writer.add(tokens, mask)
+
+
+def _one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split())[:300]
