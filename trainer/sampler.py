@@ -1,0 +1,384 @@
+"""Batch sampler: which samples train together, in what order, on which rank. numpy only.
+
+Strategies (all pack greedily under a token budget, so no batch ever pads past it):
+
+- ``bucketed`` (default): per epoch, shuffle each length bucket with an RNG keyed by
+  (seed, epoch, bucket), pack greedily inside the bucket (add the next sample while
+  (size + 1) * longest <= token_budget and size < max_batch), then shuffle the batch order.
+  Batch composition changes every epoch; padding stays close to the planner's prediction.
+- ``sorted``: the seed's original. Length-sorted once (ties broken by seed), packed once;
+  only the batch order changes per epoch, so composition is static.
+- ``random``: a fresh permutation per epoch, packed greedily. Diverse but padding-heavy.
+- ``pool-sort``: a fresh permutation cut into pools of ``pool_size``; each pool is sorted and
+  packed (the Hugging Face "megabatch" idea under a token budget).
+
+Every epoch is a pure function of (lengths, config, seed, epoch): each purpose draws from its own
+Philox stream keyed by a SeedSequence, never from global RNG state, so any machine and any worker
+count give the same batches, and resuming is (epoch, batches consumed) plus a fingerprint.
+
+Sharding policy (world_size > 1): batches are dealt in groups of world_size. Inside each bucket
+(strategy segment) consecutive batches form a group, so the ranks of one step train on the same
+bucket and none waits on a long-bucket peer. The few leftover batches of all buckets form mixed
+groups. To make the total a multiple of world_size without dropping samples, the largest batches
+are split in two (at most world_size - 1 splits per epoch; a split batch is smaller, so still
+within budget). Only when every batch already holds a single sample (fewer samples than the equal
+share needs) are the last ``total % world_size`` batches dropped for that epoch; `dropped()`
+reports them. Group order is shuffled per epoch; rank r takes the r-th batch of every group.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import heapq
+import itertools
+import json
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import numpy as np
+
+from trainer.data.lengths import LengthsError, as_lengths
+
+Strategy = Literal["bucketed", "sorted", "random", "pool-sort"]
+STRATEGIES: tuple[str, ...] = ("bucketed", "sorted", "random", "pool-sort")
+STATE_VERSION = 1
+
+# Stream purposes: each gets an independent Philox stream for a given (seed, epoch).
+_BUCKET_SHUFFLE, _BATCH_ORDER, _SORT_TIES, _RANDOM_PERM, _POOL_PERM = range(5)
+
+
+class SamplerError(ValueError):
+    """Invalid sampler input or state; the message names the argument, sample or key."""
+
+
+@dataclass(frozen=True)
+class Batch:
+    """One step's samples for one rank; `max_len * len(indices)` is its padded token count."""
+
+    indices: np.ndarray  # int64 sample ids
+    bucket: int
+    max_len: int
+    real_tokens: int
+
+    @property
+    def padded_tokens(self) -> int:
+        return self.max_len * len(self.indices)
+
+
+def rng_for(seed: int, *key: int) -> np.random.Generator:
+    """An independent counter-based generator for (seed, *key): no global state, portable."""
+    return np.random.Generator(np.random.Philox(np.random.SeedSequence([seed, *key])))
+
+
+def greedy_batch_sizes(
+    ordered: np.ndarray, segment: np.ndarray, token_budget: int, max_batch: int
+) -> np.ndarray:
+    """Sizes of the batches the greedy packer cuts from `ordered` lengths (int64).
+
+    A batch starting at s grows while (size + 1) * max(batch) <= token_budget, size < max_batch and
+    the next sample lies in the same segment (bucket or pool). Since (j + 1) * running max grows with
+    j, the reach of every start is computed for all starts at once (one vector pass per extra
+    sample); only following the chain of starts is sequential, one step per batch.
+    """
+    n = len(ordered)
+    if n == 0:
+        return np.zeros(0, dtype=np.int64)
+    x = ordered.astype(np.int64, copy=False)
+    change = np.flatnonzero(segment[1:] != segment[:-1]) + 1
+    seg_end = np.repeat(np.append(change, n), np.diff(np.concatenate(([0], change, [n]))))
+    room = seg_end - np.arange(n)
+    reach = np.ones(n, dtype=np.int64)
+    active = np.arange(n)
+    run_max = x.copy()
+    for j in range(1, max_batch):
+        active = active[active + j < n]
+        if active.size == 0:
+            break
+        run_max_a = np.maximum(run_max[active], x[active + j])
+        ok = ((j + 1) * run_max_a <= token_budget) & (room[active] > j)
+        active = active[ok]
+        run_max[active] = run_max_a[ok]
+        reach[active] += 1
+    sizes = []
+    s = 0
+    reach_list = reach.tolist()
+    while s < n:
+        k = reach_list[s]
+        sizes.append(k)
+        s += k
+    return np.asarray(sizes, dtype=np.int64)
+
+
+def bucket_of(lengths: np.ndarray, boundaries: Sequence[int]) -> np.ndarray:
+    """Bucket id per sample for half-open buckets [b_k, b_k+1)."""
+    return np.searchsorted(np.asarray(boundaries, dtype=np.int64), lengths, side="right") - 1
+
+
+def check_boundaries(lengths: np.ndarray, boundaries: Sequence[int]) -> list[int]:
+    """Validate K+1 strictly increasing edges covering every length; return them as ints."""
+    try:
+        edges = [int(b) for b in boundaries]
+    except (TypeError, ValueError):
+        raise SamplerError(f"boundaries must be integers, got {list(boundaries)!r}") from None
+    if len(edges) < 2:
+        raise SamplerError(f"boundaries need at least 2 edges (1 bucket), got {edges}")
+    if any(b >= c for b, c in itertools.pairwise(edges)):
+        raise SamplerError(f"boundaries must be strictly increasing, got {edges}")
+    lo, hi = int(lengths.min()), int(lengths.max())
+    if edges[0] > lo or edges[-1] <= hi:
+        bad = int(np.argmin(lengths)) if edges[0] > lo else int(np.argmax(lengths))
+        raise SamplerError(
+            f"sample {bad} (length {int(lengths[bad])}) lies outside boundaries "
+            f"[{edges[0]}, {edges[-1]}): first edge must be <= {lo}, last edge > {hi}"
+        )
+    return edges
+
+
+class BatchSampler:
+    """Deterministic, resumable, sharded batches under a token budget (see module docstring).
+
+    Args:
+        lengths: tokens per sample (any integer array; validated, copied as int64).
+        strategy: "bucketed", "sorted", "random" or "pool-sort".
+        boundaries: K+1 bucket edges for "bucketed" (None: one bucket); ignored otherwise.
+        token_budget: max padded tokens per batch (batch size * longest sample).
+        max_batch: max samples per batch.
+        seed: non-negative base seed; epoch e of seed s is the same everywhere.
+        rank, world_size: this process's shard of every step.
+        pool_size: samples per sorted pool for "pool-sort".
+
+    Raises:
+        SamplerError: bad argument, or a sample longer than the token budget (named by index).
+    """
+
+    def __init__(
+        self,
+        lengths: np.ndarray | Sequence[int],
+        *,
+        strategy: Strategy = "bucketed",
+        boundaries: Sequence[int] | None = None,
+        token_budget: int,
+        max_batch: int,
+        seed: int,
+        rank: int = 0,
+        world_size: int = 1,
+        pool_size: int = 3200,
+    ) -> None:
+        try:
+            self.lengths = as_lengths(np.asarray(lengths))
+        except LengthsError as exc:
+            raise SamplerError(str(exc)) from None
+        self.lengths.setflags(write=False)
+        if strategy not in STRATEGIES:
+            raise SamplerError(f"strategy must be one of {', '.join(STRATEGIES)}; got {strategy!r}")
+        for name, value, low in (
+            ("token_budget", token_budget, 1),
+            ("max_batch", max_batch, 1),
+            ("world_size", world_size, 1),
+            ("pool_size", pool_size, 1),
+            ("seed", seed, 0),
+        ):
+            if not isinstance(value, int | np.integer) or value < low:
+                raise SamplerError(f"{name} must be an integer >= {low}, got {value!r}")
+        if not 0 <= rank < world_size:
+            raise SamplerError(f"rank must be in [0, {world_size}), got {rank}")
+        longest = int(np.argmax(self.lengths))
+        if self.lengths[longest] > token_budget:
+            raise SamplerError(
+                f"sample {longest} has {int(self.lengths[longest])} tokens, more than "
+                f"token_budget {token_budget}: raise the budget or truncate at import (--max-length)"
+            )
+        if len(self.lengths) < world_size:
+            raise SamplerError(
+                f"{len(self.lengths)} samples cannot give each of {world_size} ranks a batch"
+            )
+        self.strategy: str = strategy
+        self.token_budget, self.max_batch, self.seed = int(token_budget), int(max_batch), int(seed)
+        self.rank, self.world_size, self.pool_size = int(rank), int(world_size), int(pool_size)
+        if strategy == "bucketed":
+            edges = [int(self.lengths.min()), int(self.lengths.max()) + 1]
+            self.boundaries = check_boundaries(self.lengths, boundaries or edges)
+        else:
+            self.boundaries = [int(self.lengths.min()), int(self.lengths.max()) + 1]
+        self.num_buckets = len(self.boundaries) - 1 if strategy == "bucketed" else 1
+        bucket = bucket_of(self.lengths, self.boundaries)
+        order = np.argsort(bucket, kind="stable")
+        counts = np.bincount(bucket, minlength=self.num_buckets)
+        self._members = np.split(order, np.cumsum(counts)[:-1])
+        self.position: tuple[int, int] = (0, 0)
+        self._cache: dict[int, tuple[list[list[Batch]], np.ndarray]] = {}
+        self._fingerprint_config = self._config()
+
+    # ----- epoch construction -------------------------------------------------------------
+    def _ordered(self, epoch: int) -> tuple[np.ndarray, np.ndarray]:
+        """Sample ids in packing order and the segment (bucket or pool) of each position."""
+        n = len(self.lengths)
+        if self.strategy == "bucketed":
+            parts = [
+                m[rng_for(self.seed, epoch, _BUCKET_SHUFFLE, k).permutation(len(m))]
+                for k, m in enumerate(self._members)
+            ]
+            ids = np.concatenate(parts)
+            seg = np.repeat(np.arange(self.num_buckets), [len(p) for p in parts])
+            return ids, seg
+        if self.strategy == "sorted":  # static: the tie-break depends on the seed only
+            ties = rng_for(self.seed, _SORT_TIES).permutation(n)
+            return np.lexsort((ties, self.lengths)), np.zeros(n, dtype=np.int64)
+        if self.strategy == "random":
+            return rng_for(self.seed, epoch, _RANDOM_PERM).permutation(n), np.zeros(n, np.int64)
+        perm = rng_for(self.seed, epoch, _POOL_PERM).permutation(n)
+        pool = np.arange(n) // self.pool_size
+        return perm[np.lexsort((self.lengths[perm], pool))], pool
+
+    def _global(self, epoch: int) -> tuple[list[list[Batch]], np.ndarray]:
+        """All ranks' batches for `epoch` as step groups of world_size, plus dropped sample ids."""
+        if epoch in self._cache:
+            return self._cache[epoch]
+        if epoch < 0:
+            raise SamplerError(f"epoch must be >= 0, got {epoch}")
+        ids, seg = self._ordered(epoch)
+        sizes = greedy_batch_sizes(self.lengths[ids], seg, self.token_budget, self.max_batch)
+        starts = np.concatenate(([0], np.cumsum(sizes)[:-1]))
+        pieces = [(int(seg[s]), ids[s : s + k]) for s, k in zip(starts, sizes, strict=True)]
+        pieces, dropped = _equalize(pieces, self.world_size)
+        bucketed = self.strategy == "bucketed"
+        w = self.world_size
+        full: list[list[tuple[int, np.ndarray]]] = []
+        leftover: list[tuple[int, np.ndarray]] = []
+        i = 0
+        while i < len(pieces):  # pieces are contiguous per segment
+            j = i
+            while j < len(pieces) and pieces[j][0] == pieces[i][0]:
+                j += 1
+            whole = i + (j - i) // w * w
+            full.extend(pieces[g : g + w] for g in range(i, whole, w))
+            leftover.extend(pieces[whole:j])
+            i = j
+        full.extend(leftover[g : g + w] for g in range(0, len(leftover), w))
+        flat = [piece for group in full for piece in group]
+        sizes = np.fromiter((len(p) for _, p in flat), dtype=np.int64, count=len(flat))
+        starts = np.concatenate(([0], np.cumsum(sizes)[:-1]))
+        ls = self.lengths[np.concatenate([p for _, p in flat])]
+        maxes = np.maximum.reduceat(ls, starts).tolist()
+        reals = np.add.reduceat(ls, starts).tolist()
+        batches = [
+            Batch(p, s if bucketed else 0, m, r)
+            for (s, p), m, r in zip(flat, maxes, reals, strict=True)
+        ]
+        perm = rng_for(self.seed, epoch, _BATCH_ORDER).permutation(len(full)).tolist()
+        groups = [batches[g * w : (g + 1) * w] for g in perm]
+        if len(self._cache) >= 2:
+            self._cache.pop(min(self._cache))
+        self._cache[epoch] = (groups, dropped)
+        return groups, dropped
+
+    def global_batches(self, epoch: int) -> list[list[Batch]]:
+        """Every rank's batches for `epoch`: one list of world_size batches per step."""
+        return self._global(epoch)[0]
+
+    def dropped(self, epoch: int) -> np.ndarray:
+        """Sample ids left out of `epoch` to keep rank step counts equal (almost always empty)."""
+        return self._global(epoch)[1]
+
+    def epoch_batches(self, epoch: int) -> list[Batch]:
+        """This rank's batches for `epoch`, in step order; a pure function of (seed, epoch)."""
+        return [group[self.rank] for group in self._global(epoch)[0]]
+
+    def steps_per_epoch(self, epoch: int = 0) -> int:
+        """Steps (batches per rank) in `epoch`; equal on every rank."""
+        return len(self._global(epoch)[0])
+
+    # ----- iteration and resume -----------------------------------------------------------
+    def __iter__(self) -> Iterator[Batch]:
+        """Endless batches from the current position; `position` counts what was handed out."""
+        while True:
+            epoch, done = self.position
+            batches = self.epoch_batches(epoch)
+            for i in range(done, len(batches)):
+                self.position = (epoch, i + 1)
+                yield batches[i]
+            self.position = (epoch + 1, 0)
+
+    def _config(self) -> dict[str, Any]:
+        digest = hashlib.sha256(self.lengths.astype("<i8").tobytes()).hexdigest()[:16]
+        return {
+            "strategy": self.strategy,
+            "boundaries": self.boundaries if self.strategy == "bucketed" else None,
+            "token_budget": self.token_budget,
+            "max_batch": self.max_batch,
+            "seed": self.seed,
+            "world_size": self.world_size,
+            "pool_size": self.pool_size if self.strategy == "pool-sort" else None,
+            "num_samples": len(self.lengths),
+            "lengths_sha256": digest,
+        }
+
+    def fingerprint(self) -> str:
+        """sha256-16 of the lengths and every setting that shapes the batches (not the rank)."""
+        blob = json.dumps(self._fingerprint_config, sort_keys=True).encode()
+        return hashlib.sha256(blob).hexdigest()[:16]
+
+    def state_dict(self) -> dict[str, Any]:
+        """Resume state: the position plus what it is only valid for (JSON-serializable)."""
+        epoch, done = self.position
+        return {
+            "version": STATE_VERSION,
+            "epoch": epoch,
+            "position": done,
+            "fingerprint": self.fingerprint(),
+            "config": dict(self._fingerprint_config),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume exactly where `state` left off; refuse state from other data or settings."""
+        if state.get("version") != STATE_VERSION:
+            raise SamplerError(
+                f"sampler state version {state.get('version')!r} is not {STATE_VERSION}"
+            )
+        if state.get("fingerprint") != self.fingerprint():
+            saved = state.get("config") or {}
+            diffs = [
+                f"{key} is {saved.get(key)!r} in the saved state but {now!r} now"
+                for key, now in self._fingerprint_config.items()
+                if saved.get(key) != now
+            ]
+            raise SamplerError(
+                "sampler state does not match this data/config ("
+                + ("; ".join(diffs) or "fingerprint differs")
+                + "): resuming would replay different batches"
+            )
+        epoch, done = int(state["epoch"]), int(state["position"])
+        if epoch < 0 or not 0 <= done <= self.steps_per_epoch(epoch):
+            raise SamplerError(f"sampler state position ({epoch}, {done}) is out of range")
+        self.position = (epoch, done)
+
+
+def _equalize(
+    pieces: list[tuple[int, np.ndarray]], world_size: int
+) -> tuple[list[tuple[int, np.ndarray]], np.ndarray]:
+    """Split the largest batches until the count is a multiple of world_size (see module doc)."""
+    deficit = -len(pieces) % world_size
+    if deficit == 0:
+        return pieces, np.zeros(0, dtype=np.int64)
+    pieces = list(pieces)
+    heap = [(-len(p), i) for i, (_, p) in enumerate(pieces)]
+    heapq.heapify(heap)
+    extra: dict[int, list[np.ndarray]] = {}
+    while deficit and heap and -heap[0][0] > 1:
+        _, i = heapq.heappop(heap)
+        seg, ids = pieces[i]
+        half = (len(ids) + 1) // 2
+        pieces[i] = (seg, ids[:half])
+        extra.setdefault(i, []).append(ids[half:])
+        heapq.heappush(heap, (-half, i))
+        deficit -= 1
+    out = []
+    for i, piece in enumerate(pieces):
+        out.append(piece)
+        out.extend((piece[0], tail) for tail in reversed(extra.get(i, [])))
+    if deficit == 0:
+        return out, np.zeros(0, dtype=np.int64)
+    cut = len(out) % world_size  # every batch is a single sample: drop the last `cut`
+    dropped = np.concatenate([p for _, p in out[len(out) - cut :]])
+    return out[: len(out) - cut], dropped
