@@ -17,8 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import difflib
-import tempfile
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
@@ -135,9 +133,11 @@ def apply_status(state: RunState, status: Any) -> RunState:
     Read by attribute so this module depends on the agreed field names only: state,
     exit_status, release, config_hash.
     """
+    run = str(getattr(status, "state", "unknown"))
     return replace(
         state,
-        run=str(getattr(status, "state", "unknown")),
+        run=run,
+        link_error=getattr(status, "message", None) if run == "unreachable" else state.link_error,
         exit_status=getattr(status, "exit_status", None),
         release=getattr(status, "release", None) or state.release,
         config_hash=getattr(status, "config_hash", None) or state.config_hash,
@@ -274,45 +274,32 @@ class RestartPlan:
         return "resume from the latest checkpoint (no resume-critical key changed)"
 
 
-def config_diff(deployed: str, local: str, local_name: str) -> str:
-    """Unified diff deployed -> local, empty when the texts are equal."""
-    lines = difflib.unified_diff(
-        deployed.splitlines(keepends=True),
-        local.splitlines(keepends=True),
-        fromfile="deployed: run/config.toml",
-        tofile=f"local: {local_name}",
-    )
-    return "".join(line if line.endswith("\n") else line + "\n" for line in lines)
+def plan_restart(deployed: str, local_path: Path) -> RestartPlan:
+    """Decide resume vs. fresh with the same rules `RunControl.restart` enforces.
 
-
-def _load_config_text(text: str, name: str) -> Any:
-    """Validate config text with the trainer's own loader (it reads files, so give it one)."""
-    from trainer.config import TrainConfig
-
-    with tempfile.TemporaryDirectory(prefix="dflashctl-cfg-") as tmp:
-        path = Path(tmp) / Path(name).name
-        path.write_text(text)
-        return TrainConfig.load(path)
-
-
-def plan_restart(deployed: str, local: str, local_name: str) -> RestartPlan:
-    """Decide resume vs. fresh exactly as the trainer will, via `resume_critical_changes`.
-
-    An invalid deployed config (e.g. an older schema) cannot be resumed safely, so it means fresh;
-    an invalid local config refuses the restart and names the problem.
+    Goes through `dflashctl.runconfig` (which defers to `trainer.config.resume_critical_changes`)
+    so the modal's verdict and the service's refusal can never disagree. An invalid local config
+    refuses the restart and names the problem.
     """
-    from trainer.config import ConfigError, resume_critical_changes
+    from dflashctl.runconfig import (
+        RunConfigError,
+        config_diff,
+        resume_breaking_changes,
+        validate_config,
+    )
 
-    diff = config_diff(deployed, local, local_name)
     try:
-        new = _load_config_text(local, local_name)
-    except ConfigError as exc:
+        local = local_path.read_text(encoding="utf-8")
+    except OSError as exc:
+        return RestartPlan(diff="", fresh=False, error=f"{local_path}: {exc.strerror}")
+    diff = config_diff(
+        deployed, local, old_name="deployed: run/config.toml", new_name=f"local: {local_path}"
+    )
+    try:
+        validate_config(local_path)
+    except RunConfigError as exc:
         return RestartPlan(diff=diff, fresh=False, error=str(exc).replace("\n", " "))
-    try:
-        old = _load_config_text(deployed, "deployed-config.toml")
-    except ConfigError:
-        return RestartPlan(diff=diff, fresh=True, critical_keys=("(deployed config unreadable)",))
-    keys = tuple(resume_critical_changes(old, new))
+    keys = tuple(resume_breaking_changes(deployed, local_path)) if deployed else ()
     return RestartPlan(diff=diff, fresh=bool(keys), critical_keys=keys)
 
 
@@ -324,14 +311,20 @@ class Control(Protocol):
 
     async def status(self) -> Any: ...
 
-    def follow(self, from_line: int = 0) -> AsyncIterator[str]: ...
+    def follow(
+        self,
+        from_line: int = 0,
+        *,
+        on_link: Callable[[str], None] | None = None,
+        delay: Callable[[int], float] | None = None,
+    ) -> AsyncIterator[str]: ...
 
     async def gpus(self) -> list[Any]: ...
 
 
 @dataclass(frozen=True, slots=True)
 class Backoff:
-    """Capped exponential reconnect delay: 1, 2, 4, ... 30 s."""
+    """Capped exponential reconnect delay: 1, 2, 4, ... 30 s (no jitter: the UI shows it)."""
 
     initial: float = 1.0
     factor: float = 2.0
@@ -345,8 +338,10 @@ class Backoff:
 class HostFollower:
     """Keeps one host's `RunState` current over a `Control`; isolates that host's failures.
 
-    `publish` is called with every new state; it must be cheap (the app just stores it and marks
-    the host dirty). A dead or slow host only ever blocks its own task.
+    `RunControl.follow` already survives dropped links (it re-tails from the last line it
+    delivered); the follower listens to its link reports, supplies the backoff so the UI can show
+    "retry in Ns", and restarts the stream at once on `reconnect_now`. `publish` is called with
+    every new state and must be cheap: the app stores it and marks the host dirty.
     """
 
     host: str
@@ -357,10 +352,9 @@ class HostFollower:
     status_every: float = 5.0
     gpu_every: float = 10.0
     call_timeout: float = 20.0
-    sleep: Callable[[float], Awaitable[None]] = asyncio.sleep
     state: RunState = field(init=False)
+    _stream: asyncio.Task[None] | None = field(init=False, default=None)
     _wake: asyncio.Event = field(init=False)
-    _attempt: int = field(init=False, default=0)
 
     def __post_init__(self) -> None:
         self.state = RunState(host=self.host)
@@ -371,9 +365,10 @@ class HostFollower:
         self.publish(state)
 
     def reconnect_now(self) -> None:
-        """Skip the remaining backoff (the `c` key)."""
-        self._attempt = 0
+        """Drop the current stream (and any backoff wait) and follow again immediately."""
         self._wake.set()
+        if self._stream is not None and not self._stream.done():
+            self._stream.cancel()
 
     def mark_config(self, changed: bool, note: str | None = None) -> None:
         self._set(replace(self.state, config_changed=changed, config_note=note))
@@ -381,6 +376,7 @@ class HostFollower:
     def reset_stream(self) -> None:
         """Forget what was read: after a fresh restart status.log starts over."""
         self._set(replace(self.state, lines_seen=0))
+        self.reconnect_now()
 
     async def poll_status(self) -> None:
         """One status poll; failures mark the host unreachable instead of raising."""
@@ -390,55 +386,77 @@ class HostFollower:
             self._set(replace(self.state, run="unreachable", link_error=_one_line(exc)))
             return
         self._set(apply_status(self.state, status))
+        log_lines = getattr(status, "log_lines", None)
+        if isinstance(log_lines, int) and 0 <= log_lines < self.state.lines_seen:
+            self.reset_stream()  # status.log shrank: a fresh run started it over
 
     async def poll_gpus(self) -> None:
         with contextlib.suppress(Exception):
             gpus = await asyncio.wait_for(self.control.gpus(), self.call_timeout)
             self._set(replace(self.state, gpus=tuple(gpus)))
 
-    async def _follow_once(self) -> None:
-        self._set(apply_link(self.state, "connecting"))
-        stream = self.control.follow(from_line=self.state.lines_seen)
-        live = False
+    def _on_link(self, report: str) -> None:
+        if report == "connected":
+            self._set(apply_link(self.state, "connecting"))
+        else:
+            self._set(apply_link(self.state, "retrying", report.removeprefix("lost: ")))
+
+    def _delay(self, attempt: int) -> float:
+        wait = self.backoff.delay(attempt)
+        self._set(replace(self.state, retry_at=self.clock() + wait))
+        return wait
+
+    async def _follow(self) -> None:
+        stream = self.control.follow(
+            from_line=self.state.lines_seen, on_link=self._on_link, delay=self._delay
+        )
         async for line in stream:
-            if not live:
-                live = True
-                self._attempt = 0
-                self._set(apply_link(self.state, "live"))
-            self._set(apply_line(self.state, line, self.clock()))
+            state = self.state
+            if state.link != "live":
+                state = apply_link(state, "live")
+            self._set(apply_line(state, line, self.clock()))
         raise ConnectionError("log stream ended")
 
     async def _poll_loop(self, every: float, poll: Callable[[], Awaitable[None]]) -> None:
         while True:
             await poll()
-            await self.sleep(every)
+            await asyncio.sleep(every)
 
     async def run(self) -> None:
-        """Follow forever (until cancelled), reconnecting with backoff."""
+        """Follow forever (until cancelled). A stream that fails outright (not a dropped link,
+        which `follow` handles) is retried here with the same backoff."""
+        me = asyncio.current_task()
         pollers = [
             asyncio.create_task(self._poll_loop(self.status_every, self.poll_status)),
             asyncio.create_task(self._poll_loop(self.gpu_every, self.poll_gpus)),
         ]
+        attempt = 0
         try:
             while True:
+                self._wake.clear()
+                self._stream = asyncio.create_task(self._follow())
                 try:
-                    await self._follow_once()
+                    await self._stream
                 except asyncio.CancelledError:
-                    raise
+                    if me is not None and me.cancelling():
+                        raise
+                    attempt = 0  # reconnect_now: go again at once
+                    continue
                 except Exception as exc:
-                    delay = self.backoff.delay(self._attempt)
-                    self._attempt += 1
-                    self._set(
-                        apply_link(self.state, "retrying", _one_line(exc), self.clock() + delay)
-                    )
-                    self._wake.clear()
-                    with contextlib.suppress(asyncio.TimeoutError):
-                        await asyncio.wait_for(self._wake.wait(), delay)
+                    wait = self.backoff.delay(attempt)
+                    attempt += 1
+                    retry_at = self.clock() + wait
+                    self._set(apply_link(self.state, "retrying", _one_line(exc), retry_at))
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(self._wake.wait(), wait)
                     await self.poll_status()
         finally:
-            for task in pollers:
-                task.cancel()
-            await asyncio.gather(*pollers, return_exceptions=True)
+            for task in [*pollers, self._stream]:
+                if task is not None:
+                    task.cancel()
+            await asyncio.gather(
+                *(t for t in [*pollers, self._stream] if t), return_exceptions=True
+            )
 
 
 def _one_line(exc: BaseException) -> str:

@@ -30,7 +30,6 @@ from dflashctl.monitor import (
     RunShape,
     RunState,
     apply_lines,
-    apply_status,
     plan_restart,
 )
 from dflashctl.tui.screens.confirm import ConfirmScreen
@@ -224,13 +223,9 @@ class DflashApp(App[None]):
             return RestartPlan(
                 diff="", fresh=False, error=f"{host}: no run_config in the inventory"
             )
-        try:
-            local = binding.config_path.read_text()
-        except OSError as exc:
-            return RestartPlan(diff="", fresh=False, error=f"{binding.config_path}: {exc.strerror}")
         deployed = await binding.control.deployed_config()
         self._deployed_cache[host] = deployed
-        return await asyncio.to_thread(plan_restart, deployed, local, str(binding.config_path))
+        return await asyncio.to_thread(plan_restart, deployed, binding.config_path)
 
     @work(exclusive=True, exit_on_error=False, group="restart-plan")
     async def _open_restart(self, host: str) -> None:
@@ -244,28 +239,29 @@ class DflashApp(App[None]):
         )
 
     async def do_restart(self, host: str, plan: RestartPlan, report: Report) -> str:
-        """Push the local config and restart (fresh when the plan says so); returns the result."""
+        """Push the local config, deploy if needed, stop gracefully, start (fresh when the plan
+        says so) via `RunControl.restart`; returns the one-line result."""
         binding = self.hosts[host]
-        control = binding.control
-        if plan.changed and binding.config_path is not None:
-            report(f"pushing {binding.config_path} ...")
-            await control.push_config(binding.config_path)
-        report("restarting (graceful stop, checkpoint, start) ...")
-        await control.restart(fresh=plan.fresh)
+        report(
+            "stopping gracefully, pushing the config, starting ..."
+            if plan.changed
+            else "restarting ..."
+        )
+        result = await binding.control.restart(
+            fresh=plan.fresh, config=binding.config_path, progress=report
+        )
         self._deployed_cache.pop(host, None)
         self._config_seen.pop(host, None)
         follower = self.followers.get(host)
-        status = await control.status()
         if follower is not None:
-            if plan.fresh:
-                follower.reset_stream()
-            follower.state = apply_status(follower.state, status)
             follower.mark_config(False)
+            await follower.poll_status()
             follower.reconnect_now()
-        mode = "fresh" if plan.fresh else "resumed"
-        result = f"{host}: restarted ({mode}), run is {getattr(status, 'state', 'unknown')}"
-        self.notify(result)
-        return result
+        line = f"{host}: restarted ({'fresh' if plan.fresh else 'resume'})" + restart_details(
+            result
+        )
+        self.notify(line)
+        return line
 
     def action_stop(self) -> None:
         host = self._need_host()
@@ -358,6 +354,18 @@ class DflashApp(App[None]):
         yield SystemCommand("Full log", "Show the host's log", self.action_log)
         yield SystemCommand("Reconnect now", "Skip the backoff wait", self.action_reconnect)
         yield SystemCommand("Key map", "Show the keys", self.action_help)
+
+
+def restart_details(result: Any) -> str:
+    """`, checkpoint step N, release R` from a RestartResult (read by name; absent parts skipped)."""
+    parts = []
+    ckpt = getattr(getattr(result, "stop", None), "checkpoint", None)
+    if ckpt is not None:
+        parts.append(f"checkpoint step {ckpt.step}")
+    release = getattr(getattr(result, "start", None), "release", None)
+    if release:
+        parts.append(f"release {release}")
+    return "".join(f", {p}" for p in parts)
 
 
 def run_app(args: Any) -> int:

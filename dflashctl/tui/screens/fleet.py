@@ -50,6 +50,12 @@ class FleetScreen(Screen[None]):
 
     BINDINGS: ClassVar[list[BindingType]] = [("enter", "open_host", "Open host")]
 
+    _ready = False
+
+    def on_mount(self) -> None:
+        self._ready = True
+        self.app.call_later(self.app.flush)  # type: ignore[attr-defined]
+
     def compose(self) -> ComposeResult:
         yield Header(show_clock=False)
         yield Static("", id="fleet-summary")
@@ -71,6 +77,8 @@ class FleetScreen(Screen[None]):
         return None if row_key.value is None else str(row_key.value)
 
     def refresh_view(self, states: dict[str, RunState], now: float, dirty: Iterable[str]) -> None:
+        if not self._ready:
+            return
         """Update every row: ages change every tick even when no line arrived."""
         del dirty  # the age column changes for all hosts on every tick
         table = self.table
@@ -81,7 +89,7 @@ class FleetScreen(Screen[None]):
                 table.add_row(*(cells[k] for k, _ in COLUMNS), key=host)
                 continue
             for key, _ in COLUMNS[1:]:
-                table.update_cell(host, key, cells[key])
+                table.update_cell(host, key, cells[key], update_width=True)
         counts: dict[str, int] = {}
         for state in states.values():
             shown = display_state(state, now).split(" ")[0]

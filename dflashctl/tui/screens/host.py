@@ -7,7 +7,7 @@ from typing import ClassVar
 
 from textual.app import ComposeResult
 from textual.binding import BindingType
-from textual.containers import Grid, Horizontal, Vertical
+from textual.containers import Horizontal, Vertical
 from textual.screen import Screen
 from textual.widgets import Digits, Footer, Log, Static
 
@@ -37,27 +37,35 @@ class HostScreen(Screen[None]):
         self.host = host
         self._log_lines_seen = 0
         self._painted = False
+        self._ready = False
 
     def compose(self) -> ComposeResult:
         yield Static("", id="host-header")
-        with Grid(id="host-grid"):
+        with Horizontal(id="row-top"):
             with Vertical(id="throughput", classes="pane"):
                 yield Digits("—", id="ktok-digits")
                 yield Static("", id="throughput-body")
             yield Pane("ETA and epoch", id="eta")
             yield Pane("warmup LR", id="lr")
+        with Horizontal(id="row-mid"):
             yield Pane("queues", id="queues")
-            yield Pane("loss / acc / streak", id="metrics")
-            yield Pane("GPUs", id="gpus")
+            with Vertical(id="side"):
+                yield Pane("loss / acc / streak", id="metrics")
+                yield Pane("GPUs", id="gpus")
         with Horizontal(id="log-row"):
             yield Log(max_lines=LOG_PANE_LINES, auto_scroll=True, id="host-log")
         yield Footer()
 
     def on_mount(self) -> None:
+        self._ready = True
+        self.app.dirty.add(self.host)  # type: ignore[attr-defined]
+        self.app.call_later(self.app.flush)  # type: ignore[attr-defined]
         self.query_one("#throughput").border_title = "throughput (Ktok/s)"
         self.query_one("#host-log").border_title = "log tail"
 
     def refresh_view(self, states: dict[str, RunState], now: float, dirty: Iterable[str]) -> None:
+        if not self._ready:
+            return
         state = states.get(self.host)
         if state is None:
             return
@@ -68,7 +76,9 @@ class HostScreen(Screen[None]):
         self._painted = True
         st = state.status
         self.query_one("#ktok-digits", Digits).update(fmt(st.ktok_s if st else None, ".1f"))
-        self._pane("#throughput-body").update(throughput_text(state, self._width("#throughput")))
+        self._pane("#throughput-body").update(
+            throughput_text(state, self._width("#throughput-body"))
+        )
         self._pane("#eta").update(eta_text(state, shape, self._width("#eta")))
         self._pane("#lr").update(lr_text(state, shape, self._width("#lr")))
         self._pane("#queues").update(queues_text(state, shape, self._width("#queues")))
@@ -80,7 +90,7 @@ class HostScreen(Screen[None]):
         return self.query_one(selector, Static)
 
     def _width(self, selector: str) -> int:
-        width = self.query_one(selector).content_region.width
+        width = self.query_one(selector).content_size.width
         return width if width > 0 else 40
 
     def _append_log(self, state: RunState) -> None:

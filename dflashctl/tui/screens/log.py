@@ -22,6 +22,11 @@ class LogScreen(Screen[None]):
         super().__init__(name=f"log:{host}")
         self.host = host
         self._seen = 0
+        self._ready = False
+
+    def on_mount(self) -> None:
+        self._ready = True
+        self.app.call_later(self.app.flush)  # type: ignore[attr-defined]
 
     def compose(self) -> ComposeResult:
         yield Static(f" log: {self.host}  (last {LOG_TAIL} lines kept)", id="log-title")
@@ -29,6 +34,8 @@ class LogScreen(Screen[None]):
         yield Footer()
 
     def refresh_view(self, states: dict[str, RunState], now: float, dirty: Iterable[str]) -> None:
+        if not self._ready:
+            return
         del now, dirty
         state = states.get(self.host)
         if state is None:

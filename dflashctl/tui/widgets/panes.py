@@ -111,17 +111,25 @@ def eta_text(state: RunState, shape: RunShape, width: int) -> Text:
     return out
 
 
-def lr_points(shape: RunShape, state: RunState, width: int) -> tuple[list[float], int | None]:
-    """The LR schedule sampled at `width` columns over the run, and the marker column."""
+def lr_window(warm: int, total: int, step: int) -> int:
+    """Steps shown by the LR curve: the warmup and what follows it (3x warmup, or 1.5x the
+    current step once past that), never beyond the run. Warmup is ~4% of a run, so a curve of
+    the whole run would hide exactly the part this pane is for."""
+    return max(2, min(total, max(3 * warm, round(1.5 * step))))
+
+
+def lr_points(shape: RunShape, state: RunState, width: int) -> tuple[list[float], int | None, int]:
+    """The LR schedule sampled at `width` columns, the marker column, and the last step shown."""
     total = total_steps(shape, state)
     warm = warmup_steps(shape, state)
     if shape.schedule is None or not total or warm is None or width < 2:
-        return [], None
-    steps = [round(i * (total - 1) / (width - 1)) for i in range(width)]
-    values = [shape.schedule(s, warm, total) for s in steps]
+        return [], None, 0
     step = state.status.step if state.status else 0
-    marker = min(width - 1, round(step / max(1, total - 1) * (width - 1)))
-    return values, marker
+    end = lr_window(warm, total, step)
+    steps = [round(i * (end - 1) / (width - 1)) for i in range(width)]
+    values = [shape.schedule(s, warm, total) for s in steps]
+    marker = min(width - 1, round(step / max(1, end - 1) * (width - 1)))
+    return values, marker, end
 
 
 def lr_text(state: RunState, shape: RunShape, width: int, height: int = 4) -> Text:
@@ -139,9 +147,11 @@ def lr_text(state: RunState, shape: RunShape, width: int, height: int = 4) -> Te
     else:
         _kv(out, "warmup", DASH)
     out.append("\n")
-    values, marker = lr_points(shape, state, max(2, width))
+    values, marker, end = lr_points(shape, state, max(2, width))
     if values:
         out.append_text(curve(values, height, marker=marker))
+        total = total_steps(shape, state)
+        out.append(f"\nsteps 0-{end}" + (f" of {total}" if total and end < total else ""), "dim")
     else:
         out.append("schedule unknown (no run config)", style="dim")
     return out

@@ -1,0 +1,159 @@
+"""Fixed data for the TUI tests: seed-shaped status lines and a replaying RunControl double.
+
+The numbers follow the seed's first check (six buckets [0, 770, ..., 8192], q_pre filling to 50,
+Ktok/s ramping to ~25, warmup of 3598 steps), generated through the trainer's own
+`format_status_line` so the parser under test reads exactly what the trainer writes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+from dflashctl.monitor import RunShape
+from trainer.events import StatusEvent, format_status_line
+
+FIXED_NOW = 1_800_000_000.0
+BOUNDARIES = (0, 770, 1216, 1728, 2432, 3296, 8192)
+WARMUP = 3598
+TOTAL = 89_950
+PEAK_LR = 6e-4
+
+
+def warmup_cosine(step: int, warmup: int, total: int) -> float:
+    """Linear warmup then cosine to 10% of peak (the shape the trainer's config describes)."""
+    if step < warmup:
+        return PEAK_LR * (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    return PEAK_LR * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def seed_shape(schedule: Any = warmup_cosine) -> RunShape:
+    return RunShape(
+        boundaries=BOUNDARIES,
+        q_pre_capacity=50,
+        q_hs_capacity=8,
+        warmup_steps=WARMUP,
+        total_steps=TOTAL,
+        epochs=6.0,
+        schedule=schedule,
+    )
+
+
+def status_line(i: int, *, starve: int | None = None, **extra: str) -> str:
+    """The i-th status line of a run ramping up (deterministic, no RNG)."""
+    ramp = min(1.0, i / 20)
+    step = 30 * i
+    q_pre = [max(0, min(50, 4 + 3 * i - b)) for b in range(6)]
+    if starve is not None:
+        q_pre[starve] = 0
+    ev = StatusEvent(
+        elapsed_min=i // 2,
+        step=step,
+        loss=None if i == 0 else 6.5 - 2.0 * ramp + 0.3 * math.sin(i),
+        acc=None if i == 0 else 0.05 + 0.25 * ramp,
+        streak=None if i == 0 else 0.1 + 1.5 * ramp,
+        lr=None if i == 0 else warmup_cosine(step, WARMUP, TOTAL),
+        noise=0.1,
+        tgt_bps=0.4 * ramp * 2,
+        dft_bps=0.3 * ramp * 2,
+        ktok_s=25.1 * ramp + 0.4 * math.sin(i / 2) * ramp,
+        q_pre=q_pre,
+        q_hs=[i % 3],
+        epoch=step / (TOTAL / 6),
+        eta_s=None if i == 0 else 5.1 * 86400 / max(0.2, ramp),
+        extra=dict(extra),
+    )
+    return format_status_line(ev)
+
+
+def run_lines(n: int, **kw: Any) -> list[str]:
+    return ["Starting pipeline...", "Pipeline running. Monitoring..."] + [
+        status_line(i, **kw) for i in range(n)
+    ]
+
+
+@dataclass
+class Status:
+    """Same fields as dflashctl.control.RunStatus (the follower reads them by name)."""
+
+    state: str = "running"
+    exit_status: int | None = None
+    release: str | None = "3f9a1c2b7d10"
+    config_hash: str | None = "a1b2c3d4e5f6"
+    last_event: Any = None
+    log_lines: int = 0
+    message: str | None = None
+
+
+@dataclass
+class ReplayControl:
+    """A RunControl double at the service boundary: replays lines, records every call.
+
+    Signatures match `dflashctl.control.RunControl`; `fail_follow` makes the stream raise the
+    given number of times first (a host whose log cannot be tailed).
+    """
+
+    lines: list[str] = field(default_factory=list)
+    deployed: str = ""
+    status_value: Status = field(default_factory=Status)
+    calls: list[tuple[str, Any]] = field(default_factory=list)
+    hold_open: bool = True
+    fail_follow: int = 0
+
+    async def status(self) -> Status:
+        self.calls.append(("status", None))
+        return self.status_value
+
+    async def follow(
+        self,
+        from_line: int = 0,
+        *,
+        on_link: Callable[[str], None] | None = None,
+        delay: Callable[[int], float] | None = None,
+    ) -> AsyncIterator[str]:
+        self.calls.append(("follow", from_line))
+        if self.fail_follow > 0:
+            self.fail_follow -= 1
+            raise ConnectionRefusedError("ssh: connect to host kpro6 port 22: Connection refused")
+        if on_link:
+            on_link("connected")
+        for line in self.lines[from_line:]:
+            yield line
+        if self.hold_open:
+            await asyncio.Event().wait()
+
+    async def gpus(self) -> list[Any]:
+        return []
+
+    async def deployed_config(self) -> str:
+        self.calls.append(("deployed_config", None))
+        return self.deployed
+
+    async def restart(
+        self,
+        fresh: bool = False,
+        *,
+        config: Path | None = None,
+        stop_timeout: float = 120.0,
+        progress: Callable[[str], None] | None = None,
+    ) -> Any:
+        self.calls.append(("restart", (fresh, config)))
+        if progress:
+            progress("deploy: release 3f9a1c2b7d10 already present")
+        if config is not None:
+            self.deployed = Path(config).read_text()
+        return SimpleNamespace(
+            stop=SimpleNamespace(checkpoint=SimpleNamespace(step=1200)),
+            start=SimpleNamespace(release="3f9a1c2b7d10"),
+        )
+
+    async def stop(self, timeout: float = 120.0) -> Any:
+        self.calls.append(("stop", timeout))
+        self.status_value = Status(state="stopped")
+        return SimpleNamespace(outcome="checkpointed")

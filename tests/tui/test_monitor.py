@@ -1,0 +1,222 @@
+"""RunState reducer and HostFollower: replayed status lines in, the values the panes show out."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import replace
+
+import pytest
+
+from dflashctl.monitor import (
+    HISTORY,
+    LOG_TAIL,
+    Backoff,
+    HostFollower,
+    RunShape,
+    RunState,
+    apply_line,
+    apply_lines,
+    apply_status,
+    bucket_labels,
+    display_state,
+    format_age,
+    total_steps,
+    warmup_steps,
+)
+from tests.tui.fixtures import FIXED_NOW, ReplayControl, Status, run_lines, status_line
+
+SEED_WRAPPED = [  # the seed's own capture: tmux wrapped the lines at 80 columns
+    "Starting pipeline...",
+    "Pipeline running. Monitoring...",
+    "[1m] step=2 loss=6.4079 acc=0.000 streak=0.0 lr=6.43e-07 noise=0.1000 | tgt=0.40b/s"
+    " dft=0.30b/s (12.3Ktok/s) | q_pre=[10, 8, 8, 7, 6, 5] q_hs=[1] | epoch~0.00 ETA=5.1d",
+]
+
+
+def test_replayed_lines_fill_status_histories_and_tail() -> None:
+    state = apply_lines(RunState("kpro6"), SEED_WRAPPED, FIXED_NOW)
+    assert state.phase == "running"
+    assert state.status is not None
+    assert (state.status.step, state.status.ktok_s) == (2, 12.3)
+    assert state.q_pre_hist == ((10, 8, 8, 7, 6, 5),)
+    assert state.q_hs_hist == ((1,),)
+    assert state.ktok_hist == (12.3,)
+    assert state.loss_hist == (6.4079,)
+    assert state.lines_seen == 3
+    assert state.log_tail[-1] == SEED_WRAPPED[-1]
+    assert state.last_line_at == FIXED_NOW
+
+
+def test_missing_values_do_not_enter_histories() -> None:
+    state = apply_lines(RunState("h"), [status_line(0), status_line(1)], FIXED_NOW)
+    assert state.status is not None and state.status.step == 30
+    assert len(state.loss_hist) == 1  # the first line had loss=---
+    assert len(state.ktok_hist) == 2  # 0.0 Ktok/s is a value, and it is shown
+
+
+def test_histories_and_tail_are_bounded() -> None:
+    lines = run_lines(HISTORY + 50) + [f"noise {i}" for i in range(LOG_TAIL)]
+    state = apply_lines(RunState("h"), lines, FIXED_NOW)
+    assert len(state.ktok_hist) == HISTORY
+    assert len(state.log_tail) == LOG_TAIL
+    assert state.log_tail[-1] == f"noise {LOG_TAIL - 1}"
+    assert state.lines_seen == len(lines)
+    assert state.status is not None and state.status.step == 30 * (HISTORY + 49)
+
+
+def test_checkpoint_and_error_lines_are_kept() -> None:
+    state = apply_lines(
+        RunState("h"),
+        [
+            "Checkpoint saved: step=1200 path=/opt/dflash/run/checkpoints/step-00001200.pt",
+            "ERROR: CUDA out of memory on cuda:3",
+            "Traceback (most recent call last):",
+        ],
+        FIXED_NOW,
+    )
+    assert state.checkpoint == (1200, "/opt/dflash/run/checkpoints/step-00001200.pt")
+    assert state.last_error == "CUDA out of memory on cuda:3"
+    assert state.log_tail[-1] == "Traceback (most recent call last):"
+
+
+@pytest.mark.parametrize(
+    ("run", "exit_status", "age", "link", "expected"),
+    [
+        ("running", None, 5.0, "live", "running"),
+        ("running", None, 61.0, "live", "stale"),
+        ("crashed", 137, 5.0, "live", "crashed (exit 137)"),
+        ("crashed", None, 5.0, "live", "crashed (exit ?)"),
+        ("stopped", 0, 5.0, "live", "stopped"),
+        ("unreachable", None, 5.0, "retrying", "unreachable"),
+        ("running", None, 5.0, "retrying", "unreachable"),
+        ("unknown", None, None, "connecting", "connecting"),
+    ],
+)
+def test_display_state(
+    run: str, exit_status: int | None, age: float | None, link: str, expected: str
+) -> None:
+    state = RunState(
+        "h",
+        run=run,
+        exit_status=exit_status,
+        link=link,  # type: ignore[arg-type]
+        last_line_at=None if age is None else FIXED_NOW - age,
+    )
+    assert display_state(state, FIXED_NOW) == expected
+
+
+def test_status_poll_sets_run_state_and_keeps_known_release() -> None:
+    state = apply_status(RunState("h"), Status(state="running", release="abc123def456"))
+    state = apply_status(state, Status(state="crashed", exit_status=1, release=None))
+    assert (state.run, state.exit_status, state.release) == ("crashed", 1, "abc123def456")
+
+
+@pytest.mark.parametrize(
+    ("seconds", "text"),
+    [
+        (None, "—"),
+        (4.9, "4s"),
+        (125, "2m05s"),
+        (3 * 3600 + 720, "3h12m"),
+        (2 * 86400 + 4 * 3600, "2d04h"),
+    ],
+)
+def test_format_age(seconds: float | None, text: str) -> None:
+    assert format_age(seconds) == text
+
+
+def test_bucket_labels_from_boundaries_or_fallback() -> None:
+    assert bucket_labels([0, 770, 1216], 2) == ["[0,770)", "[770,1216)"]
+    assert bucket_labels([0, 770, 1216], 3) == ["b0", "b1", "b2"]
+    assert bucket_labels(None, 1) == ["b0"]
+
+
+def test_total_and_warmup_steps_prefer_the_trainers_report() -> None:
+    shape = RunShape(total_steps=1000, warmup_ratio=0.04, epochs=6.0)
+    state = apply_line(RunState("h"), status_line(5), FIXED_NOW)
+    assert total_steps(shape, state) == 1000
+    assert warmup_steps(shape, state) == 40
+    reported = apply_line(state, status_line(6, total_steps="5000", warmup_steps="200"), FIXED_NOW)
+    assert (total_steps(shape, reported), warmup_steps(shape, reported)) == (5000, 200)
+    # no config total: extrapolated from the epoch fraction the trainer reports
+    assert reported.status is not None and reported.status.epoch
+    no_total = RunShape(epochs=6.0, warmup_steps=10)
+    expected = round(reported.status.step / reported.status.epoch * 6.0)
+    assert (
+        total_steps(
+            no_total, replace(reported, status=reported.status.model_copy(update={"extra": {}}))
+        )
+        == expected
+    )
+
+
+def test_backoff_is_capped_exponential() -> None:
+    b = Backoff(initial=1.0, factor=2.0, maximum=30.0)
+    assert [b.delay(i) for i in range(7)] == [1, 2, 4, 8, 16, 30, 30]
+
+
+async def _until(predicate, timeout: float = 5.0) -> None:  # type: ignore[no-untyped-def]
+    async with asyncio.timeout(timeout):
+        while not predicate():
+            await asyncio.sleep(0.01)
+
+
+async def test_follower_streams_lines_and_polls_status() -> None:
+    control = ReplayControl(lines=run_lines(5))
+    published: list[RunState] = []
+    follower = HostFollower("kpro6", control, published.append, clock=lambda: FIXED_NOW)
+    task = asyncio.create_task(follower.run())
+    try:
+        await _until(lambda: follower.state.lines_seen == 7 and follower.state.run == "running")
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+    assert follower.state.link == "live"
+    assert follower.state.status is not None and follower.state.status.step == 120
+    assert follower.state.release == "3f9a1c2b7d10"
+    assert published[-1] is follower.state
+
+
+async def test_failed_stream_retries_with_backoff_and_resumes_where_it_left() -> None:
+    control = ReplayControl(lines=run_lines(3), fail_follow=1)
+    follower = HostFollower(
+        "kpro6", control, lambda s: None, clock=lambda: FIXED_NOW, backoff=Backoff(initial=30.0)
+    )
+    task = asyncio.create_task(follower.run())
+    try:
+        await _until(lambda: follower.state.link == "retrying")
+        assert follower.state.retry_at == FIXED_NOW + 30.0
+        assert "Connection refused" in (follower.state.link_error or "")
+        assert display_state(follower.state, FIXED_NOW) == "unreachable"
+        follower.reconnect_now()  # the `c` key: no 30 s wait
+        await _until(lambda: follower.state.lines_seen == 5)
+        control.lines.append(status_line(9))
+        follower.reconnect_now()  # a reconnect follows from the last line read, no duplicates
+        await _until(lambda: follower.state.lines_seen == 6)
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+    follows = [arg for name, arg in control.calls if name == "follow"]
+    assert follows[:2] == [0, 0] and follows[-1] == 5
+    assert follower.state.status is not None and follower.state.status.step == 270
+
+
+async def test_shrunk_status_log_restarts_the_stream_from_zero() -> None:
+    control = ReplayControl(lines=run_lines(4))
+    follower = HostFollower("h", control, lambda s: None, clock=lambda: FIXED_NOW)
+    task = asyncio.create_task(follower.run())
+    try:
+        await _until(lambda: follower.state.lines_seen == 6)
+        control.lines[:] = run_lines(1)  # a fresh run started status.log over
+        control.status_value = replace(control.status_value, log_lines=3)  # type: ignore[call-arg]
+        await follower.poll_status()
+        await _until(
+            lambda: (
+                [a for n, a in control.calls if n == "follow"][-1] == 0
+                and follower.state.lines_seen == 3
+            )
+        )
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+    assert follower.state.status is not None and follower.state.status.step == 0
