@@ -61,6 +61,10 @@ _tree_hash = _ns["tree_hash"]
 VERIFY_SCRIPT = TREE_HASH_SOURCE + "\nimport sys\nprint(tree_hash(sys.argv[1], sys.argv[2]))\n"
 
 
+class ReleaseError(Exception):
+    """The tree to ship is missing or unreadable (names the path)."""
+
+
 @dataclass(frozen=True)
 class Release:
     """A packaged trainer tree: its id and the deterministic tar stream to ship."""
@@ -85,7 +89,7 @@ def build_release(root: Path | None = None, prefix: str = "trainer") -> Release:
     """Hash and tar `root/prefix` (default: the installed trainer package)."""
     root = root or package_root()
     if not (root / prefix).is_dir():
-        raise FileNotFoundError(f"{root / prefix}: trainer package not found")
+        raise ReleaseError(f"{root / prefix}: trainer package not found")
     files: list[tuple[str, str]] = _tree_files(str(root), prefix)  # type: ignore[operator]
     buf = io.BytesIO()
     with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tar:

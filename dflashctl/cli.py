@@ -1,0 +1,482 @@
+"""`dflashctl` command line: parse arguments, call the services, print, exit with a clear code.
+
+Exit codes: 0 ok, 1 operation failed, 2 usage or config error, 3 host unreachable.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shlex
+import sys
+from collections.abc import Awaitable, Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from dflashctl.inventory import HostConfig, Inventory, InventoryError, load_inventory
+
+EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_UNREACHABLE = 0, 1, 2, 3
+
+
+class UsageError(Exception):
+    """Bad arguments (exit 2)."""
+
+
+def _print_err(msg: str) -> None:
+    print(f"dflashctl: {msg}", file=sys.stderr)
+
+
+def make_transport(host: HostConfig) -> Any:
+    from dflashctl.remote.ssh import SshTransport
+
+    return SshTransport(host)
+
+
+def _inventory(args: argparse.Namespace) -> Inventory:
+    return load_inventory(args.hosts)
+
+
+def _host(args: argparse.Namespace) -> HostConfig:
+    return _inventory(args).get(args.host)
+
+
+async def _with_transport(host: HostConfig, fn: Callable[[Any], Awaitable[int]]) -> int:
+    transport = make_transport(host)
+    try:
+        return await fn(transport)
+    finally:
+        await transport.close()
+
+
+# --- commands ------------------------------------------------------------------------------
+
+
+async def cmd_hosts(args: argparse.Namespace) -> int:
+    inv = _inventory(args)
+
+    async def probe(host: HostConfig) -> tuple[HostConfig, str]:
+        transport = make_transport(host)
+        try:
+            state = await asyncio.wait_for(transport.container_state(), host.connect_timeout * 2)
+            return host, f"reachable, CT {host.ctid} {state}"
+        except Exception as err:  # one line per host, whatever went wrong there
+            return host, f"UNREACHABLE: {err}" if str(err) else f"UNREACHABLE: {type(err).__name__}"
+        finally:
+            await transport.close()
+
+    if args.no_check:
+        rows = [(h, "-") for h in inv.hosts.values()]
+    else:
+        rows = await asyncio.gather(*(probe(h) for h in inv.hosts.values()))
+    for host, state in rows:
+        print(
+            f"{host.name:<16} {host.user}@{host.address}:{host.port} ct={host.ctid} "
+            f"workdir={host.workdir} session={host.session}  {state}"
+        )
+    if not rows:
+        print(f"(no hosts in {inv.path})")
+    return EXIT_OK
+
+
+async def cmd_trust(args: argparse.Namespace) -> int:
+    from dflashctl.remote.ssh import fetch_host_key, pin_host_key, pinned_keys
+
+    host = _host(args)
+    key = await fetch_host_key(host)
+    fp = key.get_fingerprint("sha256")
+    pinned = pinned_keys(host.known_hosts, host.address, host.port)
+    print(f"{host.name}: {host.address}:{host.port} presents {key.get_algorithm()} key {fp}")
+    if any(k.get_fingerprint("sha256") == fp for k in pinned):
+        print(f"already pinned in {host.known_hosts}")
+        return EXIT_OK
+    if pinned:
+        _print_err(
+            f"{host.name}: a DIFFERENT key is pinned in {host.known_hosts} "
+            f"({pinned[0].get_fingerprint('sha256')}); remove that line by hand if the host "
+            f"really was reinstalled"
+        )
+        return EXIT_FAILED
+    if not args.yes:
+        print("Compare with `ssh-keygen -lf /etc/ssh/ssh_host_*_key.pub` on the host.")
+        print("Trust this key? [y/N] ", end="", flush=True)
+        answer = sys.stdin.readline().strip().lower()
+        if answer not in {"y", "yes"}:
+            print("not trusted")
+            return EXIT_FAILED
+    pin_host_key(host, key)
+    print(f"pinned in {host.known_hosts}")
+    return EXIT_OK
+
+
+async def cmd_deploy(args: argparse.Namespace) -> int:
+    from dflashctl.deploy import deploy
+    from dflashctl.release import build_release
+
+    host = _host(args)
+    config = Path(args.config) if args.config else host.run_config
+
+    async def go(t: Any) -> int:
+        release = build_release(Path(args.tree)) if args.tree else None
+        res = await deploy(t, host, config=config, progress=print, release=release)
+        print(res.summary())
+        for rel in res.pruned:
+            print(f"{host.name}: pruned release {rel}")
+        return EXIT_OK
+
+    return await _with_transport(host, go)
+
+
+async def cmd_start(args: argparse.Namespace) -> int:
+    from dflashctl.control import RunControl
+
+    host = _host(args)
+
+    async def go(t: Any) -> int:
+        res = await RunControl(t, host).start(fresh=args.fresh)
+        if res.started:
+            print(
+                f"{host.name}: started release {res.release} in tmux session {host.session!r} "
+                f"(pid {res.pane_pid}): {shlex.join(res.argv)}"
+            )
+        else:
+            print(f"{host.name}: already running (release {res.release or '?'})")
+        return EXIT_OK
+
+    return await _with_transport(host, go)
+
+
+async def cmd_stop(args: argparse.Namespace) -> int:
+    from dflashctl.control import RunControl
+
+    host = _host(args)
+
+    async def go(t: Any) -> int:
+        res = await RunControl(t, host).stop(args.timeout)
+        if not res.was_running:
+            print(f"{host.name}: not running ({res.outcome})")
+            return EXIT_OK
+        ck = (
+            f"checkpoint step {res.checkpoint.step} at {res.checkpoint.path}"
+            if res.checkpoint
+            else "NO checkpoint line seen"
+        )
+        print(f"{host.name}: stopped ({res.outcome}); {ck}")
+        return EXIT_OK if res.checkpoint or res.outcome == "exited" else EXIT_FAILED
+
+    return await _with_transport(host, go)
+
+
+async def cmd_restart(args: argparse.Namespace) -> int:
+    from dflashctl.control import RunControl
+
+    host = _host(args)
+    config = Path(args.config) if args.config else None
+
+    async def go(t: Any) -> int:
+        res = await RunControl(t, host).restart(
+            fresh=args.fresh, config=config, stop_timeout=args.timeout, progress=print
+        )
+        if res.config_diff:
+            print(res.config_diff, end="" if res.config_diff.endswith("\n") else "\n")
+        print(res.deploy.summary())
+        ck = (
+            f"checkpoint step {res.stop.checkpoint.step}"
+            if res.stop.checkpoint
+            else "no checkpoint"
+        )
+        print(f"{host.name}: stop: {res.stop.outcome} ({ck})")
+        print(
+            f"{host.name}: started release {res.start.release}; config "
+            f"{res.old_config_hash or '-'} -> {res.new_config_hash or '-'}"
+            f"{' (fresh: old checkpoints archived)' if args.fresh else ''}"
+        )
+        return EXIT_OK
+
+    return await _with_transport(host, go)
+
+
+def _format_status(st: Any) -> str:
+    from trainer.events import format_status_line
+
+    parts = [f"{st.host}: {st.state}"]
+    if st.exit_status is not None:
+        parts.append(f"exit={st.exit_status}")
+    parts.append(f"release={st.release or '-'}")
+    if st.run_release and st.run_release != st.release:
+        parts.append(f"(running {st.run_release})")
+    parts.append(f"config={st.config_hash or '-'}")
+    if st.deployed_config_hash and st.deployed_config_hash != st.config_hash:
+        parts.append(f"(deployed {st.deployed_config_hash}: restart to apply)")
+    lines = [" ".join(parts)]
+    if st.message:
+        lines.append(f"  {st.message}")
+    if st.last_event is not None:
+        lines.append("  " + format_status_line(st.last_event))
+    if st.last_checkpoint is not None:
+        lines.append(f"  last checkpoint: step {st.last_checkpoint.step} {st.last_checkpoint.path}")
+    if st.last_error:
+        lines.append(f"  error: {st.last_error}")
+    lines += [f"  | {ln}" for ln in st.pane_tail]
+    return "\n".join(lines)
+
+
+async def cmd_status(args: argparse.Namespace) -> int:
+    from dflashctl.control import RunControl
+
+    inv = _inventory(args)
+    hosts = [inv.get(n) for n in args.host] if args.host else list(inv.hosts.values())
+
+    async def one(host: HostConfig) -> Any:
+        transport = make_transport(host)
+        try:
+            return await RunControl(transport, host).status()
+        finally:
+            await transport.close()
+
+    results = await asyncio.gather(*(one(h) for h in hosts))
+    if args.json:
+        print(json.dumps([r.to_json_dict() for r in results], indent=2, default=str))
+    else:
+        for r in results:
+            print(_format_status(r))
+    if results and all(r.state == "unreachable" for r in results):
+        return EXIT_UNREACHABLE
+    return EXIT_OK
+
+
+def _print_line(line: str, as_json: bool) -> None:
+    if as_json:
+        from trainer.events import parse_line
+
+        print(parse_line(line).model_dump_json(), flush=True)
+    else:
+        print(line, flush=True)
+
+
+async def cmd_logs(args: argparse.Namespace) -> int:
+    from dflashctl.control import RunControl
+
+    host = _host(args)
+
+    async def go(t: Any) -> int:
+        ctl = RunControl(t, host)
+        st = await ctl.status()
+        if st.state == "unreachable":
+            from dflashctl.remote.transport import HostUnreachable
+
+            raise HostUnreachable(st.message or host.name)
+        start = max(0, st.log_lines - args.lines)
+        if not args.follow:
+            res = await t.run(["tail", "-n", f"+{start + 1}", f"{host.run_dir}/status.log"])
+            for line in res.stdout.splitlines():
+                _print_line(line, args.json)
+            return EXIT_OK
+
+        def link(state: str) -> None:
+            if state != "connected":
+                print(f"dflashctl: {state}; reconnecting", file=sys.stderr, flush=True)
+
+        async for line in ctl.follow(start, on_link=link):
+            _print_line(line, args.json)
+        return EXIT_OK
+
+    return await _with_transport(host, go)
+
+
+def attach_argv(host: HostConfig, term: str) -> list[str]:
+    """The system ssh argv for an interactive attach (host key checked against our file)."""
+    from dflashctl.remote.commands import clean_env, pct_exec, shell_join, tmux_attach
+
+    remote = shell_join(pct_exec(host.ctid, clean_env(tmux_attach(host.session), {"TERM": term})))
+    argv = [
+        "ssh",
+        "-t",
+        "-p",
+        str(host.port),
+        "-o",
+        f"UserKnownHostsFile={host.known_hosts}",
+        "-o",
+        "StrictHostKeyChecking=yes",
+        "-o",
+        "ForwardAgent=no",
+    ]
+    if host.identity_file is not None:
+        argv += ["-i", str(host.identity_file), "-o", "IdentitiesOnly=yes"]
+    return [*argv, f"{host.user}@{host.address}", remote]
+
+
+async def cmd_attach(args: argparse.Namespace) -> int:
+    host = _host(args)
+    argv = attach_argv(host, os.environ.get("TERM", "xterm-256color"))
+    if args.print:
+        print(shlex.join(argv))
+        return EXIT_OK
+    os.execvp(argv[0], argv)
+    return EXIT_FAILED  # not reached
+
+
+async def cmd_buckets(args: argparse.Namespace) -> int:
+    host = _host(args)
+    store = args.store or host.data_store
+    if store is None:
+        raise UsageError(
+            f"{host.name}: no data store: pass --store PATH or set data_store in hosts.toml"
+        )
+
+    async def go(t: Any) -> int:
+        argv = [
+            "env",
+            f"PYTHONPATH={host.workdir}/current",
+            host.python,
+            "-m",
+            "trainer.buckets",
+            "plan",
+            "--lengths",
+            store,
+            *args.planner_args,
+        ]
+        res = await t.run(argv, timeout=600)
+        sys.stdout.write(res.stdout)
+        if not res.ok:
+            _print_err(f"{host.name}: planner failed: {res.error_line()}")
+            return EXIT_FAILED
+        return EXIT_OK
+
+    return await _with_transport(host, go)
+
+
+async def cmd_secret(args: argparse.Namespace) -> int:
+    from dflashctl.control import RunControl
+
+    host = _host(args)
+    data = sys.stdin.buffer.read()
+    if not data:
+        raise UsageError("secret value is read from stdin, and stdin was empty")
+
+    async def go(t: Any) -> int:
+        path = await RunControl(t, host).put_secret(args.name, data)
+        print(f"{host.name}: wrote {len(data)} bytes to {path} (mode 0600)")
+        return EXIT_OK
+
+    return await _with_transport(host, go)
+
+
+# --- parser and dispatch -------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="dflashctl",
+        description="Deploy and operate DFlash training runs on Proxmox LXC containers.",
+    )
+    p.add_argument(
+        "--hosts",
+        type=Path,
+        default=None,
+        help="inventory file (default ./hosts.toml, then ~/.config/dflashctl/hosts.toml)",
+    )
+    sub = p.add_subparsers(dest="command")
+
+    def add(
+        name: str, fn: Callable[[argparse.Namespace], Awaitable[int]], help: str, host: bool = True
+    ) -> argparse.ArgumentParser:
+        sp = sub.add_parser(name, help=help, description=help)
+        if host:
+            sp.add_argument("host")
+        sp.set_defaults(func=fn)
+        return sp
+
+    sp = add("hosts", cmd_hosts, "list inventory hosts and whether they are reachable", host=False)
+    sp.add_argument("--no-check", action="store_true", help="do not connect")
+    sp = add("trust", cmd_trust, "fetch a host's SSH key, show its fingerprint, pin it")
+    sp.add_argument("--yes", action="store_true", help="pin without asking (scripts)")
+    sp = add("deploy", cmd_deploy, "deploy the trainer (and run config) to a host")
+    sp.add_argument("--config", help="run config to push (default: run_config in hosts.toml)")
+    sp.add_argument("--tree", help="directory holding the trainer/ to ship (default: installed)")
+    sp = add("start", cmd_start, "start the trainer in tmux")
+    sp.add_argument("--fresh", action="store_true", help="archive checkpoints, start from step 0")
+    sp = add("stop", cmd_stop, "SIGINT the trainer, wait for its checkpoint, end the session")
+    sp.add_argument("--timeout", type=float, default=120.0, help="seconds to wait (default 120)")
+    sp = add("restart", cmd_restart, "push config, deploy if changed, stop, start")
+    sp.add_argument("--fresh", action="store_true", help="archive checkpoints, start from step 0")
+    sp.add_argument("--config", help="run config to push (default: run_config in hosts.toml)")
+    sp.add_argument("--timeout", type=float, default=120.0, help="stop timeout in seconds")
+    sp = sub.add_parser("status", help="run state, release, config hash, latest status line")
+    sp.add_argument("host", nargs="*")
+    sp.add_argument("--json", action="store_true")
+    sp.set_defaults(func=cmd_status)
+    sp = add("logs", cmd_logs, "print (or follow with -f) the run's status.log")
+    sp.add_argument("-f", "--follow", action="store_true")
+    sp.add_argument("-n", "--lines", type=int, default=20)
+    sp.add_argument("--json", action="store_true", help="one parsed event per line as JSON")
+    sp = add("attach", cmd_attach, "attach to the trainer's tmux session (interactive ssh -t)")
+    sp.add_argument("--print", action="store_true", help="print the ssh command instead")
+    sp = add("buckets", cmd_buckets, "run the bucket planner on the host's data store")
+    sp.add_argument("--store", help="token store or .npy lengths in the container")
+    sp.add_argument(
+        "planner_args", nargs=argparse.REMAINDER, help="passed to `trainer.buckets plan`"
+    )
+    sp = add(
+        "secret", cmd_secret, "store a secret (read from stdin) as a 0600 file in the container"
+    )
+    sp.add_argument("name")
+    sub.add_parser("tui", help="the live fleet TUI (default)").set_defaults(func=None)
+    sub.add_parser("demo", help="the TUI against a local demo run").set_defaults(func=None)
+    return p
+
+
+def _run_delegate(command: str, argv: Sequence[str]) -> int:
+    if command == "demo":
+        from dflashctl import demo
+
+        return int(demo.main(list(argv)) or 0)
+    from dflashctl.tui import app
+
+    return int(app.run_app(list(argv)) or 0)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from dflashctl.control import ControlError
+    from dflashctl.deploy import DeployError
+    from dflashctl.release import ReleaseError
+    from dflashctl.remote.transport import HostUnreachable, TransportError
+    from dflashctl.runconfig import RunConfigError
+
+    args_in = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    # tui/demo own their flags: hand them everything but the subcommand word, untouched.
+    i = 0
+    while i < len(args_in):
+        tok = args_in[i]
+        if tok == "--hosts":
+            i += 2
+        elif tok.startswith("-"):
+            i += 1
+        elif tok in {"tui", "demo"}:
+            return _run_delegate(tok, args_in[:i] + args_in[i + 1 :])
+        else:
+            break
+    args = parser.parse_args(args_in)
+    if args.command is None:
+        return _run_delegate("tui", args_in)
+    try:
+        return asyncio.run(args.func(args))
+    except KeyboardInterrupt:
+        _print_err("interrupted")
+        return 130
+    except (InventoryError, RunConfigError, ReleaseError, UsageError) as err:
+        _print_err(str(err))
+        return EXIT_USAGE
+    except HostUnreachable as err:
+        _print_err(str(err))
+        return EXIT_UNREACHABLE
+    except (DeployError, TransportError, ControlError) as err:
+        for line in str(err).splitlines():
+            _print_err(line)
+        return EXIT_FAILED
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,236 @@
+"""Real parts for dflashctl tests and benchmarks: OpenSSH sshd, an LXC container, the pct shim.
+
+Plain context managers (no pytest) so benchmarks reuse exactly what the tests run against.
+The "Proxmox node" is this machine reached through a loopback sshd whose sessions find the
+`pct` shim first on PATH; the "CT" is a real LXC container with no network, the repo's venv
+and its base interpreter bind-mounted read-only, and a writable workdir bind-mounted from a
+host temp dir (so tests can inspect what landed).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+SHIM = HERE / "pct"
+CONTAINER_WORKDIR = "/srv/dflash"
+CTID = 4242
+NAME_PREFIX = "dflt-"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _run(argv: list[str], **kw: object) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(argv, capture_output=True, text=True, check=False, **kw)  # type: ignore[call-overload]
+
+
+def have(*tools: str) -> str | None:
+    """None if all tools exist, else a reason naming the first missing one."""
+    for tool in tools:
+        if shutil.which(tool) is None and not Path(tool).exists():
+            return f"{tool} not installed"
+    return None
+
+
+@dataclass(frozen=True)
+class Sshd:
+    port: int
+    client_key: Path
+    host_pub: Path
+    dir: Path
+    map_file: Path
+
+
+@contextlib.contextmanager
+def sshd(base: Path) -> Iterator[Sshd]:
+    """OpenSSH sshd on 127.0.0.1:<free port>, root login by a temp key, pct shim on PATH."""
+    base.mkdir(parents=True, exist_ok=True)
+    shim_dir = base / "bin"
+    shim_dir.mkdir(exist_ok=True)
+    shutil.copy(SHIM, shim_dir / "pct")
+    (shim_dir / "pct").chmod(0o755)
+    host_key = base / "ssh_host_ed25519_key"
+    client_key = base / "client_ed25519"
+    for key in (host_key, client_key):
+        if not key.exists():
+            r = _run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(key)])
+            if r.returncode:
+                raise RuntimeError(f"ssh-keygen failed: {r.stderr.strip()}")
+    auth = base / "authorized_keys"
+    auth.write_text((base / "client_ed25519.pub").read_text())
+    map_file = base / "pct-map"
+    map_file.touch()
+    port = free_port()
+    cfg = base / "sshd_config"
+    cfg.write_text(
+        "\n".join(
+            [
+                f"ListenAddress 127.0.0.1:{port}",
+                f"HostKey {host_key}",
+                f"AuthorizedKeysFile {auth}",
+                f"PidFile {base / 'sshd.pid'}",
+                "PermitRootLogin prohibit-password",
+                "PasswordAuthentication no",
+                "KbdInteractiveAuthentication no",
+                "UsePAM no",
+                "StrictModes no",
+                "AllowAgentForwarding no",
+                "X11Forwarding no",
+                "LogLevel ERROR",
+                f"SetEnv PATH={shim_dir}:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+                f" DFLASH_PCT_MAP={map_file}",
+                "",
+            ]
+        )
+    )
+    Path("/run/sshd").mkdir(parents=True, exist_ok=True)
+    proc = subprocess.Popen(
+        ["/usr/sbin/sshd", "-D", "-e", "-f", str(cfg)],
+        stdout=subprocess.DEVNULL,
+        stderr=open(base / "sshd.log", "ab"),  # noqa: SIM115 - lives as long as sshd
+    )
+    try:
+        deadline = time.monotonic() + 10
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"sshd exited: {(base / 'sshd.log').read_text()[-500:]}")
+            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 0.2):
+                break
+            if time.monotonic() > deadline:
+                raise RuntimeError("sshd did not listen within 10 s")
+            time.sleep(0.05)
+        yield Sshd(port, client_key, base / "ssh_host_ed25519_key.pub", base, map_file)
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(5)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+@dataclass(frozen=True)
+class Container:
+    name: str
+    ctid: int
+    workdir_host: Path  # bind-mounted at CONTAINER_WORKDIR
+    python: str
+
+
+def _destroy(name: str) -> None:
+    _run(["lxc-stop", "-n", name, "-k"], timeout=60)
+    _run(["lxc-destroy", "-n", name, "-f"], timeout=60)
+
+
+def reap_stale_containers() -> None:
+    """Destroy dflt-<pid> containers left by test sessions whose process is gone."""
+    r = _run(["lxc-ls", "-1"])
+    for name in r.stdout.split():
+        if not name.startswith(NAME_PREFIX):
+            continue
+        pid = name[len(NAME_PREFIX) :]
+        if pid.isdigit() and not Path(f"/proc/{pid}").exists():
+            _destroy(name)
+
+
+@contextlib.contextmanager
+def lxc_container(workdir_host: Path, *, name: str | None = None) -> Iterator[Container]:
+    """A running LXC container (template sshd, no network) with the venv visible inside."""
+    reap_stale_containers()
+    name = name or f"{NAME_PREFIX}{os.getpid()}"
+    _destroy(name)
+    r = _run(["lxc-create", "-n", name, "-t", "sshd"], timeout=120)
+    if r.returncode:
+        raise RuntimeError(f"lxc-create failed: {(r.stderr or r.stdout).strip()[-300:]}")
+    try:
+        venv = Path(sys.prefix)
+        base = Path(sys.base_prefix)
+        workdir_host.mkdir(parents=True, exist_ok=True)
+        cfg_path = Path(f"/var/lib/lxc/{name}/config")
+        lines = [
+            ln
+            for ln in cfg_path.read_text().splitlines()
+            if not ln.startswith(("lxc.net.", "lxc.apparmor."))
+        ]
+        lines += [
+            "lxc.net.0.type = empty",  # loopback only: no network
+            "lxc.apparmor.profile = unconfined",
+            f"lxc.mount.entry = {venv} {str(venv).lstrip('/')} none ro,bind,create=dir 0 0",
+            f"lxc.mount.entry = {base} {str(base).lstrip('/')} none ro,bind,create=dir 0 0",
+            f"lxc.mount.entry = {workdir_host} {CONTAINER_WORKDIR.lstrip('/')} none "
+            "rw,bind,create=dir 0 0",
+        ]
+        cfg_path.write_text("\n".join(lines) + "\n")
+        r = _run(["lxc-start", "-n", name, "-d"], timeout=60)
+        if r.returncode:
+            raise RuntimeError(f"lxc-start failed: {(r.stderr or r.stdout).strip()[-300:]}")
+        deadline = time.monotonic() + 20
+        while _run(["lxc-attach", "-n", name, "--", "/bin/true"]).returncode != 0:
+            if time.monotonic() > deadline:
+                raise RuntimeError("container did not become attachable")
+            time.sleep(0.1)
+        yield Container(name, CTID, workdir_host, str(venv / "bin" / "python"))
+    finally:
+        _destroy(name)
+
+
+@dataclass(frozen=True)
+class Parts:
+    sshd: Sshd
+    container: Container
+
+
+@contextlib.contextmanager
+def real_parts(base: Path | None = None) -> Iterator[Parts]:
+    """sshd + container + pct map wiring them together; everything torn down on exit."""
+    own = base is None
+    root = Path(tempfile.mkdtemp(prefix="dflt-")) if base is None else base
+    try:
+        with lxc_container(root / "ct-workdir") as ct, sshd(root / "sshd") as sd:
+            sd.map_file.write_text(f"{ct.ctid} {ct.name}\n")
+            yield Parts(sd, ct)
+    finally:
+        if own:
+            shutil.rmtree(root, ignore_errors=True)
+
+
+def hosts_toml(
+    parts: Parts, *, known_hosts: Path, run_config: Path | None = None, name: str = "ct"
+) -> str:
+    """An inventory pointing at the real parts."""
+    lines = [
+        "[defaults]",
+        f'known_hosts = "{known_hosts}"',
+        "use_agent = false",
+        "connect_timeout = 5",
+        "",
+        f"[hosts.{name}]",
+        'address = "127.0.0.1"',
+        f"port = {parts.sshd.port}",
+        'user = "root"',
+        f'identity_file = "{parts.sshd.client_key}"',
+        f"ctid = {parts.container.ctid}",
+        f'workdir = "{CONTAINER_WORKDIR}"',
+        f'python = "{parts.container.python}"',
+        'session = "dflash-test"',
+    ]
+    if run_config is not None:
+        lines.append(f'run_config = "{run_config}"')
+    return "\n".join(lines) + "\n"
+
+
+def kill_tmux_in(container: Container) -> None:
+    _run(["lxc-attach", "-n", container.name, "--", "tmux", "-L", "dflash", "kill-server"])
