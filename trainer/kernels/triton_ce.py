@@ -1,0 +1,351 @@
+"""Fused LM-head + cross-entropy in Triton: logits are computed tile by tile and never stored whole.
+
+Forward (`_forward_kernel`): the grid is (position blocks, vocabulary splits). Each program walks its
+split in [BLOCK_N, BLOCK_V] logits tiles (tl.dot over D in BLOCK_D steps, fp32 accumulation) and
+keeps per row a running max, a rescaled sum of exponentials (online log-sum-exp), the label's logit
+and the running argmax (strict ">" across tiles and tl.argmax's left tie-break inside a tile, so
+ties resolve to the lowest vocabulary id like torch.argmax). Splits give small-N calls enough
+programs to fill the GPU; their [S, N] partials are merged by a few torch ops.
+
+Backward (`_dlogits_kernel`): for one vocabulary chunk at a time the kernel recomputes the logits
+tile, forms dloss * (softmax - onehot) and writes it in the input dtype into a reusable [N, chunk]
+buffer; grad_hidden accumulates chunk @ W_chunk in fp32 through cuBLAS. The chunk is sized to
+~256 MiB, so the full [N, V] logits never exist, while the expensive grad matmul stays on the
+vendor GEMM (a fully fused dE would need a [BLOCK_N, D] accumulator — 2 MiB at D = 4096 — or
+atomics over V / BLOCK_V partial sums).
+
+TRITON_INTERPRET=1 must be set before this module is first imported for the kernels to run on CPU
+tensors (Triton's jit decorator reads it at decoration time); `INTERPRETED` records which mode the
+kernels were built in.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import triton
+import triton.language as tl
+
+from trainer.kernels.common import LMHeadCE
+
+DLOGITS_CHUNK_BYTES = 256 * 2**20
+"""Bytes of the reusable [N, chunk] dlogits buffer of the backward pass."""
+
+
+@triton.jit
+def _logits_tile(
+    h_ptr,
+    w_ptr,
+    rows,
+    row_ok,
+    cols,
+    col_ok,
+    D,
+    stride_hn,
+    stride_hd,
+    stride_wv,
+    stride_wd,
+    BLOCK_N: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    """[BLOCK_N, BLOCK_V] fp32 logits of rows x cols; out-of-range rows/cols read zeros."""
+    acc = tl.zeros([BLOCK_N, BLOCK_V], dtype=tl.float32)
+    rows64 = rows.to(tl.int64)
+    cols64 = cols.to(tl.int64)  # V * D can exceed 2**31 (e.g. 256K x 8192)
+    for d0 in range(0, D, BLOCK_D):
+        ds = d0 + tl.arange(0, BLOCK_D)
+        d_ok = ds < D
+        h = tl.load(
+            h_ptr + rows64[:, None] * stride_hn + ds[None, :] * stride_hd,
+            mask=row_ok[:, None] & d_ok[None, :],
+            other=0.0,
+        )
+        w_t = tl.load(
+            w_ptr + ds[:, None] * stride_wd + cols64[None, :] * stride_wv,
+            mask=d_ok[:, None] & col_ok[None, :],
+            other=0.0,
+        )
+        acc = tl.dot(h, w_t, acc, input_precision=PRECISION)
+    return acc
+
+
+@triton.jit
+def _forward_kernel(
+    h_ptr,
+    w_ptr,
+    labels_ptr,
+    max_ptr,
+    sum_ptr,
+    label_logit_ptr,
+    best_ptr,
+    best_idx_ptr,
+    N,
+    V,
+    D,
+    v_per_split,
+    stride_hn,
+    stride_hd,
+    stride_wv,
+    stride_wd,
+    BLOCK_N: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    """Partial (max, sum-exp, label logit, best logit, best id) of one row block over one split."""
+    pid_n = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rows < N
+    labels = tl.load(labels_ptr + rows, mask=row_ok, other=-1)
+    v_start = pid_s * v_per_split
+    v_end = tl.minimum(v_start + v_per_split, V)
+    run_max = tl.full([BLOCK_N], float("-inf"), dtype=tl.float32)
+    run_sum = tl.zeros([BLOCK_N], dtype=tl.float32)
+    label_logit = tl.zeros([BLOCK_N], dtype=tl.float32)
+    best = tl.full([BLOCK_N], float("-inf"), dtype=tl.float32)
+    best_idx = tl.zeros([BLOCK_N], dtype=tl.int32)
+    for v0 in range(v_start, v_end, BLOCK_V):
+        cols = v0 + tl.arange(0, BLOCK_V)
+        col_ok = cols < v_end
+        logits = _logits_tile(
+            h_ptr, w_ptr, rows, row_ok, cols, col_ok, D, stride_hn, stride_hd, stride_wv,
+            stride_wd, BLOCK_N, BLOCK_V, BLOCK_D, PRECISION,
+        )  # fmt: skip
+        logits = tl.where(col_ok[None, :], logits, float("-inf"))
+        tile_max = tl.max(logits, axis=1)
+        tile_arg = tl.argmax(logits, axis=1, tie_break_left=True)
+        better = tile_max > best  # strict: an earlier tile keeps ties
+        best = tl.where(better, tile_max, best)
+        best_idx = tl.where(better, v0 + tile_arg, best_idx)
+        is_label = cols[None, :] == labels[:, None]
+        label_logit += tl.sum(tl.where(is_label, logits, 0.0), axis=1)
+        new_max = tl.maximum(run_max, tile_max)
+        run_sum = run_sum * tl.exp(run_max - new_max) + tl.sum(
+            tl.exp(logits - new_max[:, None]), axis=1
+        )
+        run_max = new_max
+    out = pid_s * N + rows
+    tl.store(max_ptr + out, run_max, mask=row_ok)
+    tl.store(sum_ptr + out, run_sum, mask=row_ok)
+    tl.store(label_logit_ptr + out, label_logit, mask=row_ok)
+    tl.store(best_ptr + out, best, mask=row_ok)
+    tl.store(best_idx_ptr + out, best_idx, mask=row_ok)
+
+
+@triton.jit
+def _dlogits_kernel(
+    h_ptr,
+    w_ptr,
+    labels_ptr,
+    lse_ptr,
+    grad_rows_ptr,
+    out_ptr,
+    N,
+    D,
+    v_start,
+    v_width,
+    stride_hn,
+    stride_hd,
+    stride_wv,
+    stride_wd,
+    stride_on,
+    BLOCK_N: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    """out[n, j] = grad_rows[n] * (softmax[n, v_start + j] - [label[n] == v_start + j])."""
+    pid_n = tl.program_id(0)
+    pid_v = tl.program_id(1)
+    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rows < N
+    local = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
+    col_ok = local < v_width
+    cols = v_start + local
+    logits = _logits_tile(
+        h_ptr, w_ptr, rows, row_ok, cols, col_ok, D, stride_hn, stride_hd, stride_wv, stride_wd,
+        BLOCK_N, BLOCK_V, BLOCK_D, PRECISION,
+    )  # fmt: skip
+    lse = tl.load(lse_ptr + rows, mask=row_ok, other=0.0)
+    scale = tl.load(grad_rows_ptr + rows, mask=row_ok, other=0.0)
+    labels = tl.load(labels_ptr + rows, mask=row_ok, other=-1)
+    probs = tl.exp(logits - lse[:, None])
+    probs = tl.where(cols[None, :] == labels[:, None], probs - 1.0, probs)
+    dlogits = probs * scale[:, None]
+    ptrs = out_ptr + rows.to(tl.int64)[:, None] * stride_on + local[None, :]
+    tl.store(ptrs, dlogits.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+
+
+def _built_for_interpreter() -> bool:
+    try:
+        from triton.runtime.interpreter import InterpretedFunction
+    except ImportError:  # layout changed in a future triton: fall back to the documented switch
+        return bool(triton.knobs.runtime.interpret)
+    return isinstance(_forward_kernel, InterpretedFunction)
+
+
+INTERPRETED: bool = _built_for_interpreter()
+"""True when the kernels were built for Triton's CPU interpreter (TRITON_INTERPRET=1 at import)."""
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    """Tile sizes and launch options; every block dim is >= 16 because tl.dot requires it."""
+
+    block_n: int
+    block_v: int
+    block_d: int
+    num_warps: int
+    num_stages: int
+
+
+def default_tiles(dtype: torch.dtype) -> TileConfig:
+    """GPU tiles are the usual GEMM shapes; interpreter tiles are small so tests hit ragged edges."""
+    if INTERPRETED:
+        return TileConfig(block_n=16, block_v=32, block_d=16, num_warps=1, num_stages=1)
+    if dtype == torch.float32:
+        return TileConfig(block_n=64, block_v=64, block_d=32, num_warps=4, num_stages=3)
+    return TileConfig(block_n=128, block_v=128, block_d=64, num_warps=8, num_stages=3)
+
+
+def _precision(dtype: torch.dtype) -> str:
+    # fp32 inputs must not silently drop to TF32 (10-bit mantissa); bf16/fp16 dots are exact anyway.
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def _default_splits(n_blocks: int, vocab_tiles: int, device: torch.device) -> int:
+    """Enough vocabulary splits for ~2 programs per SM; 2 in the interpreter to exercise merging."""
+    if device.type != "cuda":
+        return min(2, vocab_tiles)
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    return max(1, min(vocab_tiles, triton.cdiv(2 * sms, n_blocks)))
+
+
+def triton_forward(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    tiles: TileConfig,
+    num_splits: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(log-sum-exp [N], label logit [N], argmax [N] int64) from the fused forward kernel."""
+    n, d = hidden.shape
+    vocab = weight.shape[0]
+    n_blocks = triton.cdiv(n, tiles.block_n)
+    vocab_tiles = triton.cdiv(vocab, tiles.block_v)
+    splits = num_splits or _default_splits(n_blocks, vocab_tiles, hidden.device)
+    v_per_split = triton.cdiv(vocab_tiles, min(splits, vocab_tiles)) * tiles.block_v
+    splits = triton.cdiv(vocab, v_per_split)  # no empty split
+    part = torch.empty((5, splits, n), dtype=torch.float32, device=hidden.device)
+    best_idx = torch.empty((splits, n), dtype=torch.int32, device=hidden.device)
+    _forward_kernel[(n_blocks, splits)](
+        hidden, weight, labels, part[0], part[1], part[2], part[3], best_idx,
+        n, vocab, d, v_per_split,
+        hidden.stride(0), hidden.stride(1), weight.stride(0), weight.stride(1),
+        BLOCK_N=tiles.block_n, BLOCK_V=tiles.block_v, BLOCK_D=tiles.block_d,
+        PRECISION=_precision(hidden.dtype), num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+    )  # fmt: skip
+    run_max, run_sum, label_part, best = part[0], part[1], part[2], part[3]
+    top = run_max.max(dim=0).values
+    lse = top + torch.log((run_sum * torch.exp(run_max - top)).sum(dim=0))
+    best_all = best.max(dim=0).values
+    # Splits cover disjoint, increasing id ranges: the lowest id among the best splits wins ties.
+    sentinel = torch.full_like(best_idx, vocab)
+    argmax = torch.where(best == best_all, best_idx, sentinel).min(dim=0).values.long()
+    return lse, label_part.sum(dim=0), argmax
+
+
+def triton_grad_hidden(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    lse: torch.Tensor,
+    grad_rows: torch.Tensor,
+    tiles: TileConfig,
+    chunk: int | None = None,
+) -> torch.Tensor:
+    """grad_hidden in fp32: per vocabulary chunk, kernel-made dlogits @ W_chunk."""
+    n, d = hidden.shape
+    vocab = weight.shape[0]
+    if chunk is None:
+        chunk = DLOGITS_CHUNK_BYTES // (hidden.element_size() * n)
+    chunk = min(max(tiles.block_v, chunk // tiles.block_v * tiles.block_v), vocab)
+    grad = torch.zeros((n, d), dtype=torch.float32, device=hidden.device)
+    buf = torch.empty((n, chunk), dtype=hidden.dtype, device=hidden.device)
+    for v_start in range(0, vocab, chunk):
+        width = min(chunk, vocab - v_start)
+        grid = (triton.cdiv(n, tiles.block_n), triton.cdiv(width, tiles.block_v))
+        _dlogits_kernel[grid](
+            hidden, weight, labels, lse, grad_rows, buf,
+            n, d, v_start, width,
+            hidden.stride(0), hidden.stride(1), weight.stride(0), weight.stride(1), buf.stride(0),
+            BLOCK_N=tiles.block_n, BLOCK_V=tiles.block_v, BLOCK_D=tiles.block_d,
+            PRECISION=_precision(hidden.dtype), num_warps=tiles.num_warps,
+            num_stages=tiles.num_stages,
+        )  # fmt: skip
+        dlogits = buf[:, :width]
+        w = weight[v_start : v_start + width]
+        if hidden.dtype == torch.float32:
+            grad.addmm_(dlogits, w)
+        else:
+            grad.add_(dlogits @ w)
+    return grad
+
+
+class TritonLMHeadCE(torch.autograd.Function):
+    """Autograd wrapper over the Triton kernels; saves the log-sum-exp, never the logits."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        labels: torch.Tensor,
+        ignore_index: int,
+        tiles: TileConfig,
+        num_splits: int | None,
+        chunk: int | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        labels = labels.contiguous()
+        lse, label_logit, argmax = triton_forward(hidden, weight, labels, tiles, num_splits)
+        valid = labels != ignore_index
+        loss = torch.where(valid, lse - label_logit, torch.zeros_like(lse))
+        correct = (argmax == labels) & valid
+        ctx.save_for_backward(hidden, weight, labels, lse, valid)
+        ctx.tiles, ctx.chunk = tiles, chunk
+        ctx.mark_non_differentiable(correct)
+        return loss, correct
+
+    @staticmethod
+    def backward(  # type: ignore[override]
+        ctx: Any, grad_loss: torch.Tensor | None, _grad_correct: torch.Tensor | None
+    ) -> tuple[torch.Tensor | None, None, None, None, None, None, None]:
+        if grad_loss is None or not ctx.needs_input_grad[0]:
+            return None, None, None, None, None, None, None
+        hidden, weight, labels, lse, valid = ctx.saved_tensors
+        grad_rows = torch.where(valid, grad_loss.float(), torch.zeros_like(lse)).contiguous()
+        grad = triton_grad_hidden(hidden, weight, labels, lse, grad_rows, ctx.tiles, ctx.chunk)
+        return grad.to(hidden.dtype), None, None, None, None, None, None
+
+
+def triton_lm_head_cross_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    ignore_index: int,
+    *,
+    tiles: TileConfig | None = None,
+    num_splits: int | None = None,
+    chunk: int | None = None,
+) -> LMHeadCE:
+    """Validated inputs in, LMHeadCE out; tiles/splits/chunk are exposed for tests and tuning."""
+    tiles = tiles or default_tiles(hidden.dtype)
+    loss, correct = TritonLMHeadCE.apply(
+        hidden, weight, labels, ignore_index, tiles, num_splits, chunk
+    )
+    return LMHeadCE(loss=loss, correct=correct)
