@@ -1,0 +1,74 @@
+"""Attention backends for the drafter: SDPA with a boolean mask, flex_attention with a BlockMask.
+
+SDPA runs everywhere (CPU tests, any GPU). flex_attention is the CUDA training path: the
+DFlash mask is block-sparse (each block sees a context prefix plus itself), which flex skips
+tile by tile, and its BlockMask never materialises a per-head [Q, KV] mask. On CPU flex runs
+an unfused reference implementation: correct (the tests compare it with SDPA) but slow.
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+from collections.abc import Callable
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from trainer.model.masks import dense_dflash_mask, flex_dflash_block_mask
+
+AttnBackend = Literal["auto", "sdpa", "flex"]
+# A dense bool mask, a flex BlockMask, or None (no mask: inference, block sees all context).
+AttnMask = object
+
+
+def resolve_backend(backend: str, device: torch.device) -> Literal["sdpa", "flex"]:
+    """ "auto" = flex on CUDA when this torch has it, SDPA otherwise."""
+    if backend not in ("auto", "sdpa", "flex"):
+        raise ValueError(f"attention backend must be auto, sdpa or flex, got {backend!r}")
+    if backend == "auto":
+        return "flex" if device.type == "cuda" and flex_available() else "sdpa"
+    if backend == "flex" and not flex_available():
+        raise ValueError("attention backend 'flex' needs torch.nn.attention.flex_attention")
+    return backend  # type: ignore[return-value]
+
+
+@functools.cache
+def flex_available() -> bool:
+    try:
+        import torch.nn.attention.flex_attention  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def build_mask(anchors: Tensor, context_valid: Tensor, block_size: int, backend: str) -> AttnMask:
+    """The DFlash training mask in the representation `backend` consumes."""
+    chosen = resolve_backend(backend, anchors.device)
+    if chosen == "flex":
+        return flex_dflash_block_mask(anchors, context_valid, block_size)
+    return dense_dflash_mask(anchors, context_valid, block_size)
+
+
+@functools.cache
+def _flex_fn(device_type: str) -> Callable[..., Tensor]:
+    from torch.nn.attention.flex_attention import flex_attention
+
+    # Compiled on CUDA (the fused kernel); eager elsewhere (reference path, tests only).
+    return torch.compile(flex_attention, dynamic=True) if device_type == "cuda" else flex_attention
+
+
+def attend(q: Tensor, k: Tensor, v: Tensor, mask: AttnMask, scale: float) -> Tensor:
+    """Attention of q [B, Hq, Q, D] over k, v [B, Hkv, KV, D] (GQA by head groups)."""
+    if mask is None or isinstance(mask, Tensor):
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1]
+        )
+    with warnings.catch_warnings():
+        # Eager flex on CPU warns that it is unfused; that path exists for tests only.
+        warnings.filterwarnings("ignore", message=".*flex_attention.*")
+        return _flex_fn(q.device.type)(
+            q, k, v, block_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1]
+        )

@@ -1,0 +1,291 @@
+"""The DFlash drafter: fused target features injected as extra keys/values in every layer.
+
+Forward for one sequence (reference §1.3):
+    c = hidden_norm(fc(concat(target layer outputs)))            # once per context position
+    z = embed([x_a, mask, ..., mask])                             # the block, size B
+    per layer: Q from the block only; K, V = proj([c ; block]) through the same weights,
+               QK-norm per head, RoPE at absolute positions (context 0..S-1, block a..a+B-1)
+    out = norm(z); logits = target lm_head(out); slot k predicts token a+k.
+State-dict names follow z-lab (`fc`, `hidden_norm`, `layers.N.self_attn.q_proj`, ...), so
+exports load in serving engines. The target's embedding and LM head are borrowed by
+reference, never registered: they stay out of state_dict, optimizers and DDP.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+from torch import Tensor, nn
+
+from trainer.model.attention import AttnMask, attend
+from trainer.model.layers import RMSNorm, Rotary, SwiGLU, apply_rotary
+
+DEFAULT_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}
+
+
+class DrafterConfig(BaseModel):
+    """Shape of a drafter and the two facts that tie it to its target (layer ids, mask id)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    hidden_size: int = Field(gt=0)
+    intermediate_size: int = Field(gt=0)
+    num_layers: int = Field(default=5, gt=0)
+    num_attention_heads: int = Field(gt=0)
+    num_key_value_heads: int = Field(gt=0)
+    head_dim: int = Field(gt=0)
+    vocab_size: int = Field(gt=0)  # target embedding rows
+    block_size: int = Field(default=16, ge=2)
+    mask_token_id: int = Field(ge=0)
+    target_layer_ids: list[int]
+    num_target_layers: int = Field(gt=0)
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 1_000_000.0
+    max_position_embeddings: int = 40960
+    initializer_range: float = 0.02
+
+    @model_validator(mode="after")
+    def _check(self) -> DrafterConfig:
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                f"num_key_value_heads ({self.num_key_value_heads})"
+            )
+        if self.mask_token_id >= self.vocab_size:
+            raise ValueError(
+                f"mask_token_id {self.mask_token_id} is not a row of the {self.vocab_size}-row "
+                "target embedding"
+            )
+        ids = self.target_layer_ids
+        if not ids or sorted(set(ids)) != ids or ids[0] < 0 or ids[-1] >= self.num_target_layers:
+            raise ValueError(
+                f"target_layer_ids {ids} must be ascending ids of a "
+                f"{self.num_target_layers}-layer target"
+            )
+        return self
+
+    @property
+    def num_features(self) -> int:
+        return len(self.target_layer_ids)
+
+    @classmethod
+    def from_target(
+        cls,
+        target: Any,
+        *,
+        mask_token_id: int,
+        num_layers: int = 5,
+        block_size: int = 16,
+        **overrides: Any,
+    ) -> DrafterConfig:
+        """Copy the target's width, heads and RoPE base; layer ids come from the capture."""
+        tc = target.config
+        rope = getattr(tc, "rope_parameters", None) or {}
+        theta = rope.get("rope_theta", getattr(tc, "rope_theta", 1_000_000.0))
+        fields: dict[str, Any] = {
+            "hidden_size": target.hidden_size,
+            "intermediate_size": tc.intermediate_size,
+            "num_layers": num_layers,
+            "num_attention_heads": tc.num_attention_heads,
+            "num_key_value_heads": tc.num_key_value_heads,
+            "head_dim": getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads,
+            "vocab_size": target.vocab_size,
+            "block_size": block_size,
+            "mask_token_id": mask_token_id,
+            "target_layer_ids": list(target.layer_ids),
+            "num_target_layers": target.num_layers,
+            "rms_norm_eps": tc.rms_norm_eps,
+            "rope_theta": float(theta),
+            "max_position_embeddings": tc.max_position_embeddings,
+        }
+        fields.update(overrides)
+        return cls(**fields)
+
+
+def default_gamma(block_size: int) -> float:
+    """Loss decay constant: 7/5/4 for block 16/10/8 (paper), interpolated elsewhere."""
+    if block_size in DEFAULT_GAMMA:
+        return DEFAULT_GAMMA[block_size]
+    if block_size < 8:
+        return block_size / 2.0
+    if block_size > 16:
+        return 7.0 * block_size / 16.0
+    lo = max(b for b in DEFAULT_GAMMA if b < block_size)
+    hi = min(b for b in DEFAULT_GAMMA if b > block_size)
+    t = (block_size - lo) / (hi - lo)
+    return DEFAULT_GAMMA[lo] + t * (DEFAULT_GAMMA[hi] - DEFAULT_GAMMA[lo])
+
+
+class DrafterAttention(nn.Module):
+    """GQA attention whose queries come from the block and keys/values from [context; block]."""
+
+    def __init__(self, cfg: DrafterConfig) -> None:
+        super().__init__()
+        h, d = cfg.hidden_size, cfg.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = (
+            cfg.num_attention_heads,
+            cfg.num_key_value_heads,
+            d,
+        )
+        self.q_proj = nn.Linear(h, self.num_heads * d, bias=False)
+        self.k_proj = nn.Linear(h, self.num_kv_heads * d, bias=False)
+        self.v_proj = nn.Linear(h, self.num_kv_heads * d, bias=False)
+        self.o_proj = nn.Linear(self.num_heads * d, h, bias=False)
+        self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
+
+    def _heads(self, x: Tensor, n: int) -> Tensor:
+        return x.view(*x.shape[:2], n, self.head_dim).transpose(1, 2)
+
+    def forward(
+        self,
+        u: Tensor,
+        context: Tensor,
+        rope_q: tuple[Tensor, Tensor],
+        rope_kv: tuple[Tensor, Tensor],
+        mask: AttnMask,
+    ) -> Tensor:
+        kv_in = torch.cat([context, u], dim=1)
+        q = self._heads(
+            self.q_norm(self.q_proj(u).view(*u.shape[:2], -1, self.head_dim)).flatten(2),
+            self.num_heads,
+        )
+        k = self._heads(
+            self.k_norm(self.k_proj(kv_in).view(*kv_in.shape[:2], -1, self.head_dim)).flatten(2),
+            self.num_kv_heads,
+        )
+        v = self._heads(self.v_proj(kv_in), self.num_kv_heads)
+        q = apply_rotary(q, *rope_q)
+        k = apply_rotary(k, *rope_kv)
+        out = attend(q, k, v, mask, scale=self.head_dim**-0.5)
+        return self.o_proj(out.transpose(1, 2).flatten(2))
+
+
+class DrafterLayer(nn.Module):
+    """Pre-norm Qwen3 layer; the context enters K/V without a per-layer norm."""
+
+    def __init__(self, cfg: DrafterConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = DrafterAttention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size)
+
+    def forward(
+        self,
+        z: Tensor,
+        context: Tensor,
+        rope_q: tuple[Tensor, Tensor],
+        rope_kv: tuple[Tensor, Tensor],
+        mask: AttnMask,
+    ) -> Tensor:
+        z = z + self.self_attn(self.input_layernorm(z), context, rope_q, rope_kv, mask)
+        return z + self.mlp(self.post_attention_layernorm(z))
+
+
+class DFlashDrafter(nn.Module):
+    """Trainable drafter; borrows the target's frozen `embed_tokens` and `lm_head`."""
+
+    def __init__(
+        self,
+        config: DrafterConfig,
+        embed_tokens: nn.Embedding | None = None,
+        lm_head: nn.Linear | None = None,
+    ) -> None:
+        super().__init__()
+        self.config = config
+        h = config.hidden_size
+        self.fc = nn.Linear(config.num_features * h, h, bias=False)
+        self.hidden_norm = RMSNorm(h, config.rms_norm_eps)
+        self.layers = nn.ModuleList(DrafterLayer(config) for _ in range(config.num_layers))
+        self.norm = RMSNorm(h, config.rms_norm_eps)
+        self.rotary = Rotary(config.head_dim, config.rope_theta)
+        self._borrowed: dict[str, nn.Module] = {}
+        self.reset_parameters()
+        if embed_tokens is not None and lm_head is not None:
+            self.bind_target(embed_tokens, lm_head)
+
+    def reset_parameters(self) -> None:
+        """HF-style init: normal(0, initializer_range) linears, unit norms."""
+        for module in self.modules():
+            if isinstance(module, nn.Linear):
+                nn.init.normal_(module.weight, std=self.config.initializer_range)
+            elif isinstance(module, RMSNorm):
+                nn.init.ones_(module.weight)
+
+    def bind_target(self, embed_tokens: nn.Embedding, lm_head: nn.Linear) -> None:
+        """Borrow the target's modules by reference (not registered as submodules)."""
+        rows, width = embed_tokens.weight.shape
+        cfg = self.config
+        if rows != cfg.vocab_size or width != cfg.hidden_size:
+            raise ValueError(
+                f"target embedding is {rows}x{width}, drafter expects "
+                f"{cfg.vocab_size}x{cfg.hidden_size}"
+            )
+        if lm_head.weight.shape[1] != cfg.hidden_size:
+            raise ValueError(f"target lm_head width {lm_head.weight.shape[1]} != {cfg.hidden_size}")
+        self._borrowed = {"embed_tokens": embed_tokens, "lm_head": lm_head}
+
+    def _borrow(self, name: str) -> nn.Module:
+        try:
+            return self._borrowed[name]
+        except KeyError:
+            raise RuntimeError("drafter is not bound to a target: call bind_target()") from None
+
+    @property
+    def embed_tokens(self) -> nn.Embedding:
+        return self._borrow("embed_tokens")  # type: ignore[return-value]
+
+    @property
+    def lm_head(self) -> nn.Linear:
+        return self._borrow("lm_head")  # type: ignore[return-value]
+
+    def project_context(self, features: Tensor) -> Tensor:
+        """hidden_norm(fc(features)): the fused context, shared by all layers."""
+        return self.hidden_norm(self.fc(features.to(self.fc.weight.dtype)))
+
+    def block_input_ids(self, anchor_ids: Tensor) -> Tensor:
+        """[x_a, mask, ..., mask] for anchor token ids [..., N] -> [..., N * B]."""
+        b = self.config.block_size
+        ids = anchor_ids.new_full((*anchor_ids.shape, b), self.config.mask_token_id)
+        ids[..., 0] = anchor_ids
+        return ids.flatten(-2)
+
+    def forward(
+        self,
+        features: Tensor,
+        block_ids: Tensor,
+        block_positions: Tensor,
+        mask: AttnMask = None,
+        context_positions: Tensor | None = None,
+    ) -> Tensor:
+        """Normed hidden states of the block tokens.
+
+        Args:
+            features: [B, S, F*H] captured target features of the context.
+            block_ids: [B, Q] block token ids (anchors and mask tokens).
+            block_positions: [B, Q] absolute positions of the block tokens.
+            mask: None (every block token sees all context and the whole block: inference
+                with one block) or a training mask from `attention.build_mask`.
+            context_positions: [B, S] absolute context positions (default 0..S-1).
+
+        Returns:
+            [B, Q, H]; feed to `logits` or to the fused LM-head CE with `lm_head.weight`.
+        """
+        context = self.project_context(features)
+        z = self.embed_tokens(block_ids).to(context.dtype)
+        if context_positions is None:
+            context_positions = torch.arange(features.shape[1], device=features.device).expand(
+                features.shape[0], -1
+            )
+        rope_q = self.rotary(block_positions, z.dtype)
+        rope_kv = self.rotary(torch.cat([context_positions, block_positions], dim=1), z.dtype)
+        for layer in self.layers:
+            z = layer(z, context, rope_q, rope_kv, mask)
+        return self.norm(z)
+
+    def logits(self, hidden: Tensor) -> Tensor:
+        """Full-vocabulary logits through the target's LM head (inference / small tests)."""
+        return self.lm_head(hidden.to(self.lm_head.weight.dtype))

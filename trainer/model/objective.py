@@ -1,0 +1,166 @@
+"""The DFlash training objective: one forward over many anchored blocks per sequence.
+
+Per row: sample up to `num_anchors` anchors among supervised positions (`masks.sample_anchors`),
+build blocks [x_a, mask, ..., mask] at positions a..a+B-1, run the drafter once with the DFlash
+mask, and score slot k (1..B-1) against token a+k — the SAME absolute position, which is where
+trainers have shipped off-by-one drafters. Slot weights are exp(-(k-1)/gamma) times validity
+(label inside the row and supervised). The LM head + CE goes through the fused kernel on the
+valid rows only, so the [rows x vocab] logits never exist.
+
+Everything returned is a sum, not a mean: the pipeline adds sums over micro-batches and data-
+parallel ranks and divides once by the global weight sum (exact token-weighted mean).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+
+import torch
+from torch import Tensor
+
+from trainer.kernels import lm_head_cross_entropy
+from trainer.model.attention import build_mask
+from trainer.model.drafter import DFlashDrafter, default_gamma
+from trainer.model.masks import Anchors, sample_anchors
+
+
+@dataclass
+class StepResult:
+    """Sums for one micro-batch; divide by the global `weight_sum` (loss) or counts (metrics)."""
+
+    loss_sum: Tensor  # differentiable sum of weight * CE
+    weight_sum: Tensor  # sum of weights (detached)
+    n_correct: Tensor  # valid predictions whose argmax == label (un-decayed)
+    n_pred: Tensor  # valid predictions
+    streak_sum: Tensor  # per block: leading correct slots under teacher forcing (max B-1)
+    n_blocks: Tensor  # blocks with at least one valid prediction
+    pos_correct: Tensor  # [B-1] correct per slot k=1..B-1
+    pos_count: Tensor  # [B-1] valid per slot
+
+    def metric_tensors(self) -> dict[str, Tensor]:
+        """All metric sums (detached), for one all-reduce and one host copy per log interval."""
+        return {f.name: getattr(self, f.name).detach() for f in fields(self)}
+
+
+def slot_weights(block_size: int, gamma: float, device: torch.device | None = None) -> Tensor:
+    """exp(-(k-1)/gamma) for slots k = 1..B-1 (slot 0 is the anchor and never scored)."""
+    k = torch.arange(1, block_size, dtype=torch.float32, device=device)
+    return torch.exp(-(k - 1) / gamma)
+
+
+def block_labels(
+    input_ids: Tensor, loss_mask: Tensor, attention_mask: Tensor, anchors: Anchors, block_size: int
+) -> tuple[Tensor, Tensor]:
+    """Labels [R, N, B-1] = token a+k and validity (kept block, in range, real, supervised)."""
+    seq = input_ids.shape[1]
+    device = input_ids.device
+    k = torch.arange(1, block_size, device=device)
+    pos = anchors.positions.to(device)[:, :, None] + k  # [R, N, B-1]
+    in_range = pos < seq
+    safe = pos.clamp(max=seq - 1).flatten(1)
+    labels = input_ids.gather(1, safe).view_as(pos)
+    supervised = (loss_mask.bool() & attention_mask.bool()).gather(1, safe).view_as(pos)
+    valid = in_range & supervised & anchors.keep.to(device)[:, :, None]
+    return labels, valid
+
+
+def streaks(correct: Tensor, valid: Tensor) -> Tensor:
+    """Leading correct slots per block; unsupervised slots neither break nor count."""
+    passed = correct | ~valid
+    leading = torch.cumprod(passed.to(torch.int32), dim=-1).bool()
+    return (leading & valid & correct).sum(-1)
+
+
+def dflash_objective(
+    drafter: DFlashDrafter,
+    target: object | None,
+    input_ids: Tensor,
+    loss_mask: Tensor,
+    attention_mask: Tensor,
+    hidden: Tensor,
+    *,
+    num_anchors: int = 512,
+    gamma: float | None = None,
+    noise: float = 0.0,
+    generator: torch.Generator | None = None,
+    anchors: Anchors | None = None,
+    attn_backend: str = "auto",
+    ce_backend: str = "auto",
+) -> StepResult:
+    """Weighted CE sums and teacher-forced metrics for one micro-batch.
+
+    Args:
+        drafter: bound to the target (`bind_target`); its `lm_head` weight is the CE head.
+        target: the TargetModel (or None); when given, the drafter must borrow its modules.
+        input_ids, loss_mask, attention_mask: [R, S] right-padded rows.
+        hidden: [R, S, F*H] captured features for those rows.
+        num_anchors: most anchors per row (fewer when the row has fewer eligible positions).
+        gamma: slot decay; None = 7/5/4 for block 16/10/8.
+        noise: std of Gaussian noise added to `hidden` (0 = clean features).
+        generator: CPU generator for anchors and noise (reproducible on any device).
+        anchors: explicit anchors (evaluation, tests) instead of sampling.
+        attn_backend: "auto" (flex on CUDA), "sdpa" or "flex".
+        ce_backend: passed to `trainer.kernels.lm_head_cross_entropy`.
+    """
+    cfg = drafter.config
+    bsz = cfg.block_size
+    if target is not None and getattr(target, "lm_head", None) is not drafter.lm_head:
+        raise ValueError("drafter is bound to a different target than the one passed")
+    device = hidden.device
+    gamma = default_gamma(bsz) if gamma is None else float(gamma)
+    if gamma <= 0 or math.isnan(gamma):
+        raise ValueError(f"gamma must be positive, got {gamma}")
+    if anchors is None:
+        anchors = sample_anchors(loss_mask, attention_mask, num_anchors, generator)
+    if anchors.num_blocks == 0:
+        return _empty_result(drafter, bsz, device)
+
+    if noise > 0:
+        hidden = hidden + _noise_like(hidden, noise, generator)
+    positions = anchors.positions.to(device)
+    anchor_ids = input_ids.gather(1, positions)
+    block_ids = drafter.block_input_ids(anchor_ids)
+    block_pos = (positions[:, :, None] + torch.arange(bsz, device=device)).flatten(1)
+    mask = build_mask(positions, attention_mask.to(device), bsz, attn_backend)
+    out = drafter(hidden, block_ids, block_pos, mask)  # [R, N*B, H]
+
+    labels, valid = block_labels(input_ids, loss_mask, attention_mask, anchors, bsz)
+    out = out.view(*positions.shape, bsz, -1)[:, :, 1:]  # slots 1..B-1
+    head = drafter.lm_head.weight
+    ce = lm_head_cross_entropy(out[valid].to(head.dtype), head, labels[valid], backend=ce_backend)
+    w_slot = slot_weights(bsz, gamma, device).expand_as(valid)[valid]
+    correct = torch.zeros_like(valid)
+    correct[valid] = ce.correct
+    block_streak = streaks(correct, valid)
+    has_pred = valid.any(-1)
+    return StepResult(
+        loss_sum=(ce.loss * w_slot).sum(),
+        weight_sum=w_slot.sum(),
+        n_correct=ce.correct.sum(),
+        n_pred=valid.sum(),
+        streak_sum=block_streak[has_pred].sum(),
+        n_blocks=has_pred.sum(),
+        pos_correct=correct.sum((0, 1)),
+        pos_count=valid.sum((0, 1)),
+    )
+
+
+def _noise_like(hidden: Tensor, std: float, generator: torch.Generator | None) -> Tensor:
+    """Gaussian noise drawn from the CPU generator's stream, identical on every device."""
+    if hidden.device.type == "cpu":
+        return torch.randn(hidden.shape, generator=generator, dtype=hidden.dtype) * std
+    seed = int(torch.randint(0, 2**62, (1,), generator=generator))
+    dev_gen = torch.Generator(device=hidden.device).manual_seed(seed)
+    return (
+        torch.randn(hidden.shape, generator=dev_gen, device=hidden.device, dtype=hidden.dtype) * std
+    )
+
+
+def _empty_result(drafter: DFlashDrafter, bsz: int, device: torch.device) -> StepResult:
+    """No eligible anchor in the batch: zero sums that still backprop (DDP needs a graph)."""
+    zero = sum(p.sum() for p in drafter.parameters()) * 0.0
+    z = torch.zeros((), device=device)
+    zi = torch.zeros((), dtype=torch.long, device=device)
+    zk = torch.zeros(bsz - 1, dtype=torch.long, device=device)
+    return StepResult(zero, z, zi, zi, zi, zi, zk, zk.clone())
