@@ -1,0 +1,153 @@
+"""Export and load drafters in the z-lab directory layout.
+
+    DIR/config.json        architectures=[DFlashDraftModel], model_type=qwen3, block_size,
+                           num_target_layers, dflash_config{mask_token_id, target_layer_ids},
+                           layer_types, plus the Qwen3 shape keys serving engines read
+    DIR/model.safetensors  drafter weights only (fc, hidden_norm, layers.*, norm); the
+                           target's embedding and LM head are NOT stored — they are borrowed
+
+`target_layer_ids` is always written explicitly: loaders that fall back to the default rule
+read the wrong layers for most published checkpoints.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from pydantic import ValidationError
+from safetensors.torch import load_file, save_file
+
+from trainer.model.drafter import DFlashDrafter, DrafterConfig
+
+CONFIG = "config.json"
+WEIGHTS = "model.safetensors"
+
+
+class ExportError(ValueError):
+    """An export directory that cannot be read back (message names the file)."""
+
+
+def drafter_config_json(cfg: DrafterConfig, dtype: torch.dtype) -> dict[str, Any]:
+    """The z-lab/SpecForge `config.json` for `cfg`."""
+    return {
+        "architectures": ["DFlashDraftModel"],
+        "model_type": "qwen3",
+        "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size,
+        "num_hidden_layers": cfg.num_layers,
+        "num_attention_heads": cfg.num_attention_heads,
+        "num_key_value_heads": cfg.num_key_value_heads,
+        "head_dim": cfg.head_dim,
+        "vocab_size": cfg.vocab_size,
+        "rms_norm_eps": cfg.rms_norm_eps,
+        "rope_theta": cfg.rope_theta,
+        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
+        "max_position_embeddings": cfg.max_position_embeddings,
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "tie_word_embeddings": False,
+        "initializer_range": cfg.initializer_range,
+        "torch_dtype": str(dtype).removeprefix("torch."),
+        "block_size": cfg.block_size,
+        "num_target_layers": cfg.num_target_layers,
+        "layer_types": ["full_attention"] * cfg.num_layers,
+        "dflash_config": {
+            "mask_token_id": cfg.mask_token_id,
+            "target_layer_ids": list(cfg.target_layer_ids),
+        },
+    }
+
+
+def config_from_json(data: dict[str, Any], source: str = CONFIG) -> DrafterConfig:
+    """Inverse of `drafter_config_json`; errors name `source` and the offending key."""
+    try:
+        dflash = data["dflash_config"]
+        rope = data.get("rope_parameters") or {}
+        return DrafterConfig(
+            hidden_size=data["hidden_size"],
+            intermediate_size=data["intermediate_size"],
+            num_layers=data["num_hidden_layers"],
+            num_attention_heads=data["num_attention_heads"],
+            num_key_value_heads=data["num_key_value_heads"],
+            head_dim=data.get("head_dim") or data["hidden_size"] // data["num_attention_heads"],
+            vocab_size=data["vocab_size"],
+            block_size=data["block_size"],
+            mask_token_id=dflash["mask_token_id"],
+            target_layer_ids=list(dflash["target_layer_ids"]),
+            num_target_layers=data["num_target_layers"],
+            rms_norm_eps=data.get("rms_norm_eps", 1e-6),
+            rope_theta=rope.get("rope_theta", data.get("rope_theta", 1_000_000.0)),
+            max_position_embeddings=data.get("max_position_embeddings", 40960),
+            initializer_range=data.get("initializer_range", 0.02),
+        )
+    except KeyError as err:
+        raise ExportError(f"{source}: missing key {err.args[0]!r}") from None
+    except ValidationError as err:
+        first = err.errors()[0]
+        loc = ".".join(str(p) for p in first["loc"]) or "config"
+        raise ExportError(f"{source}: {loc}: {first['msg']}") from None
+
+
+def export_drafter(drafter: DFlashDrafter, out_dir: str | Path) -> Path:
+    """Write `config.json` + `model.safetensors` (trainable weights only) to `out_dir`.
+
+    Files are written under temporary names and renamed, so a crash never leaves a
+    half-written export that loads.
+    """
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    state = {k: v.detach().contiguous().cpu() for k, v in drafter.state_dict().items()}
+    dtype = drafter.fc.weight.dtype
+    tmp_w, tmp_c = out / (WEIGHTS + ".tmp"), out / (CONFIG + ".tmp")
+    save_file(state, tmp_w, metadata={"format": "pt"})
+    tmp_c.write_text(json.dumps(drafter_config_json(drafter.config, dtype), indent=2) + "\n")
+    tmp_w.replace(out / WEIGHTS)
+    tmp_c.replace(out / CONFIG)
+    return out
+
+
+def load_drafter(
+    path: str | Path,
+    *,
+    target: Any = None,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype | None = None,
+) -> DFlashDrafter:
+    """Load an exported drafter; bind it to `target` (a TargetModel) when given.
+
+    Binding checks that the target is the one the drafter was trained for: same embedding
+    shape and the same capture layers.
+    """
+    root = Path(path)
+    cfg_path, w_path = root / CONFIG, root / WEIGHTS
+    if not cfg_path.is_file() or not w_path.is_file():
+        raise ExportError(f"{root}: not a drafter export (needs {CONFIG} and {WEIGHTS})")
+    try:
+        data = json.loads(cfg_path.read_text())
+    except json.JSONDecodeError as err:
+        raise ExportError(f"{cfg_path}: invalid JSON: {err}") from None
+    cfg = config_from_json(data, str(cfg_path))
+    drafter = DFlashDrafter(cfg)
+    state = load_file(w_path)
+    missing, unexpected = drafter.load_state_dict(state, strict=False)
+    if missing or unexpected:
+        raise ExportError(f"{w_path}: missing {sorted(missing)}, unexpected {sorted(unexpected)}")
+    saved_dtype = next(iter(state.values())).dtype
+    drafter.to(device=device, dtype=dtype or saved_dtype)
+    if target is not None:
+        if list(target.layer_ids) != list(cfg.target_layer_ids):
+            raise ExportError(
+                f"{cfg_path}: drafter reads target layers {cfg.target_layer_ids}, "
+                f"target captures {list(target.layer_ids)}"
+            )
+        if target.num_layers != cfg.num_target_layers:
+            raise ExportError(
+                f"{cfg_path}: drafter was trained on a {cfg.num_target_layers}-layer target, "
+                f"this one has {target.num_layers}"
+            )
+        drafter.bind_target(target.embed_tokens, target.lm_head)
+    drafter.eval()
+    return drafter
