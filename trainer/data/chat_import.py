@@ -21,7 +21,14 @@ import numpy as np
 from trainer.data.chat_mask import ChatEncoder, Encoded
 from trainer.data.conversations import Message, Rejected, parse_line
 from trainer.data.errors import InputError
-from trainer.data.store import LineStat, Manifest, StoreWriter, TokenizerIdentity, sha256_file
+from trainer.data.store import (
+    LineStat,
+    Manifest,
+    StoreWriter,
+    TokenizerIdentity,
+    check_target,
+    sha256_file,
+)
 
 NO_SUPERVISED_PAIR = "no_supervised_pair"
 NO_SUPERVISED_PAIR_AFTER_TRUNCATION = "no_supervised_pair_after_truncation"
@@ -154,6 +161,7 @@ def import_chat_jsonl(
         raise InputError(f"--max-length {max_length}: must be at least 2")
     if not source.is_file():
         raise InputError(f"{source}: input file not found")
+    check_target(out, overwrite)
     tokenizer = load_tokenizer(tok_dir, template_path)
     try:
         encoder = ChatEncoder(tokenizer, template_kwargs)

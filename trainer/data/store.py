@@ -354,6 +354,16 @@ def _remove_stale_temps(target: Path) -> None:
             shutil.rmtree(entry, ignore_errors=True)
 
 
+def check_target(target: str | os.PathLike[str], overwrite: bool = False) -> Path:
+    """Fail fast (before hours of work) when `target` cannot be written; returns it absolute."""
+    path = Path(target).absolute()
+    if path.exists() and not overwrite:
+        raise StoreError(f"{path}: already exists (pass overwrite/--force to replace it)")
+    if not path.parent.is_dir():
+        raise StoreError(f"{path.parent}: parent directory does not exist")
+    return path
+
+
 class StoreWriter:
     """Build a store row by row in a temp dir and publish it with a rename.
 
@@ -364,13 +374,7 @@ class StoreWriter:
     """
 
     def __init__(self, target: str | os.PathLike[str], *, overwrite: bool = False) -> None:
-        self.target = Path(target).absolute()
-        if self.target.exists() and not overwrite:
-            raise StoreError(
-                f"{self.target}: already exists (pass overwrite/--force to replace it)"
-            )
-        if not self.target.parent.is_dir():
-            raise StoreError(f"{self.target.parent}: parent directory does not exist")
+        self.target = check_target(target, overwrite)
         self.overwrite = overwrite
         _remove_stale_temps(self.target)
         tmp_name = f".{self.target.name}{_TMP_MARK}{os.getpid()}-{secrets.token_hex(4)}"

@@ -1,0 +1,7 @@
+"""Entry point: `python -m trainer.data import|synth|info` (see trainer/data/cli.py)."""
+
+import sys
+
+from trainer.data.cli import main
+
+sys.exit(main())

@@ -1,0 +1,223 @@
+"""`python -m trainer.data import|synth|info`: build and inspect token stores.
+
+Exit codes: 0 ok; 2 usage or input error (one line on stderr naming the file, line or option;
+nothing is written); 130 interrupted (nothing is written); 1 unexpected failure (traceback).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import sys
+import time
+from collections.abc import Sequence
+from types import FrameType
+from typing import Any
+
+import numpy as np
+
+from trainer.data.errors import InputError
+from trainer.data.store import LineStat, Manifest, StoreError, TokenStore
+
+PROGRESS_EVERY_S = 10.0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m trainer.data", description=__doc__.split("\n")[0]
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    imp = sub.add_parser(
+        "import", help="tokenise chat JSONL with a local tokenizer's chat template"
+    )
+    imp.add_argument("--input", required=True, help="chat JSONL (or .jsonl.gz)")
+    imp.add_argument("--tokenizer", required=True, help="local Hugging Face tokenizer directory")
+    imp.add_argument("--max-length", type=int, required=True, help="truncate rows to N tokens")
+    imp.add_argument("--out", required=True, help="store directory to create")
+    imp.add_argument("--chat-template", help="Jinja file overriding the tokenizer's template")
+    imp.add_argument(
+        "--template-kwargs",
+        default="{}",
+        help="JSON object passed to the template, e.g. '{\"enable_thinking\": false}'",
+    )
+    imp.add_argument("--force", action="store_true", help="replace an existing store")
+
+    syn = sub.add_parser("synth", help="write a learnable synthetic store")
+    syn.add_argument(
+        "--lengths-from", required=True, help="'seed-shaped', a .npy of lengths, or a store dir"
+    )
+    syn.add_argument("--vocab", type=int, required=True, help="vocabulary size V")
+    syn.add_argument("--out", required=True, help="store directory to create")
+    syn.add_argument("--rows", type=int, help="subsample N rows from the length distribution")
+    syn.add_argument("--max-length", type=int, help="clip lengths to N tokens")
+    syn.add_argument("--seed", type=int, default=0)
+    syn.add_argument("--mask-token-id", type=int, help="never emitted (default V-1)")
+    syn.add_argument(
+        "--reserved-top", type=int, default=8, help="top ids never emitted (default 8)"
+    )
+    syn.add_argument("--force", action="store_true", help="replace an existing store")
+
+    info = sub.add_parser("info", help="print a store's manifest summary")
+    info.add_argument("store")
+    info.add_argument("--verify", action="store_true", help="also check sha256 and token ids")
+    info.add_argument("--json", action="store_true", help="print the manifest as JSON")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    previous = signal.signal(signal.SIGTERM, _raise_interrupt)
+    try:
+        if args.command == "import":
+            manifest = _run_import(args)
+        elif args.command == "synth":
+            manifest = _run_synth(args)
+        else:
+            return _run_info(args)
+    except (InputError, StoreError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted: nothing was written", file=sys.stderr)
+        return 130
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    print(format_summary(manifest, TokenStore.open(args.out).lengths))
+    return 0
+
+
+def _raise_interrupt(signum: int, frame: FrameType | None) -> None:
+    raise KeyboardInterrupt  # unwinds through StoreWriter, which deletes its temp dir
+
+
+def _run_import(args: argparse.Namespace) -> Manifest:
+    from trainer.data.chat_import import import_chat_jsonl
+
+    try:
+        kwargs = json.loads(args.template_kwargs)
+    except json.JSONDecodeError as exc:
+        raise InputError(f"--template-kwargs: not JSON ({exc.msg})") from None
+    if not isinstance(kwargs, dict):
+        raise InputError("--template-kwargs: must be a JSON object")
+    started = time.monotonic()
+    last = [started]
+
+    def progress(lines: int, rows: int) -> None:
+        now = time.monotonic()
+        if now - last[0] >= PROGRESS_EVERY_S:
+            last[0] = now
+            rate = lines / (now - started)
+            print(
+                f"import: {lines:,} lines, {rows:,} rows kept, {rate:,.0f} lines/s", file=sys.stderr
+            )
+
+    return import_chat_jsonl(
+        args.input,
+        args.tokenizer,
+        args.max_length,
+        args.out,
+        overwrite=args.force,
+        chat_template=args.chat_template,
+        template_kwargs=kwargs,
+        progress=progress,
+    )
+
+
+def _run_synth(args: argparse.Namespace) -> Manifest:
+    from trainer.data.synth import synth_store
+
+    if args.vocab < 1:
+        raise InputError(f"--vocab {args.vocab}: must be positive")
+    return synth_store(
+        args.out,
+        lengths_from=args.lengths_from,
+        vocab_size=args.vocab,
+        rows=args.rows,
+        max_length=args.max_length,
+        seed=args.seed,
+        mask_token_id=args.mask_token_id,
+        reserved_top=args.reserved_top,
+        overwrite=args.force,
+    )
+
+
+def _run_info(args: argparse.Namespace) -> int:
+    try:
+        store = TokenStore.open(args.store, verify=args.verify)
+    except StoreError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(store.manifest.model_dump_json(indent=2))
+    else:
+        print(format_summary(store.manifest, store.lengths, path=str(store.path)))
+        if args.verify:
+            print("verify     ok: sizes, sha256, token ids, mask")
+    return 0
+
+
+def format_summary(m: Manifest, lengths: np.ndarray, path: str | None = None) -> str:
+    """Human summary of a store; the first thing to read after an import."""
+    lines = []
+    if path:
+        lines.append(f"store      {path}")
+    lines.append(
+        f"kind       {m.kind} (format {m.format_version}, created {m.created_at:%Y-%m-%d %H:%M:%SZ})"
+    )
+    src = f"source     {m.source}"
+    if m.source_sha256:
+        src += f"  sha256 {m.source_sha256[:12]}"
+    lines.append(src)
+    if m.tokenizer:
+        t = m.tokenizer
+        lines.append(f"tokenizer  {t.name_or_path}  {t.class_name}  sha256 {t.sha256[:12]}")
+    share = m.num_supervised_tokens / m.num_tokens if m.num_tokens else 0.0
+    lines.append(
+        f"rows       {m.num_rows:,}  tokens {m.num_tokens:,}  supervised {m.num_supervised_tokens:,} "
+        f"({share:.1%})  vocab {m.vocab_size:,}"
+    )
+    if lengths.size:
+        p50, p90, p99 = np.percentile(lengths, [50, 90, 99])
+        lines.append(
+            f"lengths    min {int(lengths.min())}  p50 {p50:.0f}  p90 {p90:.0f}  p99 {p99:.0f}  "
+            f"max {int(lengths.max())}  (max_length {m.max_length})"
+        )
+    lines.append(f"mask       {m.mask_strategy}{_unstable(m.params)}")
+    if m.truncated.count:
+        lines.append(
+            f"truncated  {m.truncated.count:,} rows kept after truncation ({_where(m.truncated)})"
+        )
+    if m.skipped:
+        lines.append(f"skipped    {m.num_skipped:,} rows")
+        for reason, stat in sorted(m.skipped.items(), key=lambda kv: -kv[1].count):
+            lines.append(f"  {reason:<36} {stat.count:>9,}  ({_where(stat)})")
+    if m.reserved_token_ids:
+        lines.append(
+            f"reserved   never emitted: {_ranges(m.reserved_token_ids)}  mask token {m.mask_token_id}"
+        )
+    return "\n".join(lines)
+
+
+def _unstable(params: dict[str, Any]) -> str:
+    n = params.get("unstable_turns")
+    return f"; {n} assistant turns left unsupervised (template rewrites history)" if n else ""
+
+
+def _where(stat: LineStat) -> str:
+    more = ", ..." if stat.count > len(stat.first_lines) else ""
+    return "lines " + ", ".join(map(str, stat.first_lines)) + more
+
+
+def _ranges(ids: list[int]) -> str:
+    parts: list[str] = []
+    start = prev = ids[0]
+    for i in [*ids[1:], None]:
+        if i is not None and i == prev + 1:
+            prev = i
+            continue
+        parts.append(f"{start}" if start == prev else f"{start}..{prev}")
+        if i is not None:
+            start = prev = i
+    return ", ".join(parts)
