@@ -387,7 +387,8 @@ class HostFollower:
             return
         self._set(apply_status(self.state, status))
         log_lines = getattr(status, "log_lines", None)
-        if isinstance(log_lines, int) and 0 <= log_lines < self.state.lines_seen:
+        reachable = self.state.run in {"running", "stopped", "crashed"}
+        if reachable and isinstance(log_lines, int) and 0 <= log_lines < self.state.lines_seen:
             self.reset_stream()  # status.log shrank: a fresh run started it over
 
     async def poll_gpus(self) -> None:

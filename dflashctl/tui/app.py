@@ -22,7 +22,7 @@ from typing import Any, ClassVar
 from textual import work
 from textual.app import App, SystemCommand
 from textual.binding import Binding, BindingType
-from textual.screen import Screen
+from textual.screen import ModalScreen, Screen
 
 from dflashctl.monitor import (
     HostFollower,
@@ -128,12 +128,14 @@ class DflashApp(App[None]):
 
     def flush(self) -> None:
         """The coalesced redraw: one pass over the visible screen with everything that changed."""
-        screen = self.screen
-        refresh = getattr(screen, "refresh_view", None)
-        if refresh is None:
-            return
         dirty, self.dirty = self.dirty, set()
-        refresh(self.states, self.clock(), dirty)
+        now = self.clock()
+        for screen in reversed(self.screen_stack):
+            refresh = getattr(screen, "refresh_view", None)
+            if refresh is not None:
+                refresh(self.states, now, dirty)
+            if not isinstance(screen, ModalScreen):
+                break  # the screen under a modal stays live; anything deeper waits its turn
         self.frames += 1
 
     def shape_for(self, host: str) -> RunShape:

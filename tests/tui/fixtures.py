@@ -87,7 +87,8 @@ class Status:
     release: str | None = "3f9a1c2b7d10"
     config_hash: str | None = "a1b2c3d4e5f6"
     last_event: Any = None
-    log_lines: int = 0
+    log_lines: int | None = None
+    """None: this double does not count status.log lines (the shrink check is skipped)."""
     message: str | None = None
 
 

@@ -63,13 +63,14 @@ def header_text(state: RunState, now: float) -> Text:
     _kv(out, "step", str(state.status.step) if state.status else DASH)
     out.append("  ")
     _kv(out, "last line", format_age(line_age(state, now)) + " ago")
+    out.append("  ")
     if state.link == "retrying":
         retry = DASH if state.retry_at is None else format_age(max(0.0, state.retry_at - now))
-        out.append(f"  link down ({state.link_error or 'no error text'}), retry in {retry}", "red")
+        out.append(f"link down ({state.link_error or 'no error text'}), retry in {retry}  ", "red")
     if state.config_changed:
-        out.append("  config changed: press r", style="bold magenta")
+        out.append("config changed: press r  ", style="bold magenta")
     if state.last_error:
-        out.append(f"  error: {state.last_error}", style="red")
+        out.append(f"error: {state.last_error}", style="red")
     return out
 
 

@@ -1,0 +1,187 @@
+"""Pilot tests: the app's state and messages over replayed status lines (no terminal)."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+from rich.text import Text
+from textual.widgets import DataTable, Digits, Log, Static
+
+from dflashctl.monitor import RestartPlan, RunState, apply_lines, apply_status
+from dflashctl.tui.app import DflashApp, HostBinding
+from dflashctl.tui.screens.confirm import ConfirmScreen
+from dflashctl.tui.screens.fleet import FleetScreen, fleet_row
+from dflashctl.tui.screens.help import HelpScreen
+from dflashctl.tui.screens.host import HostScreen
+from dflashctl.tui.screens.log import LogScreen
+from dflashctl.tui.screens.restart import RestartScreen
+from dflashctl.tui.widgets.panes import lr_points, queues_text
+from tests.tui.fixtures import (
+    FIXED_NOW,
+    WARMUP,
+    ReplayControl,
+    Status,
+    run_lines,
+    seed_shape,
+    status_line,
+)
+from trainer.events import StatusEvent, parse_line
+
+SIZE = (120, 40)
+
+
+def _cell(table: DataTable, host: str, column: str) -> str:
+    value = table.get_cell(host, column)
+    return value.plain if isinstance(value, Text) else str(value)
+
+
+async def _until(pilot, predicate, timeout: float = 5.0) -> None:  # type: ignore[no-untyped-def]
+    async with asyncio.timeout(timeout):
+        while not predicate():
+            await pilot.pause(0.02)
+
+
+def _live_app(**controls: ReplayControl) -> DflashApp:
+    hosts = [HostBinding(name, control, shape=seed_shape()) for name, control in controls.items()]
+    return DflashApp(hosts, clock=lambda: FIXED_NOW)
+
+
+async def test_fleet_rows_come_from_the_streamed_status_lines() -> None:
+    lines = run_lines(25)
+    last = parse_line(lines[-1])
+    assert isinstance(last, StatusEvent) and last.ktok_s is not None
+    app = _live_app(
+        kpro6=ReplayControl(lines=lines),
+        kpro7=ReplayControl(
+            lines=run_lines(3), status_value=Status(state="crashed", exit_status=1)
+        ),
+    )
+    async with app.run_test(size=SIZE) as pilot:
+        table = app.screen.query_one("#fleet", DataTable)
+        await _until(pilot, lambda: table.row_count == 2 and _cell(table, "kpro6", "step") == "720")
+        await _until(pilot, lambda: _cell(table, "kpro7", "state") == "crashed (exit 1)")
+        assert _cell(table, "kpro6", "state") == "running"
+        assert _cell(table, "kpro6", "ktok") == f"{last.ktok_s:.1f}"
+        assert _cell(table, "kpro6", "eta") == "5.1d"
+        assert _cell(table, "kpro6", "release") == "3f9a1c2b7d10"
+        assert _cell(table, "kpro6", "age") == "0s"
+        assert _cell(table, "kpro7", "step") == "60"
+
+
+async def test_coalesced_refresh_draws_the_latest_line_not_every_line() -> None:
+    app = DflashApp(
+        [HostBinding("h", None, shape=seed_shape())], clock=lambda: FIXED_NOW, live=False
+    )
+    async with app.run_test(size=SIZE) as pilot:
+        await pilot.pause()
+        frames = app.frames
+        for i in range(200):  # a reconnect burst: 200 lines arrive between two ticks
+            app.feed("h", [status_line(i)])
+        app.flush()
+        table = app.screen.query_one("#fleet", DataTable)
+        assert _cell(table, "h", "step") == str(30 * 199)
+        assert app.frames == frames + 1
+
+
+def test_stale_and_unreachable_rows_show_their_age() -> None:
+    state = apply_lines(
+        RunState("kpro6", run="running", link="live"), run_lines(3), FIXED_NOW - 200
+    )
+    row = fleet_row(state, FIXED_NOW)
+    assert (row["state"].plain, row["age"]) == ("stale", "3m20s")  # type: ignore[union-attr]
+    down = apply_status(state, Status(state="unreachable", message="kpro6: ssh timed out"))
+    assert fleet_row(down, FIXED_NOW)["state"].plain == "unreachable"  # type: ignore[union-attr]
+    assert down.link_error == "kpro6: ssh timed out"
+
+
+async def test_host_screen_panes_show_the_run() -> None:
+    lines = run_lines(30, starve=2, w_tgt_in="41", bottleneck="prefetch")
+    app = _live_app(kpro6=ReplayControl(lines=lines))
+    async with app.run_test(size=SIZE) as pilot:
+        await _until(pilot, lambda: app.states["kpro6"].lines_seen == len(lines))
+        await pilot.press("enter")
+        await _until(pilot, lambda: isinstance(app.screen, HostScreen))
+        screen = app.screen
+        await _until(pilot, lambda: screen.query_one("#ktok-digits", Digits).value != "—")
+        last = parse_line(lines[-1])
+        assert isinstance(last, StatusEvent) and last.ktok_s is not None
+        assert screen.query_one("#ktok-digits", Digits).value == f"{last.ktok_s:.1f}"
+        queues = str(screen.query_one("#queues", Static).content)
+        assert "[1216,1728)" in queues and "0/50" in queues  # the starved bucket, by length range
+        assert "bottleneck prefetch" in queues and "w_tgt_in=41%" in queues
+        lr = str(screen.query_one("#lr", Static).content)
+        assert f"870/{WARMUP} (24%)" in lr
+        eta = str(screen.query_one("#eta", Static).content)
+        assert "5.1d" in eta and "/ 6" in eta
+        log = screen.query_one("#host-log", Log)
+        assert log.lines[-1] == lines[-1]
+        await pilot.press("escape")
+        assert isinstance(app.screen, FleetScreen)
+
+
+def test_queue_pane_labels_buckets_and_marks_starvation() -> None:
+    state = apply_lines(RunState("h"), run_lines(20, starve=0), FIXED_NOW)
+    text = queues_text(state, seed_shape(), 80)
+    first = text.plain.splitlines()[1]
+    assert first.lstrip().startswith("[0,770)") and " 0/50" in first
+    starved = [span for span in text.spans if span.style == "red"]
+    assert starved, "an empty queue must be drawn in red"
+
+
+def test_lr_curve_marks_the_current_step_inside_warmup() -> None:
+    state = apply_lines(RunState("h"), [status_line(40)], FIXED_NOW)  # step 1200 of 3598 warmup
+    values, marker, end = lr_points(seed_shape(), state, 60)
+    assert end == 3 * WARMUP
+    assert marker == round(1200 / (end - 1) * 59)
+    peak = values.index(max(values))
+    assert marker < peak  # still climbing: warmup not done
+    assert values[0] < values[marker] < values[peak]
+
+
+async def test_keys_open_log_help_and_stop_confirm() -> None:
+    control = ReplayControl(lines=run_lines(5))
+    app = _live_app(kpro6=control)
+    async with app.run_test(size=SIZE) as pilot:
+        await _until(pilot, lambda: app.states["kpro6"].lines_seen == 7)
+        await pilot.press("l")
+        await _until(pilot, lambda: isinstance(app.screen, LogScreen))
+        await _until(pilot, lambda: len(app.screen.query_one("#full-log", Log).lines) == 7)
+        await pilot.press("escape", "question_mark")
+        assert isinstance(app.screen, HelpScreen)
+        await pilot.press("escape", "s")
+        assert isinstance(app.screen, ConfirmScreen)
+        await pilot.press("escape")  # cancelled: nothing stopped
+        assert ("stop", 120.0) not in control.calls
+        await pilot.press("s", "y")
+        await _until(pilot, lambda: ("stop", 120.0) in control.calls)
+        await _until(pilot, lambda: app.states["kpro6"].run == "stopped")
+
+
+async def test_reconnect_key_restarts_the_stream() -> None:
+    control = ReplayControl(lines=run_lines(2))
+    app = _live_app(kpro6=control)
+    async with app.run_test(size=SIZE) as pilot:
+        await _until(pilot, lambda: app.states["kpro6"].lines_seen == 4)
+        control.lines.append(status_line(7))
+        await pilot.press("c")
+        await _until(pilot, lambda: app.states["kpro6"].lines_seen == 5)
+    assert [a for n, a in control.calls if n == "follow"] == [0, 4]
+
+
+async def test_restart_modal_refuses_an_invalid_plan_and_cancel_calls_nothing(
+    tmp_path: Path,
+) -> None:
+    control = ReplayControl(lines=run_lines(2))
+    app = _live_app(kpro6=control)
+    async with app.run_test(size=SIZE) as pilot:
+        plan = RestartPlan(diff="", fresh=False, error="run.toml: [batching] boundaries must rise")
+        app.push_screen(
+            RestartScreen("kpro6", plan, lambda report: app.do_restart("kpro6", plan, report))
+        )
+        await pilot.pause()
+        assert "cannot restart: run.toml" in str(app.screen.query_one("#verdict", Static).content)
+        await pilot.click("#confirm")
+        await pilot.press("escape")
+        assert not isinstance(app.screen, RestartScreen)
+    assert not [c for c in control.calls if c[0] == "restart"]

@@ -1,0 +1,110 @@
+"""SVG snapshots of the canonical screens with a fixed clock, fixed data and a fixed terminal.
+
+Update (after looking at the report): `pytest tests/tui/test_snapshots.py --snapshot-update`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from dflashctl.monitor import RestartPlan, RunState, apply_lines, apply_status
+from dflashctl.runconfig import config_diff
+from dflashctl.tui.app import DflashApp, HostBinding
+from dflashctl.tui.screens.restart import RestartScreen
+from tests.tui.fixtures import FIXED_NOW, Status, run_lines, seed_shape
+
+SIZE = (120, 40)
+
+DEPLOYED = """\
+[batching]
+strategy = "sorted"
+boundaries = [0, 8192]
+token_budget = 49152
+
+[optim]
+lr = 6e-4
+warmup_ratio = 0.04
+"""
+LOCAL = """\
+[batching]
+strategy = "bucketed"
+boundaries = [0, 770, 1216, 1728, 2432, 3296, 8192]
+token_budget = 49152
+
+[optim]
+lr = 6e-4
+warmup_ratio = 0.04
+"""
+
+
+def fleet_app() -> DflashApp:
+    """Four hosts in the four states that matter: live, stale, crashed, unreachable."""
+    names = ["kpro6", "kpro7", "kpro8", "kpro9"]
+    app = DflashApp(
+        [HostBinding(n, None, shape=seed_shape()) for n in names],
+        clock=lambda: FIXED_NOW,
+        live=False,
+    )
+    states = {
+        "kpro6": (Status(), run_lines(40), 2.0, "live", False),
+        "kpro7": (Status(), run_lines(30, starve=3), 95.0, "live", True),
+        "kpro8": (Status(state="crashed", exit_status=1), run_lines(12), 600.0, "live", False),
+        "kpro9": (
+            Status(state="unreachable", release=None, message="kpro9: ssh: connect timed out"),
+            run_lines(20),
+            4000.0,
+            "retrying",
+            False,
+        ),
+    }
+    for name, (status, lines, age, link, changed) in states.items():
+        st = apply_lines(RunState(name), lines, FIXED_NOW - age)
+        st = apply_status(st, status)
+        st = replace(st, link=link, config_changed=changed, release=st.release or "3f9a1c2b7d10")
+        if link == "retrying":
+            st = replace(st, link_error="ssh: connect timed out", retry_at=FIXED_NOW + 16)
+        app.states[name] = st
+    return app
+
+
+def test_fleet_screen(snap_compare) -> None:  # type: ignore[no-untyped-def]
+    assert snap_compare(fleet_app(), terminal_size=SIZE)
+
+
+def test_host_screen(snap_compare) -> None:  # type: ignore[no-untyped-def]
+    async def open_host(pilot) -> None:  # type: ignore[no-untyped-def]
+        await pilot.press("enter")
+        await pilot.pause()
+        pilot.app.flush()
+        await pilot.pause()
+
+    assert snap_compare(fleet_app(), terminal_size=SIZE, run_before=open_host)
+
+
+def test_stale_host_screen(snap_compare) -> None:  # type: ignore[no-untyped-def]
+    async def open_stale(pilot) -> None:  # type: ignore[no-untyped-def]
+        await pilot.press("down", "enter")
+        await pilot.pause()
+        pilot.app.flush()
+        await pilot.pause()
+
+    assert snap_compare(fleet_app(), terminal_size=SIZE, run_before=open_stale)
+
+
+def test_restart_modal(snap_compare) -> None:  # type: ignore[no-untyped-def]
+    plan = RestartPlan(
+        diff=config_diff(
+            DEPLOYED, LOCAL, old_name="deployed: run/config.toml", new_name="local: runs/kpro7.toml"
+        ),
+        fresh=True,
+        critical_keys=("batching.boundaries", "batching.strategy"),
+    )
+
+    async def open_modal(pilot) -> None:  # type: ignore[no-untyped-def]
+        async def never(report):  # type: ignore[no-untyped-def]
+            raise AssertionError("the snapshot must not run the restart")
+
+        pilot.app.push_screen(RestartScreen("kpro7", plan, never))
+        await pilot.pause()
+
+    assert snap_compare(fleet_app(), terminal_size=SIZE, run_before=open_modal)
