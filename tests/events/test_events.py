@@ -1,0 +1,232 @@
+"""The status-line contract: formatter, parser, tmux re-wrapping, round trips."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from trainer.events import (
+    EVENT_ADAPTER,
+    CheckpointEvent,
+    ErrorEvent,
+    PhaseEvent,
+    RawLine,
+    StatusEvent,
+    format_checkpoint_line,
+    format_error_line,
+    format_eta,
+    format_line,
+    format_phase_line,
+    format_status_line,
+    parse_eta,
+    parse_line,
+    parse_text,
+)
+
+FIXTURES = Path(__file__).parent / "fixtures"
+
+SEED_LINE_1 = (
+    "[0m] step=0 loss=--- acc=--- streak=--- lr=--- noise=0.1000 | tgt=0.00b/s dft=0.00b/s"
+    " (0.0Ktok/s) | q_pre=[4, 4, 3, 3, 2, 2] q_hs=[0] | epoch~0.00 ETA=???"
+)
+SEED_LINE_2 = (
+    "[0m] step=0 loss=1.3167 acc=0.000 streak=0.0 lr=6.00e-04 noise=0.1000 | tgt=0.30b/s"
+    " dft=0.05b/s (1.9Ktok/s) | q_pre=[8, 6, 6, 5, 4, 4] q_hs=[4] | epoch~0.00 ETA=10.9d"
+)
+
+
+def test_seed_capture_wrapped_at_80_columns_parses() -> None:
+    """The real capture from the seed run: two wrapped status lines and a truncated third."""
+    text = (FIXTURES / "seed_capture_80col.txt").read_text()
+    for width in (80, None):
+        events = parse_text(text, width=width)
+        kinds = [e.kind for e in events]
+        assert kinds == ["phase", "phase", "status", "status", "raw"], width
+        assert [e.phase for e in events[:2]] == ["starting", "running"]
+        first, second = events[2], events[3]
+        assert isinstance(first, StatusEvent) and isinstance(second, StatusEvent)
+        assert first.loss is None and first.lr is None and first.eta_s is None
+        assert first.q_pre == [4, 4, 3, 3, 2, 2] and first.q_hs == [0]
+        assert second.loss == pytest.approx(1.3167) and second.lr == pytest.approx(6e-4)
+        assert second.ktok_s == pytest.approx(1.9)
+        assert second.eta_s == pytest.approx(10.9 * 86400)
+        assert format_status_line(first) == SEED_LINE_1
+        assert format_status_line(second) == SEED_LINE_2
+        assert events[4].text.startswith("[1m] step=2 loss=6.4079")  # truncated -> raw, kept
+
+
+def test_seed_status_line_round_trips() -> None:
+    """format(parse(line)) == line on the seed's own lines."""
+    for line in (SEED_LINE_1, SEED_LINE_2):
+        ev = parse_line(line)
+        assert isinstance(ev, StatusEvent)
+        assert format_status_line(ev) == line
+
+
+def test_extra_fields_are_kept_in_order() -> None:
+    """Fields appended after the contract's last one land in `extra` and print back."""
+    line = SEED_LINE_2 + " | w_dft_in=1.5% bottleneck=drafter gnorm=0.812"
+    ev = parse_line(line)
+    assert isinstance(ev, StatusEvent)
+    assert ev.extra == {"w_dft_in": "1.5%", "bottleneck": "drafter", "gnorm": "0.812"}
+    assert list(ev.extra) == ["w_dft_in", "bottleneck", "gnorm"]
+    assert format_status_line(ev) == line
+
+
+def test_extra_with_whitespace_is_rejected_at_construction() -> None:
+    """The formatter could not print it as one token, so the model refuses it."""
+    with pytest.raises(ValueError, match="extra field"):
+        StatusEvent(elapsed_min=0, step=0, extra={"note": "two words"})
+
+
+def test_other_line_kinds_round_trip() -> None:
+    """Phase, checkpoint and error lines come from one definition shared with the trainer."""
+    cases = [
+        (format_phase_line("starting"), PhaseEvent),
+        (format_phase_line("running"), PhaseEvent),
+        (format_phase_line("stopping", "(SIGTERM)"), PhaseEvent),
+        (format_checkpoint_line(1200, "/r/checkpoints/step-00001200.pt"), CheckpointEvent),
+        (format_error_line("stage target[0] failed:\n ValueError: boom"), ErrorEvent),
+        ("Traceback (most recent call last):", RawLine),
+    ]
+    for line, cls in cases:
+        ev = parse_line(line)
+        assert isinstance(ev, cls), line
+        assert format_line(ev) == line
+    ck = parse_line(format_checkpoint_line(1200, "/r/c k/step.pt"))
+    assert isinstance(ck, CheckpointEvent) and ck.step == 1200 and ck.path == "/r/c k/step.pt"
+    err = parse_line(format_error_line("a\nb"))
+    assert isinstance(err, ErrorEvent) and err.message == "a b"
+    stop = parse_line("Stopping pipeline... (SIGTERM)")
+    assert isinstance(stop, PhaseEvent) and stop.phase == "stopping" and stop.detail == "(SIGTERM)"
+
+
+def test_events_serialise_through_the_discriminated_union() -> None:
+    """The TUI may ship events as JSON; the `kind` tag restores the right class."""
+    for line in (SEED_LINE_2, "Starting pipeline...", "hello"):
+        ev = parse_line(line)
+        again = EVENT_ADAPTER.validate_json(EVENT_ADAPTER.dump_json(ev))
+        assert type(again) is type(ev) and format_line(again) == line
+
+
+@pytest.mark.parametrize(
+    ("seconds", "text"),
+    [
+        (None, "???"),
+        (float("inf"), "???"),
+        (0, "0m"),
+        (1020, "17m"),
+        (3582, "1.0h"),
+        (4.2 * 3600, "4.2h"),
+        (86300, "1.0d"),
+        (12.3 * 86400, "12.3d"),
+        (-5, "0m"),
+    ],
+)
+def test_format_eta(seconds: float | None, text: str) -> None:
+    """ETA units switch on the rounded value (never `60m` or `24.0h`)."""
+    assert format_eta(seconds) == text
+
+
+@given(st.one_of(st.none(), st.just(float("nan")), st.floats(min_value=-10, max_value=1e9)))
+def test_eta_round_trips(seconds: float | None) -> None:
+    """Any printed ETA parses back to a value that prints the same."""
+    text = format_eta(seconds)
+    assert format_eta(parse_eta(text)) == text
+
+
+def _opt_floats(lo: float, hi: float) -> st.SearchStrategy[float | None]:
+    return st.one_of(st.none(), st.floats(min_value=lo, max_value=hi))
+
+
+_token = st.text(
+    alphabet=st.characters(codec="ascii", exclude_characters=" \t\n\r\x0b\x0c=|"),
+    min_size=1,
+    max_size=8,
+).filter(lambda s: s.isprintable())
+
+status_events = st.builds(
+    StatusEvent,
+    elapsed_min=st.integers(0, 100_000),
+    step=st.integers(0, 10**9),
+    loss=_opt_floats(0, 1e4),
+    acc=_opt_floats(0, 1),
+    streak=_opt_floats(0, 16),
+    lr=_opt_floats(0, 1),
+    noise=_opt_floats(0, 1),
+    tgt_bps=_opt_floats(0, 1e5),
+    dft_bps=_opt_floats(0, 1e5),
+    ktok_s=_opt_floats(0, 1e6),
+    q_pre=st.lists(st.integers(0, 999), max_size=12),
+    q_hs=st.lists(st.integers(0, 999), max_size=8),
+    epoch=_opt_floats(0, 100),
+    eta_s=_opt_floats(0, 1e9),
+    extra=st.dictionaries(_token, _token, max_size=4),
+)
+
+
+@settings(max_examples=300)
+@given(status_events)
+def test_status_line_round_trip(ev: StatusEvent) -> None:
+    """format(parse(format(ev))) == format(ev), and parsing keeps the structure exactly."""
+    line = format_status_line(ev)
+    parsed = parse_line(line)
+    assert isinstance(parsed, StatusEvent), line
+    assert format_status_line(parsed) == line
+    assert (parsed.step, parsed.q_pre, parsed.q_hs, parsed.extra) == (
+        ev.step,
+        ev.q_pre,
+        ev.q_hs,
+        ev.extra,
+    )
+    assert (parsed.loss is None) == (ev.loss is None)
+
+
+def _wrap(line: str, width: int, trim: bool) -> list[str]:
+    rows = [line[i : i + width] for i in range(0, len(line), width)]
+    return [r.rstrip(" ") for r in rows] if trim else rows
+
+
+@settings(max_examples=150)
+@given(
+    st.lists(status_events, min_size=1, max_size=4),
+    st.integers(min_value=30, max_value=200),
+    st.booleans(),
+)
+def test_parse_text_rejoins_any_pane_width(evs: list[StatusEvent], width: int, trim: bool) -> None:
+    """Lines hard-wrapped at the pane width (tmux may trim trailing blanks) parse as one each."""
+    lines = [format_phase_line("running"), *(format_status_line(e) for e in evs)]
+    rows = [row for ln in lines for row in _wrap(ln, width, trim)]
+    # Without the width, trimmed rows are ambiguous; untrimmed ones must still re-join.
+    for w in (width, None) if not trim else (width,):
+        events = parse_text("\n".join(rows) + "\n", width=w)
+        assert [format_line(e) for e in events] == lines
+
+
+@given(st.text(max_size=300))
+def test_parse_line_never_raises(text: str) -> None:
+    """Arbitrary text (including control characters) yields an event, never an exception."""
+    ev = parse_line(text)
+    assert ev.kind in {"status", "phase", "checkpoint", "error", "raw"}
+    parse_text(text)
+    parse_text(text, width=17)
+
+
+@given(st.integers(1, len(SEED_LINE_2) - 1))
+def test_every_truncation_of_a_status_line_is_raw(cut: int) -> None:
+    """A status line cut anywhere is never mistaken for a (wrong) status event."""
+    ev = parse_line(SEED_LINE_2[:cut])
+    assert not isinstance(ev, StatusEvent)
+
+
+@given(status_events)
+def test_fast_constructed_status_equals_validated(ev: StatusEvent) -> None:
+    """The parser's validation-free construction yields the same model validation would."""
+    parsed = parse_line(format_status_line(ev))
+    assert isinstance(parsed, StatusEvent)
+    validated = StatusEvent.model_validate(parsed.model_dump())
+    assert parsed == validated
+    assert parsed.model_dump_json() == validated.model_dump_json()

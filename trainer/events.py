@@ -1,0 +1,400 @@
+"""The trainer's line protocol: one definition shared by the printer and every reader.
+
+The trainer prints status, phase, checkpoint and error lines to stdout (tmux) and appends them
+to ``RUN/status.log``; ``dflashctl`` reads them back over SSH.  Both sides import this module, so
+the format and the parser can never drift apart.  Torch-free on purpose (dflashctl runs on laptops).
+
+Status line (the contract in ARCHITECTURE.md)::
+
+    [{elapsed_min}m] step={step} loss={loss:.4f|---} acc={acc:.3f|---} streak={streak:.1f|---}
+    lr={lr:.2e|---} noise={noise:.4f} | tgt={tgt_bps:.2f}b/s dft={dft_bps:.2f}b/s
+    ({ktok_s:.1f}Ktok/s) | q_pre=[d0, d1, ...] q_hs=[h0, ...] | epoch~{epoch:.2f} ETA={eta}
+    [ | key=value ...]
+
+(one physical line).  ``parse_line`` never raises: anything it does not recognise becomes a
+``RawLine``.  ``parse_text`` also re-joins lines that ``tmux capture-pane`` wrapped at the pane
+width and tolerates a truncated last line (it becomes a ``RawLine``).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Iterable
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, field_validator
+
+__all__ = [
+    "PHASE_TEXTS",
+    "STAGE_WAIT_KEYS",
+    "CheckpointEvent",
+    "ErrorEvent",
+    "Event",
+    "PhaseEvent",
+    "RawLine",
+    "StatusEvent",
+    "format_checkpoint_line",
+    "format_error_line",
+    "format_eta",
+    "format_line",
+    "format_phase_line",
+    "format_status_line",
+    "parse_eta",
+    "parse_line",
+    "parse_text",
+]
+
+MISSING = "---"
+UNKNOWN_ETA = "???"
+
+# Phase lines: a fixed text per phase, optionally followed by " " + detail.
+PHASE_TEXTS: dict[str, str] = {
+    "loading": "Loading target and data...",
+    "resuming": "Resuming from checkpoint:",
+    "starting": "Starting pipeline...",
+    "running": "Pipeline running. Monitoring...",
+    "stopping": "Stopping pipeline...",
+    "finished": "Training finished.",
+}
+CHECKPOINT_PREFIX = "Checkpoint saved: "
+ERROR_PREFIX = "ERROR: "
+
+# Extra fields the trainer appends to every status line (percent of wall time in the last interval
+# that a stage spent blocked), so the TUI can show which stage starves or stalls.
+STAGE_WAIT_KEYS: dict[str, str] = {
+    "w_pre_out": "prefetch blocked on a full q_pre",
+    "w_tgt_in": "target workers waiting for a batch (q_pre empty)",
+    "w_tgt_out": "target workers blocked on a full q_hs",
+    "w_dft_in": "drafter waiting for hidden states (q_hs empty / out of order)",
+}
+BOTTLENECK_KEY = "bottleneck"  # "prefetch" | "target" | "drafter" | "---"
+
+_FROZEN = ConfigDict(frozen=True, extra="forbid")
+
+
+class StatusEvent(BaseModel):
+    """One periodic status report; ``None`` where the line shows ``---`` (or ``???`` for ETA)."""
+
+    model_config = _FROZEN
+
+    kind: Literal["status"] = "status"
+    elapsed_min: int = Field(ge=0)
+    step: int = Field(ge=0)
+    loss: float | None = None
+    acc: float | None = None
+    streak: float | None = None
+    lr: float | None = None
+    noise: float | None = None
+    tgt_bps: float | None = None
+    dft_bps: float | None = None
+    ktok_s: float | None = None
+    q_pre: list[int] = Field(default_factory=list)
+    q_hs: list[int] = Field(default_factory=list)
+    epoch: float | None = None
+    eta_s: float | None = None
+    extra: dict[str, str] = Field(default_factory=dict)
+
+    @field_validator("extra")
+    @classmethod
+    def _extra_is_printable(cls, v: dict[str, str]) -> dict[str, str]:
+        # A key or value with whitespace or '=' could not be read back from the line.
+        for k, val in v.items():
+            if not k or _BAD_KEY.search(k) or not val or _BAD_VALUE.search(val) or k == "|":
+                raise ValueError(f"extra field {k!r}={val!r} is not a single key=value token")
+        return v
+
+
+class PhaseEvent(BaseModel):
+    """A lifecycle line such as ``Starting pipeline...``; ``detail`` is any text after it."""
+
+    model_config = _FROZEN
+
+    kind: Literal["phase"] = "phase"
+    phase: str
+    detail: str = ""
+    text: str
+
+
+class CheckpointEvent(BaseModel):
+    """``Checkpoint saved: step=1200 path=/run/checkpoints/step-00001200.pt``."""
+
+    model_config = _FROZEN
+
+    kind: Literal["checkpoint"] = "checkpoint"
+    step: int
+    path: str
+    text: str
+
+
+class ErrorEvent(BaseModel):
+    """``ERROR: <one-line message>``; the traceback, if any, follows as raw lines."""
+
+    model_config = _FROZEN
+
+    kind: Literal["error"] = "error"
+    message: str
+    text: str
+
+
+class RawLine(BaseModel):
+    """Anything else (library warnings, tracebacks, truncated captures)."""
+
+    model_config = _FROZEN
+
+    kind: Literal["raw"] = "raw"
+    text: str
+
+
+Event = Annotated[
+    StatusEvent | PhaseEvent | CheckpointEvent | ErrorEvent | RawLine, Field(discriminator="kind")
+]
+EVENT_ADAPTER: TypeAdapter[Event] = TypeAdapter(Event)
+
+_BAD_KEY = re.compile(r"[\s=|]")
+_BAD_VALUE = re.compile(r"\s")
+
+# --------------------------------------------------------------------------- formatting
+
+
+def _fmt(value: float | None, spec: str) -> str:
+    return MISSING if value is None else format(value, spec)
+
+
+def format_eta(seconds: float | None) -> str:
+    """``17m`` under an hour, ``4.2h`` under a day, else ``12.3d``; ``???`` when unknown.
+
+    The unit is chosen from the *rounded* text so that parse_eta(format_eta(x)) formats back to
+    the same string (59.7 minutes prints ``1.0h``, never ``60m``).
+    """
+    if seconds is None or not math.isfinite(seconds):
+        return UNKNOWN_ETA
+    seconds = max(0.0, float(seconds))
+    minutes = f"{seconds / 60:.0f}"
+    if int(minutes) < 60:
+        return f"{minutes}m"
+    hours = f"{seconds / 3600:.1f}"
+    if float(hours) < 24:
+        return f"{hours}h"
+    return f"{seconds / 86400:.1f}d"
+
+
+_ETA_UNITS = {"m": 60.0, "h": 3600.0, "d": 86400.0}
+
+
+def parse_eta(text: str) -> float | None:
+    """Inverse of format_eta (``???`` or anything unreadable -> None)."""
+    if len(text) < 2 or text[-1] not in _ETA_UNITS:
+        return None
+    try:
+        value = float(text[:-1])
+    except ValueError:
+        return None
+    return value * _ETA_UNITS[text[-1]] if math.isfinite(value) else None
+
+
+def _fmt_queue(depths: Iterable[int]) -> str:
+    return "[" + ", ".join(str(d) for d in depths) + "]"
+
+
+def format_status_line(ev: StatusEvent) -> str:
+    """Render a StatusEvent exactly per the contract (one line, no trailing newline)."""
+    line = (
+        f"[{ev.elapsed_min}m] step={ev.step} loss={_fmt(ev.loss, '.4f')}"
+        f" acc={_fmt(ev.acc, '.3f')} streak={_fmt(ev.streak, '.1f')}"
+        f" lr={_fmt(ev.lr, '.2e')} noise={_fmt(ev.noise, '.4f')}"
+        f" | tgt={_fmt(ev.tgt_bps, '.2f')}b/s dft={_fmt(ev.dft_bps, '.2f')}b/s"
+        f" ({_fmt(ev.ktok_s, '.1f')}Ktok/s)"
+        f" | q_pre={_fmt_queue(ev.q_pre)} q_hs={_fmt_queue(ev.q_hs)}"
+        f" | epoch~{_fmt(ev.epoch, '.2f')} ETA={format_eta(ev.eta_s)}"
+    )
+    if ev.extra:
+        line += " | " + " ".join(f"{k}={v}" for k, v in ev.extra.items())
+    return line
+
+
+def format_phase_line(phase: str, detail: str = "") -> str:
+    """The line for a lifecycle phase (one of PHASE_TEXTS)."""
+    text = PHASE_TEXTS[phase]
+    return f"{text} {detail}" if detail else text
+
+
+def format_checkpoint_line(step: int, path: str) -> str:
+    """The line printed after a checkpoint is durably on disk."""
+    return f"{CHECKPOINT_PREFIX}step={step} path={path}"
+
+
+def format_error_line(message: str) -> str:
+    """One error line; newlines in the message are folded so the line stays one line."""
+    return ERROR_PREFIX + " ".join(message.split())
+
+
+def format_line(ev: Event) -> str:
+    """Render any event back to its line."""
+    if isinstance(ev, StatusEvent):
+        return format_status_line(ev)
+    return ev.text
+
+
+# --------------------------------------------------------------------------- parsing
+
+# Fields are captured loosely ([^ ]+) and validated by float()/int(): a regex that spelled out
+# every number grammar was 4x slower, and the parser must sustain >= 100k lines/s.
+_F = r"([^ ]+)"
+_QUEUE = r"\[((?:\d+(?:, \d+)*)?)\]"
+_STATUS_RE = re.compile(
+    rf"\[(\d+)m\] step=(\d+) loss={_F} acc={_F} streak={_F} lr={_F} noise={_F}"
+    rf" \| tgt={_F}b/s dft={_F}b/s \({_F}Ktok/s\) \| q_pre={_QUEUE} q_hs={_QUEUE}"
+    rf" \| epoch~{_F} ETA={_F}(.*)"
+)
+_STATUS_START_RE = re.compile(r"\[\d+m\] step=")
+_CHECKPOINT_RE = re.compile(r"step=(\d+) path=(.+)")
+_PHASE_ITEMS = tuple(PHASE_TEXTS.items())
+
+
+def _number(text: str) -> float | None:
+    if text == MISSING:
+        return None
+    if "_" in text or text[-1] == " ":  # float() accepts "1_0"; the trainer never prints it
+        raise ValueError(text)
+    return float(text)
+
+
+def _parse_status(line: str) -> StatusEvent | None:
+    m = _STATUS_RE.fullmatch(line)
+    if m is None:
+        return None
+    g = m.groups()
+    eta_text = g[13]
+    eta = None
+    if eta_text != UNKNOWN_ETA:
+        eta = parse_eta(eta_text)
+        if eta is None:
+            return None
+    tail = g[14]
+    if tail and not tail.startswith(" | "):
+        return None
+    try:
+        loss, acc, streak, lr, noise, tgt, dft, ktok, epoch = map(_number, (*g[2:10], g[12]))
+        # Several " | " groups of extras are accepted (and merged); the trainer prints one.
+        pairs = [t.split("=", 1) for t in tail[3:].replace(" | ", " ").split(" ")] if tail else []
+    except ValueError:
+        return None
+    if any(len(p) != 2 or not p[0] or not p[1] for p in pairs):
+        return None
+    return _construct_status(
+        {
+            "kind": "status",
+            "elapsed_min": int(g[0]),
+            "step": int(g[1]),
+            "loss": loss,
+            "acc": acc,
+            "streak": streak,
+            "lr": lr,
+            "noise": noise,
+            "tgt_bps": tgt,
+            "dft_bps": dft,
+            "ktok_s": ktok,
+            "q_pre": list(map(int, g[10].split(", "))) if g[10] else [],
+            "q_hs": list(map(int, g[11].split(", "))) if g[11] else [],
+            "epoch": epoch,
+            "eta_s": eta,
+            "extra": dict(pairs),
+        }
+    )
+
+
+_STATUS_FIELDS_SET = frozenset(StatusEvent.model_fields)
+
+
+def _construct_status(values: dict[str, object]) -> StatusEvent:
+    # The regex already guarantees every type, and pydantic's model_construct/validation would
+    # cost 4x the regex (the parser must sustain >= 100k lines/s for dflashctl's log replay).
+    # This sets exactly the attributes model_construct sets; a test compares it with validation.
+    ev = object.__new__(StatusEvent)
+    object.__setattr__(ev, "__dict__", values)
+    object.__setattr__(ev, "__pydantic_fields_set__", set(_STATUS_FIELDS_SET))
+    object.__setattr__(ev, "__pydantic_extra__", None)
+    object.__setattr__(ev, "__pydantic_private__", None)
+    return ev
+
+
+def parse_line(line: str) -> Event:
+    """Parse one line (trailing newline allowed); never raises, unknown text -> RawLine."""
+    try:
+        line = line.rstrip("\r\n")
+        if line.startswith("["):
+            status = _parse_status(line)
+            if status is not None:
+                return status
+        elif line.startswith(CHECKPOINT_PREFIX):
+            m = _CHECKPOINT_RE.fullmatch(line, len(CHECKPOINT_PREFIX))
+            if m is not None:
+                return CheckpointEvent(step=int(m.group(1)), path=m.group(2), text=line)
+        elif line.startswith(ERROR_PREFIX):
+            return ErrorEvent(message=line[len(ERROR_PREFIX) :], text=line)
+        else:
+            for phase, text in _PHASE_ITEMS:
+                if line == text:
+                    return PhaseEvent(phase=phase, text=line)
+                if line.startswith(text + " "):
+                    return PhaseEvent(phase=phase, detail=line[len(text) + 1 :], text=line)
+        return RawLine(text=line)
+    except Exception:  # a parser for a live feed must never take the reader down
+        return RawLine(text=str(line))
+
+
+def _starts_event(line: str) -> bool:
+    if _STATUS_START_RE.match(line) or line.startswith((CHECKPOINT_PREFIX, ERROR_PREFIX)):
+        return True
+    return any(line.startswith(text) for text in PHASE_TEXTS.values())
+
+
+def _incomplete_status(line: str) -> bool:
+    return bool(_STATUS_START_RE.match(line)) and _parse_status(line) is None
+
+
+def _infer_width(lines: list[str]) -> int | None:
+    # A status line that only parses once joined proves the capture was wrapped; no row of a
+    # capture is wider than the pane, so the widest row is the width (one row short when every
+    # wrap happened at a blank that tmux trimmed: pass `width` explicitly to be exact).
+    if not any(_incomplete_status(ln) for ln in lines):
+        return None
+    return max(len(ln) for ln in lines)
+
+
+def _join_wrapped(lines: list[str], width: int | None) -> list[str]:
+    logical: list[str] = []
+    i = 0
+    while i < len(lines):
+        current = lines[i]
+        last = current
+        is_status = bool(_STATUS_START_RE.match(current))
+        i += 1
+        while i < len(lines) and lines[i] and not _starts_event(lines[i]):
+            if width is not None and len(last) == width:
+                sep = ""
+            elif is_status and width is not None and len(last) == width - 1:
+                sep = " "  # tmux trimmed the trailing blank of a row that wrapped at a space
+            elif is_status and width is None and _incomplete_status(current):
+                sep = ""
+            else:
+                break
+            last = lines[i]
+            current += sep + last
+            i += 1
+        logical.append(current)
+    return logical
+
+
+def parse_text(text: str, width: int | None = None) -> list[Event]:
+    """Parse a block of output, re-joining rows a terminal wrapped at ``width`` columns.
+
+    With ``width=None`` the width is inferred from status lines that only parse once joined.
+    A truncated last line (a capture cut mid-line) comes back as a RawLine; blank rows are dropped.
+    """
+    lines = text.splitlines()
+    if width is None:
+        width = _infer_width(lines)
+    # Blank rows (tmux pads captures with them) carry no event.
+    return [parse_line(ln) for ln in _join_wrapped(lines, width) if ln.strip()]
