@@ -119,10 +119,10 @@ STATUS_SCRIPT = (
     'echo "${m}pane"; tmux -L dflash display-message -p -t "=$2:" "$3" 2>/dev/null\n'
     'echo "${m}current"; readlink current 2>/dev/null\n'
     'echo "${m}run_release"; cat ' + RUNNING_RELEASE_FILE + " 2>/dev/null\n"
-    'echo "${m}run_state"; cat run/run-state.json 2>/dev/null\n'
+    'echo "${m}run_state"; cat run/run-state.json 2>/dev/null; echo\n'
     'echo "${m}log_lines"; wc -l < run/status.log 2>/dev/null || echo 0\n'
-    'echo "${m}log"; tail -n 400 run/status.log 2>/dev/null\n'
-    'echo "${m}config"; cat run/config.toml 2>/dev/null\n'
+    'echo "${m}log"; tail -n 400 run/status.log 2>/dev/null; echo\n'
+    'echo "${m}config"; cat run/config.toml 2>/dev/null; echo\n'
     'echo "${m}capture"; tmux -L dflash capture-pane -p -J -t "=$2:" -S -60 2>/dev/null\n'
     "exit 0\n"
 )

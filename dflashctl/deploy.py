@@ -77,8 +77,9 @@ def unlock_argv(workdir: str) -> list[str]:
     return ["rm", "-rf", "--", f"{workdir}/{LOCK_NAME}"]
 
 
-def probe_argv(python: str, workdir: str, release: str) -> list[str]:
-    return [python, "-c", PROBE_SCRIPT, workdir, release]
+def probe_argv(python: str, workdir: str, release: str, *, import_check: bool = True) -> list[str]:
+    mode = "import" if import_check else "metadata"
+    return [python, "-c", PROBE_SCRIPT, workdir, release, mode]
 
 
 # $1 workdir, $2 release id, $3 python, $4 verify script. Tar archive on stdin.
@@ -140,9 +141,15 @@ async def check_container(transport: Transport, host: HostConfig) -> None:
 
 
 async def run_preflight(
-    transport: Transport, host: HostConfig, release: str, *, min_free_bytes: int
+    transport: Transport,
+    host: HostConfig,
+    release: str,
+    *,
+    min_free_bytes: int,
+    import_check: bool = True,
 ) -> Preflight:
-    res = await transport.run(probe_argv(host.python, host.workdir, release), timeout=180)
+    argv = probe_argv(host.python, host.workdir, release, import_check=import_check)
+    res = await transport.run(argv, timeout=180)
     if res.rc in (126, 127) or ("No such file" in res.stderr and res.rc != 0):
         raise DeployError(
             f"{host.name}: {host.python} not found in container {host.ctid} "
@@ -174,8 +181,13 @@ async def deploy(
     config: Path | None = None,
     release: Release | None = None,
     min_free_bytes: int = GIB,
+    import_check: bool = True,
 ) -> DeployResult:
-    """Deploy the trainer tree (default: the installed `trainer` package) to `host`."""
+    """Deploy the trainer tree (default: the installed `trainer` package) to `host`.
+
+    `import_check=False` reads module versions from metadata instead of importing them (fast;
+    for tests and benchmarks that deploy repeatedly). The CLI always imports.
+    """
     rel = release or build_release()
     _emit(progress, f"{host.name}: release {rel.id} ({rel.files} files, {len(rel.tar)} bytes)")
     await check_container(transport, host)
@@ -190,7 +202,9 @@ async def deploy(
         raise DeployError(f"{host.name}: cannot create {host.workdir}: {lock.error_line()}")
     try:
         min_free = max(min_free_bytes, 4 * len(rel.tar))
-        pre = await run_preflight(transport, host, rel.id, min_free_bytes=min_free)
+        pre = await run_preflight(
+            transport, host, rel.id, min_free_bytes=min_free, import_check=import_check
+        )
         for note in pre.notes:
             _emit(progress, note)
         if not pre.ok:

@@ -13,15 +13,20 @@ from typing import Any
 REQUIRED_MODULES = ("torch", "numpy", "pydantic")
 GIB = 1024**3
 
-# argv: WORKDIR RELEASE_ID. Prints one JSON object. Never raises for a missing module.
+# argv: WORKDIR RELEASE_ID MODE. Prints one JSON object. Never raises for a missing module.
+# MODE "import" really imports the modules (catches broken CUDA/ABI installs; torch takes
+# seconds); "metadata" only reads installed versions (fast; for repeated deploys in tests).
 PROBE_SCRIPT = r"""
-import importlib, json, os, shutil, subprocess, sys
-workdir, release = sys.argv[1], sys.argv[2]
+import importlib, importlib.metadata, json, os, shutil, subprocess, sys
+workdir, release, mode = sys.argv[1], sys.argv[2], sys.argv[3]
 out = {"python": sys.version.split()[0], "modules": {}, "errors": {}}
 for name in ("numpy", "pydantic", "torch"):
     try:
-        mod = importlib.import_module(name)
-        out["modules"][name] = getattr(mod, "__version__", "?")
+        if mode == "import":
+            mod = importlib.import_module(name)
+            out["modules"][name] = getattr(mod, "__version__", "?")
+        else:
+            out["modules"][name] = importlib.metadata.version(name)
     except Exception as exc:
         out["errors"][name] = f"{type(exc).__name__}: {exc}".splitlines()[0][:200]
 os.makedirs(workdir, exist_ok=True)
@@ -44,7 +49,7 @@ if smi:
             out["smi_error"] = (res.stderr or res.stdout).strip().splitlines()[-1:] or ["failed"]
     except Exception as exc:
         out["smi_error"] = [str(exc)]
-    if "torch" in out["modules"]:
+    if "torch" in out["modules"] and mode == "import":
         import torch
         out["cuda_available"] = bool(torch.cuda.is_available())
         out["torch_cuda"] = torch.version.cuda

@@ -20,7 +20,12 @@ def validate_config(path: Path) -> object:
     """Load `path` with TrainConfig.load; RunConfigError on any problem."""
     if not path.is_file():
         raise RunConfigError(f"{path}: run config not found")
-    from trainer.config import ConfigError, TrainConfig
+    try:
+        from trainer.config import ConfigError, TrainConfig
+    except ImportError as err:
+        raise RunConfigError(
+            f"{path}: cannot validate: trainer.config unavailable ({err})"
+        ) from None
 
     try:
         return TrainConfig.load(path)
@@ -43,11 +48,11 @@ def config_hash_of_file(path: Path) -> str:
 
 def config_hash_of_text(text: str) -> str | None:
     """Hash of a config's text (None if it does not validate: a remote file we only show)."""
-    from trainer.config import config_hash
-
     try:
+        from trainer.config import config_hash
+
         return str(config_hash(_load_text(text, "remote-config.toml")))
-    except RunConfigError:
+    except (RunConfigError, ImportError):
         return None
 
 

@@ -1,0 +1,114 @@
+"""Pure argv builders and parsers: exact argv, one quoting layer, tmux exact targets."""
+
+from __future__ import annotations
+
+import shlex
+import subprocess
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from dflashctl.remote import commands as C
+
+
+def test_pct_exec_puts_double_dash_before_container_argv() -> None:
+    argv = C.pct_exec(200, ["sh", "-c", "echo hi"])
+    assert argv == ["pct", "exec", "200", "--", "sh", "-c", "echo hi"]
+
+
+@given(
+    st.lists(st.text(alphabet=st.characters(blacklist_characters="\x00"), min_size=0), max_size=6)
+)
+def test_shell_join_round_trips_any_argv(argv: list[str]) -> None:
+    wrapped = C.pct_exec(101, C.clean_env(argv))
+    assert shlex.split(C.shell_join(wrapped)) == wrapped
+
+
+def test_hostile_argument_reaches_the_program_verbatim() -> None:
+    hostile = "a b; rm -rf / $(touch pwned) `id` 'q' \"dq\" \\ * ~ # &"
+    line = C.shell_join(["printf", "%s", hostile])
+    out = subprocess.run(["sh", "-c", line], capture_output=True, text=True, check=True).stdout
+    assert out == hostile
+
+
+def test_clean_env_starts_from_nothing() -> None:
+    argv = C.clean_env(["tail"], {"X": "1"})
+    assert argv[:2] == ["env", "-i"]
+    assert "X=1" in argv and f"PATH={C.CONTAINER_PATH}" in argv
+    assert argv[-1] == "tail"
+
+
+def test_tmux_uses_private_socket_and_exact_targets() -> None:
+    for argv in (
+        C.tmux_has_session("run"),
+        C.tmux_kill_session("run"),
+        C.tmux_interrupt("run"),
+        C.tmux_capture("run"),
+        C.tmux_pane_state("run"),
+        C.tmux_attach("run"),
+    ):
+        assert argv[:3] == ["tmux", "-L", "dflash"]
+        target = argv[argv.index("-t") + 1]
+        assert target.startswith("=run"), argv
+
+
+def test_new_session_sets_options_before_the_session_exists() -> None:
+    argv = C.tmux_new_session(
+        "run", ["python", "-m", "trainer"], cwd="/w", env={"A": "1 2", "B": "x;y"}
+    )
+    seq = " ".join(argv)
+    assert seq.index("remain-on-exit on") < seq.index("new-session")
+    assert seq.index("history-limit") < seq.index("new-session")
+    assert argv[argv.index("-x") + 1] == str(C.PANE_WIDTH)
+    assert argv[argv.index("A=1 2") - 1 : argv.index("A=1 2") + 1] == ["-e", "A=1 2"]
+    assert argv[-3:] == ["python", "-m", "trainer"]  # multi-arg form: exec'd without a shell
+
+
+def test_new_session_refuses_a_standalone_semicolon() -> None:
+    with pytest.raises(ValueError, match="';'"):
+        C.tmux_new_session("run", ["python", ";", "rm"], cwd="/w", env={})
+
+
+def test_capture_uses_negative_start_and_joins_wrapped_lines() -> None:
+    argv = C.tmux_capture("s", 200)
+    assert "-J" in argv and argv[argv.index("-S") + 1] == "-200"
+
+
+def test_tail_follow_is_one_based_and_follows_by_name() -> None:
+    assert C.tail_follow("/w/run/status.log", 0) == ["tail", "-n", "+1", "-F", "/w/run/status.log"]
+    assert C.tail_follow("/x", 41)[2] == "+42"
+
+
+@pytest.mark.parametrize(
+    ("out", "state"),
+    [("status: running\n", "running"), ("status: stopped", "stopped"), ("garbage", "unknown")],
+)
+def test_parse_pct_status(out: str, state: str) -> None:
+    assert C.parse_pct_status(out) == state
+
+
+def test_parse_pane_state() -> None:
+    s = C.parse_pane_state("1|3|1234|250\n")
+    assert s == C.PaneState(dead=True, exit_status=3, pid=1234, width=250)
+    alive = C.parse_pane_state("0||99|250")
+    assert alive is not None and not alive.dead and alive.exit_status is None
+    assert C.parse_pane_state("") is None
+    assert C.parse_pane_state("can't find session") is None
+
+
+def test_guard_kills_helper_when_stdin_closes() -> None:
+    proc = subprocess.Popen(
+        C.guarded(["sleep", "30"]), stdin=subprocess.PIPE, stdout=subprocess.PIPE
+    )
+    assert proc.stdin is not None
+    proc.stdin.close()
+    assert proc.wait(timeout=10) != 0  # the sleep was killed, not waited out
+
+
+def test_write_file_atomic_writes_stdin_with_mode(tmp_path) -> None:
+    target = tmp_path / "sub dir" / "secret"
+    subprocess.run(C.write_file_atomic(str(target), "600"), input=b"tok\n", check=True)
+    assert target.read_bytes() == b"tok\n"
+    assert target.stat().st_mode & 0o777 == 0o600
+    assert [p.name for p in target.parent.iterdir()] == ["secret"]

@@ -1,0 +1,98 @@
+"""Status parsing from the one-round-trip status script, GPU CSV, trainer argv."""
+
+from __future__ import annotations
+
+from dflashctl.control import (
+    MARK,
+    parse_gpu_csv,
+    parse_status,
+    split_sections,
+    stop_wait_argv,
+    trainer_argv,
+)
+
+LINE = (
+    "[3m] step={step} loss=1.2000 acc=0.500 streak=1.0 lr=6.00e-04 noise=0.1000 | tgt=1.00b/s "
+    "dft=1.00b/s (2.0Ktok/s) | q_pre=[1, 2] q_hs=[1] | epoch~0.01 ETA=17m"
+)
+
+
+def script_output(**sections: str) -> str:
+    return "".join(f"{MARK}{k}\n{v}\n" for k, v in sections.items())
+
+
+def fake_hash(text: str) -> str:
+    return f"h{len(text)}"
+
+
+def test_running_session_with_status_lines() -> None:
+    out = script_output(
+        session="yes",
+        pane="0||4242|250",
+        current="releases/abc123def456",
+        run_release="abc123def456",
+        run_state='{"config_hash": "cfg000000001", "pid": 4242}',
+        log_lines="3",
+        log="Starting pipeline...\n" + LINE.format(step=7) + "\n" + LINE.format(step=8),
+        config="[x]\n",
+        capture="",
+    )
+    st = parse_status("pve-a", out, fake_hash)
+    assert st.state == "running" and st.exit_status is None
+    assert st.step == 8 and st.release == "abc123def456" and st.run_release == "abc123def456"
+    assert st.config_hash == "cfg000000001" and st.deployed_config_hash == "h3"
+    assert st.log_lines == 3 and st.to_json_dict()["step"] == 8
+
+
+def test_dead_pane_is_crashed_with_exit_status_and_traceback_tail() -> None:
+    out = script_output(
+        session="yes",
+        pane="1|3|0|250",
+        capture="Traceback (most recent call last):\nERROR: CUDA out of memory",
+        log_lines="0",
+    )
+    st = parse_status("h", out, fake_hash)
+    assert (st.state, st.exit_status) == ("crashed", 3)
+    assert st.last_error == "CUDA out of memory" and st.pane_tail[-1].startswith("ERROR")
+
+
+def test_clean_exit_is_stopped_and_no_session_is_stopped() -> None:
+    assert (
+        parse_status("h", script_output(session="yes", pane="1|0|0|250"), fake_hash).state
+        == "stopped"
+    )
+    st = parse_status("h", script_output(session="no", pane=""), fake_hash)
+    assert st.state == "stopped" and st.exit_status is None
+    assert parse_status("h", f"{MARK}noworkdir\n", fake_hash).message == "nothing deployed yet"
+
+
+def test_status_falls_back_to_wrapped_pane_capture() -> None:
+    line = LINE.format(step=12)
+    wrapped = "\n".join(line[i : i + 80] for i in range(0, len(line), 80))
+    out = script_output(session="yes", pane="0||1|80", capture=wrapped, log_lines="0")
+    assert parse_status("h", out, fake_hash).step == 12
+
+
+def test_sections_keep_blank_lines_inside() -> None:
+    assert split_sections(script_output(config="a\n\nb"))["config"] == "a\n\nb"
+
+
+def test_gpu_csv_tolerates_not_supported_fields() -> None:
+    gpus = parse_gpu_csv("0, NVIDIA RTX PRO 6000, 97, 81000, 97887, 64, [N/A]\nbogus\n")
+    assert len(gpus) == 1 and gpus[0].util_pct == 97 and gpus[0].power_w is None
+
+
+def test_trainer_argv_resume_vs_fresh() -> None:
+    assert trainer_argv("/p", False)[-2:] == ["--resume", "auto"]
+    assert trainer_argv("/p", True)[-1] == "--fresh" and "--resume" not in trainer_argv("/p", True)
+    assert trainer_argv("/p", False)[:3] == ["/p", "-m", "trainer"]
+
+
+def test_stop_wait_scans_from_the_line_after_the_mark() -> None:
+    argv = stop_wait_argv("/w", "s", 41, 10)
+    assert argv[-2:] == ["42", "50"]
+
+
+def test_unterminated_file_does_not_swallow_the_next_section() -> None:
+    out = f"{MARK}config\n[x]\n\n{MARK}capture\nline\n"  # `cat` of "[x]" then the script's echo
+    assert split_sections(out) == {"config": "[x]", "capture": "line"}

@@ -1,0 +1,232 @@
+"""Deploy and run control through LocalTransport: real processes, real tmux, a local workdir.
+
+This is the path `dflashctl demo` uses; the SSH tests run the same services against real sshd
+and LXC.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import sys
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+
+from dflashctl.control import ControlError, RunControl
+from dflashctl.deploy import DeployError, deploy
+from dflashctl.inventory import HostConfig, local_host
+from dflashctl.release import Release, build_release
+from dflashctl.remote import LocalTransport
+from tests.conftest import require_part
+
+STANDIN = Path(__file__).resolve().parent / "standin"
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture
+def local(tmp_path: Path) -> tuple[LocalTransport, HostConfig]:
+    require_part(shutil.which("tmux") is not None, "tmux not installed")
+    sock = tmp_path / "tmux"
+    sock.mkdir()
+    # A private TMUX_TMPDIR: the test's `-L dflash` server is its own.
+    transport = LocalTransport(env={"TMUX_TMPDIR": str(sock), "STANDIN_PERIOD": "0.1"})
+    host = local_host("loc", tmp_path / "wd", python=sys.executable, session="t")
+    return transport, host
+
+
+@pytest.fixture
+async def ctl(local: tuple[LocalTransport, HostConfig]) -> AsyncIterator[RunControl]:
+    transport, host = local
+    yield RunControl(transport, host)
+    await transport.run(["tmux", "-L", "dflash", "kill-server"])
+    await transport.close()
+
+
+def standin_copy(tmp: Path) -> Path:
+    dst = tmp / "tree"
+    shutil.copytree(STANDIN, dst, ignore=shutil.ignore_patterns("__pycache__"))
+    return dst
+
+
+async def test_deploy_then_redeploy_transfers_nothing(local, tmp_path: Path) -> None:
+    transport, host = local
+    rel = build_release(standin_copy(tmp_path))
+    first = await deploy(transport, host, release=rel, min_free_bytes=0, import_check=False)
+    wd = Path(host.workdir)
+    assert first.transferred_bytes == len(rel.tar) and first.switched and first.previous is None
+    assert os.readlink(wd / "current") == f"releases/{rel.id}"
+    assert (wd / "releases" / rel.id / ".complete").is_file()
+    again = await deploy(transport, host, release=rel, min_free_bytes=0, import_check=False)
+    assert again.transferred_bytes == 0 and not again.switched
+    assert not (wd / ".deploy.lock").exists()
+
+
+async def test_corrupted_transfer_never_switches_current(local, tmp_path: Path) -> None:
+    transport, host = local
+    tree = standin_copy(tmp_path)
+    good = build_release(tree)
+    await deploy(transport, host, release=good, min_free_bytes=0, import_check=False)
+    (tree / "trainer" / "__init__.py").write_text("changed\n")
+    newer = build_release(tree)
+    bad = Release(id=newer.id, tar=good.tar, files=newer.files)  # payload does not match its id
+    with pytest.raises(DeployError, match="expected " + newer.id):
+        await deploy(transport, host, release=bad, min_free_bytes=0, import_check=False)
+    wd = Path(host.workdir)
+    assert os.readlink(wd / "current") == f"releases/{good.id}"
+    assert not (wd / "releases" / newer.id).exists()
+    assert not (wd / ".deploy.lock").exists()
+    # and the next good deploy cleans the leftover temp dir and goes through
+    done = await deploy(transport, host, release=newer, min_free_bytes=0, import_check=False)
+    assert done.switched and not list((wd / "releases").glob(".tmp-*"))
+
+
+async def test_concurrent_deploy_is_refused_by_the_lock(local, tmp_path: Path) -> None:
+    transport, host = local
+    lock = Path(host.workdir) / ".deploy.lock"
+    lock.mkdir(parents=True)
+    (lock / "owner").write_text("laptop pid 1\n")
+    rel = build_release(standin_copy(tmp_path))
+    with pytest.raises(DeployError, match=r"another deploy holds .*laptop pid 1"):
+        await deploy(transport, host, release=rel, min_free_bytes=0, import_check=False)
+    assert lock.exists()  # someone else's lock is not ours to remove
+    assert not (Path(host.workdir) / "current").exists()
+
+
+async def test_two_deploys_at_once_one_wins(local, tmp_path: Path) -> None:
+    transport, host = local
+    rel = build_release(standin_copy(tmp_path))
+    results = await asyncio.gather(
+        deploy(transport, host, release=rel, min_free_bytes=0, import_check=False),
+        deploy(transport, host, release=rel, min_free_bytes=0, import_check=False),
+        return_exceptions=True,
+    )
+    errors = [r for r in results if isinstance(r, BaseException)]
+    oks = [r for r in results if not isinstance(r, BaseException)]
+    assert len(oks) >= 1 and all(isinstance(e, DeployError) and "holds" in str(e) for e in errors)
+
+
+async def test_old_releases_are_pruned_but_not_the_running_one(local, tmp_path: Path) -> None:
+    transport, host = local
+    host = host.model_copy(update={"keep_releases": 2})
+    tree = standin_copy(tmp_path)
+    ids = []
+    for i in range(4):
+        (tree / "trainer" / "v.py").write_text(f"v = {i}\n")
+        rel = build_release(tree)
+        ids.append(rel.id)
+        if i == 1:
+            (Path(host.workdir) / "run").mkdir(parents=True, exist_ok=True)
+            (Path(host.workdir) / "run" / ".release").write_text(ids[0] + "\n")
+        await deploy(transport, host, release=rel, min_free_bytes=0, import_check=False)
+    left = {p.name for p in (Path(host.workdir) / "releases").iterdir()}
+    assert left == {ids[0], ids[2], ids[3]}  # newest two + the one a run was started from
+
+
+async def test_preflight_failure_is_reported_and_nothing_sent(local, tmp_path: Path) -> None:
+    transport, host = local
+    bad = host.model_copy(update={"python": "/nonexistent/python3"})
+    rel = build_release(standin_copy(tmp_path))
+    with pytest.raises(DeployError, match=r"/nonexistent/python3 not found"):
+        await deploy(transport, bad, release=rel)
+    with pytest.raises(DeployError, match=r"GiB free under"):
+        await deploy(transport, host, release=rel, min_free_bytes=10**18)
+    assert not (Path(host.workdir) / "releases").exists() or not any(
+        (Path(host.workdir) / "releases").iterdir()
+    )
+
+
+async def wait_for(pred, timeout: float = 30.0) -> None:
+    loop = asyncio.get_running_loop()
+    end = loop.time() + timeout
+    while not await pred():
+        assert loop.time() < end, "condition not reached"
+        await asyncio.sleep(0.1)
+
+
+async def test_start_status_follow_stop_restart(ctl: RunControl, tmp_path: Path) -> None:
+    host = ctl.host
+    cfg = tmp_path / "run.toml"
+    cfg.write_text("[run]\nname = 'a'\n")
+    rel = build_release(standin_copy(tmp_path))
+    await deploy(ctl.transport, host, release=rel, min_free_bytes=0, import_check=False)
+    with pytest.raises(ControlError, match=r"config\.toml"):
+        await ctl.start()
+    (Path(host.run_dir)).mkdir(parents=True, exist_ok=True)
+    (Path(host.run_dir) / "config.toml").write_bytes(cfg.read_bytes())
+
+    started = await ctl.start()
+    assert started.started and started.release == rel.id and started.pane_pid
+    again = await ctl.start()
+    assert not again.started  # idempotent
+
+    async def stepping() -> bool:
+        st = await ctl.status()
+        return st.state == "running" and (st.step or 0) >= 3
+
+    await wait_for(stepping)
+    st = await ctl.status()
+    assert st.run_release == rel.id and st.config_hash and len(st.config_hash) == 12
+
+    got: list[str] = []
+    async for line in ctl.follow(0):
+        got.append(line)
+        if len(got) == 5:
+            break
+    assert got[:2] == ["Starting pipeline...", "Pipeline running. Monitoring..."]
+    assert got[2].startswith("[0m] step=1 ") and got[4].startswith("[0m] step=3 ")
+
+    stopped = await ctl.stop(timeout=20)
+    assert stopped.was_running and stopped.outcome in {"exited", "checkpointed"}
+    assert stopped.checkpoint is not None and stopped.checkpoint.step >= 3
+    assert Path(host.workdir, stopped.checkpoint.path).is_file()
+    assert (await ctl.status()).state == "stopped"
+    assert not (await ctl.stop()).was_running
+
+
+async def test_crash_leaves_exit_status_and_tail(ctl: RunControl, tmp_path: Path) -> None:
+    host = ctl.host
+    await deploy(
+        ctl.transport,
+        host,
+        release=build_release(standin_copy(tmp_path)),
+        min_free_bytes=0,
+        import_check=False,
+    )
+    Path(host.run_dir).mkdir(parents=True, exist_ok=True)
+    (Path(host.run_dir) / "config.toml").write_text("crash = true\n")
+    await ctl.start()
+
+    async def dead() -> bool:
+        return (await ctl.status()).state != "running"
+
+    await wait_for(dead)
+    st = await ctl.status()
+    assert st.state == "crashed" and st.exit_status == 3
+    assert st.last_error == "config asked for a crash"
+    stop = await ctl.stop()
+    assert stop.outcome == "dead" and stop.exit_status == 3
+    assert (await ctl.status()).exit_status is None  # dead session cleared
+
+
+async def test_follow_interrupt_kills_the_tail(ctl: RunControl) -> None:
+    log = Path(ctl.host.run_dir) / "status.log"
+    log.parent.mkdir(parents=True)
+    log.write_text("one\ntwo\n")
+    got = []
+    async for line in ctl.follow(1):
+        got.append(line)
+        break
+    assert got == ["two"]
+    await asyncio.sleep(0.3)
+    out = await ctl.transport.run(["pgrep", "-f", f"tail -n +2 -F {log}"])
+    assert out.stdout.strip() == ""
+
+
+async def test_secret_goes_through_stdin_into_a_0600_file(ctl: RunControl) -> None:
+    path = await ctl.put_secret("wandb", b"s3cr3t\n")
+    assert Path(path).read_bytes() == b"s3cr3t\n" and Path(path).stat().st_mode & 0o777 == 0o600
+    with pytest.raises(ControlError, match="not a plain name"):
+        await ctl.put_secret("../x", b"")
