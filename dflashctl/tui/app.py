@@ -133,7 +133,10 @@ class DflashApp(App[None]):
         for screen in reversed(self.screen_stack):
             refresh = getattr(screen, "refresh_view", None)
             if refresh is not None:
-                refresh(self.states, now, dirty)
+                try:
+                    refresh(self.states, now, dirty)
+                except NoMatches:  # the screen is being torn down (app exiting): nothing to draw
+                    return
             if not isinstance(screen, ModalScreen):
                 break  # the screen under a modal stays live; anything deeper waits its turn
         self.frames += 1

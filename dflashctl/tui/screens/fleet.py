@@ -52,6 +52,10 @@ class FleetScreen(Screen[None]):
 
     _ready = False
 
+    def __init__(self) -> None:
+        super().__init__()
+        self._shown: dict[str, dict[str, Text | str]] = {}
+
     def on_mount(self) -> None:
         self._ready = True
         self.app.call_later(self.app.flush)  # type: ignore[attr-defined]
@@ -82,14 +86,17 @@ class FleetScreen(Screen[None]):
         """Update every row: ages change every tick even when no line arrived."""
         del dirty  # the age column changes for all hosts on every tick
         table = self.table
-        existing = {str(k.value) for k in table.rows}
         for host, state in states.items():
             cells = fleet_row(state, now)
-            if host not in existing:
+            shown = self._shown.get(host)
+            if shown is None:
                 table.add_row(*(cells[k] for k, _ in COLUMNS), key=host)
+                self._shown[host] = cells
                 continue
             for key, _ in COLUMNS[1:]:
-                table.update_cell(host, key, cells[key], update_width=True)
+                if cells[key] != shown[key]:  # DataTable re-measures on every update: skip no-ops
+                    table.update_cell(host, key, cells[key], update_width=True)
+            self._shown[host] = cells
         counts: dict[str, int] = {}
         for state in states.values():
             shown = display_state(state, now).split(" ")[0]
