@@ -22,6 +22,7 @@ from typing import Any, ClassVar
 from textual import work
 from textual.app import App, SystemCommand
 from textual.binding import Binding, BindingType
+from textual.css.query import NoMatches
 from textual.screen import ModalScreen, Screen
 
 from dflashctl.monitor import (
