@@ -1,0 +1,170 @@
+"""TrainConfig: TOML loading, one-line errors, hashing, resume-critical diffs, torch-free import."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from trainer.config import ConfigError, TrainConfig, config_hash, resume_critical_changes
+
+REPO = Path(__file__).resolve().parents[2]
+TINY = REPO / "configs" / "tiny-cpu.toml"
+
+MINIMAL = """
+[data]
+store = "store"
+[batching]
+token_budget = 4096
+[model]
+target_dir = "/abs/target"
+mask_token_id = 151669
+"""
+
+
+def _write(tmp_path: Path, text: str, name: str = "run.toml") -> Path:
+    path = tmp_path / name
+    path.write_text(textwrap.dedent(text))
+    return path
+
+
+def test_bundled_tiny_config_loads_and_resolves_paths_next_to_it() -> None:
+    """configs/tiny-cpu.toml is valid and its relative paths point under configs/."""
+    cfg = TrainConfig.load(TINY)
+    assert cfg.topology.target_devices == ["cpu"] and cfg.topology.drafter_devices == ["cpu"]
+    assert cfg.resolve(cfg.data.store) == (TINY.parent / ".cache/tiny-store").resolve()
+    assert cfg.resolve("/abs/x") == Path("/abs/x")
+
+
+def test_defaults_follow_the_paper_recipe(tmp_path: Path) -> None:
+    """Unset keys take the DFlash recipe: lr 6e-4, warmup 4%, 6 epochs, clip 1, block 16."""
+    cfg = TrainConfig.load(_write(tmp_path, MINIMAL))
+    assert cfg.optimizer.lr == 6e-4 and cfg.schedule.warmup_ratio == 0.04
+    assert cfg.schedule.epochs == 6 and cfg.optimizer.clip == 1.0
+    assert cfg.model.drafter.block_size == 16 and cfg.model.drafter.num_layers == 5
+
+
+@pytest.mark.parametrize(
+    ("extra", "expected"),
+    [
+        ("[optimizer]\nlr = -1\n", "run.toml: optimizer.lr: Input should be greater than 0"),
+        ("[optimizer]\nlrr = 1e-3\n", "run.toml: optimizer.lrr: unknown key (typo?)"),
+        ("[topology]\ntarget_devices = []\n", "run.toml: topology.target_devices: "),
+        ("[schedule]\nwarmup_ratio = 1.5\n", "run.toml: schedule.warmup_ratio: "),
+        ("typo_top = 1\n", "run.toml: typo_top: unknown key (typo?)"),
+    ],
+)
+def test_errors_are_one_line_naming_file_and_dotted_key(
+    tmp_path: Path, extra: str, expected: str
+) -> None:
+    """A bad value or a typo is reported as `file: dotted.key: reason` on one line."""
+    text = textwrap.dedent(MINIMAL)
+    if extra.startswith("["):
+        text += extra
+    else:
+        text = extra + text
+    path = _write(tmp_path, text)
+    with pytest.raises(ConfigError) as info:
+        TrainConfig.load(path)
+    message = str(info.value)
+    assert "\n" not in message
+    assert message.startswith(str(path.parent / expected)), message
+
+
+def test_missing_key_bad_toml_and_missing_file(tmp_path: Path) -> None:
+    """Missing required keys, TOML syntax errors and absent files all name the file."""
+    path = _write(tmp_path, "[data]\nstore = 's'\n[batching]\ntoken_budget = 8\n")
+    with pytest.raises(ConfigError, match=r"run.toml: model: required key is missing"):
+        TrainConfig.load(path)
+    bad = _write(tmp_path, "[data\nstore=", "bad.toml")
+    with pytest.raises(ConfigError, match=r"bad.toml: invalid TOML"):
+        TrainConfig.load(bad)
+    with pytest.raises(ConfigError, match=r"nope.toml: cannot read"):
+        TrainConfig.load(tmp_path / "nope.toml")
+
+
+def test_bad_boundaries_name_the_key(tmp_path: Path) -> None:
+    """Non-increasing bucket edges are refused at load, not mid-run."""
+    text = MINIMAL.replace("token_budget = 4096", "token_budget = 4096\nboundaries = [0, 9, 9]")
+    with pytest.raises(ConfigError, match=r"batching: .*strictly increasing"):
+        TrainConfig.load(_write(tmp_path, text))
+
+
+def test_hash_is_stable_and_sensitive(tmp_path: Path) -> None:
+    """Same content -> same 12-hex hash; any value change -> a different hash."""
+    a = TrainConfig.load(_write(tmp_path, MINIMAL, "a.toml"))
+    b = TrainConfig.load(_write(tmp_path, MINIMAL, "b.toml"))
+    c = TrainConfig.load(_write(tmp_path, MINIMAL + "[optimizer]\nlr = 1e-4\n", "c.toml"))
+    assert config_hash(a) == config_hash(b) and len(config_hash(a)) == 12
+    assert config_hash(a) != config_hash(c)
+
+
+def test_to_toml_round_trips(tmp_path: Path) -> None:
+    """The canonical TOML written into checkpoints loads back to the same config."""
+    cfg = TrainConfig.load(TINY)
+    again = TrainConfig.from_dict(tomllib.loads(cfg.to_toml()))
+    assert again.model_dump() == cfg.model_dump()
+    assert config_hash(again) == config_hash(cfg)
+
+
+def test_resume_critical_changes_name_only_breaking_keys() -> None:
+    """Data order and model shape break resume; LR, intervals and noise do not."""
+    base = tomllib.loads(TINY.read_text())
+    old = TrainConfig.from_dict(base)
+    same = TrainConfig.from_dict(
+        base
+        | {"optimizer": base["optimizer"] | {"lr": 1e-4}, "status": {"interval_s": 5}}
+        | {"model": base["model"] | {"noise": 0.05}}
+    )
+    assert resume_critical_changes(old, same) == []
+    new = TrainConfig.from_dict(
+        base
+        | {"batching": base["batching"] | {"boundaries": [0, 40, 97]}}
+        | {"model": base["model"] | {"drafter": {"num_layers": 3, "block_size": 4}}}
+        | {"seed": 1}
+    )
+    assert resume_critical_changes(old, new) == [
+        "batching.boundaries",
+        "model.drafter.num_layers",
+        "seed",
+    ]
+
+
+BLOCK_TORCH = """
+import importlib.abc, sys
+class _NoTorch(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name == "torch" or name.startswith(("torch.", "transformers", "triton")):
+            raise ImportError(f"{name} is blocked: this module must stay torch-free")
+        return None
+sys.meta_path.insert(0, _NoTorch())
+"""
+
+
+def test_shared_modules_import_without_torch() -> None:
+    """dflashctl imports events, config and buckets on laptops without torch."""
+    modules = ["trainer.events", "trainer.config"]
+    if (REPO / "trainer" / "buckets.py").exists():  # the planner lands in parallel
+        modules.append("trainer.buckets")
+    code = (
+        BLOCK_TORCH
+        + "".join(f"import {m}\n" for m in modules)
+        + (
+            "assert 'torch' not in sys.modules\n"
+            "trainer.config.TrainConfig.load(sys.argv[1])\n"
+            "print('ok')\n"
+        )
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code, str(TINY)],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=60,
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "ok"

@@ -1,0 +1,326 @@
+"""The run config: one TOML file, validated into frozen pydantic sections, torch-free.
+
+``dflashctl`` pushes this file to a container and validates it locally before it does, so it must
+import without torch. Every section rejects unknown keys (a typo must not silently fall back to a
+default for a multi-day run) and every error is ONE line naming the file and the dotted key::
+
+    run.toml: optimizer.lr: Input should be greater than 0
+
+Relative paths (``data.store``, ``model.target_dir``) are relative to the config file, so a run
+directory can be moved or pushed as a unit; ``resolve()`` turns them into absolute paths.
+
+``config_hash`` fingerprints the whole config; ``resume_critical_changes`` lists the dotted keys
+whose change makes a checkpoint meaningless (data order, model shape), which the trainer refuses
+to resume across unless ``--fresh``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+import tomllib
+from pathlib import Path
+from typing import Any, Literal, Self
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    ValidationError,
+    model_validator,
+)
+
+__all__ = [
+    "RESUME_CRITICAL_KEYS",
+    "ConfigError",
+    "TrainConfig",
+    "config_hash",
+    "resume_critical_changes",
+]
+
+
+class ConfigError(ValueError):
+    """A bad run config; the message is one line naming the file and the dotted key."""
+
+
+_SECTION = ConfigDict(extra="forbid", frozen=True)
+
+
+class SyntheticData(BaseModel):
+    """Build a synthetic store at ``data.store`` on first run when it does not exist (demo/CI)."""
+
+    model_config = _SECTION
+
+    rows: int = Field(default=4000, ge=1, description="samples to generate")
+    max_length: int = Field(default=128, ge=8, description="longest sample (tokens)")
+    lengths_from: str = Field(default="seed-shaped", description="length distribution source")
+    seed: int = Field(default=0, ge=0)
+
+
+class DataConfig(BaseModel):
+    model_config = _SECTION
+
+    store: str = Field(description="token store directory (relative to the config file)")
+    synthetic: SyntheticData | None = Field(
+        default=None, description="create a synthetic store here if absent (tests and demos)"
+    )
+
+
+class BatchingConfig(BaseModel):
+    model_config = _SECTION
+
+    strategy: Literal["bucketed", "sorted", "random", "pool-sort"] = "bucketed"
+    boundaries: list[int] | Literal["plan"] = Field(
+        default="plan", description='K+1 bucket edges, or "plan": optimal edges for num_buckets'
+    )
+    num_buckets: int = Field(default=6, ge=1, le=64, description="K when boundaries = 'plan'")
+    token_budget: int = Field(ge=1, description="max padded tokens per batch")
+    max_batch: int = Field(default=64, ge=1, description="max samples per batch")
+    pool_size: int = Field(default=3200, ge=1, description="pool for strategy 'pool-sort'")
+
+    @model_validator(mode="after")
+    def _edges(self) -> Self:
+        b = self.boundaries
+        if isinstance(b, list) and (len(b) < 2 or any(x >= y for x, y in itertools.pairwise(b))):
+            raise ValueError(f"boundaries {b} must be at least 2 strictly increasing edges")
+        return self
+
+
+class TinyTarget(BaseModel):
+    """Build a tiny random Qwen3 at ``model.target_dir`` when absent (no downloads)."""
+
+    model_config = _SECTION
+
+    seed: int = Field(default=0, ge=0)
+    vocab_size: int = Field(default=512, ge=16)
+    hidden_size: int = Field(default=64, ge=8)
+    num_layers: int = Field(default=8, ge=2)
+    num_heads: int = Field(default=4, ge=1)
+    num_kv_heads: int = Field(default=2, ge=1)
+    head_dim: int = Field(default=16, ge=2)
+    intermediate_size: int = Field(default=128, ge=8)
+
+
+class DrafterShape(BaseModel):
+    model_config = _SECTION
+
+    num_layers: int = Field(default=5, ge=1)
+    block_size: int = Field(default=16, ge=2)
+    intermediate_size: int | None = Field(default=None, ge=1, description="None: the target's")
+    num_attention_heads: int | None = Field(default=None, ge=1, description="None: the target's")
+    num_key_value_heads: int | None = Field(default=None, ge=1, description="None: the target's")
+    head_dim: int | None = Field(default=None, ge=1, description="None: the target's")
+
+
+class ModelConfig(BaseModel):
+    model_config = _SECTION
+
+    target_dir: str = Field(description="HF model directory of the frozen target (relative ok)")
+    tiny_target: TinyTarget | None = Field(default=None, description="build target_dir if absent")
+    drafter: DrafterShape = Field(default_factory=DrafterShape)
+    target_layer_ids: list[int] | None = Field(
+        default=None, description="decoder layers to capture; None: the DFlash formula"
+    )
+    mask_token_id: int = Field(ge=0, description="embedding row used for masked block slots")
+    num_anchors: int = Field(default=512, ge=1, description="anchors sampled per sequence")
+    gamma: float | None = Field(default=None, gt=0, description="slot decay; None: 7/5/4 rule")
+    noise: float = Field(default=0.0, ge=0, description="std of Gaussian noise on hidden states")
+
+
+class TopologyConfig(BaseModel):
+    model_config = _SECTION
+
+    target_devices: list[str] = Field(
+        default=["cpu"], min_length=1, description='one target worker per entry, e.g. "cuda:1"'
+    )
+    drafter_devices: list[str] = Field(
+        default=["cpu"], min_length=1, description="one per data-parallel rank on this node"
+    )
+    prefetch_workers: int = Field(default=2, ge=1, description="threads collating batches")
+    prefetch_depth: int = Field(default=4, ge=1, description="capacity of each q_pre queue")
+    hidden_depth: int = Field(default=4, ge=1, description="capacity of each q_hs queue")
+    target_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+
+
+class OptimizerConfig(BaseModel):
+    model_config = _SECTION
+
+    lr: float = Field(default=6e-4, gt=0)
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = Field(default=1e-8, gt=0)
+    weight_decay: float = Field(default=0.0, ge=0)
+    clip: float = Field(default=1.0, ge=0, description="max grad norm; 0 disables clipping")
+    grad_accum: int = Field(default=1, ge=1, description="micro-batches per optimizer step")
+    max_nonfinite: int = Field(
+        default=20, ge=1, description="stop after this many non-finite losses in a row"
+    )
+
+
+class ScheduleConfig(BaseModel):
+    model_config = _SECTION
+
+    epochs: float = Field(default=6.0, gt=0)
+    warmup_ratio: float | None = Field(default=0.04, ge=0, lt=1)
+    warmup_steps: int | None = Field(default=None, ge=0, description="overrides warmup_ratio")
+    min_lr: float = Field(default=0.0, ge=0, description="cosine floor")
+    max_steps: int | None = Field(
+        default=None,
+        ge=1,
+        description="stop early at this optimizer step (the LR schedule still spans all epochs)",
+    )
+
+
+class StatusConfig(BaseModel):
+    model_config = _SECTION
+
+    interval_s: float = Field(default=30.0, gt=0, description="seconds between status lines")
+    rate_window_s: float = Field(default=60.0, gt=0, description="window of Ktok/s and b/s")
+
+
+class CheckpointConfig(BaseModel):
+    model_config = _SECTION
+
+    every_steps: int | None = Field(default=1000, ge=1)
+    every_minutes: float | None = Field(default=30.0, gt=0)
+    keep_last: int = Field(default=3, ge=1)
+
+
+class TrainConfig(BaseModel):
+    """The whole run. Load with ``TrainConfig.load(path)``."""
+
+    model_config = _SECTION
+
+    seed: int = Field(default=0, ge=0)
+    data: DataConfig
+    batching: BatchingConfig
+    model: ModelConfig
+    topology: TopologyConfig = Field(default_factory=TopologyConfig)
+    optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
+    schedule: ScheduleConfig = Field(default_factory=ScheduleConfig)
+    status: StatusConfig = Field(default_factory=StatusConfig)
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+
+    _source: Path | None = PrivateAttr(default=None)
+
+    @classmethod
+    def load(cls, path: str | Path) -> TrainConfig:
+        """Read and validate a TOML run config; raises ConfigError (one line) on any problem."""
+        path = Path(path)
+        try:
+            raw = tomllib.loads(path.read_text(encoding="utf-8"))
+        except OSError as err:
+            raise ConfigError(f"{path}: cannot read: {err.strerror or err}") from None
+        except UnicodeDecodeError as err:
+            raise ConfigError(f"{path}: not UTF-8 text: {err.reason}") from None
+        except tomllib.TOMLDecodeError as err:
+            raise ConfigError(f"{path}: invalid TOML: {err}") from None
+        cfg = cls.from_dict(raw, source=str(path))
+        cfg._source = path.resolve()
+        return cfg
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any], *, source: str = "<config>") -> TrainConfig:
+        """Validate a parsed mapping; errors name ``source`` and the first bad dotted key."""
+        try:
+            return cls.model_validate(raw)
+        except ValidationError as err:
+            raise ConfigError(_one_line(source, err)) from None
+
+    @property
+    def source(self) -> Path | None:
+        """The file this config was loaded from (None when built in memory)."""
+        return self._source
+
+    def resolve(self, relative: str) -> Path:
+        """A path from the config, made absolute against the config file's directory."""
+        p = Path(relative).expanduser()
+        if p.is_absolute() or self._source is None:
+            return p
+        return (self._source.parent / p).resolve()
+
+    def to_toml(self) -> str:
+        """Canonical TOML of this config (saved next to checkpoints for the record)."""
+        return _to_toml(self.model_dump(mode="json", exclude_none=True))
+
+
+def _one_line(source: str, err: ValidationError) -> str:
+    errors = err.errors(include_url=False)
+    first = errors[0]
+    key = ".".join(str(p) for p in first["loc"]) or "<top>"
+    msg = first["msg"]
+    if first["type"] == "extra_forbidden":
+        msg = "unknown key (typo?)"
+    elif first["type"] == "missing":
+        msg = "required key is missing"
+    more = f" (+{len(errors) - 1} more)" if len(errors) > 1 else ""
+    return f"{source}: {key}: {msg}{more}"
+
+
+def config_hash(cfg: TrainConfig) -> str:
+    """sha256-12 of the canonical JSON of the config (as written: relative paths stay relative)."""
+    blob = json.dumps(cfg.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(blob.encode()).hexdigest()[:12]
+
+
+# Dotted keys (or prefixes) whose change makes an existing checkpoint unusable: the batch order,
+# the samples themselves, or the shape/meaning of the drafter's weights.
+RESUME_CRITICAL_KEYS: tuple[str, ...] = (
+    "seed",
+    "data.store",
+    "batching.strategy",
+    "batching.boundaries",
+    "batching.num_buckets",
+    "batching.token_budget",
+    "batching.max_batch",
+    "batching.pool_size",
+    "model.target_dir",
+    "model.tiny_target",
+    "model.drafter",
+    "model.target_layer_ids",
+    "model.mask_token_id",
+    "optimizer.grad_accum",
+)
+
+
+def _flatten(d: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(d, dict) and d:
+        out: dict[str, Any] = {}
+        for k, v in d.items():
+            out.update(_flatten(v, f"{prefix}.{k}" if prefix else k))
+        return out
+    return {prefix: d}
+
+
+def resume_critical_changes(old: TrainConfig, new: TrainConfig) -> list[str]:
+    """Dotted keys that differ between ``old`` and ``new`` and make resuming impossible."""
+    a = _flatten(old.model_dump(mode="json"))
+    b = _flatten(new.model_dump(mode="json"))
+    changed = sorted(k for k in a.keys() | b.keys() if a.get(k, _ABSENT) != b.get(k, _ABSENT))
+    return [
+        k for k in changed if any(k == c or k.startswith(c + ".") for c in RESUME_CRITICAL_KEYS)
+    ]
+
+
+_ABSENT = object()
+
+
+def _toml_value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, str):
+        return json.dumps(v)
+    if isinstance(v, list | tuple):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    return repr(v)
+
+
+def _to_toml(d: dict[str, Any], prefix: str = "") -> str:
+    scalars = [f"{k} = {_toml_value(v)}" for k, v in d.items() if not isinstance(v, dict)]
+    tables = [
+        _to_toml(v, f"{prefix}.{k}" if prefix else k) for k, v in d.items() if isinstance(v, dict)
+    ]
+    head = [f"[{prefix}]"] if prefix and scalars else []
+    body = "\n".join(head + scalars)
+    return "\n\n".join(x for x in [body, *tables] if x) + ("\n" if not prefix else "")
