@@ -16,12 +16,14 @@ import torch
 
 DEFAULT_CHUNK_BYTES = 256 * 2**20
 """fp32 bytes one [N, chunk] logits tile may take; sets the default chunk width."""
+MAX_CHUNK = 16384
+"""Widest default chunk: beyond this the matmuls are already efficient and memory just grows."""
 
 
 def default_chunk_size(n_rows: int, vocab: int, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> int:
-    """Vocabulary chunk width: as wide as the byte budget allows (fewer, larger matmuls), >= 256."""
+    """Vocabulary chunk width: the byte budget's width, clamped to [256, MAX_CHUNK] and to V."""
     width = chunk_bytes // (4 * max(n_rows, 1))
-    width = max(256, width // 256 * 256)
+    width = min(MAX_CHUNK, max(256, width // 256 * 256))
     return min(width, vocab)
 
 

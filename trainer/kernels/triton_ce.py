@@ -32,6 +32,8 @@ from trainer.kernels.common import LMHeadCE
 
 DLOGITS_CHUNK_BYTES = 256 * 2**20
 """Bytes of the reusable [N, chunk] dlogits buffer of the backward pass."""
+MAX_DLOGITS_CHUNK = 16384
+"""Widest backward chunk: wide enough for efficient GEMMs, small enough for small-N calls."""
 
 
 @triton.jit
@@ -273,7 +275,7 @@ def triton_grad_hidden(
     n, d = hidden.shape
     vocab = weight.shape[0]
     if chunk is None:
-        chunk = DLOGITS_CHUNK_BYTES // (hidden.element_size() * n)
+        chunk = min(MAX_DLOGITS_CHUNK, DLOGITS_CHUNK_BYTES // (hidden.element_size() * n))
     chunk = min(max(tiles.block_v, chunk // tiles.block_v * tiles.block_v), vocab)
     grad = torch.zeros((n, d), dtype=torch.float32, device=hidden.device)
     buf = torch.empty((n, chunk), dtype=hidden.dtype, device=hidden.device)
