@@ -178,11 +178,15 @@ class SshTransport:
     ) -> CommandResult:
         limit = timeout if timeout is not None else self.host.command_timeout
         conn = await self._connection()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + limit
+        proc: asyncssh.SSHClientProcess[bytes] | None = None
         try:
-            # wait_for covers channel open too: a half-dead link must not hang run() forever.
-            done = await asyncio.wait_for(
-                conn.run(command, input=input, encoding=None, check=False), limit
+            # Deadlines cover channel open too: a half-dead link must not hang forever.
+            proc = await asyncio.wait_for(
+                conn.create_process(command, input=input or b"", encoding=None), limit
             )
+            done = await asyncio.wait_for(proc.wait(), max(0.0, deadline - loop.time()))
         except TimeoutError:
             raise CommandTimeout(
                 f"{self.host.name}: {what} did not finish within {limit:g}s; killed"
@@ -192,6 +196,12 @@ class SshTransport:
             raise HostUnreachable(
                 f"{self.host.name}: connection lost during {what}: {err}"
             ) from None
+        finally:
+            if proc is not None and proc.exit_status is None:
+                # Ask the node to kill it, then close the channel (its stdin/stdout go away).
+                with contextlib.suppress(*_LINK_ERRORS):
+                    proc.send_signal("KILL")
+                proc.close()
         out = done.stdout or b""
         err_b = done.stderr or b""
         assert isinstance(out, bytes) and isinstance(err_b, bytes)

@@ -1,0 +1,273 @@
+"""Fault injection with an in-process asyncssh server standing in for a Proxmox node.
+
+Only faults a real sshd cannot be told to produce on cue live here: a link dropped mid-follow
+(with a half-sent line), a peer too slow to answer, a changed host key, hostile names.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shlex
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import asyncssh
+import pytest
+
+from dflashctl.cli import main as cli_main
+from dflashctl.control import RunControl
+from dflashctl.inventory import HostConfig, load_inventory
+from dflashctl.remote import CommandTimeout, HostKeyError, HostUnreachable
+from dflashctl.remote.commands import BASE_ENV
+from dflashctl.remote.ssh import SshTransport, pin_host_key
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@dataclass
+class FakePve:
+    """Speaks just enough `pct exec CTID -- env -i ... argv` to inject faults."""
+
+    lines: list[str]
+    drop_every: int = 7  # lines per connection before the link "drops"
+    slow_s: float = 0.0
+    commands: list[str] = field(default_factory=list)
+    inner: list[list[str]] = field(default_factory=list)
+    tail_starts: list[int] = field(default_factory=list)
+    closed: list[str] = field(default_factory=list)
+
+    def container_argv(self, command: str) -> list[str]:
+        argv = shlex.split(command)
+        assert argv[:2] == ["pct", "exec"] and argv[3] == "--", argv
+        rest = argv[4:]
+        assert rest[:2] == ["env", "-i"], rest
+        rest = rest[2:]
+        while rest and "=" in rest[0] and not rest[0].startswith("/"):
+            rest = rest[1:]
+        return rest
+
+    async def handle(self, process: asyncssh.SSHServerProcess) -> None:
+        self.commands.append(process.command or "")
+        if shlex.split(process.command or "")[:2] == ["pct", "status"]:
+            process.stdout.write(b"status: running\n")
+            process.exit(0)
+            return
+        argv = self.container_argv(process.command or "")
+        self.inner.append(argv)
+        try:
+            if "tail" in argv:
+                start = int(argv[argv.index("-n") + 1].lstrip("+")) - 1
+                self.tail_starts.append(start)
+                for i, line in enumerate(self.lines[start:]):
+                    if i == self.drop_every:
+                        process.stdout.write(b"half a li")  # never completed: must not show
+                        await asyncio.sleep(0.05)
+                        process.channel.get_connection().abort()
+                        return
+                    process.stdout.write(line.encode() + b"\n")
+                    await asyncio.sleep(0.005)
+                await process.stdin.read()  # like tail -F: until the client goes away
+                self.closed.append("tail")
+            elif argv[0] == "argv-echo":
+                process.stdout.write(json.dumps(argv[1:]).encode())
+            elif argv[0] == "slow":
+                try:
+                    await asyncio.wait_for(process.channel.wait_closed(), self.slow_s)
+                    self.closed.append("slow")
+                    return
+                except TimeoutError:
+                    process.stdout.write(b"late\n")
+            process.exit(0)
+        except (asyncssh.Error, OSError, asyncio.CancelledError):
+            self.closed.append(argv[0])
+
+
+@dataclass
+class Server:
+    pve: FakePve
+    port: int
+    host_key: asyncssh.SSHKey
+    client_key_path: Path
+    acceptor: asyncssh.SSHAcceptor
+
+
+async def start_server(tmp: Path, pve: FakePve, host_key: asyncssh.SSHKey | None = None) -> Server:
+    client = asyncssh.generate_private_key("ssh-ed25519")
+    ckp = tmp / "client_key"
+    ckp.write_bytes(client.export_private_key())
+    skey = host_key or asyncssh.generate_private_key("ssh-ed25519")
+    acceptor = await asyncssh.listen(
+        "127.0.0.1",
+        0,
+        server_host_keys=[skey],
+        authorized_client_keys=asyncssh.import_authorized_keys(client.export_public_key().decode()),
+        process_factory=pve.handle,
+        encoding=None,
+    )
+    return Server(pve, acceptor.get_port(), skey, ckp, acceptor)
+
+
+def host_for(tmp: Path, srv: Server, **over: object) -> HostConfig:
+    inv = tmp / "hosts.toml"
+    inv.write_text(
+        f"""[hosts.fake]
+address = "127.0.0.1"
+port = {srv.port}
+ctid = 200
+identity_file = "{srv.client_key_path}"
+use_agent = false
+known_hosts = "{tmp / "known_hosts"}"
+connect_timeout = 3
+"""
+    )
+    return load_inventory(inv).get("fake").model_copy(update=over)
+
+
+@pytest.fixture
+async def server(tmp_path: Path) -> AsyncIterator[Server]:
+    srv = await start_server(tmp_path, FakePve(lines=[f"line {i}" for i in range(20)]))
+    yield srv
+    srv.acceptor.close()
+    await srv.acceptor.wait_closed()
+
+
+async def test_follow_survives_drops_without_duplicates_or_losses(
+    server: Server, tmp_path: Path
+) -> None:
+    host = host_for(tmp_path, server)
+    pin_host_key(host, server.host_key.convert_to_public())
+    transport = SshTransport(host)
+    links: list[str] = []
+    got: list[str] = []
+    async for line in RunControl(transport, host).follow(
+        0, on_link=links.append, delay=lambda attempt: 0.01
+    ):
+        got.append(line)
+        if len(got) == 20:
+            break
+    await transport.close()
+    assert got == [f"line {i}" for i in range(20)]
+    assert server.pve.tail_starts == [0, 7, 14]
+    assert sum(1 for s in links if s.startswith("lost:")) == 2
+
+
+async def test_follow_resumes_from_a_given_line(server: Server, tmp_path: Path) -> None:
+    host = host_for(tmp_path, server)
+    pin_host_key(host, server.host_key.convert_to_public())
+    transport = SshTransport(host)
+    stream = RunControl(transport, host).follow(15, delay=lambda a: 0.01)
+    got = [await anext(stream) for _ in range(5)]
+    await stream.aclose()
+    await transport.close()
+    await asyncio.sleep(0.2)
+    assert got == [f"line {i}" for i in range(15, 20)]
+    assert server.pve.closed == ["tail"]  # closing the stream ended the remote helper
+
+
+async def test_slow_peer_times_out_and_the_remote_command_is_closed(
+    server: Server, tmp_path: Path
+) -> None:
+    server.pve.slow_s = 30
+    host = host_for(tmp_path, server)
+    pin_host_key(host, server.host_key.convert_to_public())
+    transport = SshTransport(host)
+    with pytest.raises(CommandTimeout, match=r"fake: slow did not finish within 0.5s"):
+        await transport.run(["slow"], timeout=0.5)
+    await asyncio.sleep(0.2)
+    assert server.pve.closed == ["slow"]
+    # the connection is still usable afterwards
+    res = await transport.run(["argv-echo", "ok"], timeout=5)
+    assert json.loads(res.stdout) == ["ok"]
+    await transport.close()
+
+
+async def test_hostile_values_arrive_as_exactly_one_argv(server: Server, tmp_path: Path) -> None:
+    host = host_for(tmp_path, server)
+    pin_host_key(host, server.host_key.convert_to_public())
+    transport = SshTransport(host)
+    hostile = [
+        "a b",
+        "; rm -rf /",
+        "$(touch /tmp/pwned)",
+        "`id`",
+        "'single'",
+        '"double"',
+        "back\\slash",
+        "new\nline",
+        "*",
+        "-rf",
+        "",
+        "=d",
+    ]
+    res = await transport.run(["argv-echo", *hostile], timeout=5)
+    await transport.close()
+    assert json.loads(res.stdout) == hostile
+    # and the environment is explicit: nothing but BASE_ENV crosses into the container
+    sent = shlex.split(server.pve.commands[-1])
+    assert [a for a in sent[6 : 6 + len(BASE_ENV)]] == [f"{k}={v}" for k, v in BASE_ENV.items()]
+
+
+async def test_unknown_and_changed_host_keys_are_hard_failures(
+    server: Server, tmp_path: Path
+) -> None:
+    host = host_for(tmp_path, server)
+    with pytest.raises(HostKeyError, match=r"no pinned host key .* run `dflashctl trust fake`"):
+        await SshTransport(host).run(["argv-echo"], timeout=5)
+    pin_host_key(host, asyncssh.generate_private_key("ssh-ed25519").convert_to_public())
+    with pytest.raises(HostKeyError, match=r"CHANGED") as info:
+        await SshTransport(host).run(["argv-echo"], timeout=5)
+    assert isinstance(info.value, HostUnreachable)  # exit code 3 in the CLI
+    assert server.pve.commands == []  # no command ever reached the impostor
+
+
+async def test_trust_pins_once_and_refuses_a_changed_key(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    pve = FakePve(lines=[])
+    srv = await start_server(tmp_path, pve)
+    host_for(tmp_path, srv)
+    inv = str(tmp_path / "hosts.toml")
+    rc = await asyncio.to_thread(cli_main, ["--hosts", inv, "trust", "fake", "--yes"])
+    out = capsys.readouterr().out
+    assert rc == 0 and srv.host_key.get_fingerprint("sha256") in out and "pinned in" in out
+    rc = await asyncio.to_thread(cli_main, ["--hosts", inv, "trust", "fake", "--yes"])
+    assert rc == 0 and "already pinned" in capsys.readouterr().out
+    port = srv.port
+    srv.acceptor.close()
+    await srv.acceptor.wait_closed()
+    # same address and port, new key (a reinstalled host or a man in the middle)
+    acceptor = await asyncssh.listen(
+        "127.0.0.1", port, server_host_keys=[asyncssh.generate_private_key("ssh-ed25519")]
+    )
+    try:
+        rc = await asyncio.to_thread(cli_main, ["--hosts", inv, "trust", "fake", "--yes"])
+        assert rc == 1 and "DIFFERENT key is pinned" in capsys.readouterr().err
+        rc = await asyncio.to_thread(cli_main, ["--hosts", inv, "status", "fake"])
+        assert rc == 3 and "CHANGED" in capsys.readouterr().out
+    finally:
+        acceptor.close()
+        await acceptor.wait_closed()
+
+
+async def test_unreachable_host_is_exit_3_and_other_hosts_still_answer(
+    server: Server, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    host = host_for(tmp_path, server)
+    pin_host_key(host, server.host_key.convert_to_public())
+    inv = tmp_path / "hosts.toml"
+    dead_port = server.port + 1 if server.port < 65535 else server.port - 1
+    inv.write_text(
+        inv.read_text()
+        + inv.read_text()
+        .replace("[hosts.fake]", "[hosts.dead]")
+        .replace(f"port = {server.port}", f"port = {dead_port}")
+    )
+    rc = await asyncio.to_thread(cli_main, ["--hosts", str(inv), "status", "dead"])
+    assert rc == 3 and "cannot connect" in capsys.readouterr().out
+    rc = await asyncio.to_thread(cli_main, ["--hosts", str(inv), "hosts"])
+    out = capsys.readouterr().out
+    assert rc == 0
+    assert "dead" in out and "UNREACHABLE" in out
+    assert "fake" in out and "CT 200 running" in out
