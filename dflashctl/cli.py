@@ -170,13 +170,19 @@ async def cmd_stop(args: argparse.Namespace) -> int:
 
 async def cmd_restart(args: argparse.Namespace) -> int:
     from dflashctl.control import RunControl
+    from dflashctl.release import build_release
 
     host = _host(args)
     config = Path(args.config) if args.config else None
 
     async def go(t: Any) -> int:
+        release = build_release(Path(args.tree)) if args.tree else None
         res = await RunControl(t, host).restart(
-            fresh=args.fresh, config=config, stop_timeout=args.timeout, progress=print
+            fresh=args.fresh,
+            config=config,
+            stop_timeout=args.timeout,
+            progress=print,
+            release=release,
         )
         if res.config_diff:
             print(res.config_diff, end="" if res.config_diff.endswith("\n") else "\n")
@@ -403,6 +409,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--fresh", action="store_true", help="archive checkpoints, start from step 0")
     sp.add_argument("--config", help="run config to push (default: run_config in hosts.toml)")
     sp.add_argument("--timeout", type=float, default=120.0, help="stop timeout in seconds")
+    sp.add_argument("--tree", help="directory holding the trainer/ to ship (default: installed)")
     sp = sub.add_parser("status", help="run state, release, config hash, latest status line")
     sp.add_argument("host", nargs="*")
     sp.add_argument("--json", action="store_true")

@@ -18,6 +18,7 @@ from typing import Any
 
 from dflashctl.deploy import RUNNING_RELEASE_FILE, DeployResult, deploy, push_config_file
 from dflashctl.inventory import NAME_RE, HostConfig
+from dflashctl.release import Release
 from dflashctl.remote.commands import (
     PANE_FORMAT,
     guarded,
@@ -420,6 +421,7 @@ class RunControl:
         config: Path | None = None,
         stop_timeout: float = 120.0,
         progress: Callable[[str], None] | None = None,
+        release: Release | None = None,
     ) -> RestartResult:
         """Push config, deploy if the tree changed, stop, start.
 
@@ -449,7 +451,9 @@ class RunControl:
                     f"impossible; restart with --fresh (checkpoints are archived, not deleted)"
                 )
             new_hash = config_hash_of_file(path)
-        dep = await deploy(self.transport, self.host, config=path, progress=progress)
+        dep = await deploy(
+            self.transport, self.host, config=path, progress=progress, release=release
+        )
         stopped = await self.stop(stop_timeout)
         started = await self.start(fresh=fresh)
         return RestartResult(
