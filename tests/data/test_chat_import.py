@@ -9,9 +9,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from tests.data.conftest import write_jsonl
 from trainer.data.chat_import import import_chat_jsonl, load_tokenizer
+from trainer.data.chat_mask import mask_from_spans
 from trainer.data.errors import InputError
 from trainer.data.store import FIRST_LINES_KEPT, TokenStore, sha256_file
 
@@ -233,3 +236,17 @@ def test_whole_input_errors_name_the_path(tmp_path: Path, qwen_tokenizer_dir: Pa
     with pytest.raises(InputError, match=r"emptytok: cannot load tokenizer"):
         import_chat_jsonl(source, empty_dir, 64, tmp_path / "s")
     assert not (tmp_path / "s").exists()
+
+
+@given(
+    tokens=st.lists(st.tuples(st.integers(0, 60), st.integers(0, 8)), max_size=40),
+    cuts=st.lists(st.integers(0, 80), max_size=8, unique=True),
+)
+def test_mask_from_spans_is_interval_overlap(
+    tokens: list[tuple[int, int]], cuts: list[int]
+) -> None:
+    offsets = sorted((start, start + width) for start, width in tokens)
+    edges = sorted(cuts)
+    spans = [(a, b) for a, b in zip(edges[::2], edges[1::2], strict=False) if b > a]
+    expected = [int(any(end > a and start < b for a, b in spans)) for start, end in offsets]
+    assert mask_from_spans(offsets, spans).tolist() == expected

@@ -47,17 +47,21 @@ class Encoded:
     unstable_turns: int = 0
 
 
-def mask_from_spans(offsets: list[tuple[int, int]], spans: list[tuple[int, int]]) -> np.ndarray:
-    """1 for every token whose character range overlaps one of the (sorted) spans."""
-    mask = np.zeros(len(offsets), dtype=np.uint8)
-    k = 0
-    for t, (start, end) in enumerate(offsets):
-        while k < len(spans) and start >= spans[k][1]:
-            k += 1
-        if k == len(spans):
-            break
-        if end > spans[k][0] and end > start:
-            mask[t] = 1
+def mask_from_spans(offsets: Any, spans: list[tuple[int, int]]) -> np.ndarray:
+    """1 for every token whose character range [start, end) overlaps one of the sorted spans.
+
+    Same rule as transformers' assistant mask: find the first span ending after the token
+    starts, and mark the token if it ends after that span starts.
+    """
+    off = np.asarray(offsets, dtype=np.int64).reshape(-1, 2)
+    mask = np.zeros(len(off), dtype=np.uint8)
+    if not spans or not len(off):
+        return mask
+    sp = np.asarray(spans, dtype=np.int64)
+    k = np.searchsorted(sp[:, 1], off[:, 0], side="right")
+    inside = k < len(sp)
+    k = np.minimum(k, len(sp) - 1)
+    mask[inside & (off[:, 1] > sp[k, 0])] = 1
     return mask
 
 
@@ -107,15 +111,6 @@ class ChatEncoder:
                     return found.group(0)
         return None
 
-    def _render(self, messages: list[Message], *, generation_prompt: bool) -> str:
-        text = self.tokenizer.apply_chat_template(
-            messages,
-            tokenize=False,
-            add_generation_prompt=generation_prompt,
-            **self.template_kwargs,
-        )
-        return str(text)
-
     # -- generation tags --------------------------------------------------------------------
 
     def _encode_generation_tags(self, batch: list[list[Message]]) -> list[Encoded | Rejected]:
@@ -149,53 +144,83 @@ class ChatEncoder:
     # -- incremental prefixes ---------------------------------------------------------------
 
     def _encode_incremental(self, batch: list[list[Message]]) -> list[Encoded | Rejected]:
-        planned: list[tuple[str, list[tuple[int, int]], int] | Rejected] = []
-        for messages in batch:
-            try:
-                planned.append(self._assistant_spans(messages))
-            except Exception as exc:  # a template error is a property of the row
-                planned.append(Rejected(TEMPLATE_ERROR, _one_line(exc)))
-        texts = [p[0] for p in planned if not isinstance(p, Rejected)]
-        enc = (
+        plans: list[tuple[str, list[tuple[int, int]], int] | Rejected]
+        try:  # all renders of the chunk in three batched template calls
+            plans = list(self._plan_spans(batch))
+        except Exception:  # a bad row broke the batch: redo row by row to isolate it
+            plans = []
+            for messages in batch:
+                try:
+                    plans.extend(self._plan_spans([messages]))
+                except Exception as exc:  # a template error is a property of the row
+                    plans.append(Rejected(TEMPLATE_ERROR, _one_line(exc)))
+        texts = [p[0] for p in plans if not isinstance(p, Rejected)]
+        encodings = (
             self.tokenizer(texts, add_special_tokens=False, return_offsets_mapping=True)
             if texts
             else {"input_ids": [], "offset_mapping": []}
         )
         results: list[Encoded | Rejected] = []
         k = 0
-        for p in planned:
-            if isinstance(p, Rejected):
-                results.append(p)
+        for plan in plans:
+            if isinstance(plan, Rejected):
+                results.append(plan)
                 continue
-            _, spans, unstable = p
-            ids, offsets = enc["input_ids"][k], enc["offset_mapping"][k]
+            _, spans, unstable = plan
+            ids, offsets = encodings["input_ids"][k], encodings["offset_mapping"][k]
             k += 1
-            mask = mask_from_spans([tuple(o) for o in offsets], spans)
+            mask = mask_from_spans(offsets, spans)
             results.append(Encoded(np.asarray(ids, dtype=np.int32), mask, unstable_turns=unstable))
         return results
 
-    def _assistant_spans(self, messages: list[Message]) -> tuple[str, list[tuple[int, int]], int]:
-        full = self._render(messages, generation_prompt=False)
-        spans: list[tuple[int, int]] = []
-        unstable = 0
-        for i, message in enumerate(messages):
-            if message["role"] != "assistant":
-                continue
-            if i == 0:  # nothing to render before it: its start cannot be located
-                unstable += 1
-                continue
-            before = self._render(messages[:i], generation_prompt=True)
-            after = self._render(messages[: i + 1], generation_prompt=False).rstrip()
+    def _plan_spans(
+        self, batch: list[list[Message]]
+    ) -> list[tuple[str, list[tuple[int, int]], int]]:
+        """Full text, assistant character spans and unstable-turn count for each conversation."""
+        fulls = self._render_many(batch, generation_prompt=False)
+        owners: list[int] = []
+        befores: list[list[Message]] = []
+        afters: list[list[Message]] = []
+        unstable = [0] * len(batch)
+        for r, messages in enumerate(batch):
+            for i, message in enumerate(messages):
+                if message["role"] != "assistant":
+                    continue
+                if i == 0:  # nothing renders before it: its start cannot be located
+                    unstable[r] += 1
+                    continue
+                owners.append(r)
+                befores.append(messages[:i])
+                afters.append(messages[: i + 1])
+        spans: list[list[tuple[int, int]]] = [[] for _ in batch]
+        before_texts = self._render_many(befores, generation_prompt=True)
+        after_texts = self._render_many(afters, generation_prompt=False)
+        for r, before, after_raw in zip(owners, before_texts, after_texts, strict=True):
+            after = after_raw.rstrip()
+            row = spans[r]
             if (
                 len(after) > len(before)
                 and after.startswith(before)
-                and full.startswith(after)
-                and (not spans or spans[-1][1] <= len(before))
+                and fulls[r].startswith(after)
+                and (not row or row[-1][1] <= len(before))
             ):
-                spans.append((len(before), len(after)))
+                row.append((len(before), len(after)))
             else:
-                unstable += 1
-        return full, spans, unstable
+                unstable[r] += 1
+        return [(fulls[r], spans[r], unstable[r]) for r in range(len(batch))]
+
+    def _render_many(
+        self, conversations: list[list[Message]], *, generation_prompt: bool
+    ) -> list[str]:
+        if not conversations:
+            return []
+        texts = self.tokenizer.apply_chat_template(
+            conversations,
+            tokenize=False,
+            add_generation_prompt=generation_prompt,
+            **self.template_kwargs,
+        )
+        return [str(t) for t in texts]
 
 
 def _encoded(ids: Any, mask: Any) -> Encoded:
