@@ -12,8 +12,8 @@ and weight excluded, saved activations and gradients included):
 - CPU: torch has no CPU peak counter, so the call runs once under torch.profiler with
   profile_memory=True, and the allocator's own allocation/free events (every tensor the CPU
   allocator hands out or takes back, with its size and timestamp) are replayed in time order; the
-  peak of the running sum is the peak allocation. RSS sampling would miss short-lived peaks and
-  count allocator caching; this counts tensors exactly.
+  peak of the running sum is the peak allocation (trainer/kernels/peak_memory.py). RSS sampling
+  would miss short-lived peaks and count allocator caching; this counts tensors exactly.
 Time is the median of `--repeats` calls (CUDA: after one warm-up, synchronised wall clock).
 """
 
@@ -23,48 +23,14 @@ import argparse
 import statistics
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import torch
 
 from trainer.kernels import lm_head_cross_entropy
+from trainer.kernels.peak_memory import cpu_peak_bytes, cuda_peak_bytes
 
 QWEN3_VOCAB = 151_936
-
-
-def _walk(nodes: list) -> Iterator:  # type: ignore[type-arg]
-    for node in nodes:
-        yield node
-        yield from _walk(node.children)
-
-
-def cpu_peak_bytes(fn: Callable[[], None]) -> int:
-    """Peak of live CPU tensor bytes allocated while fn runs (profiler allocation events)."""
-    from torch._C._profiler import _EventType
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        fn()
-    tree = prof.profiler.kineto_results.experimental_event_tree()
-    allocs = [n for n in _walk(tree) if n.tag == _EventType.Allocation]
-    allocs.sort(key=lambda n: n.start_time_ns)
-    live = peak = 0
-    for node in allocs:
-        if node.extra_fields.device.type != "cpu":
-            continue
-        live += node.extra_fields.alloc_size
-        peak = max(peak, live)
-    return peak
-
-
-def cuda_peak_bytes(fn: Callable[[], None]) -> int:
-    """Peak of CUDA bytes allocated while fn runs, above the allocation before it."""
-    torch.cuda.synchronize()
-    base = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    fn()
-    torch.cuda.synchronize()
-    return torch.cuda.max_memory_allocated() - base
 
 
 def median_seconds(fn: Callable[[], None], repeats: int, device: str) -> float:

@@ -1,6 +1,6 @@
 """The Triton kernels (CPU interpreter here, real GPU under benchmarks/gpu.sh) equal the dense reference.
 
-Shapes are deliberately not multiples of the tiles (interpreter tiles: 16 rows x 32 vocab x 16
+Shapes are deliberately not multiples of the tiles (interpreter tiles: 16 rows x 64 vocab x 16
 hidden), so every masked edge of the kernels is exercised.
 """
 
@@ -86,7 +86,8 @@ def test_argmax_ties_resolve_to_lowest_id_within_tiles_tiles_and_splits(
     """Exactly equal logits: inside one tile, across tiles, across splits, and all-equal rows."""
     v, d = 200, 16
     weight = torch.zeros(v, d)
-    weight[[5, 6, 45, 150], 0] = 1.0  # 5/6 share a tile, 45 is a later tile, 150 a later split
+    # Interpreter tiles are 64 wide and 2 splits cover [0, 128) and [128, 200):
+    weight[[5, 6, 100, 150], 0] = 1.0  # 5/6 share a tile, 100 is a later tile, 150 a later split
     weight[[20, 180], 1] = 1.0  # second tie group, different splits
     hidden = torch.zeros(4, d)
     hidden[0, 0] = 2.0

@@ -21,6 +21,7 @@ kernels were built in.
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -209,7 +210,7 @@ class TileConfig:
 def default_tiles(dtype: torch.dtype) -> TileConfig:
     """GPU tiles are the usual GEMM shapes; interpreter tiles are small so tests hit ragged edges."""
     if INTERPRETED:
-        return TileConfig(block_n=16, block_v=32, block_d=16, num_warps=1, num_stages=1)
+        return TileConfig(block_n=16, block_v=64, block_d=16, num_warps=1, num_stages=1)
     if dtype == torch.float32:
         return TileConfig(block_n=64, block_v=64, block_d=32, num_warps=4, num_stages=3)
     return TileConfig(block_n=128, block_v=128, block_d=64, num_warps=8, num_stages=3)
@@ -243,7 +244,7 @@ def triton_forward(
     splits = num_splits or _default_splits(n_blocks, vocab_tiles, hidden.device)
     v_per_split = triton.cdiv(vocab_tiles, min(splits, vocab_tiles)) * tiles.block_v
     splits = triton.cdiv(vocab, v_per_split)  # no empty split
-    part = torch.empty((5, splits, n), dtype=torch.float32, device=hidden.device)
+    part = torch.empty((4, splits, n), dtype=torch.float32, device=hidden.device)
     best_idx = torch.empty((splits, n), dtype=torch.int32, device=hidden.device)
     _forward_kernel[(n_blocks, splits)](
         hidden, weight, labels, part[0], part[1], part[2], part[3], best_idx,
@@ -331,7 +332,8 @@ class TritonLMHeadCE(torch.autograd.Function):
             return None, None, None, None, None, None, None
         hidden, weight, labels, lse, valid = ctx.saved_tensors
         grad_rows = torch.where(valid, grad_loss.float(), torch.zeros_like(lse)).contiguous()
-        grad = triton_grad_hidden(hidden, weight, labels, lse, grad_rows, ctx.tiles, ctx.chunk)
+        with _on_device(hidden.device):  # autograd may run backward on another thread/device
+            grad = triton_grad_hidden(hidden, weight, labels, lse, grad_rows, ctx.tiles, ctx.chunk)
         return grad.to(hidden.dtype), None, None, None, None, None, None
 
 
@@ -347,7 +349,13 @@ def triton_lm_head_cross_entropy(
 ) -> LMHeadCE:
     """Validated inputs in, LMHeadCE out; tiles/splits/chunk are exposed for tests and tuning."""
     tiles = tiles or default_tiles(hidden.dtype)
-    loss, correct = TritonLMHeadCE.apply(
-        hidden, weight, labels, ignore_index, tiles, num_splits, chunk
-    )
+    with _on_device(hidden.device):
+        loss, correct = TritonLMHeadCE.apply(
+            hidden, weight, labels, ignore_index, tiles, num_splits, chunk
+        )
     return LMHeadCE(loss=loss, correct=correct)
+
+
+def _on_device(device: torch.device) -> AbstractContextManager[object]:
+    """Triton launches on the current CUDA device; make it the tensors' device (cuda:1, ...)."""
+    return torch.cuda.device(device) if device.type == "cuda" else nullcontext()
