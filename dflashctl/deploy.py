@@ -188,6 +188,10 @@ async def deploy(
     `import_check=False` reads module versions from metadata instead of importing them (fast;
     for tests and benchmarks that deploy repeatedly). The CLI always imports.
     """
+    if config is not None:  # a bad config fails here, before anything touches the host
+        from dflashctl.runconfig import validate_config
+
+        validate_config(config)
     rel = release or build_release()
     _emit(progress, f"{host.name}: release {rel.id} ({rel.files} files, {len(rel.tar)} bytes)")
     await check_container(transport, host)

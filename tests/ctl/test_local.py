@@ -230,3 +230,51 @@ async def test_secret_goes_through_stdin_into_a_0600_file(ctl: RunControl) -> No
     assert Path(path).read_bytes() == b"s3cr3t\n" and Path(path).stat().st_mode & 0o777 == 0o600
     with pytest.raises(ControlError, match="not a plain name"):
         await ctl.put_secret("../x", b"")
+
+
+TINY = Path(__file__).resolve().parents[2] / "configs" / "tiny-cpu.toml"
+
+
+async def test_restart_refuses_resume_breaking_change_without_fresh(
+    ctl: RunControl, tmp_path: Path
+) -> None:
+    require_part(TINY.is_file(), "configs/tiny-cpu.toml not in this checkout")
+    run = Path(ctl.host.run_dir)
+    run.mkdir(parents=True)
+    (run / "config.toml").write_text(TINY.read_text())
+    new = tmp_path / "new.toml"
+    new.write_text(TINY.read_text().replace("num_buckets = 4", "num_buckets = 5"))
+    with pytest.raises(ControlError, match=r"batching\.num_buckets.*--fresh"):
+        await ctl.restart(config=new)
+    assert (run / "config.toml").read_text() == TINY.read_text()  # nothing pushed
+    assert not (Path(ctl.host.workdir) / "releases").exists()  # nothing deployed
+
+
+async def test_restart_pushes_config_redeploys_and_resumes(ctl: RunControl, tmp_path: Path) -> None:
+    require_part(TINY.is_file(), "configs/tiny-cpu.toml not in this checkout")
+    rel = build_release(standin_copy(tmp_path))
+    cfg = tmp_path / "run.toml"
+    cfg.write_text(TINY.read_text())
+    await deploy(
+        ctl.transport, ctl.host, release=rel, config=cfg, min_free_bytes=0, import_check=False
+    )
+    await ctl.start()
+
+    async def stepping() -> bool:
+        return ((await ctl.status()).step or 0) >= 2
+
+    await wait_for(stepping)
+    cfg.write_text(TINY.read_text().replace("lr = 3e-3", "lr = 1e-3"))
+    res = await ctl.restart(config=cfg, release=rel, stop_timeout=20)
+    assert "-lr = 3e-3" in res.config_diff and "+lr = 1e-3" in res.config_diff
+    assert res.deploy.transferred_bytes == 0 and res.stop.checkpoint is not None
+    assert res.start.started and res.old_config_hash != res.new_config_hash
+    assert (Path(ctl.host.run_dir) / "config.toml").read_text() == cfg.read_text()
+    resumed_from = res.stop.checkpoint.step
+
+    async def resumed() -> bool:
+        st = await ctl.status()
+        return st.run_state.get("last_step") == resumed_from
+
+    await wait_for(resumed)  # the stand-in resumed from the checkpoint the stop left
+    await ctl.stop(timeout=20)

@@ -1,0 +1,75 @@
+"""CLI contract: exit codes and one-line errors for user mistakes, attach argv."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from dflashctl.cli import attach_argv, main
+from dflashctl.inventory import load_inventory
+
+
+def write_inv(tmp: Path, body: str) -> str:
+    p = tmp / "hosts.toml"
+    p.write_text(body)
+    return str(p)
+
+
+def test_bad_inventory_is_exit_2_with_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    inv = write_inv(tmp_path, '[hosts.a]\naddress = "h"\nctid = 200\nbogus = 1\n')
+    assert main(["--hosts", inv, "status"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == f"dflashctl: {inv}: host 'a': bogus: unknown key"
+
+
+def test_unknown_host_and_missing_inventory_are_exit_2(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    inv = write_inv(tmp_path, '[hosts.a]\naddress = "h"\nctid = 200\n')
+    assert main(["--hosts", inv, "deploy", "zz"]) == 2
+    assert "no host 'zz' (known: a)" in capsys.readouterr().err
+    assert main(["--hosts", str(tmp_path / "none.toml"), "hosts"]) == 2
+
+
+def test_invalid_run_config_is_exit_2_before_connecting(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    pytest.importorskip("trainer.config")
+    bad = tmp_path / "run.toml"
+    bad.write_text("[batching]\nstrategy = 'bucketed'\n")
+    # port 9 on loopback: nothing listens; validation must fail first, naming the file
+    inv = write_inv(
+        tmp_path,
+        f'[hosts.a]\naddress = "127.0.0.1"\nport = 9\nctid = 200\nknown_hosts = "{tmp_path}/kh"\n',
+    )
+    from dflashctl.runconfig import RunConfigError, validate_config
+
+    with pytest.raises(RunConfigError, match=str(bad)):
+        validate_config(bad)
+    assert main(["--hosts", inv, "deploy", "a", "--config", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and str(bad) in err
+
+
+def test_missing_tree_is_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    inv = write_inv(tmp_path, '[hosts.a]\naddress = "h"\nctid = 200\n')
+    assert main(["--hosts", inv, "deploy", "a", "--tree", str(tmp_path)]) == 2
+    assert "trainer package not found" in capsys.readouterr().err
+
+
+def test_attach_argv_pins_host_key_and_targets_exact_session(tmp_path: Path) -> None:
+    inv = write_inv(
+        tmp_path,
+        '[hosts.a]\naddress = "10.1.2.6"\nport = 2222\nctid = 200\nsession = "run-1"\n'
+        'identity_file = "id"\n',
+    )
+    argv = attach_argv(load_inventory(inv).get("a"), "xterm-256color")
+    assert argv[:2] == ["ssh", "-t"] and "StrictHostKeyChecking=yes" in argv
+    assert argv[argv.index("-i") + 1] == str(tmp_path / "id")
+    assert argv[-2] == "root@10.1.2.6"
+    assert argv[-1].startswith("pct exec 200 -- env -i ")
+    assert argv[-1].endswith("tmux -L dflash attach-session -t =run-1")
+    assert "TERM=xterm-256color" in argv[-1]
