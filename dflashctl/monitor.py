@@ -217,6 +217,46 @@ class RunShape:
     the one it follows."""
 
 
+def shape_from_config(path: Path) -> RunShape:
+    """The panes' view of a run config: bucket edges, queue capacities, the LR schedule.
+
+    An unreadable or invalid config gives an empty shape (the panes then show what status lines
+    alone tell); the restart modal is where config errors are reported.
+    """
+    from trainer.config import ConfigError, TrainConfig
+
+    try:
+        cfg = TrainConfig.load(path)
+    except ConfigError:
+        return RunShape()
+    bounds = cfg.batching.boundaries
+    sched = cfg.schedule
+    return RunShape(
+        boundaries=tuple(bounds) if isinstance(bounds, list) else None,
+        q_pre_capacity=cfg.topology.prefetch_depth,
+        q_hs_capacity=cfg.topology.hidden_depth,
+        warmup_steps=sched.warmup_steps,
+        warmup_ratio=sched.warmup_ratio,
+        total_steps=sched.max_steps,
+        epochs=sched.epochs,
+        schedule=lr_schedule(cfg.optimizer.lr, sched.min_lr),
+    )
+
+
+def lr_schedule(peak: float, floor: float) -> Callable[[int, int, int], float] | None:
+    """The trainer's LR schedule bound to a config's peak and floor, when it can be imported
+    without torch; None otherwise (the pane then says the schedule is unknown)."""
+    try:
+        from trainer.pipeline.schedule import lr_at  # type: ignore[import-not-found]
+    except ImportError:
+        return None
+
+    def at(step: int, warmup: int, total: int) -> float:
+        return float(lr_at(step, peak=peak, min_lr=floor, warmup_steps=warmup, total_steps=total))
+
+    return at
+
+
 def total_steps(shape: RunShape, state: RunState) -> int | None:
     """Total optimizer steps: from the trainer (`extra["total_steps"]`), else the shape, else
     extrapolated from the reported epoch fraction (step / epoch * epochs)."""

@@ -9,10 +9,13 @@ never freezes the app.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
+import contextlib
 import os
 import shlex
 import subprocess
+import sys
 import time
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -32,6 +35,7 @@ from dflashctl.monitor import (
     RunState,
     apply_lines,
     plan_restart,
+    shape_from_config,
 )
 from dflashctl.tui.screens.confirm import ConfirmScreen
 from dflashctl.tui.screens.fleet import FleetScreen
@@ -59,6 +63,8 @@ class HostBinding:
     attach_argv: Sequence[str] | None = None
     deploy: Callable[[], Awaitable[Any]] | None = None
     shape: RunShape = field(default_factory=RunShape)
+    close: Callable[[], Awaitable[None]] | None = None
+    """Closes the host's transport when the app exits."""
 
 
 class DflashApp(App[None]):
@@ -113,6 +119,12 @@ class DflashApp(App[None]):
             self.call_later(self.check_configs)
         self.set_interval(1.0 / self.refresh_hz, self.flush)
         self.call_later(self.flush)
+
+    async def on_unmount(self) -> None:
+        for binding in self.hosts.values():
+            if binding.close is not None:
+                with contextlib.suppress(Exception):
+                    await binding.close()
 
     def _publish(self, state: RunState) -> None:
         self.states[state.host] = state
@@ -374,14 +386,53 @@ def restart_details(result: Any) -> str:
     return "".join(f", {p}" for p in parts)
 
 
-def run_app(args: Any) -> int:
-    """`dflashctl tui [HOST...]`: build a binding per inventory host and run the app."""
-    from dflashctl.tui.wiring import bindings_from_inventory
+def parse_tui_args(argv: Sequence[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="dflashctl tui", description="The live fleet TUI.")
+    p.add_argument("--hosts", type=Path, default=None, help="inventory file (default hosts.toml)")
+    p.add_argument("host", nargs="*", help="hosts to show (default: all in the inventory)")
+    return p.parse_args(list(argv))
 
+
+def bindings_from_inventory(inventory: Any, names: Sequence[str]) -> list[HostBinding]:
+    """One binding per inventory host: SSH transport, RunControl, local config, attach argv."""
+    from dflashctl.cli import attach_argv, make_transport
+    from dflashctl.control import RunControl
+    from dflashctl.deploy import deploy
+
+    out = []
+    for name in names or list(inventory.hosts):
+        host = inventory.get(name)
+        transport = make_transport(host)
+
+        async def do_deploy(t: Any = transport, h: Any = host) -> Any:
+            return await deploy(t, h, config=h.run_config)
+
+        out.append(
+            HostBinding(
+                name=host.name,
+                control=RunControl(transport, host),
+                config_path=host.run_config,
+                attach_argv=attach_argv(host, os.environ.get("TERM", "xterm-256color")),
+                deploy=do_deploy,
+                shape=shape_from_config(host.run_config) if host.run_config else RunShape(),
+                close=transport.close,
+            )
+        )
+    return out
+
+
+def run_app(argv: Sequence[str] | None = None) -> int:
+    """`dflashctl [tui] [--hosts FILE] [HOST...]`: the app over the inventory's hosts."""
+    from dflashctl.inventory import InventoryError, load_inventory
+
+    args = parse_tui_args(sys.argv[1:] if argv is None else argv)
     try:
-        hosts = bindings_from_inventory(args)
-    except Exception as exc:
-        print(f"dflashctl: {exc}")
+        hosts = bindings_from_inventory(load_inventory(args.hosts), args.host)
+    except InventoryError as exc:
+        print(f"dflashctl: {exc}", file=sys.stderr)
+        return 2
+    if not hosts:
+        print("dflashctl: the inventory has no hosts", file=sys.stderr)
         return 2
     DflashApp(hosts).run()
     return 0

@@ -185,3 +185,79 @@ async def test_restart_modal_refuses_an_invalid_plan_and_cancel_calls_nothing(
         await pilot.press("escape")
         assert not isinstance(app.screen, RestartScreen)
     assert not [c for c in control.calls if c[0] == "restart"]
+
+
+REPO_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "tiny-cpu.toml"
+
+
+def _configs(tmp_path: Path, old: str, new: str) -> tuple[str, Path]:
+    deployed = REPO_CONFIG.read_text()
+    assert old in deployed
+    local = tmp_path / "kpro6.toml"
+    local.write_text(deployed.replace(old, new))
+    return deployed, local
+
+
+async def _restart_via_keys(
+    tmp_path: Path, old: str, new: str
+) -> tuple[ReplayControl, DflashApp, str, str]:
+    deployed, local = _configs(tmp_path, old, new)
+    control = ReplayControl(lines=run_lines(3), deployed=deployed)
+    app = DflashApp(
+        [HostBinding("kpro6", control, config_path=local, shape=seed_shape())],
+        clock=lambda: FIXED_NOW,
+    )
+    async with app.run_test(size=SIZE) as pilot:
+        await _until(pilot, lambda: app.states["kpro6"].config_changed)
+        table = app.screen.query_one("#fleet", DataTable)
+        await _until(pilot, lambda: _cell(table, "kpro6", "config") == "changed")
+        await pilot.press("r")
+        await _until(pilot, lambda: isinstance(app.screen, RestartScreen))
+        modal = app.screen
+        shown = modal.query_one("#diff", Static).content
+        diff = getattr(shown, "code", str(shown))  # a rich Syntax holding the unified diff
+        verdict = str(modal.query_one("#verdict", Static).content)
+        await pilot.press("enter")  # the confirm button has focus
+        await _until(pilot, lambda: modal.result is not None)
+        assert "restarted" in modal.result  # type: ignore[operator]
+        await pilot.press("enter")  # "Close"
+        await _until(pilot, lambda: not isinstance(app.screen, RestartScreen))
+        await _until(pilot, lambda: not app.states["kpro6"].config_changed)
+        return control, app, diff, verdict
+
+
+async def test_restart_with_a_resumable_change_resumes(tmp_path: Path) -> None:
+    control, _, diff, verdict = await _restart_via_keys(
+        tmp_path, "interval_s = 2", "interval_s = 1"
+    )
+    assert "-interval_s = 2" in diff and "+interval_s = 1" in diff
+    assert "resume from the latest checkpoint" in verdict
+    [(fresh, path)] = [arg for name, arg in control.calls if name == "restart"]
+    assert fresh is False and path == tmp_path / "kpro6.toml"
+    assert control.deployed == (tmp_path / "kpro6.toml").read_text()  # pushed
+
+
+async def test_restart_with_a_resume_critical_change_starts_fresh_naming_the_key(
+    tmp_path: Path,
+) -> None:
+    control, _, diff, verdict = await _restart_via_keys(
+        tmp_path, "num_buckets = 4", "num_buckets = 3"
+    )
+    assert "+num_buckets = 3" in diff
+    assert "start FRESH" in verdict and "batching.num_buckets" in verdict
+    [(fresh, _)] = [arg for name, arg in control.calls if name == "restart"]
+    assert fresh is True
+
+
+async def test_invalid_local_config_refuses_restart_naming_file_and_key(tmp_path: Path) -> None:
+    deployed, local = _configs(tmp_path, "num_buckets = 4", "num_buckets = 0")
+    control = ReplayControl(lines=run_lines(2), deployed=deployed)
+    app = DflashApp([HostBinding("kpro6", control, config_path=local)], clock=lambda: FIXED_NOW)
+    async with app.run_test(size=SIZE) as pilot:
+        await _until(pilot, lambda: app.states["kpro6"].lines_seen == 4)
+        await pilot.press("r")
+        await _until(pilot, lambda: isinstance(app.screen, RestartScreen))
+        verdict = str(app.screen.query_one("#verdict", Static).content)
+        assert "cannot restart" in verdict and "kpro6.toml" in verdict and "num_buckets" in verdict
+        await pilot.press("enter", "escape")
+    assert not [c for c in control.calls if c[0] == "restart"]

@@ -15,17 +15,19 @@ from dflashctl.monitor import RunState, display_state, format_age, line_age
 from dflashctl.tui.widgets.panes import DASH, fmt, state_style
 from trainer.events import format_eta
 
-COLUMNS: tuple[tuple[str, str], ...] = (
-    ("host", "Host"),
-    ("state", "State"),
-    ("release", "Release"),
-    ("step", "Step"),
-    ("loss", "Loss"),
-    ("ktok", "Ktok/s"),
-    ("eta", "ETA"),
-    ("age", "Last line"),
-    ("config", "Config"),
+COLUMNS: tuple[tuple[str, str, int], ...] = (
+    ("host", "Host", 0),  # 0: sized to the longest host name
+    ("state", "State", 18),
+    ("release", "Release", 12),
+    ("step", "Step", 9),
+    ("loss", "Loss", 8),
+    ("ktok", "Ktok/s", 7),
+    ("eta", "ETA", 6),
+    ("age", "Last line", 9),
+    ("config", "Config", 8),
 )
+"""Fixed widths: auto-sized columns re-measure the table on every cell update and redraw
+rows drawn at older widths."""
 
 
 def fleet_row(state: RunState, now: float) -> dict[str, Text | str]:
@@ -64,8 +66,9 @@ class FleetScreen(Screen[None]):
         yield Header(show_clock=False)
         yield Static("", id="fleet-summary")
         table: DataTable[Text | str] = DataTable(id="fleet", cursor_type="row", zebra_stripes=True)
-        for key, label in COLUMNS:
-            table.add_column(label, key=key)
+        host_width = max([4, *(len(h) for h in getattr(self.app, "hosts", {}))])
+        for key, label, width in COLUMNS:
+            table.add_column(label, key=key, width=width or host_width)
         yield table
         yield Footer()
 
@@ -90,12 +93,12 @@ class FleetScreen(Screen[None]):
             cells = fleet_row(state, now)
             shown = self._shown.get(host)
             if shown is None:
-                table.add_row(*(cells[k] for k, _ in COLUMNS), key=host)
+                table.add_row(*(cells[k] for k, _, _ in COLUMNS), key=host)
                 self._shown[host] = cells
                 continue
-            for key, _ in COLUMNS[1:]:
-                if cells[key] != shown[key]:  # DataTable re-measures on every update: skip no-ops
-                    table.update_cell(host, key, cells[key], update_width=True)
+            for key, _, _ in COLUMNS[1:]:
+                if cells[key] != shown[key]:  # each update costs a row redraw: skip no-ops
+                    table.update_cell(host, key, cells[key])
             self._shown[host] = cells
         counts: dict[str, int] = {}
         for state in states.values():

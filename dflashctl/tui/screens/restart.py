@@ -34,6 +34,7 @@ class RestartScreen(ModalScreen[str | None]):
     """Dismisses with the result line after a restart ran, or None when cancelled."""
 
     BINDINGS: ClassVar[list[BindingType]] = [("escape", "cancel", "Cancel")]
+    AUTO_FOCUS = "#confirm"  # enter confirms; escape cancels
 
     def __init__(self, host: str, plan: RestartPlan, execute: Execute) -> None:
         super().__init__()
