@@ -41,6 +41,7 @@ TAGGED = (
     r"{%- endif -%}{%- endfor -%}"
     r"{%- if add_generation_prompt -%}{{ '<|im_start|>assistant\n' }}{%- endif -%}"
 )
+TEMPLATES = (("incremental-prefix", PLAIN), ("generation-tags", TAGGED))
 
 
 def words(rng: np.random.Generator, n: int) -> list[str]:
@@ -101,23 +102,29 @@ def main() -> None:
         write_chats(chats, rng, vocab)
         print(f"# token store benchmark (cpus={os.cpu_count()}, numpy {np.__version__})")
         print(f"\nimport: {CHAT_ROWS:,} multi-turn chats, local BPE (4k vocab), max_length 4096")
-        print(f"{'strategy':<22}{'rows/s':>10}{'tokens/s':>12}{'seconds':>9}")
-        for name, template in (("incremental-prefix", PLAIN), ("generation-tags", TAGGED)):
-            tok = build_tokenizer(tmp / f"tok-{name}", template, corpus)
+        print(f"{'strategy':<22}{'workers':>8}{'rows/s':>10}{'tokens/s':>12}{'seconds':>9}")
+        toks = {name: build_tokenizer(tmp / f"tok-{name}", t, corpus) for name, t in TEMPLATES}
+        runs = (("incremental-prefix", 1), ("incremental-prefix", 2), ("generation-tags", 1))
+        for name, workers in runs:
+            out = tmp / f"s-{name}-{workers}"
             manifest, secs = timed(
-                lambda tok=tok, name=name: import_chat_jsonl(chats, tok, 4096, tmp / f"s-{name}")
+                lambda name=name, workers=workers, out=out: import_chat_jsonl(
+                    chats, toks[name], 4096, out, workers=workers
+                )
             )
             assert manifest.mask_strategy == name
             print(
-                f"{name:<22}{manifest.num_rows / secs:>10,.0f}"
+                f"{name:<22}{workers:>8}{manifest.num_rows / secs:>10,.0f}"
                 f"{manifest.num_tokens / secs:>12,.0f}{secs:>9.2f}"
             )
-        a, b = (
-            TokenStore.open(tmp / "s-incremental-prefix"),
-            TokenStore.open(tmp / "s-generation-tags"),
-        )
+        a = TokenStore.open(tmp / "s-incremental-prefix-1")
+        b = TokenStore.open(tmp / "s-generation-tags-1")
+        c = TokenStore.open(tmp / "s-incremental-prefix-2")
         same = np.array_equal(a.tokens, b.tokens) and np.array_equal(a.mask, b.mask)
-        print(f"both strategies byte-identical: {same}")
+        same_workers = a.manifest.files == c.manifest.files
+        print(
+            f"byte-identical stores: across strategies {same}, across worker counts {same_workers}"
+        )
 
         store_dir = tmp / "synth"
         manifest, secs = timed(

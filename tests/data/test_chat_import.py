@@ -250,3 +250,18 @@ def test_mask_from_spans_is_interval_overlap(
     spans = [(a, b) for a, b in zip(edges[::2], edges[1::2], strict=False) if b > a]
     expected = [int(any(end > a and start < b for a, b in spans)) for start, end in offsets]
     assert mask_from_spans(offsets, spans).tolist() == expected
+
+
+def test_worker_processes_give_the_same_store(tmp_path: Path, qwen_tokenizer_dir: Path) -> None:
+    chat = {"conversations": CHAT}
+    rows: list[object] = [chat, b"{bad", *([chat] * 9), {"messages": []}, chat]
+    source = write_jsonl(tmp_path / "c.jsonl", rows)
+    one = import_chat_jsonl(source, qwen_tokenizer_dir, 64, tmp_path / "one", chunk_rows=2)
+    two = import_chat_jsonl(
+        source, qwen_tokenizer_dir, 64, tmp_path / "two", chunk_rows=2, workers=2
+    )
+    assert {k: v.sha256 for k, v in one.files.items()} == {
+        k: v.sha256 for k, v in two.files.items()
+    }
+    assert one.skipped == two.skipped and one.truncated == two.truncated
+    assert two.num_rows == 11 and two.skipped.keys() == {"malformed_json", "empty_conversation"}

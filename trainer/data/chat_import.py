@@ -10,8 +10,12 @@ from __future__ import annotations
 
 import gzip
 import hashlib
+import multiprocessing
 import os
+import sys
+from collections import deque
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ProcessPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
@@ -147,12 +151,15 @@ def import_chat_jsonl(
     chat_template: str | os.PathLike[str] | None = None,
     template_kwargs: dict[str, Any] | None = None,
     chunk_rows: int = 256,
+    workers: int = 1,
     progress: Progress | None = None,
 ) -> Manifest:
     """Stream `input_path` through the chat template into a new store at `out`.
 
-    Rows are encoded in chunks of `chunk_rows` (one batched tokenizer call each); a row longer
-    than `max_length` keeps its first `max_length` tokens and is counted as truncated.
+    Rows are encoded in chunks of `chunk_rows` (one batched tokenizer call each), by `workers`
+    processes when > 1; the store is identical for any worker count because chunks are written
+    back in input order. A row longer than `max_length` keeps its first `max_length` tokens and
+    is counted as truncated.
     """
     source = Path(input_path)
     tok_dir = Path(tokenizer_dir)
@@ -161,6 +168,8 @@ def import_chat_jsonl(
         raise InputError(f"--max-length {max_length}: must be at least 2")
     if not source.is_file():
         raise InputError(f"{source}: input file not found")
+    if workers < 1:
+        raise InputError(f"--workers {workers}: must be at least 1")
     check_target(out, overwrite)
     tokenizer = load_tokenizer(tok_dir, template_path)
     try:
@@ -171,29 +180,12 @@ def import_chat_jsonl(
     stats = ImportStats()
     lines = _HashingLines(source)
     with StoreWriter(out, overwrite=overwrite) as writer:
-        pending: list[tuple[int, list[Message]]] = []
-
-        def flush() -> None:
-            results = encoder.encode_batch([messages for _, messages in pending])
-            for (line, _), result in zip(pending, results, strict=True):
+        chunks = _parsed_chunks(lines, stats, chunk_rows)
+        for chunk, results in encode_chunks(chunks, encoder, workers):
+            for (line, _), result in zip(chunk, results, strict=True):
                 _store_row(writer, stats, line, result, max_length)
-            pending.clear()
             if progress is not None:
                 progress(stats.lines, writer.num_rows)
-
-        for line, raw in lines:
-            stats.lines = line
-            parsed = parse_line(raw)
-            if parsed is None:
-                stats.blank_lines += 1
-            elif isinstance(parsed, Rejected):
-                stats.skip(parsed.reason, line)
-            else:
-                pending.append((line, parsed))
-                if len(pending) >= chunk_rows:
-                    flush()
-        if pending:
-            flush()
         if writer.num_rows == 0:
             raise InputError(f"{source}: no usable rows in {stats.lines} lines ({stats.summary()})")
         return writer.commit(
@@ -214,6 +206,80 @@ def import_chat_jsonl(
                 "chat_template": str(template_path.absolute()) if template_path else None,
             },
         )
+
+
+Chunk = list[tuple[int, list[Message]]]  # (line number, messages) in input order
+
+
+def _parsed_chunks(lines: _HashingLines, stats: ImportStats, chunk_rows: int) -> Iterator[Chunk]:
+    """Parse lines, count rejects on the spot, and group good rows into chunks."""
+    pending: Chunk = []
+    for line, raw in lines:
+        stats.lines = line
+        parsed = parse_line(raw)
+        if parsed is None:
+            stats.blank_lines += 1
+        elif isinstance(parsed, Rejected):
+            stats.skip(parsed.reason, line)
+        else:
+            pending.append((line, parsed))
+            if len(pending) >= chunk_rows:
+                yield pending
+                pending = []
+    if pending:
+        yield pending
+
+
+_WORKER_ENCODER: ChatEncoder | None = None
+
+
+def _init_worker(encoder: ChatEncoder) -> None:
+    global _WORKER_ENCODER
+    _WORKER_ENCODER = encoder
+
+
+def _encode_in_worker(conversations: list[list[Message]]) -> list[Encoded | Rejected]:
+    assert _WORKER_ENCODER is not None, "worker used without its initializer"
+    return _WORKER_ENCODER.encode_batch(conversations)
+
+
+def encode_chunks(
+    chunks: Iterator[Chunk], encoder: ChatEncoder, workers: int
+) -> Iterator[tuple[Chunk, list[Encoded | Rejected]]]:
+    """Encode chunks in order, in this process or in a pool with a bounded in-flight window.
+
+    Workers are forked on Linux (the loaded tokenizer is inherited, no re-import); each runs
+    the Rust tokenizer single-threaded, so processes rather than threads share the cores.
+    """
+    if workers <= 1:
+        for chunk in chunks:
+            yield chunk, encoder.encode_batch([messages for _, messages in chunk])
+        return
+    method = "fork" if sys.platform == "linux" else "spawn"
+    saved = os.environ.get("TOKENIZERS_PARALLELISM")
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    pool = ProcessPoolExecutor(
+        workers,
+        mp_context=multiprocessing.get_context(method),
+        initializer=_init_worker,
+        initargs=(encoder,),
+    )
+    window: deque[tuple[Chunk, Future[list[Encoded | Rejected]]]] = deque()
+    try:
+        for chunk in chunks:
+            window.append((chunk, pool.submit(_encode_in_worker, [m for _, m in chunk])))
+            if len(window) >= 2 * workers:
+                done, future = window.popleft()
+                yield done, future.result()
+        while window:
+            done, future = window.popleft()
+            yield done, future.result()
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+        if saved is None:
+            os.environ.pop("TOKENIZERS_PARALLELISM", None)
+        else:
+            os.environ["TOKENIZERS_PARALLELISM"] = saved
 
 
 def _store_row(

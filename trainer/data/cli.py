@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import signal
 import sys
 import time
@@ -41,6 +42,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--template-kwargs",
         default="{}",
         help="JSON object passed to the template, e.g. '{\"enable_thinking\": false}'",
+    )
+    imp.add_argument(
+        "--workers",
+        type=int,
+        default=min(8, os.cpu_count() or 1),
+        help="encoding processes (default: cores, at most 8); the store is the same for any N",
     )
     imp.add_argument("--force", action="store_true", help="replace an existing store")
 
@@ -121,6 +128,7 @@ def _run_import(args: argparse.Namespace) -> Manifest:
         overwrite=args.force,
         chat_template=args.chat_template,
         template_kwargs=kwargs,
+        workers=args.workers,
         progress=progress,
     )
 
