@@ -138,8 +138,9 @@ class TopologyConfig(BaseModel):
     drafter_devices: list[str] = Field(
         default=["cpu"], min_length=1, description="one per data-parallel rank on this node"
     )
-    prefetch_workers: int = Field(default=2, ge=1, description="threads collating batches")
-    prefetch_depth: int = Field(default=4, ge=1, description="capacity of each q_pre queue")
+    prefetch_depth: int = Field(
+        default=4, ge=1, description="capacity of each q_pre queue (one prefetch thread per bucket)"
+    )
     hidden_depth: int = Field(default=4, ge=1, description="capacity of each q_hs queue")
     target_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
 

@@ -1,0 +1,40 @@
+"""`python -m trainer --config run.toml --run-dir DIR [--resume auto|never|PATH] [--fresh]`.
+
+Exit status: 0 finished or stopped cleanly by a signal (after a checkpoint), 1 a stage failed
+(traceback printed), 2 a user error (config, data, checkpoint mismatch; one line).
+Under torchrun every rank runs this same command (data parallel).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m trainer", description=__doc__.splitlines()[0])
+    p.add_argument("--config", required=True, type=Path, help="run config (TOML)")
+    p.add_argument("--run-dir", required=True, type=Path, help="status.log, checkpoints, ...")
+    p.add_argument(
+        "--resume",
+        default="auto",
+        help="auto: newest checkpoint in RUN/checkpoints if any; never; or a checkpoint path",
+    )
+    p.add_argument(
+        "--fresh",
+        action="store_true",
+        help="start over: move RUN/checkpoints to RUN/checkpoints.old-<timestamp> first",
+    )
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    from trainer.pipeline.runner import RunOptions, run  # torch loads only after --help
+
+    return run(RunOptions(args.config, args.run_dir, args.resume, args.fresh))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,51 @@
+"""Test-only fault injection and slow-down, driven by environment variables.
+
+    DFLASH_FAULT=target:3          raise in the target worker on its 3rd batch
+    DFLASH_STAGE_DELAY=target:0.05 sleep 50 ms per batch in every target worker (benchmarks)
+
+Stages: prefetch, target, drafter, monitor. Never set these in production; they exist so the
+tests can prove that a failure in any stage stops every stage and exits non-zero, and so the
+benchmark can make a chosen stage the bottleneck on CPU.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+STAGES = ("prefetch", "target", "drafter", "monitor")
+
+
+class InjectedFault(RuntimeError):
+    """Raised by `maybe_fail`; only ever seen in tests."""
+
+
+def _parse(var: str) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for part in os.environ.get(var, "").split(","):
+        if ":" in part:
+            stage, value = part.split(":", 1)
+            out[stage.strip()] = value.strip()
+    return out
+
+
+class FaultPlan:
+    """Per-stage fault counters and delays, read once from the environment."""
+
+    def __init__(self) -> None:
+        self.fail_at = {k: int(v) for k, v in _parse("DFLASH_FAULT").items()}
+        self.delay = {k: float(v) for k, v in _parse("DFLASH_STAGE_DELAY").items()}
+        self._counts: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    def tick(self, stage: str) -> None:
+        """Called once per item a stage handles: sleeps and/or raises as configured."""
+        if stage in self.delay:
+            time.sleep(self.delay[stage])
+        if stage not in self.fail_at:
+            return
+        with self._lock:
+            n = self._counts[stage] = self._counts.get(stage, 0) + 1
+        if n == self.fail_at[stage]:
+            raise InjectedFault(f"injected fault in stage {stage!r} at item {n} (DFLASH_FAULT)")

@@ -1,0 +1,611 @@
+"""The training run: build the stages, run the drafter step, monitor, checkpoint, stop cleanly.
+
+Threads (one process per data-parallel rank):
+
+    prefetch[w]  store rows -> padded tensors -> q_pre[bucket]         (bounded, per bucket)
+    target[d]    claim next seq -> q_pre[bucket] -> frozen target on device d -> reorder buffer
+    drafter      reorder buffer (strict seq order) -> objective -> AdamW step -> checkpoints
+    main         status line every status.interval_s, signals, failure handling
+
+Any exception in any thread sets the shared stop event (every blocking op polls it), the run
+prints the traceback and one ERROR line, and exits 1. SIGINT/SIGTERM ask the drafter to finish
+its step, write a checkpoint and stop (a second signal stops at once without one).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import queue
+import random
+import signal
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from trainer.config import ConfigError, TrainConfig, config_hash, resume_critical_changes
+from trainer.model.objective import dflash_objective
+from trainer.model.target import TargetModel
+from trainer.pipeline import assets, checkpoint, distributed
+from trainer.pipeline.channels import ReorderBuffer, Stopped, WaitClock
+from trainer.pipeline.faults import FaultPlan
+from trainer.pipeline.plan import BatchPlan
+from trainer.pipeline.schedule import lr_at, warmup_steps_for
+from trainer.pipeline.stages import (
+    Claims,
+    Counter,
+    HostBatch,
+    Packet,
+    Supervisor,
+    prefetch_body,
+    target_body,
+)
+from trainer.pipeline.status import (
+    Board,
+    RateWindow,
+    Reporter,
+    status_line,
+    wait_percent,
+    write_run_state,
+)
+
+EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+METRIC_KEYS = ("loss_sum", "weight_sum", "n_correct", "n_pred", "streak_sum", "n_blocks")
+
+
+class NonFiniteLoss(RuntimeError):
+    """Too many consecutive non-finite losses: the run is diverging."""
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    config: Path
+    run_dir: Path
+    resume: str = "auto"  # "auto" | "never" | checkpoint path
+    fresh: bool = False
+
+
+def _release() -> str:
+    """The deployed release hash when running from WORKDIR/releases/<hash>/, else 'dev'."""
+    env = os.environ.get("DFLASH_RELEASE")
+    if env:
+        return env
+    parts = Path(__file__).resolve().parts
+    if "releases" in parts:
+        i = parts.index("releases")
+        if i + 1 < len(parts):
+            return parts[i + 1]
+    return "dev"
+
+
+def _pick_devices(cfg: TrainConfig, world: distributed.World) -> tuple[torch.device, list[str]]:
+    topo = cfg.topology
+    if len(topo.drafter_devices) not in (1, world.local_size):
+        raise assets.UserError(
+            f"topology.drafter_devices has {len(topo.drafter_devices)} entries but "
+            f"{world.local_size} rank(s) run on this node: launch with "
+            f"`torchrun --nproc-per-node {len(topo.drafter_devices)} -m trainer ...`"
+        )
+    drafter = topo.drafter_devices[world.local_rank % len(topo.drafter_devices)]
+    targets = topo.target_devices
+    if len(targets) >= world.local_size:
+        targets = targets[world.local_rank :: world.local_size]
+    for dev in [drafter, *targets]:
+        if dev.startswith("cuda") and not torch.cuda.is_available():
+            raise assets.UserError(f"topology: device {dev!r} requested but CUDA is unavailable")
+    return torch.device(drafter), list(targets)
+
+
+def _rng_state(gen: torch.Generator) -> dict[str, Any]:
+    state: dict[str, Any] = {
+        "anchor": gen.get_state(),
+        "torch": torch.get_rng_state(),
+        "numpy": np.random.get_state(),
+        "python": random.getstate(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _set_rng_state(gen: torch.Generator, state: dict[str, Any]) -> None:
+    gen.set_state(state["anchor"])
+    torch.set_rng_state(state["torch"])
+    np.random.set_state(state["numpy"])
+    random.setstate(state["python"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+class Run:
+    """One training process (one data-parallel rank)."""
+
+    def __init__(self, opts: RunOptions, cfg: TrainConfig, world: distributed.World) -> None:
+        self.opts, self.cfg, self.world = opts, cfg, world
+        self.run_dir = opts.run_dir
+        self.reporter = Reporter(self.run_dir, enabled=world.is_main)
+        self.sup = Supervisor()
+        self.faults = FaultPlan()
+        self.stop_request = threading.Event()
+        self.signal_name: str | None = None
+        self.board = Board()
+        self.t0 = time.monotonic()
+        self.stopped_by_signal = False
+        self.completed = False
+        self.windows = {k: RateWindow(cfg.status.rate_window_s) for k in ("tgt", "dft", "tok")}
+
+    # ------------------------------------------------------------------ setup
+    def setup(self) -> None:
+        cfg, world = self.cfg, self.world
+        self.reporter.phase("loading")
+        self.drafter_device, self.target_devices = _pick_devices(cfg, world)
+        if world.is_main:
+            store_path = assets.ensure_store(cfg)
+            target_dir = assets.ensure_target(cfg)
+        distributed.barrier(world)
+        store_path, target_dir = assets.ensure_store(cfg), assets.ensure_target(cfg)
+        from trainer.buckets import PlanError, plan_buckets
+        from trainer.data.store import StoreError, TokenStore
+        from trainer.sampler import BatchSampler, SamplerError
+
+        try:
+            self.store = TokenStore.open(store_path)
+        except StoreError as exc:
+            raise assets.UserError(f"data.store: {exc}") from None
+        lengths = np.asarray(self.store.lengths, dtype=np.int64)
+        b = cfg.batching
+        try:
+            bounds = b.boundaries
+            if bounds == "plan" and b.strategy == "bucketed":
+                bounds = plan_buckets(
+                    lengths, b.num_buckets, b.token_budget, b.max_batch, simulate=False
+                ).boundaries
+            self.sampler = BatchSampler(
+                lengths,
+                strategy=b.strategy,
+                boundaries=None if bounds == "plan" else list(bounds),
+                token_budget=b.token_budget,
+                max_batch=b.max_batch,
+                seed=cfg.seed,
+                rank=world.rank,
+                world_size=world.size,
+                pool_size=b.pool_size,
+            )
+        except (PlanError, SamplerError) as exc:
+            raise assets.UserError(f"batching: {exc}") from None
+        self.plan = BatchPlan(self.sampler, cfg.schedule.epochs)
+        accum = cfg.optimizer.grad_accum
+        self.total_steps = self.plan.total // accum
+        if self.total_steps < 1:
+            raise assets.UserError(
+                f"schedule: {self.plan.total} micro-batches per rank cannot make one optimizer "
+                f"step with optimizer.grad_accum={accum}"
+            )
+        self.end_step = min(self.total_steps, cfg.schedule.max_steps or self.total_steps)
+        self.warmup = warmup_steps_for(
+            self.total_steps, cfg.schedule.warmup_steps, cfg.schedule.warmup_ratio
+        )
+
+        self.target_dir = target_dir
+        hf = assets.target_hf_config(target_dir)
+        self.layer_ids = assets.layer_ids_for(cfg, hf)
+        self.dcfg = assets.drafter_config(cfg, hf, self.layer_ids)
+        self.target_dtype = self._target_dtype()
+        borrowed = assets.load_borrowed(target_dir, hf, self.drafter_device, self.target_dtype)
+        self.drafter = assets.build_drafter(self.dcfg, borrowed, self.drafter_device, cfg.seed)
+        self.params = [p for p in self.drafter.parameters() if p.requires_grad]
+        o = cfg.optimizer
+        self.opt = torch.optim.AdamW(
+            self.params, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay
+        )
+        self.gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + world.rank)
+        self.start_step = 0
+        self._resume()
+        self.start_micro = self.start_step * accum
+        self.end_micro = self.end_step * accum
+
+    def _target_dtype(self) -> torch.dtype:
+        name = self.cfg.topology.target_dtype
+        if name != "auto":
+            return getattr(torch, name)
+        return torch.bfloat16 if self.drafter_device.type == "cuda" else torch.float32
+
+    def _resume(self) -> None:
+        opts, cfg = self.opts, self.cfg
+        found = checkpoint.list_checkpoints(self.run_dir)
+        if opts.fresh:
+            if self.world.is_main and found:
+                dest = checkpoint.archive_checkpoints(self.run_dir)
+                self.reporter.line(f"Archived old checkpoints to {dest}", status_log=False)
+            distributed.barrier(self.world)
+            return
+        if opts.resume == "never":
+            if found:
+                raise assets.UserError(
+                    f"{checkpoint.checkpoint_dir(self.run_dir)}: holds checkpoints but "
+                    "--resume never was given: pass --fresh to archive them and start over"
+                )
+            return
+        if opts.resume == "auto":
+            if not found:
+                return
+            path = found[-1][1]
+        else:
+            path = Path(opts.resume)
+        state = checkpoint.load_checkpoint(path)
+        try:
+            old = TrainConfig.from_dict(state["config"], source=f"{path} (saved config)")
+        except ConfigError as exc:
+            raise assets.UserError(str(exc)) from None
+        changed = resume_critical_changes(old, cfg)
+        if changed:
+            raise assets.UserError(
+                f"{opts.config}: cannot resume from {path}: changed {', '.join(changed)} "
+                "(data order or model shape); use --fresh to archive the checkpoints and restart"
+            )
+        if state["world_size"] != self.world.size:
+            raise assets.UserError(
+                f"{path}: written by {state['world_size']} rank(s), this run has "
+                f"{self.world.size}: the data order would change; use --fresh"
+            )
+        from trainer.sampler import SamplerError
+
+        try:
+            self.sampler.load_state_dict(state["sampler"])
+        except SamplerError as exc:
+            raise assets.UserError(f"{path}: {exc}") from None
+        self.drafter.load_state_dict(state["drafter"], strict=True)
+        self.opt.load_state_dict(state["optimizer"])
+        _set_rng_state(self.gen, state["rng"][self.world.rank])
+        self.start_step = int(state["step"])
+        self.board.nonfinite = int(state["counters"]["nonfinite"])
+        self.board.step = self.start_step
+        self.board.micro = self.start_step * cfg.optimizer.grad_accum
+        self.reporter.phase("resuming", f"step={self.start_step} path={path}")
+
+    # ------------------------------------------------------------------ stages
+    def start_stages(self) -> None:
+        topo = self.cfg.topology
+        nb = self.sampler.num_buckets
+        self.q_pre: list[queue.Queue[HostBatch]] = [
+            queue.Queue(maxsize=topo.prefetch_depth) for _ in range(nb)
+        ]
+        self.q_hs: ReorderBuffer[Packet] = ReorderBuffer(topo.hidden_depth, self.start_micro)
+        pin = self.drafter_device.type == "cuda" or any(
+            d.startswith("cuda") for d in self.target_devices
+        )
+        # One prefetch thread per bucket: a thread serving several buckets in sequence order
+        # would block on one full queue while the others run dry (head-of-line blocking).
+        self.pre_clocks = [WaitClock() for _ in range(nb)]
+        for w in range(nb):
+            body = prefetch_body(
+                plan=self.plan,
+                store=self.store,
+                buckets=[w],
+                queues=self.q_pre,
+                start_seq=self.start_micro,
+                end_seq=self.end_micro,
+                stop=self.sup.stop,
+                clock=self.pre_clocks[w],
+                faults=self.faults,
+                pin=pin,
+            )
+            self.sup.spawn(f"prefetch[{w}]", body)
+        claims = Claims(self.start_micro, self.end_micro)
+        self.tgt_done = Counter()
+        self.tgt_clocks = [WaitClock() for _ in self.target_devices]
+        for i, dev in enumerate(self.target_devices):
+
+            def load(dev: str = dev) -> TargetModel:
+                return TargetModel.load(self.target_dir, self.layer_ids, dev, self.target_dtype)
+
+            body = target_body(
+                load_target=load,
+                plan=self.plan,
+                claims=claims,
+                queues=self.q_pre,
+                out=self.q_hs,
+                drafter_device=self.drafter_device,
+                stop=self.sup.stop,
+                clock=self.tgt_clocks[i],
+                done=self.tgt_done,
+                faults=self.faults,
+            )
+            self.sup.spawn(f"target[{dev}#{i}]", body)
+        self.dft_clock = WaitClock()
+        self.drafter_thread = self.sup.spawn("drafter", self._drafter_loop)
+
+    # ------------------------------------------------------------------ drafter step
+    def _drafter_loop(self) -> None:
+        cfg, world = self.cfg, self.world
+        o, m = cfg.optimizer, cfg.model
+        dev = self.drafter_device
+        autocast = (
+            torch.autocast("cuda", dtype=torch.bfloat16)
+            if dev.type == "cuda"
+            else contextlib.nullcontext()
+        )
+        metrics_log = open(self.run_dir / "metrics.jsonl", "a") if world.is_main else None  # noqa: SIM115
+        step, nonfinite_run = self.start_step, 0
+        real_total = self.plan.real_tokens_before(self.start_micro)
+        last_ckpt = time.monotonic()
+        every_s = (cfg.checkpoint.every_minutes or math.inf) * 60
+        try:
+            while step < self.end_step:
+                lr = lr_at(
+                    step,
+                    total_steps=self.total_steps,
+                    warmup_steps=self.warmup,
+                    peak=o.lr,
+                    floor=cfg.schedule.min_lr,
+                )
+                for group in self.opt.param_groups:
+                    group["lr"] = lr
+                sums = torch.zeros(len(METRIC_KEYS), dtype=torch.float64, device=dev)
+                real = 0
+                for _ in range(o.grad_accum):
+                    _, pkt = self.q_hs.get(self.sup.stop, self.dft_clock)
+                    self.faults.tick("drafter")
+                    with autocast:
+                        res = dflash_objective(
+                            self.drafter,
+                            None,
+                            pkt.input_ids,
+                            pkt.loss_mask,
+                            pkt.attention_mask,
+                            pkt.hidden,
+                            num_anchors=m.num_anchors,
+                            gamma=m.gamma,
+                            noise=m.noise,
+                            generator=self.gen,
+                        )
+                    res.loss_sum.float().backward()
+                    sums += torch.stack(
+                        [getattr(res, k).detach().to(torch.float64) for k in METRIC_KEYS]
+                    )
+                    real += pkt.real_tokens
+                flags = [
+                    float(self.stop_request.is_set()),
+                    float(time.monotonic() - last_ckpt >= every_s),
+                ]
+                tail = torch.tensor([*flags, self.q_hs.depth()], dtype=torch.float64, device=dev)
+                depth_slots = torch.zeros(world.size, dtype=torch.float64, device=dev)
+                depth_slots[world.rank] = tail[2]
+                red = distributed.all_reduce_sum(torch.cat([sums, tail[:2], depth_slots]), world)
+                vals = red.tolist()  # the one host sync per optimizer step
+                loss_sum, weight = vals[0], vals[1]
+                gnorm: float | None = None
+                if not math.isfinite(loss_sum):
+                    nonfinite_run += 1
+                    self.board.nonfinite += 1
+                    if nonfinite_run >= o.max_nonfinite:
+                        raise NonFiniteLoss(
+                            f"{nonfinite_run} non-finite losses in a row (step {step}): the run "
+                            "diverged; lower optimizer.lr or check the data"
+                        )
+                elif weight > 0:
+                    nonfinite_run = 0
+                    distributed.reduce_gradients(self.params, world, 1.0 / weight)
+                    max_norm = o.clip if o.clip > 0 else math.inf
+                    gnorm = float(torch.nn.utils.clip_grad_norm_(self.params, max_norm))
+                    self.opt.step()
+                self.opt.zero_grad(set_to_none=True)
+                step += 1
+                micro = step * o.grad_accum
+                real_total = self.plan.real_tokens_before(micro)
+                self.board.q_hs = [int(x) for x in vals[len(METRIC_KEYS) + 2 :]]
+                self.board.add_step(
+                    step, micro, real_total, lr, gnorm, dict(zip(METRIC_KEYS, vals, strict=False))
+                )
+                if metrics_log is not None:
+                    loss = loss_sum / weight if weight > 0 else None
+                    rec = {"step": step, "loss": loss, "lr": lr, "gnorm": gnorm, "micro": micro}
+                    metrics_log.write(json.dumps(rec) + "\n")
+                stop_now = vals[len(METRIC_KEYS)] > 0
+                due = vals[len(METRIC_KEYS) + 1] > 0
+                every = cfg.checkpoint.every_steps
+                if stop_now or due or step == self.end_step or (every and step % every == 0):
+                    self._save(step)
+                    last_ckpt = time.monotonic()
+                if stop_now:
+                    self.stopped_by_signal = True
+                    return
+            self.completed = True
+        finally:
+            if metrics_log is not None:
+                metrics_log.close()
+
+    def _save(self, step: int) -> None:
+        rng = distributed.gather_objects(_rng_state(self.gen), self.world)
+        if not self.world.is_main:
+            return
+        micro = step * self.cfg.optimizer.grad_accum
+        pos = self.plan.locate(micro) if micro < self.plan.total else None
+        self.sampler.position = (pos.epoch, pos.index) if pos else (len(self.plan.steps), 0)
+        state = {
+            "step": step,
+            "micro": micro,
+            "world_size": self.world.size,
+            "config": self.cfg.model_dump(mode="json"),
+            "config_hash": config_hash(self.cfg),
+            "drafter_config": self.dcfg.model_dump(mode="json"),
+            "drafter": self.drafter.state_dict(),
+            "optimizer": self.opt.state_dict(),
+            "schedule": {"total_steps": self.total_steps, "warmup_steps": self.warmup},
+            "sampler": self.sampler.state_dict(),
+            "rng": rng,
+            "counters": {"nonfinite": self.board.nonfinite},
+        }
+        path = checkpoint.save_checkpoint(self.run_dir, step, state, self.cfg.checkpoint.keep_last)
+        self.reporter.checkpoint(step, path)
+        write_run_state(self.run_dir, last_step=step, last_checkpoint=str(path))
+
+    # ------------------------------------------------------------------ monitor
+    def monitor(self) -> None:
+        st = self.cfg.status
+        windows = self.windows
+        since: dict[tuple[int, str], float] = {}
+        last_t = time.monotonic()
+        next_t = last_t
+        announced = False
+        first = True
+        while self.drafter_thread.is_alive() and not self.sup.stop.is_set():
+            if self.stop_request.is_set() and not announced:
+                self.reporter.phase("stopping", f"({self.signal_name})")
+                announced = True
+            now = time.monotonic()
+            if now < next_t:
+                self.drafter_thread.join(min(0.1, next_t - now))
+                continue
+            self.faults.tick("monitor")
+            dt = now - last_t
+            waits = None
+            if not first:
+                waits = {
+                    "w_pre_out": wait_percent(self.pre_clocks, "output_s", since, dt),
+                    "w_tgt_in": wait_percent(self.tgt_clocks, "input_s", since, dt),
+                    "w_tgt_out": wait_percent(self.tgt_clocks, "output_s", since, dt),
+                    "w_dft_in": wait_percent([self.dft_clock], "input_s", since, dt),
+                }
+            else:
+                for clocks, attr in (
+                    (self.pre_clocks, "output_s"),
+                    (self.tgt_clocks, "input_s"),
+                    (self.tgt_clocks, "output_s"),
+                    ([self.dft_clock], "input_s"),
+                ):
+                    wait_percent(clocks, attr, since, 1.0)  # baseline the clocks
+            self.emit_status(now, windows, waits)
+            first, last_t = False, now
+            next_t += st.interval_s
+            if next_t < now:
+                next_t = now + st.interval_s
+
+    def emit_status(
+        self, now: float, windows: dict[str, RateWindow], waits: dict[str, float] | None
+    ) -> None:
+        b = self.board
+        tgt = windows["tgt"].add(now, self.tgt_done.value)
+        dft = windows["dft"].add(now, b.micro)
+        tok = windows["tok"].add(now, b.real_tokens if b.real_tokens else 0)
+        ktok = tok / 1000 if tok is not None else None
+        remaining = self.plan.real_tokens_before(self.end_micro) - self.plan.real_tokens_before(
+            b.micro
+        )
+        eta = remaining / tok if tok and tok > 0 else None
+        # One rank sees its own buffer live; the others' depths come with each step's reduce.
+        q_hs = [self.q_hs.depth()] if self.world.size == 1 or not b.q_hs else b.q_hs
+        line = status_line(
+            elapsed_s=now - self.t0,
+            board=b,
+            metrics=b.take_metrics(),
+            noise=self.cfg.model.noise,
+            tgt_bps=tgt,
+            dft_bps=dft,
+            ktok_s=ktok,
+            q_pre=[q.qsize() for q in self.q_pre],
+            q_hs=q_hs,
+            epoch=self.plan.epoch_progress(b.micro),
+            eta_s=eta,
+            waits=waits,
+        )
+        self.reporter.line(line)
+
+    # ------------------------------------------------------------------ signals
+    def install_signals(self) -> None:
+        def handler(signum: int, _frame: Any) -> None:
+            if self.stop_request.is_set():
+                self.sup.stop.set()  # second signal: stop now, no checkpoint
+                return
+            self.signal_name = signal.Signals(signum).name
+            self.stop_request.set()  # the drafter checkpoints after its current step
+
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGINT, handler)
+            signal.signal(signal.SIGTERM, handler)
+
+
+def run(opts: RunOptions) -> int:
+    """The CLI's body: returns the process exit status."""
+    try:
+        cfg = TrainConfig.load(opts.config)
+    except ConfigError as exc:
+        print(f"ERROR: {exc}", flush=True)
+        return EXIT_USAGE
+    opts.run_dir.mkdir(parents=True, exist_ok=True)
+    world = distributed.init_world(torch.device(cfg.topology.drafter_devices[0]).type)
+    r = Run(opts, cfg, world)
+    if world.is_main:
+        write_run_state(
+            opts.run_dir,
+            pid=os.getpid(),
+            config_hash=config_hash(cfg),
+            release=_release(),
+            started_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            state="starting",
+            exit_status=None,
+            world_size=world.size,
+        )
+    r.install_signals()
+    status = EXIT_FAILED
+    try:
+        status = _run(r)
+        return status
+    finally:
+        if world.is_main:
+            state = {EXIT_OK: "stopped" if r.stopped_by_signal else "finished"}.get(
+                status, "crashed" if status == EXIT_FAILED else "refused"
+            )
+            write_run_state(opts.run_dir, state=state, exit_status=status)
+        r.reporter.close()
+        distributed.close_world(world)
+
+
+def _run(r: Run) -> int:
+    try:
+        r.setup()
+    except (assets.UserError, checkpoint.CheckpointError) as exc:
+        r.reporter.error(str(exc))
+        return EXIT_USAGE
+    r.reporter.phase("starting")
+    r.start_stages()
+    if r.world.is_main:
+        write_run_state(r.run_dir, state="running", last_step=r.start_step)
+    r.reporter.phase("running")
+    try:
+        r.monitor()
+    except Stopped:
+        pass
+    except BaseException as exc:
+        r.sup.fail("monitor", exc)
+    r.drafter_thread.join(timeout=5 if r.sup.stop.is_set() else None)
+    r.sup.stop.set()
+    stuck = r.sup.join(timeout=5.0)
+    if r.sup.failure is not None:
+        stage, exc, tb = r.sup.failure
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        r.reporter.error(f"stage {stage} failed: {type(exc).__name__}: {first}", tb)
+        return EXIT_FAILED
+    if stuck:
+        r.reporter.error(f"stages did not stop within 5 s: {', '.join(stuck)}")
+    if r.stopped_by_signal:
+        r.reporter.phase("stopping", f"done at step {r.board.step} ({r.signal_name})")
+        return EXIT_OK
+    if not r.completed:
+        r.reporter.error("pipeline stopped before the end of the plan")
+        return EXIT_FAILED
+    r.emit_status(time.monotonic(), r.windows, None)
+    if r.world.is_main and r.end_step == r.total_steps:
+        from trainer.model.export import export_drafter
+
+        out = export_drafter(r.drafter, r.run_dir / "export")
+        r.reporter.line(f"Exported drafter to {out}", status_log=False)
+    r.reporter.phase("finished", f"step={r.board.step}")
+    return EXIT_OK
