@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from types import ModuleType
+
 import pytest
 import torch
 
@@ -64,12 +66,24 @@ def test_auto_on_cpu_without_interpreter_is_chunked(monkeypatch: pytest.MonkeyPa
 
 
 def test_explicit_triton_on_cpu_without_interpreter_says_why(
-    monkeypatch: pytest.MonkeyPatch,
+    triton_ce: ModuleType, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Asking for Triton where it cannot run is an error naming the fix, not a silent fallback."""
-    from trainer.kernels import triton_ce
-
     monkeypatch.setattr(triton_ce, "INTERPRETED", False)
     with pytest.raises(BackendUnavailableError, match="TRITON_INTERPRET=1") as info:
         select_backend("triton", torch.device("cpu"))
     assert "\n" not in str(info.value)
+
+
+def test_explicit_triton_without_triton_installed_says_why(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A container without triton gets the import failure and the alternative in one line."""
+    from trainer.kernels import lm_head_ce
+
+    def broken_import() -> ModuleType:
+        raise ImportError("No module named 'triton'")
+
+    monkeypatch.setattr(lm_head_ce, "_triton", broken_import)
+    with pytest.raises(BackendUnavailableError, match="triton failed to import") as info:
+        select_backend("triton", torch.device("cuda"))
+    assert "backend='chunked'" in str(info.value)
+    assert select_backend("auto", torch.device("cuda")) == "chunked"
