@@ -221,3 +221,17 @@ def test_verify_rejects_reserved_ids(tmp_path: Path) -> None:
 def test_missing_directory(tmp_path: Path) -> None:
     with pytest.raises(StoreError, match="no such token store directory"):
         TokenStore.open(tmp_path / "absent")
+
+
+def test_store_published_meanwhile_is_kept(tmp_path: Path) -> None:
+    target = tmp_path / "s"
+    # StoreExistsError is a FileExistsError, which is what concurrent ranks catch.
+    with (
+        pytest.raises(FileExistsError, match="appeared while writing"),
+        StoreWriter(target) as writer,
+    ):
+        writer.add([1, 1], [1, 1])
+        write_store(target)  # another rank wins the race
+        writer.commit(**_fields())
+    assert TokenStore.open(target, verify=True).lengths.tolist() == [4, 3, 6]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["s"]

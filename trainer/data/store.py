@@ -16,6 +16,7 @@ that opens but lies. Torch-free: numpy + pydantic only.
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
 import os
@@ -49,6 +50,10 @@ _HASH_CHUNK = 1 << 22
 
 class StoreError(Exception):
     """A store is missing, malformed or inconsistent; the message is one line naming the file."""
+
+
+class StoreExistsError(StoreError, FileExistsError):
+    """The target store already exists (or another writer published it first)."""
 
 
 class FileEntry(BaseModel):
@@ -358,7 +363,7 @@ def check_target(target: str | os.PathLike[str], overwrite: bool = False) -> Pat
     """Fail fast (before hours of work) when `target` cannot be written; returns it absolute."""
     path = Path(target).absolute()
     if path.exists() and not overwrite:
-        raise StoreError(f"{path}: already exists (pass overwrite/--force to replace it)")
+        raise StoreExistsError(f"{path}: already exists (pass overwrite/--force to replace it)")
     if not path.parent.is_dir():
         raise StoreError(f"{path.parent}: parent directory does not exist")
     return path
@@ -452,14 +457,21 @@ class StoreWriter:
         aside: Path | None = None
         if self.target.exists():
             if not self.overwrite:
-                raise StoreError(f"{self.target}: appeared while writing; not replacing it")
+                raise StoreExistsError(f"{self.target}: appeared while writing; not replacing it")
             aside = self.target.parent / f".{self.target.name}.old-{secrets.token_hex(4)}"
             self.target.rename(aside)
         try:
             self.tmp.rename(self.target)
-        except BaseException:
+        except OSError as exc:
             if aside is not None:
-                aside.rename(self.target)
+                try:
+                    aside.rename(self.target)
+                except OSError:  # a concurrent writer's complete store took the name
+                    shutil.rmtree(aside, ignore_errors=True)
+            if exc.errno in (errno.EEXIST, errno.ENOTEMPTY):  # a concurrent writer won the race
+                raise StoreExistsError(
+                    f"{self.target}: published by another writer first"
+                ) from None
             raise
         _fsync_dir(self.target.parent)
         if aside is not None:
