@@ -1,0 +1,176 @@
+"""Pipeline building blocks: LR schedule, channels, reorder buffer, plan, checkpoints, rates."""
+
+from __future__ import annotations
+
+import itertools
+import queue
+import random
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from trainer.pipeline.channels import ReorderBuffer, Stopped, WaitClock, get, put
+from trainer.pipeline.checkpoint import (
+    CheckpointError,
+    archive_checkpoints,
+    list_checkpoints,
+    load_checkpoint,
+    save_checkpoint,
+)
+from trainer.pipeline.plan import BatchPlan
+from trainer.pipeline.schedule import lr_at, warmup_steps_for
+from trainer.pipeline.status import RateWindow, bottleneck
+from trainer.sampler import BatchSampler
+
+
+def test_step_zero_trains_with_warmup_lr_not_peak() -> None:
+    """The seed printed the peak LR at step 0; here step 0 gets peak/W and warmup is linear."""
+    kw = {"total_steps": 1000, "warmup_steps": 40, "peak": 6e-4, "floor": 6e-5}
+    assert lr_at(0, **kw) == pytest.approx(6e-4 / 40)
+    warm = [lr_at(s, **kw) for s in range(40)]
+    assert all(a < b for a, b in itertools.pairwise(warm))
+    assert lr_at(39, **kw) == pytest.approx(6e-4)
+    decay = [lr_at(s, **kw) for s in range(40, 1000)]
+    assert all(a >= b for a, b in itertools.pairwise(decay))
+    assert lr_at(999, **kw) == pytest.approx(6e-5, rel=1e-3)
+    assert lr_at(5000, **kw) == pytest.approx(6e-5)
+
+
+def test_warmup_steps_from_ratio_or_explicit() -> None:
+    """Explicit warmup steps win over the ratio; a tiny ratio still warms up for one step."""
+    assert warmup_steps_for(1000, None, 0.04) == 40
+    assert warmup_steps_for(1000, 7, 0.04) == 7
+    assert warmup_steps_for(10, None, 0.001) == 1
+    assert warmup_steps_for(10, None, None) == 0
+
+
+def test_reorder_buffer_releases_in_sequence_order() -> None:
+    """Items put out of order by many threads come out strictly by sequence number."""
+    buf: ReorderBuffer[int] = ReorderBuffer(capacity=3)
+    stop = threading.Event()
+    seqs = list(range(200))
+    lock = threading.Lock()
+
+    def worker() -> None:
+        while True:
+            with lock:
+                if not seqs:
+                    return
+                seq = seqs.pop(0)
+            threading.Event().wait(random.random() * 0.002)
+            buf.put(seq, seq * 10, stop)
+
+    threads = [threading.Thread(target=worker) for _ in range(4)]
+    for t in threads:
+        t.start()
+    got = [buf.get(stop) for _ in range(200)]
+    for t in threads:
+        t.join(5)
+    assert got == [(i, i * 10) for i in range(200)]
+
+
+def test_reorder_buffer_applies_backpressure_and_unblocks_on_stop() -> None:
+    """A put too far ahead blocks (bounded memory) until stop is set, then raises Stopped."""
+    buf: ReorderBuffer[str] = ReorderBuffer(capacity=2)
+    stop = threading.Event()
+    buf.put(1, "b", stop)
+    errors: list[BaseException] = []
+
+    def far_ahead() -> None:
+        try:
+            buf.put(2, "c", stop)  # 2 >= next(0) + capacity(2): must wait
+        except Stopped as exc:
+            errors.append(exc)
+
+    t = threading.Thread(target=far_ahead)
+    t.start()
+    t.join(0.3)
+    assert t.is_alive() and buf.depth() == 1
+    stop.set()
+    t.join(2)
+    assert not t.is_alive() and len(errors) == 1
+    with pytest.raises(Stopped):
+        buf.get(stop)
+
+
+def test_reorder_buffer_rejects_duplicates() -> None:
+    """Delivering a sequence number twice is a bug upstream, never silently merged."""
+    buf: ReorderBuffer[int] = ReorderBuffer(capacity=4)
+    stop = threading.Event()
+    buf.put(0, 1, stop)
+    with pytest.raises(RuntimeError, match="twice"):
+        buf.put(0, 2, stop)
+
+
+def test_queue_ops_count_blocked_time_and_honour_stop() -> None:
+    """put/get on a full/empty queue record their wait and raise Stopped when stopped."""
+    q: queue.Queue[int] = queue.Queue(maxsize=1)
+    stop = threading.Event()
+    clock = WaitClock()
+    put(q, 1, stop, clock)
+    timer = threading.Timer(0.2, stop.set)
+    timer.start()
+    with pytest.raises(Stopped):
+        put(q, 2, stop, clock)
+    assert clock.output_s >= 0.15
+    assert get(q, threading.Event(), clock) == 1
+
+
+def test_plan_numbers_the_samplers_batches_in_order() -> None:
+    """seq -> batch follows the sampler's own iteration across epochs; totals add up."""
+    rng = np.random.default_rng(0)
+    lengths = rng.integers(8, 64, size=300)
+    sampler = BatchSampler(
+        lengths, boundaries=[8, 24, 40, 64], token_budget=256, max_batch=8, seed=3
+    )
+    plan = BatchPlan(sampler, epochs=2.5)
+    spe = [sampler.steps_per_epoch(e) for e in range(3)]
+    assert plan.total == spe[0] + spe[1] + spe[2] // 2
+    it = iter(
+        BatchSampler(lengths, boundaries=[8, 24, 40, 64], token_budget=256, max_batch=8, seed=3)
+    )
+    for seq in range(plan.total):
+        expected = next(it)
+        assert np.array_equal(plan.batch(seq).indices, expected.indices)
+    assert plan.real_tokens_before(spe[0]) == int(lengths.sum())
+    assert plan.epoch_progress(spe[0]) == pytest.approx(1.0)
+
+
+def test_checkpoints_are_atomic_pruned_and_archived(tmp_path: Path) -> None:
+    """Only complete files count; the newest N are kept; --fresh moves them aside intact."""
+    for step in (10, 20, 30, 40):
+        save_checkpoint(tmp_path, step, {"w": torch.full((2,), float(step))}, keep_last=2)
+    (tmp_path / "checkpoints" / ".step-00000050.pt.tmp-1").write_bytes(b"partial")
+    assert [s for s, _ in list_checkpoints(tmp_path)] == [30, 40]
+    state = load_checkpoint(list_checkpoints(tmp_path)[-1][1])
+    assert torch.equal(state["w"], torch.full((2,), 40.0))
+    dest = archive_checkpoints(tmp_path)
+    assert dest is not None and dest.name.startswith("checkpoints.old-")
+    assert sorted(p.name for p in dest.iterdir() if p.suffix == ".pt") == [
+        "step-00000030.pt",
+        "step-00000040.pt",
+    ]
+    assert list_checkpoints(tmp_path) == []
+
+
+def test_damaged_checkpoint_is_a_one_line_error(tmp_path: Path) -> None:
+    """A truncated or foreign file names itself instead of crashing in torch.load."""
+    bad = tmp_path / "step-00000001.pt"
+    bad.write_bytes(b"not a checkpoint")
+    with pytest.raises(CheckpointError, match=r"step-00000001.pt: cannot load checkpoint") as info:
+        load_checkpoint(bad)
+    assert "\n" not in str(info.value)
+
+
+def test_rate_window_and_bottleneck_rule() -> None:
+    """Rates use the oldest sample inside the window; the bottleneck follows the waits."""
+    w = RateWindow(10.0)
+    assert w.add(0.0, 0) is None
+    assert w.add(5.0, 50) == pytest.approx(10.0)
+    assert w.add(20.0, 350) == pytest.approx(20.0)  # only (5, 50) .. (20, 350) remain
+    assert bottleneck(w_tgt_in=0.0, w_tgt_out=90.0, w_dft_in=1.0) == "drafter"
+    assert bottleneck(w_tgt_in=1.0, w_tgt_out=0.0, w_dft_in=80.0) == "target"
+    assert bottleneck(w_tgt_in=90.0, w_tgt_out=0.0, w_dft_in=80.0) == "prefetch"
