@@ -1,0 +1,392 @@
+"""Bucket planner: globally optimal length-bucket boundaries for the bucketed-shuffle sampler.
+
+Given sample lengths, a token budget T and a max batch B, `plan_buckets` finds the K boundaries
+minimizing the expected padded tokens *of the sampler's own rule* (greedy packing inside each
+shuffled bucket; model in `trainer.bucketing.estimate`, within ~0.1 pp of the sampler), by a
+segmentation DP over candidate edges (`trainer.bucketing.dp`), reports the efficiency-vs-K curve,
+and checks itself by running the sampler for one epoch. numpy only; importable without torch.
+
+CLI:
+    python -m trainer.buckets plan --lengths PATH --buckets K --token-budget T --max-batch B
+        [--min-share F] [--json]
+    python -m trainer.buckets compare --lengths PATH --token-budget T --max-batch B
+        [--buckets K | --boundaries a,b,c] [--epochs 2] [--json]
+
+PATH is a `.npy` array of lengths or a token-store directory. Bad input exits 2 with one line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+
+from trainer.bucketing.dp import make_grid, optimal_segmentations, segment_costs
+from trainer.bucketing.estimate import BucketEstimate, estimate_bucket, histogram
+from trainer.data.lengths import LengthsError, as_lengths, load_lengths
+from trainer.sampler import BatchSampler, SamplerError
+
+DEFAULT_K_MAX = 16
+
+
+class PlanError(ValueError):
+    """Unusable planner input; one line naming the argument (`flag` is its CLI spelling)."""
+
+    def __init__(self, message: str, flag: str | None = None) -> None:
+        super().__init__(message)
+        self.flag = flag
+
+
+@dataclass(frozen=True)
+class BucketInfo:
+    """One bucket [lo, hi) of a plan with its predicted packing."""
+
+    lo: int
+    hi: int
+    count: int
+    tokens: int
+    mean: float
+    max: int
+    share: float
+    mean_batch_size: float
+    predicted_batches: float
+    predicted_efficiency: float
+
+
+@dataclass
+class BucketPlan:
+    """Boundaries (K+1 edges, bucket k = [edge k, edge k+1)) and what they are predicted to do."""
+
+    boundaries: list[int]
+    padding_efficiency: float
+    buckets: list[BucketInfo]
+    efficiency_by_k: dict[int, float]
+    token_budget: int
+    max_batch: int
+    min_share: float
+    num_samples: int
+    total_tokens: int
+    predicted_steps: float
+    predicted_budget_use: float
+    simulated_efficiency: float | None = None
+    simulated_steps: int | None = None
+    simulated_budget_use: float | None = None
+    simulated_largest_batch: int | None = None
+    timings: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def k(self) -> int:
+        return len(self.boundaries) - 1
+
+    @property
+    def co_batch_probability(self) -> float:
+        """rho = sum of squared bucket shares: chance two random samples can share a batch."""
+        return float(sum(b.share**2 for b in self.buckets))
+
+    def to_json_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["k"] = self.k
+        d["co_batch_probability"] = self.co_batch_probability
+        d["efficiency_by_k"] = {str(k): v for k, v in self.efficiency_by_k.items()}
+        return d
+
+
+def evaluate_boundaries(
+    lengths: np.ndarray, boundaries: Sequence[int], token_budget: int, max_batch: int
+) -> list[BucketEstimate]:
+    """Full-resolution prediction for every bucket of the given K+1 edges."""
+    x = np.asarray(lengths, dtype=np.int64)
+    out = []
+    for lo, hi in itertools.pairwise(boundaries):
+        inside = x[(x >= lo) & (x < hi)]
+        if inside.size == 0:
+            out.append(BucketEstimate(0, 0, 0.0, 0.0, 0))
+            continue
+        values, counts = histogram(inside)
+        out.append(estimate_bucket(values, counts, token_budget, max_batch))
+    return out
+
+
+def _check_inputs(lengths: np.ndarray, token_budget: int, max_batch: int) -> np.ndarray:
+    try:
+        x = as_lengths(lengths)
+    except LengthsError as exc:
+        raise PlanError(str(exc)) from None
+    if token_budget < 1 or max_batch < 1:
+        raise PlanError(f"token budget ({token_budget}) and max batch ({max_batch}) must be >= 1")
+    longest = int(np.argmax(x))
+    if x[longest] > token_budget:
+        raise PlanError(
+            f"token budget {token_budget} is smaller than the longest sample "
+            f"({int(x[longest])} tokens, sample {longest})",
+            "--token-budget",
+        )
+    return x
+
+
+def plan_buckets(
+    lengths: np.ndarray | Sequence[int],
+    k: int,
+    token_budget: int,
+    max_batch: int,
+    min_share: float = 0.0,
+    *,
+    k_max: int | None = None,
+    simulate: bool = True,
+    seed: int = 0,
+    max_candidates: int = 128,
+) -> BucketPlan:
+    """Optimal K-bucket boundaries for greedy token-budget packing, with the efficiency-vs-K curve.
+
+    Args:
+        lengths: tokens per sample.
+        k: number of buckets.
+        token_budget, max_batch: the sampler's T (padded tokens per batch) and B (samples).
+        min_share: each bucket must hold at least this share of samples (diversity; 0 = none).
+        k_max: largest K of `efficiency_by_k` (default max(k, 16)).
+        simulate: also run the sampler for one epoch and report the measured efficiency.
+        seed: the simulation's sampler seed.
+        max_candidates: candidate-edge budget of the DP (every distinct length below it).
+
+    Raises:
+        PlanError: bad lengths, budget below the longest sample, K or min_share out of range.
+    """
+    x = _check_inputs(np.asarray(lengths), token_budget, max_batch)
+    if k < 1:
+        raise PlanError(f"number of buckets must be >= 1, got {k}", "--buckets")
+    if not 0.0 <= min_share < 1.0:
+        raise PlanError(f"min share must be in [0, 1), got {min_share}", "--min-share")
+    n = len(x)
+    t0 = time.perf_counter()
+    grid = make_grid(x, max_candidates=max_candidates)
+    min_count = max(1, int(np.ceil(min_share * n - 1e-9)))
+    cost, _ = segment_costs(grid, token_budget, max_batch, min_count)
+    t1 = time.perf_counter()
+    solutions = optimal_segmentations(cost, max(k, k_max or DEFAULT_K_MAX))
+    if k not in solutions:
+        most = max(solutions) if solutions else 0
+        extra = f" with at least {min_count} samples each (min share {min_share})" * (min_share > 0)
+        raise PlanError(
+            f"{k} buckets do not fit these lengths: at most {most} non-empty buckets{extra}",
+            "--buckets",
+        )
+    total = int(x.sum())
+    by_k = {kk: total / padded for kk, (padded, _) in sorted(solutions.items())}
+    edges = [int(e) for e in grid.edges[solutions[k][1]]]
+    t2 = time.perf_counter()
+    ests = evaluate_boundaries(x, edges, token_budget, max_batch)
+    padded = sum(e.padded for e in ests)
+    steps = sum(e.batches for e in ests)
+    buckets = [
+        BucketInfo(
+            lo=lo,
+            hi=hi,
+            count=e.count,
+            tokens=e.tokens,
+            mean=e.tokens / e.count,
+            max=e.max_len,
+            share=e.count / n,
+            mean_batch_size=e.mean_batch_size,
+            predicted_batches=e.batches,
+            predicted_efficiency=e.efficiency,
+        )
+        for lo, hi, e in zip(edges[:-1], edges[1:], ests, strict=True)
+    ]
+    plan = BucketPlan(
+        boundaries=edges,
+        padding_efficiency=total / padded,
+        buckets=buckets,
+        efficiency_by_k=by_k,
+        token_budget=token_budget,
+        max_batch=max_batch,
+        min_share=min_share,
+        num_samples=n,
+        total_tokens=total,
+        predicted_steps=steps,
+        predicted_budget_use=total / (steps * token_budget),
+    )
+    t3 = time.perf_counter()
+    plan.timings = {"segment_costs_s": t1 - t0, "dp_s": t2 - t1, "rescore_s": t3 - t2}
+    if simulate:
+        simulate_plan(plan, x, seed=seed)
+        plan.timings["simulate_s"] = time.perf_counter() - t3
+    return plan
+
+
+def simulate_plan(plan: BucketPlan, lengths: np.ndarray, seed: int = 0) -> None:
+    """Run the sampler for one epoch on the plan's boundaries and record what it measured."""
+    sampler = BatchSampler(
+        lengths,
+        boundaries=plan.boundaries,
+        token_budget=plan.token_budget,
+        max_batch=plan.max_batch,
+        seed=seed,
+    )
+    batches = sampler.epoch_batches(0)
+    padded = np.fromiter((b.padded_tokens for b in batches), np.int64, len(batches))
+    plan.simulated_efficiency = plan.total_tokens / int(padded.sum())
+    plan.simulated_steps = len(batches)
+    plan.simulated_budget_use = plan.total_tokens / (len(batches) * plan.token_budget)
+    plan.simulated_largest_batch = int(padded.max())
+
+
+def _pct(v: float | None) -> str:
+    return "   -  " if v is None else f"{100 * v:5.1f}%"
+
+
+def format_plan_table(plan: dict[str, Any]) -> str:
+    """Readable table of a plan's JSON dict (what `plan` prints without --json; dflashctl too)."""
+    lines = [
+        f"Bucket plan: K={plan['k']}  T={plan['token_budget']:,}  B={plan['max_batch']}  "
+        f"samples={plan['num_samples']:,}  tokens={plan['total_tokens']:,}"
+        + (f"  min share={plan['min_share']:.1%}" if plan.get("min_share") else ""),
+        f"boundaries: {plan['boundaries']}",
+        f"padding efficiency: predicted {_pct(plan['padding_efficiency'])}, "
+        f"simulated {_pct(plan.get('simulated_efficiency'))}   "
+        f"steps/epoch ~{plan['predicted_steps']:,.0f}   "
+        f"budget use {_pct(plan['predicted_budget_use'])}",
+        "",
+        f"{'bucket':>15} {'count':>9} {'share':>6} {'tokens':>14} {'mean':>7} {'max':>6} "
+        f"{'batch':>6} {'eff':>6}",
+    ]
+    for b in plan["buckets"]:
+        lines.append(
+            f"{'[' + str(b['lo']) + ', ' + str(b['hi']) + ')':>15} {b['count']:>9,} "
+            f"{_pct(b['share'])} {b['tokens']:>14,} {b['mean']:>7.0f} {b['max']:>6} "
+            f"{b['mean_batch_size']:>6.1f} {_pct(b['predicted_efficiency'])}"
+        )
+    curve = "  ".join(f"{k}:{100 * v:.1f}" for k, v in plan["efficiency_by_k"].items())
+    lines += ["", f"efficiency by K (%): {curve}"]
+    return "\n".join(lines)
+
+
+def format_compare_table(result: dict[str, Any]) -> str:
+    """Readable side-by-side table of `compare` output."""
+    lines = [
+        f"T={result['token_budget']:,}  B={result['max_batch']}  samples={result['num_samples']:,}"
+        f"  epochs={result['epochs']}  bucket boundaries={result['boundaries']}",
+        f"{'strategy':<10} {'pad eff':>8} {'budget':>8} {'steps/ep':>9} {'max batch':>10} "
+        f"{'pairs/ep':>11} {'repeat':>8}",
+    ]
+    for r in result["strategies"]:
+        rep = "-" if r["pair_repeat"] is None else f"{100 * r['pair_repeat']:.3f}%"
+        lines.append(
+            f"{r['strategy']:<10} {_pct(r['padding_efficiency']):>8} {_pct(r['budget_use']):>8} "
+            f"{r['steps_per_epoch']:>9,.0f} {r['largest_padded_batch']:>10,} "
+            f"{r['pairs_per_epoch']:>11,} {rep:>8}"
+        )
+    if result.get("predicted_efficiency") is not None:
+        lines.append(f"bucketed predicted by the planner: {_pct(result['predicted_efficiency'])}")
+    return "\n".join(lines)
+
+
+# ----- CLI ----------------------------------------------------------------------------------
+
+
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="python -m trainer.buckets", description=__doc__.split("\n")[0]
+    )
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--lengths", required=True, help=".npy of lengths or a token-store dir")
+    common.add_argument("--token-budget", type=int, required=True, help="padded tokens per batch")
+    common.add_argument("--max-batch", type=int, required=True, help="samples per batch")
+    common.add_argument("--json", action="store_true", help="print one JSON object")
+    plan = sub.add_parser("plan", parents=[common], help="optimal boundaries for K buckets")
+    plan.add_argument("--buckets", type=int, required=True, help="number of buckets K")
+    plan.add_argument("--min-share", type=float, default=0.0, help="min share of samples/bucket")
+    plan.add_argument("--seed", type=int, default=0, help="seed of the simulated epoch")
+    cmp_ = sub.add_parser("compare", parents=[common], help="strategies side by side")
+    which = cmp_.add_mutually_exclusive_group()
+    which.add_argument("--buckets", type=int, help="plan K buckets with the DP (default 6)")
+    which.add_argument("--boundaries", help="comma-separated bucket cuts, e.g. 770,1216,1728")
+    cmp_.add_argument("--epochs", type=int, default=2, help="epochs to run (>= 2 for diversity)")
+    cmp_.add_argument("--pool-size", type=int, default=3200, help="pool size for pool-sort")
+    cmp_.add_argument("--seed", type=int, default=0)
+    return ap
+
+
+def parse_boundaries(text: str, lengths: np.ndarray) -> list[int]:
+    """Cuts 'a,b,c' -> K+1 edges [min, a, b, c, max + 1]; outer edges given by the user are kept."""
+    try:
+        cuts = [int(p) for p in text.split(",") if p.strip()]
+    except ValueError:
+        raise PlanError(f"{text!r}: expected comma-separated integers", "--boundaries") from None
+    if not cuts or any(b >= c for b, c in itertools.pairwise(cuts)):
+        raise PlanError(f"{text!r}: expected strictly increasing integers", "--boundaries")
+    lo, hi = int(lengths.min()), int(lengths.max()) + 1
+    inner = [c for c in cuts if lo < c < hi]
+    first = min(cuts[0], lo)
+    last = cuts[-1] if cuts[-1] >= hi else hi
+    return [first, *inner, last]
+
+
+def _run_plan(args: argparse.Namespace, x: np.ndarray) -> int:
+    plan = plan_buckets(
+        x, args.buckets, args.token_budget, args.max_batch, args.min_share, seed=args.seed
+    )
+    d = plan.to_json_dict()
+    print(json.dumps(d, indent=1) if args.json else format_plan_table(d))
+    return 0
+
+
+def _run_compare(args: argparse.Namespace, x: np.ndarray) -> int:
+    from trainer.bucketing.compare import compare_strategies
+
+    if args.epochs < 1:
+        raise PlanError(f"must be >= 1, got {args.epochs}", "--epochs")
+    _check_inputs(x, args.token_budget, args.max_batch)
+    if args.boundaries:
+        edges = parse_boundaries(args.boundaries, x)
+    else:
+        edges = plan_buckets(
+            x, args.buckets or 6, args.token_budget, args.max_batch, simulate=False
+        ).boundaries
+    predicted = evaluate_boundaries(x, edges, args.token_budget, args.max_batch)
+    reports = compare_strategies(
+        x,
+        edges,
+        args.token_budget,
+        args.max_batch,
+        epochs=args.epochs,
+        seed=args.seed,
+        pool_size=args.pool_size,
+    )
+    result = {
+        "token_budget": args.token_budget,
+        "max_batch": args.max_batch,
+        "num_samples": len(x),
+        "epochs": args.epochs,
+        "boundaries": edges,
+        "predicted_efficiency": int(x.sum()) / sum(e.padded for e in predicted),
+        "strategies": [r.to_json_dict() for r in reports],
+    }
+    print(json.dumps(result, indent=1) if args.json else format_compare_table(result))
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point; returns the exit status (2 on bad input, with one line on stderr)."""
+    args = _parser().parse_args(argv)
+    try:
+        try:
+            x = load_lengths(args.lengths)
+        except LengthsError as exc:
+            raise PlanError(str(exc), "--lengths") from None
+        return _run_plan(args, x) if args.cmd == "plan" else _run_compare(args, x)
+    except (PlanError, SamplerError) as exc:
+        flag = getattr(exc, "flag", None)
+        print(f"error: {flag + ': ' if flag else ''}{exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
