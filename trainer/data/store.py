@@ -152,9 +152,10 @@ def _read_manifest(root: Path) -> Manifest:
 
 
 def _map(path: Path, dtype: np.dtype[Any], count: int) -> np.ndarray:
+    """Read-only mapping as a plain ndarray view (the memmap subclass makes every index slow)."""
     if count == 0:  # np.memmap refuses empty files
         return np.empty(0, dtype=dtype)
-    return np.memmap(path, dtype=dtype, mode="r", shape=(count,))
+    return np.memmap(path, dtype=dtype, mode="r", shape=(count,)).view(np.ndarray)
 
 
 class TokenStore:
@@ -234,7 +235,7 @@ class TokenStore:
         if not -n <= i < n:
             raise IndexError(f"row {i} out of range for {self.path} with {n} rows")
         i %= n
-        lo, hi = int(self.offsets[i]), int(self.offsets[i + 1])
+        lo, hi = self.offsets[i : i + 2].tolist()
         return self.tokens[lo:hi], self.mask[lo:hi]
 
     __getitem__ = row
@@ -260,10 +261,9 @@ class TokenStore:
             width = pad_to
         tokens = np.full((idx.size, width), pad_id, dtype=np.int32)
         mask = np.zeros((idx.size, width), dtype=np.uint8)
-        for b, i in enumerate(idx):
-            tok, msk = self.row(int(i))
-            tokens[b, : tok.size] = tok
-            mask[b, : msk.size] = msk
+        for b, (lo, n) in enumerate(zip(self.offsets[idx].tolist(), lens.tolist(), strict=True)):
+            tokens[b, :n] = self.tokens[lo : lo + n]
+            mask[b, :n] = self.mask[lo : lo + n]
         return tokens, mask, lens
 
     def __reduce__(self) -> tuple[Any, ...]:
