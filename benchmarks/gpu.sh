@@ -32,6 +32,7 @@ PY
 
 echo "== kernel tests on CUDA (compiled Triton, no interpreter)"
 unset TRITON_INTERPRET
+export TRITON_DEFAULT_FP_FUSION=1
 DFLASH_KERNEL_TESTS_CUDA=1 timeout 240 "$py" -m pytest tests/kernels -q -p no:cacheprovider
 
 echo "== bench_kernel.py --device cuda (N=8192: 512 anchors x block 16)"
