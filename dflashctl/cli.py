@@ -341,8 +341,17 @@ async def cmd_buckets(args: argparse.Namespace) -> int:
             "plan",
             "--lengths",
             store,
-            *args.planner_args,
+            "--buckets",
+            str(args.buckets),
+            "--token-budget",
+            str(args.token_budget),
+            "--max-batch",
+            str(args.max_batch),
         ]
+        if args.min_share is not None:
+            argv += ["--min-share", str(args.min_share)]
+        if args.json:
+            argv.append("--json")
         res = await t.run(argv, timeout=600)
         sys.stdout.write(res.stdout)
         if not res.ok:
@@ -422,9 +431,11 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--print", action="store_true", help="print the ssh command instead")
     sp = add("buckets", cmd_buckets, "run the bucket planner on the host's data store")
     sp.add_argument("--store", help="token store or .npy lengths in the container")
-    sp.add_argument(
-        "planner_args", nargs=argparse.REMAINDER, help="passed to `trainer.buckets plan`"
-    )
+    sp.add_argument("--buckets", type=int, default=6, help="number of buckets K (default 6)")
+    sp.add_argument("--token-budget", type=int, required=True, help="padded tokens per batch")
+    sp.add_argument("--max-batch", type=int, required=True, help="samples per batch")
+    sp.add_argument("--min-share", type=float, default=None, help="min share of samples/bucket")
+    sp.add_argument("--json", action="store_true", help="the planner's JSON instead of a table")
     sp = add(
         "secret", cmd_secret, "store a secret (read from stdin) as a 0600 file in the container"
     )

@@ -68,6 +68,33 @@ def test_operator_loop_end_to_end(
     assert cli_main([*inv, "trust", "ct", "--yes"]) == 0
     assert cli_main([*inv, "deploy", "ct", "--tree", str(tree)]) == 0
     assert "sent " in capsys.readouterr().out
+    # the planner runs in the container on data there (a small lengths file in the workdir)
+    np = pytest.importorskip("numpy")
+    np.save(clean_workdir / "lengths.npy", np.random.default_rng(0).integers(16, 96, 2000))
+    capsys.readouterr()
+    store = f"{P.CONTAINER_WORKDIR}/lengths.npy"
+    assert (
+        cli_main(
+            [
+                *inv,
+                "buckets",
+                "ct",
+                "--store",
+                store,
+                "--buckets",
+                "3",
+                "--token-budget",
+                "768",
+                "--max-batch",
+                "16",
+                "--json",
+            ]
+        )
+        == 0
+    )
+    plan = json.loads(capsys.readouterr().out)
+    assert len(plan["boundaries"]) == 4
+
     assert cli_main([*inv, "start", "ct"]) == 0
 
     first_hash = config_hash_of_file(cfg)
