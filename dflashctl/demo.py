@@ -112,12 +112,13 @@ async def headless(control: Any, duration: float, say: Any) -> int:
 
     with contextlib.suppress(TimeoutError):
         await asyncio.wait_for(watch(), duration)
+    before = await control.status()
     say("stopping the demo run gracefully ...")
     stopped = await control.stop(timeout=STOP_TIMEOUT_S)
     say(f"stop: {stopped.outcome}")
     if last is None:
-        final = await control.status()
-        why = final.last_error or final.message or f"run is {final.state}"
+        tail = [ln for ln in before.pane_tail if ln.strip()]
+        why = before.last_error or (tail[-1] if tail else None) or f"run is {before.state}"
         print(f"dflashctl demo: no status line within {duration:g} s ({why})", file=sys.stderr)
         return 1
     print(last)

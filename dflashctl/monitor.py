@@ -74,6 +74,8 @@ class RunState:
     q_hs_hist: tuple[tuple[int, ...], ...] = ()
     log_tail: tuple[str, ...] = ()
     gpus: tuple[Any, ...] = ()
+    run_info: dict[str, Any] = field(default_factory=dict)
+    """RUN/run-state.json as last polled (total_steps, warmup_steps, boundaries when present)."""
     config_changed: bool = False
     config_note: str | None = None
     """Why the config comparison could not be made (e.g. local file unreadable), if it could not."""
@@ -141,6 +143,7 @@ def apply_status(state: RunState, status: Any) -> RunState:
         exit_status=getattr(status, "exit_status", None),
         release=getattr(status, "release", None) or state.release,
         config_hash=getattr(status, "config_hash", None) or state.config_hash,
+        run_info=getattr(status, "run_state", None) or state.run_info,
     )
 
 
@@ -243,46 +246,64 @@ def shape_from_config(path: Path) -> RunShape:
     )
 
 
-def lr_schedule(peak: float, floor: float) -> Callable[[int, int, int], float] | None:
-    """The trainer's LR schedule bound to a config's peak and floor, when it can be imported
-    without torch; None otherwise (the pane then says the schedule is unknown)."""
-    try:
-        from trainer.pipeline.schedule import lr_at  # type: ignore[import-not-found]
-    except ImportError:
-        return None
+def lr_schedule(peak: float, floor: float) -> Callable[[int, int, int], float]:
+    """The trainer's own LR schedule (torch-free `trainer.pipeline.schedule.lr_at`) bound to a
+    config's peak and floor, so the curve drawn is the one the run follows."""
+    from trainer.pipeline.schedule import lr_at
 
     def at(step: int, warmup: int, total: int) -> float:
-        return float(lr_at(step, peak=peak, min_lr=floor, warmup_steps=warmup, total_steps=total))
+        return lr_at(step, total_steps=total, warmup_steps=warmup, peak=peak, floor=floor)
 
     return at
 
 
+def _reported_int(state: RunState, key: str) -> int | None:
+    """An integer the trainer reported: a status-line extra first, then run-state.json."""
+    raw = state.status.extra.get(key) if state.status is not None else None
+    if raw is None:
+        raw = state.run_info.get(key)
+    try:
+        return None if raw is None else int(raw)
+    except (TypeError, ValueError):
+        return None
+
+
 def total_steps(shape: RunShape, state: RunState) -> int | None:
-    """Total optimizer steps: from the trainer (`extra["total_steps"]`), else the shape, else
+    """Total optimizer steps: as the trainer reports it, else the config's max_steps, else
     extrapolated from the reported epoch fraction (step / epoch * epochs)."""
-    st = state.status
-    if st is not None and "total_steps" in st.extra:
-        with contextlib.suppress(ValueError):
-            return int(st.extra["total_steps"])
+    reported = _reported_int(state, "total_steps")
+    if reported:
+        return reported
     if shape.total_steps:
         return shape.total_steps
+    st = state.status
     if st is not None and st.epoch and shape.epochs and st.step > 0:
         return max(st.step, round(st.step / st.epoch * shape.epochs))
     return None
 
 
 def warmup_steps(shape: RunShape, state: RunState) -> int | None:
-    """Warmup length: from the trainer (`extra["warmup_steps"]`) when it reports it, else config."""
-    st = state.status
-    if st is not None and "warmup_steps" in st.extra:
-        with contextlib.suppress(ValueError):
-            return int(st.extra["warmup_steps"])
-    if shape.warmup_steps is not None:
-        return shape.warmup_steps
+    """Warmup length as the trainer reports it, else derived from the config the way the
+    trainer derives it (explicit steps win over the ratio, capped at the run length)."""
+    reported = _reported_int(state, "warmup_steps")
+    if reported is not None:
+        return reported
     total = total_steps(shape, state)
-    if shape.warmup_ratio is not None and total:
-        return max(1, round(shape.warmup_ratio * total))
-    return None
+    if total is None:
+        return shape.warmup_steps
+    if shape.warmup_steps is not None:
+        return min(shape.warmup_steps, total)
+    if shape.warmup_ratio:
+        return min(max(1, round(shape.warmup_ratio * total)), total)
+    return 0
+
+
+def boundaries(shape: RunShape, state: RunState) -> Sequence[int] | None:
+    """Bucket edges: the planned ones the trainer reports (boundaries = "plan"), else config's."""
+    reported = state.run_info.get("boundaries")
+    if isinstance(reported, list) and all(isinstance(b, int) for b in reported):
+        return reported
+    return shape.boundaries
 
 
 # ----------------------------------------------------------------------------- restart plan

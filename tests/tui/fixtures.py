@@ -15,7 +15,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-from dflashctl.monitor import RunShape
+from dflashctl.monitor import RunShape, lr_schedule
 from trainer.events import StatusEvent, format_status_line
 
 FIXED_NOW = 1_800_000_000.0
@@ -25,12 +25,8 @@ TOTAL = 89_950
 PEAK_LR = 6e-4
 
 
-def warmup_cosine(step: int, warmup: int, total: int) -> float:
-    """Linear warmup then cosine to 10% of peak (the shape the trainer's config describes)."""
-    if step < warmup:
-        return PEAK_LR * (step + 1) / warmup
-    progress = min(1.0, (step - warmup) / max(1, total - warmup))
-    return PEAK_LR * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+warmup_cosine = lr_schedule(PEAK_LR, 0.1 * PEAK_LR)
+"""The trainer's own schedule (linear warmup, cosine to 10% of peak)."""
 
 
 def seed_shape(schedule: Any = warmup_cosine) -> RunShape:
@@ -87,6 +83,7 @@ class Status:
     release: str | None = "3f9a1c2b7d10"
     config_hash: str | None = "a1b2c3d4e5f6"
     last_event: Any = None
+    run_state: dict[str, Any] = field(default_factory=dict)
     log_lines: int | None = None
     """None: this double does not count status.log lines (the shrink check is skipped)."""
     message: str | None = None

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
@@ -17,14 +18,19 @@ from dflashctl.monitor import (
     apply_line,
     apply_lines,
     apply_status,
+    boundaries,
     bucket_labels,
     display_state,
     format_age,
+    shape_from_config,
     total_steps,
     warmup_steps,
 )
 from tests.tui.fixtures import FIXED_NOW, ReplayControl, Status, run_lines, status_line
+from trainer.config import TrainConfig
+from trainer.pipeline.schedule import lr_at
 
+REPO_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "tiny-cpu.toml"
 SEED_WRAPPED = [  # the seed's own capture: tmux wrapped the lines at 80 columns
     "Starting pipeline...",
     "Pipeline running. Monitoring...",
@@ -148,6 +154,34 @@ def test_total_and_warmup_steps_prefer_the_trainers_report() -> None:
         )
         == expected
     )
+
+
+def test_run_state_json_supplies_total_warmup_and_planned_boundaries() -> None:
+    shape = RunShape(boundaries=None, warmup_ratio=0.04, epochs=2.0)
+    state = apply_line(RunState("h"), status_line(5), FIXED_NOW)
+    info = {"total_steps": 1234, "warmup_steps": 49, "boundaries": [0, 24, 48, 96]}
+    state = apply_status(state, Status(run_state=info))  # type: ignore[call-arg]
+    assert (total_steps(shape, state), warmup_steps(shape, state)) == (1234, 49)
+    assert boundaries(shape, state) == [0, 24, 48, 96]
+    assert bucket_labels(boundaries(shape, state), 3) == ["[0,24)", "[24,48)", "[48,96)"]
+
+
+def test_shape_from_the_bundled_config_uses_the_trainers_schedule() -> None:
+    cfg = TrainConfig.load(REPO_CONFIG)
+    shape = shape_from_config(REPO_CONFIG)
+    assert shape.q_pre_capacity == cfg.topology.prefetch_depth
+    assert shape.q_hs_capacity == cfg.topology.hidden_depth
+    assert (shape.epochs, shape.warmup_ratio) == (cfg.schedule.epochs, cfg.schedule.warmup_ratio)
+    assert shape.schedule is not None
+    for step in (0, 5, 39, 40, 500, 999):
+        assert shape.schedule(step, 40, 1000) == lr_at(
+            step,
+            total_steps=1000,
+            warmup_steps=40,
+            peak=cfg.optimizer.lr,
+            floor=cfg.schedule.min_lr,
+        )
+    assert shape_from_config(REPO_CONFIG.with_name("missing.toml")) == RunShape()
 
 
 def test_backoff_is_capped_exponential() -> None:

@@ -62,14 +62,13 @@ def curve(
     out = Text()
     for row in range(height):
         floor = (height - 1 - row) * 8
-        for col, lvl in enumerate(levels):
-            cell = max(0, min(8, lvl - floor))
-            ch = BLOCKS[cell]
-            if col == marker:
-                ch = ch if cell else "│"
-                out.append(ch, style=marker_style)
-            else:
-                out.append(ch, style=style)
+        cells = [BLOCKS[max(0, min(8, lvl - floor))] for lvl in levels]
+        if marker is not None and 0 <= marker < len(cells) and cells[marker] == " ":
+            cells[marker] = "│"
+        start = len(out)
+        out.append("".join(cells), style=style)  # one span per row: cheap to convert and draw
+        if marker is not None and 0 <= marker < len(cells):
+            out.stylize(marker_style, start + marker, start + marker + 1)
         if row < height - 1:
             out.append("\n")
     return out

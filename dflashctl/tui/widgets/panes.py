@@ -15,6 +15,7 @@ from textual.widgets import Static
 from dflashctl.monitor import (
     RunShape,
     RunState,
+    boundaries,
     bucket_labels,
     display_state,
     format_age,
@@ -194,13 +195,14 @@ def queues_text(state: RunState, shape: RunShape, width: int) -> Text:
     q_pre = state.q_pre_hist
     count = len(q_pre[-1]) if q_pre else 0
     out.append("q_pre (prefetch, per length bucket)\n", style="dim")
-    _queue_rows(out, bucket_labels(shape.boundaries, count), q_pre, shape.q_pre_capacity, width)
+    labels = bucket_labels(boundaries(shape, state), count)
+    _queue_rows(out, labels, q_pre, shape.q_pre_capacity, width)
     q_hs = state.q_hs_hist
     n_hs = len(q_hs[-1]) if q_hs else 0
     out.append("q_hs (hidden states, per drafter)\n", style="dim")
     _queue_rows(out, [f"d{i}" for i in range(n_hs)], q_hs, shape.q_hs_capacity, width)
     extra = state.status.extra if state.status else {}
-    waits = [f"{k}={extra[k]}%" for k in STAGE_WAIT_KEYS if k in extra]
+    waits = [f"{k}={extra[k].rstrip('%')}%" for k in STAGE_WAIT_KEYS if k in extra]
     if waits or BOTTLENECK_KEY in extra:
         _kv(out, "bottleneck", extra.get(BOTTLENECK_KEY, DASH), "bold magenta")
         out.append("  " + " ".join(waits), style="dim")

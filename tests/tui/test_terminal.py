@@ -1,0 +1,141 @@
+"""The demo TUI in a real terminal: tmux runs `dflashctl demo`, capture-pane reads the screen.
+
+Everything is real: LocalTransport, deploy, the trainer on CPU under tmux, the TUI. The test sees
+live values change, edits the demo config, presses `r`, confirms, and sees the restarted run.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import require_part
+
+ROOT = Path(__file__).resolve().parents[2]
+ROW = re.compile(r"^\s*demo\s+(\S+)\s+\S+\s+(\d+)\s", re.M)
+
+
+class Terminal:
+    """A tmux server on a private socket holding one window of the given size."""
+
+    def __init__(self, socket: str, width: int = 140, height: int = 45) -> None:
+        self.socket = socket
+        self.size = (width, height)
+
+    def tmux(self, *args: str) -> str:
+        out = subprocess.run(
+            ["tmux", "-L", self.socket, *args], capture_output=True, text=True, check=False
+        )
+        return out.stdout
+
+    def start(self, argv: list[str], env: dict[str, str]) -> None:
+        exports = " ".join(f"{k}={v}" for k, v in env.items())
+        cmd = f"cd {ROOT} && env {exports} {' '.join(argv)}; sleep 30"
+        w, h = self.size
+        subprocess.run(
+            [
+                "tmux",
+                "-L",
+                self.socket,
+                "new-session",
+                "-d",
+                "-s",
+                "tui",
+                "-x",
+                str(w),
+                "-y",
+                str(h),
+                cmd,
+            ],
+            check=True,
+        )
+
+    def screen(self) -> str:
+        return self.tmux("capture-pane", "-p", "-t", "=tui:")
+
+    def keys(self, *keys: str) -> None:
+        self.tmux("send-keys", "-t", "=tui:", *keys)
+
+    def wait(self, what: str, predicate: Callable[[str], bool], timeout: float) -> str:
+        deadline = time.monotonic() + timeout
+        text = ""
+        while time.monotonic() < deadline:
+            text = self.screen()
+            if predicate(text):
+                return text
+            time.sleep(0.5)
+        raise AssertionError(f"timed out waiting for {what}; screen:\n{text}")
+
+    def kill(self) -> None:
+        self.tmux("kill-server")
+
+
+def _row(text: str) -> tuple[str, int] | None:
+    m = ROW.search(text)
+    return (m.group(1), int(m.group(2))) if m else None
+
+
+@pytest.mark.parts
+@pytest.mark.slow
+@pytest.mark.timeout(420)
+def test_demo_tui_live_edit_and_one_key_restart(tmp_path: Path) -> None:
+    require_part(shutil.which("tmux") is not None, "tmux is not installed")
+    require_part(importlib.util.find_spec("torch") is not None, "torch (the train extra) missing")
+    require_part((ROOT / "trainer" / "__main__.py").exists(), "`python -m trainer` not present")
+    tag = f"{os.getpid()}"
+    session = f"dflash-demo-test-{tag}"
+    term = Terminal(f"dflash-tuitest-{tag}")
+    demo_dir = tmp_path / "demo"
+    env = {"TERM": "xterm-256color", "OMP_NUM_THREADS": "1", "COLUMNS": "140", "LINES": "45"}
+    try:
+        term.start(
+            [sys.executable, "-m", "dflashctl.demo", "--dir", str(demo_dir), "--session", session],
+            env,
+        )
+        first = term.wait(
+            "a running demo row with a step", lambda t: (_row(t) or ("", 0))[0] == "running", 240
+        )
+        step0 = _row(first)[1]  # type: ignore[index]
+        live = term.wait("the step to advance", lambda t: (_row(t) or ("", -1))[1] > step0, 120)
+        assert "Ktok/s" in live and "ETA" in live
+
+        config = demo_dir / "demo.toml"
+        text = config.read_text()
+        assert "interval_s = 2" in text
+        config.write_text(text.replace("interval_s = 2", "interval_s = 1"))
+        term.wait("the fleet to flag the change", lambda t: "changed" in t, 30)
+
+        term.keys("r")
+        modal = term.wait("the restart modal", lambda t: "Restart demo" in t and "Will" in t, 30)
+        assert "+interval_s = 1" in modal and "-interval_s = 2" in modal
+        assert "resume from the latest checkpoint" in modal
+        before = _row(term.screen())
+        term.keys("Enter")
+        term.wait("the restart result", lambda t: "restarted (resume)" in t, 180)
+        term.keys("Enter")
+        after = term.wait(
+            "the restarted run to report",
+            lambda t: "changed" not in t and (_row(t) or ("", -1))[0] == "running",
+            120,
+        )
+        assert before is not None and _row(after) is not None
+        deployed = (demo_dir / "host" / "run" / "config.toml").read_text()
+        assert "interval_s = 1" in deployed
+        term.keys("q")
+        term.wait("the demo to stop its run and exit", lambda t: "stop:" in t, 120)
+    finally:
+        term.kill()
+        subprocess.run(
+            ["tmux", "-L", "dflash", "kill-session", "-t", f"={session}"],
+            check=False,
+            capture_output=True,
+        )
