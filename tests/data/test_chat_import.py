@@ -151,12 +151,14 @@ def test_every_bad_input_reason_is_counted_with_its_line(
         b"",  # 11 blank: ignored
         {"text": "no conversation key"},  # 12 bad_schema
         good,  # 13
+        b"[" * 100_000 + b"]" * 100_000,  # 14 malformed_json: too deep for the parser
+        b'{"id": ' + b"7" * 5000 + b"}",  # 15 malformed_json: integer too long
     ]
     store, manifest = _import(tmp_path, qwen_tokenizer_dir, rows)
     assert len(store) == 2
     got = {reason: stat.first_lines for reason, stat in manifest.skipped.items()}
     assert got == {
-        "malformed_json": [2],
+        "malformed_json": [2, 14, 15],
         "not_utf8": [3],
         "unknown_role": [4],
         "empty_conversation": [5],
@@ -165,7 +167,7 @@ def test_every_bad_input_reason_is_counted_with_its_line(
         "no_supervised_pair": [9],
         "control_token_in_content": [10],
     }
-    assert manifest.params["blank_lines"] == 1 and manifest.params["lines"] == 13
+    assert manifest.params["blank_lines"] == 1 and manifest.params["lines"] == 15
 
 
 def test_first_lines_are_capped_but_counts_are_not(
@@ -265,3 +267,23 @@ def test_worker_processes_give_the_same_store(tmp_path: Path, qwen_tokenizer_dir
     }
     assert one.skipped == two.skipped and one.truncated == two.truncated
     assert two.num_rows == 11 and two.skipped.keys() == {"malformed_json", "empty_conversation"}
+
+
+def test_template_error_is_isolated_to_its_row(tmp_path: Path, qwen_tokenizer_dir: Path) -> None:
+    template = tmp_path / "no_tools.jinja"
+    template.write_text(
+        "{%- for m in messages -%}"
+        "{%- if m['role'] == 'tool' -%}{{ raise_exception('tool messages unsupported') }}{%- endif -%}"
+        "{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>' + '\\n' }}"
+        "{%- endfor -%}"
+        "{%- if add_generation_prompt -%}{{ '<|im_start|>assistant\\n' }}{%- endif -%}"
+    )
+    tool = {"role": "tool", "content": "42"}
+    rows: list[object] = [{"conversations": CHAT}, {"conversations": [*CHAT[:3], tool, *CHAT[3:]]}]
+    store, manifest = _import(
+        tmp_path, qwen_tokenizer_dir, [*rows, rows[0]], chat_template=template
+    )
+    assert len(store) == 2
+    assert manifest.skipped["template_error"].first_lines == [2]
+    assert manifest.tokenizer is not None
+    assert "chat_template (override)" in manifest.tokenizer.files

@@ -62,6 +62,8 @@ def parse_line(raw: bytes) -> list[Message] | Rejected | None:
         row = json.loads(text)
     except json.JSONDecodeError as exc:
         return Rejected(MALFORMED_JSON, f"{exc.msg} at column {exc.colno}")
+    except (ValueError, RecursionError) as exc:  # 5000-digit ints, absurdly deep nesting
+        return Rejected(MALFORMED_JSON, " ".join(str(exc).split())[:120])
     return normalise_row(row)
 
 
