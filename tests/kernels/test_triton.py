@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from tests.kernels.helpers import assert_close_report, make_case
-from trainer.kernels import lm_head_cross_entropy, select_backend
+from trainer.kernels import BackendUnavailableError, lm_head_cross_entropy, select_backend
 from trainer.kernels.reference import dense_lm_head_cross_entropy
 
 pytestmark = pytest.mark.timeout(60)
@@ -148,3 +148,22 @@ def test_auto_picks_triton_under_the_interpreter(
     ref = dense_lm_head_cross_entropy(hidden, weight, labels, -100)
     assert out.loss.grad_fn is not None and "Triton" in type(out.loss.grad_fn).__name__
     assert_close_report(out.loss, ref.loss, atol=1e-4, rtol=1e-5, what="loss")
+
+
+def test_interpreter_refuses_half_precision(triton_ce: ModuleType, kernel_device: str) -> None:
+    """bf16 on the CPU interpreter would be garbage: explicit triton refuses, auto falls back."""
+    if kernel_device != "cpu":
+        pytest.skip("interpreter-only behaviour; the GPU run checks bf16 numerics instead")
+    hidden, weight, labels = make_case(7, 32, 100, seed=6, dtype=torch.bfloat16)
+    with pytest.raises(BackendUnavailableError, match="float32 inputs only"):
+        lm_head_cross_entropy(hidden, weight, labels, backend="triton")
+    assert select_backend("auto", hidden.device, hidden.dtype) == "chunked"
+
+
+def test_gpu_tile_shapes_give_the_same_results(triton_ce: ModuleType, kernel_device: str) -> None:
+    """The shipped CUDA tiles (128 x 128 x 64), run here too, agree with dense on ragged shapes."""
+    gpu_tiles = triton_ce.TileConfig(
+        block_n=128, block_v=128, block_d=64, num_warps=8, num_stages=3
+    )
+    hidden, weight, labels = make_case(130, 72, 300, seed=8, ignore_every=5, device=kernel_device)
+    _check(triton_ce, hidden, weight, labels, tiles=gpu_tiles, num_splits=2, chunk=128)

@@ -61,7 +61,7 @@ def lm_head_cross_entropy(
         BackendUnavailableError: an explicitly requested backend cannot run here.
     """
     labels = _validate(hidden, weight, labels, ignore_index)
-    chosen = select_backend(backend, hidden.device)
+    chosen = select_backend(backend, hidden.device, hidden.dtype)
     if hidden.shape[0] == 0:
         empty = hidden.new_zeros(0, dtype=torch.float32) + hidden.sum() * 0
         return LMHeadCE(loss=empty, correct=torch.zeros(0, dtype=torch.bool, device=hidden.device))
@@ -76,8 +76,8 @@ def lm_head_cross_entropy(
     return LMHeadCE(loss=loss, correct=correct)
 
 
-def select_backend(backend: str, device: torch.device) -> str:
-    """Resolve "auto" and check that an explicit choice can run on `device`."""
+def select_backend(backend: str, device: torch.device, dtype: torch.dtype = torch.float32) -> str:
+    """Resolve "auto" and check that an explicit choice can run on `device` with `dtype`."""
     if backend not in BACKENDS:
         raise KernelInputError(
             f"{_PREFIX}: backend must be one of {list(BACKENDS)}, got {backend!r}"
@@ -88,20 +88,27 @@ def select_backend(backend: str, device: torch.device) -> str:
     if backend == "auto":
         if device.type != "cuda" and not interpret_requested:
             return "chunked"
-        return "triton" if triton_unavailable_reason(device) is None else "chunked"
-    reason = triton_unavailable_reason(device)
+        return "triton" if triton_unavailable_reason(device, dtype) is None else "chunked"
+    reason = triton_unavailable_reason(device, dtype)
     if reason is not None:
         raise BackendUnavailableError(f"{_PREFIX}: backend='triton' cannot run: {reason}")
     return "triton"
 
 
-def triton_unavailable_reason(device: torch.device) -> str | None:
-    """None when the Triton kernels can run on tensors of `device`, else a one-line reason."""
+def triton_unavailable_reason(
+    device: torch.device, dtype: torch.dtype = torch.float32
+) -> str | None:
+    """None when the Triton kernels can run on `device` tensors of `dtype`, else a one-line reason."""
     try:
         module = _triton()
     except ImportError as exc:
         return f"triton failed to import ({exc}); use backend='chunked'"
-    if device.type == "cuda" or module.INTERPRETED:
+    if device.type == "cuda":
+        return None
+    if module.INTERPRETED:
+        # The interpreter reads bf16/fp16 buffers as raw integers: results would be garbage.
+        if dtype != torch.float32:
+            return f"the Triton CPU interpreter supports float32 inputs only, got {dtype}"
         return None
     return (
         f"tensors are on {device.type}; Triton runs on CUDA, or on CPU only when TRITON_INTERPRET=1 "
