@@ -29,6 +29,7 @@ DEMO_HOST = "demo"
 DEMO_SESSION = "dflash-demo"
 REPO_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "tiny-cpu.toml"
 STOP_TIMEOUT_S = 60.0
+DEMO_EPOCHS = 20
 HEADER = """\
 # dflashctl demo run config. Edit it (key `e` in the TUI), then press `r`: the restart modal shows
 # the diff and whether the run resumes or must start fresh (and which keys decide that).
@@ -61,6 +62,8 @@ def demo_config_text(template: str, cache_dir: Path) -> str:
         flags=re.M,
         count=1,
     )
+    # Long enough to watch (about half an hour on two cores) and to see warmup in the LR pane.
+    text = re.sub(r"^epochs = .*$", f"epochs = {DEMO_EPOCHS}", text, flags=re.M, count=1)
     return HEADER + text
 
 
