@@ -21,6 +21,7 @@ from dflashctl.inventory import NAME_RE, HostConfig
 from dflashctl.release import Release
 from dflashctl.remote.commands import (
     PANE_FORMAT,
+    PaneState,
     guarded,
     parse_pane_state,
     read_file,
@@ -29,6 +30,7 @@ from dflashctl.remote.commands import (
     tmux_interrupt,
     tmux_kill_session,
     tmux_new_session,
+    tmux_pane_state,
     write_file_atomic,
 )
 from dflashctl.remote.transport import HostUnreachable, Transport, TransportError
@@ -117,7 +119,10 @@ class RestartResult:
 STATUS_SCRIPT = (
     'm="' + MARK + '"; cd "$1" 2>/dev/null || { echo "${m}noworkdir"; exit 0; }\n'
     'echo "${m}session"; tmux -L dflash has-session -t "=$2" 2>/dev/null && echo yes || echo no\n'
-    'echo "${m}pane"; tmux -L dflash display-message -p -t "=$2:" "$3" 2>/dev/null\n'
+    # A pane whose pty just closed is dead before tmux has reaped its exit status: ask again.
+    'echo "${m}pane"; i=0; while :; do p=$(tmux -L dflash display-message -p -t "=$2:" "$3" '
+    '2>/dev/null); case "$p" in "1|||"*) [ $i -lt 10 ] || break; i=$((i+1)); sleep 0.1;; '
+    '*) break;; esac; done; echo "$p"\n'
     'echo "${m}current"; readlink current 2>/dev/null\n'
     'echo "${m}run_release"; cat ' + RUNNING_RELEASE_FILE + " 2>/dev/null\n"
     'echo "${m}run_state"; cat run/run-state.json 2>/dev/null; echo\n'
@@ -287,6 +292,17 @@ class RunControl:
     ) -> Any:
         return await self.transport.run(argv, timeout=timeout, input=input)
 
+    async def _pane_state(self) -> PaneState | None:
+        """The pane's state, re-asked briefly while a just-exited pane is not yet reaped."""
+        state = None
+        for _ in range(10):
+            res = await self._run(tmux_pane_state(self.host.session))
+            state = parse_pane_state(res.stdout) if res.ok else None
+            if state is None or state.settled:
+                return state
+            await asyncio.sleep(0.1)
+        return state
+
     async def status(self) -> RunStatus:
         """Never raises for transport problems: an unreachable host is a state."""
         from dflashctl.runconfig import config_hash_of_text
@@ -352,19 +368,7 @@ class RunControl:
         )
         if not res.ok:
             raise ControlError(f"{self.host.name}: tmux new-session: {res.error_line()}")
-        pane = await self._run(
-            [
-                "tmux",
-                "-L",
-                "dflash",
-                "display-message",
-                "-p",
-                "-t",
-                f"={self.host.session}:",
-                PANE_FORMAT,
-            ]
-        )
-        state = parse_pane_state(pane.stdout) if pane.ok else None
+        state = await self._pane_state()
         return StartResult(self.host.name, True, release, state.pid if state else None, argv)
 
     async def stop(self, timeout: float = 120.0) -> StopResult:
@@ -395,19 +399,7 @@ class RunControl:
         cap = await self._run(tmux_capture(self.host.session, 300))
         events = [*_events(log.stdout if log.ok else ""), *parse_text(cap.stdout if cap.ok else "")]
         ckpts = [e for e in events if isinstance(e, CheckpointEvent)]
-        pane = await self._run(
-            [
-                "tmux",
-                "-L",
-                "dflash",
-                "display-message",
-                "-p",
-                "-t",
-                f"={self.host.session}:",
-                PANE_FORMAT,
-            ]
-        )
-        state = parse_pane_state(pane.stdout) if pane.ok else None
+        state = await self._pane_state()
         await self._run(tmux_kill_session(self.host.session))
         best = max(ckpts, key=lambda e: e.step) if ckpts else None
         return StopResult(

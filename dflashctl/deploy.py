@@ -1,11 +1,12 @@
 """Atomic, content-addressed deploys of the trainer package into a container.
 
 Order of operations (each a single remote round trip):
-  container running? -> take WORKDIR/.deploy.lock (mkdir: atomic) -> preflight probe
+  container running? -> take WORKDIR/.deploy.lock (mkdir: atomic) + preflight probe
   -> [only if releases/<id>/.complete is missing] tar on stdin into releases/.tmp-<id>-<pid>,
      verify the unpacked tree hash, write .complete, rename to releases/<id>
-  -> switch `current` (symlink to a temp name + mv -T: never a moment without a link)
-  -> prune old releases (never `current` nor the one the running trainer uses) -> unlock.
+  -> write run/config.toml, switch `current` (symlink to a temp name + mv -T: never a moment
+     without a link), prune old releases (never `current` nor the one the running trainer
+     uses), unlock.
 A failure anywhere before the switch leaves `current` untouched.
 """
 
@@ -40,6 +41,10 @@ class DeployError(Exception):
     """A deploy failed; str() is one line per problem, each naming the host."""
 
 
+class LockHeld(DeployError):
+    """Another deploy holds the lock (it is theirs: we must not remove it)."""
+
+
 @dataclass(frozen=True)
 class DeployResult:
     host: str
@@ -64,17 +69,28 @@ class DeployResult:
         return f"{self.host}: release {self.release}: {sent}; {switch}"
 
 
-def lock_argv(workdir: str, owner: str) -> list[str]:
+def locked_argv(workdir: str, owner: str, argv: list[str]) -> list[str]:
+    """Take WORKDIR/.deploy.lock (mkdir is atomic), then exec argv: one round trip.
+
+    Exit 75 with "held by: OWNER" when another deploy holds it; any other exit status means we
+    hold it (even if argv itself failed) and must release it.
+    """
     script = (
-        'mkdir -p "$1" && mkdir "$1/' + LOCK_NAME + '" 2>/dev/null '
-        '&& printf "%s\\n" "$2" > "$1/' + LOCK_NAME + '/owner" '
-        '|| { echo "held by: $(cat "$1/' + LOCK_NAME + '/owner" 2>/dev/null)"; exit 75; }'
+        'mkdir -p "$1" || exit 74; '
+        'if ! mkdir "$1/' + LOCK_NAME + '" 2>/dev/null; then '
+        'echo "held by: $(cat "$1/' + LOCK_NAME + '/owner" 2>/dev/null)"; exit 75; fi; '
+        'printf "%s\\n" "$2" > "$1/' + LOCK_NAME + '/owner"; shift 2; exec "$@"'
     )
-    return ["sh", "-c", script, "dflash-lock", workdir, owner]
+    return ["sh", "-c", script, "dflash-lock", workdir, owner, *argv]
 
 
-def unlock_argv(workdir: str) -> list[str]:
-    return ["rm", "-rf", "--", f"{workdir}/{LOCK_NAME}"]
+def unlock_argv(workdir: str, owner: str) -> list[str]:
+    """Remove the deploy lock only if it is ours (its owner line matches)."""
+    script = (
+        'l="$1/' + LOCK_NAME + '"; '
+        'if [ "$(cat "$l/owner" 2>/dev/null)" = "$2" ]; then rm -rf "$l"; fi'
+    )
+    return ["sh", "-c", script, "dflash-unlock", workdir, owner]
 
 
 def probe_argv(python: str, workdir: str, release: str, *, import_check: bool = True) -> list[str]:
@@ -106,10 +122,17 @@ def unpack_argv(workdir: str, release: str, python: str) -> list[str]:
     return ["sh", "-c", UNPACK_SCRIPT, "dflash-unpack", workdir, release, python, VERIFY_SCRIPT]
 
 
-# $1 workdir, $2 release id, $3 releases to keep. Prints "pruned <id>" per removed release.
+# $1 workdir, $2 release id, $3 releases to keep, $4 "config" when the run config comes on stdin.
+# Writes the config (temp + rename), switches `current`, prunes, and releases the deploy lock
+# last; `set -e` leaves the lock for the caller's cleanup if anything fails.
 SWITCH_SCRIPT = r"""set -e
 cd "$1"
 test -f "releases/$2/.complete"
+if [ "$4" = config ]; then
+  mkdir -p run
+  cat > "run/.config.toml.tmp.$$"
+  mv -f "run/.config.toml.tmp.$$" run/config.toml
+fi
 ln -s "releases/$2" ".current.tmp.$$"
 mv -T ".current.tmp.$$" current
 keep="$2 $(cat run/.release 2>/dev/null || true)"
@@ -120,11 +143,13 @@ for m in $(ls -1t releases/*/.complete 2>/dev/null); do
   n=$((n+1))
   if [ "$n" -ge "$3" ]; then rm -rf "$d"; echo "pruned $h"; fi
 done
+rm -rf .deploy.lock
 """
 
 
-def switch_argv(workdir: str, release: str, keep: int) -> list[str]:
-    return ["sh", "-c", SWITCH_SCRIPT, "dflash-switch", workdir, release, str(keep)]
+def switch_argv(workdir: str, release: str, keep: int, *, with_config: bool = False) -> list[str]:
+    flag = "config" if with_config else "-"
+    return ["sh", "-c", SWITCH_SCRIPT, "dflash-switch", workdir, release, str(keep), flag]
 
 
 def _emit(progress: Progress | None, msg: str) -> None:
@@ -147,9 +172,20 @@ async def run_preflight(
     *,
     min_free_bytes: int,
     import_check: bool = True,
+    owner: str | None = None,
 ) -> Preflight:
+    """Run the probe (taking the deploy lock first when `owner` is given) and judge it."""
     argv = probe_argv(host.python, host.workdir, release, import_check=import_check)
+    if owner is not None:
+        argv = locked_argv(host.workdir, owner, argv)
     res = await transport.run(argv, timeout=180)
+    if owner is not None and res.rc == 75:
+        raise LockHeld(
+            f"{host.name}: another deploy holds {host.workdir}/{LOCK_NAME} "
+            f"({res.stdout.strip()}); remove it only if no deploy is running"
+        )
+    if res.rc == 74:
+        raise DeployError(f"{host.name}: cannot create {host.workdir}: {res.error_line()}")
     if res.rc in (126, 127) or ("No such file" in res.stderr and res.rc != 0):
         raise DeployError(
             f"{host.name}: {host.python} not found in container {host.ctid} "
@@ -196,19 +232,22 @@ async def deploy(
     _emit(progress, f"{host.name}: release {rel.id} ({rel.files} files, {len(rel.tar)} bytes)")
     await check_container(transport, host)
     owner = f"{socket.gethostname()} pid {os.getpid()} at {time.strftime('%Y-%m-%dT%H:%M:%S')}"
-    lock = await transport.run(lock_argv(host.workdir, owner), timeout=30)
-    if lock.rc == 75:
-        raise DeployError(
-            f"{host.name}: another deploy holds {host.workdir}/{LOCK_NAME} ({lock.stdout.strip()}); "
-            f"remove it only if no deploy is running"
-        )
-    if not lock.ok:
-        raise DeployError(f"{host.name}: cannot create {host.workdir}: {lock.error_line()}")
+    holding = False
     try:
         min_free = max(min_free_bytes, 4 * len(rel.tar))
-        pre = await run_preflight(
-            transport, host, rel.id, min_free_bytes=min_free, import_check=import_check
-        )
+        holding = True  # from here on the lock may be ours; unlock checks its owner line
+        try:
+            pre = await run_preflight(
+                transport,
+                host,
+                rel.id,
+                min_free_bytes=min_free,
+                import_check=import_check,
+                owner=owner,
+            )
+        except LockHeld:
+            holding = False
+            raise
         for note in pre.notes:
             _emit(progress, note)
         if not pre.ok:
@@ -223,12 +262,16 @@ async def deploy(
             if not res.ok:
                 raise DeployError(f"{host.name}: unpacking release {rel.id}: {res.error_line()}")
             sent = len(rel.tar)
-        if config is not None:
-            await push_config_file(transport, host, config)
-            _emit(progress, f"{host.name}: pushed {config} -> {host.run_dir}/config.toml")
-        res = await transport.run(switch_argv(host.workdir, rel.id, host.keep_releases), timeout=60)
+        res = await transport.run(
+            switch_argv(host.workdir, rel.id, host.keep_releases, with_config=config is not None),
+            input=config.read_bytes() if config is not None else None,
+            timeout=60,
+        )
         if not res.ok:
             raise DeployError(f"{host.name}: switching current to {rel.id}: {res.error_line()}")
+        holding = False  # the switch script released it
+        if config is not None:
+            _emit(progress, f"{host.name}: pushed {config} -> {host.run_dir}/config.toml")
         pruned = [ln.split()[1] for ln in res.stdout.splitlines() if ln.startswith("pruned ")]
         return DeployResult(
             host=host.name,
@@ -243,5 +286,6 @@ async def deploy(
         )
     finally:
         # Best effort: a lost link must not mask the real error; the lock names its owner.
-        with contextlib.suppress(TransportError):
-            await transport.run(unlock_argv(host.workdir), timeout=30)
+        if holding:
+            with contextlib.suppress(TransportError):
+                await transport.run(unlock_argv(host.workdir, owner), timeout=30)

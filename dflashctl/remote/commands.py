@@ -133,7 +133,7 @@ def tmux_kill_session(session: str) -> list[str]:
     return tmux("kill-session", "-t", _session_target(session))
 
 
-PANE_FORMAT = "#{pane_dead}|#{pane_dead_status}|#{pane_pid}|#{pane_width}"
+PANE_FORMAT = "#{pane_dead}|#{pane_dead_status}|#{pane_dead_signal}|#{pane_pid}|#{pane_width}"
 
 
 def tmux_pane_state(session: str) -> list[str]:
@@ -152,23 +152,31 @@ def tmux_attach(session: str) -> list[str]:
 @dataclass(frozen=True)
 class PaneState:
     dead: bool
-    exit_status: int | None
+    exit_status: int | None  # a signal death reads as 128 + signal, like a shell's $?
     pid: int | None
     width: int | None
+
+    @property
+    def settled(self) -> bool:
+        """False in the instant after the pane's pty closed but before tmux reaped the child."""
+        return not self.dead or self.exit_status is not None
 
 
 def parse_pane_state(stdout: str) -> PaneState | None:
     """Parse PANE_FORMAT output; None when it is not there (no session)."""
     line = stdout.strip().splitlines()[-1] if stdout.strip() else ""
     parts = line.split("|")
-    if len(parts) != 4 or parts[0] not in {"0", "1"}:
+    if len(parts) != 5 or parts[0] not in {"0", "1"}:
         return None
 
     def num(s: str) -> int | None:
         return int(s) if re.fullmatch(r"-?\d+", s) else None
 
+    status, signal = num(parts[1]), num(parts[2])
+    if status is None and signal is not None:
+        status = 128 + signal
     return PaneState(
-        dead=parts[0] == "1", exit_status=num(parts[1]), pid=num(parts[2]), width=num(parts[3])
+        dead=parts[0] == "1", exit_status=status, pid=num(parts[3]), width=num(parts[4])
     )
 
 

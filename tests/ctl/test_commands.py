@@ -89,10 +89,13 @@ def test_parse_pct_status(out: str, state: str) -> None:
 
 
 def test_parse_pane_state() -> None:
-    s = C.parse_pane_state("1|3|1234|250\n")
+    s = C.parse_pane_state("1|3||1234|250\n")
     assert s == C.PaneState(dead=True, exit_status=3, pid=1234, width=250)
-    alive = C.parse_pane_state("0||99|250")
+    alive = C.parse_pane_state("0|||99|250")
     assert alive is not None and not alive.dead and alive.exit_status is None
+    killed = C.parse_pane_state("1||9|7|250")
+    assert killed is not None and killed.exit_status == 137 and killed.settled
+    assert not C.PaneState(dead=True, exit_status=None, pid=1, width=1).settled
     assert C.parse_pane_state("") is None
     assert C.parse_pane_state("can't find session") is None
 

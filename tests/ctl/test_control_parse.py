@@ -28,7 +28,7 @@ def fake_hash(text: str) -> str:
 def test_running_session_with_status_lines() -> None:
     out = script_output(
         session="yes",
-        pane="0||4242|250",
+        pane="0|||4242|250",
         current="releases/abc123def456",
         run_release="abc123def456",
         run_state='{"config_hash": "cfg000000001", "pid": 4242}',
@@ -47,7 +47,7 @@ def test_running_session_with_status_lines() -> None:
 def test_dead_pane_is_crashed_with_exit_status_and_traceback_tail() -> None:
     out = script_output(
         session="yes",
-        pane="1|3|0|250",
+        pane="1|3||0|250",
         capture="Traceback (most recent call last):\nERROR: CUDA out of memory",
         log_lines="0",
     )
@@ -58,7 +58,7 @@ def test_dead_pane_is_crashed_with_exit_status_and_traceback_tail() -> None:
 
 def test_clean_exit_is_stopped_and_no_session_is_stopped() -> None:
     assert (
-        parse_status("h", script_output(session="yes", pane="1|0|0|250"), fake_hash).state
+        parse_status("h", script_output(session="yes", pane="1|0||0|250"), fake_hash).state
         == "stopped"
     )
     st = parse_status("h", script_output(session="no", pane=""), fake_hash)
@@ -69,7 +69,7 @@ def test_clean_exit_is_stopped_and_no_session_is_stopped() -> None:
 def test_status_falls_back_to_wrapped_pane_capture() -> None:
     line = LINE.format(step=12)
     wrapped = "\n".join(line[i : i + 80] for i in range(0, len(line), 80))
-    out = script_output(session="yes", pane="0||1|80", capture=wrapped, log_lines="0")
+    out = script_output(session="yes", pane="0|||1|80", capture=wrapped, log_lines="0")
     assert parse_status("h", out, fake_hash).step == 12
 
 

@@ -278,3 +278,36 @@ async def test_restart_pushes_config_redeploys_and_resumes(ctl: RunControl, tmp_
 
     await wait_for(resumed)  # the stand-in resumed from the checkpoint the stop left
     await ctl.stop(timeout=20)
+
+
+async def test_failed_preflight_releases_only_our_own_lock(local, tmp_path: Path) -> None:
+    transport, host = local
+    rel = build_release(standin_copy(tmp_path))
+    with pytest.raises(DeployError, match="GiB free"):
+        await deploy(transport, host, release=rel, min_free_bytes=10**18, import_check=False)
+    assert not (Path(host.workdir) / ".deploy.lock").exists()
+    # an unlock for somebody else's lock leaves it alone
+    from dflashctl.deploy import unlock_argv
+
+    lock = Path(host.workdir) / ".deploy.lock"
+    lock.mkdir()
+    (lock / "owner").write_text("other host pid 7\n")
+    await transport.run(unlock_argv(host.workdir, "me pid 1"))
+    assert lock.exists()
+
+
+async def test_deploy_with_config_writes_it_in_the_switch(local, tmp_path: Path) -> None:
+    transport, host = local
+    tiny = Path(__file__).resolve().parents[2] / "configs" / "tiny-cpu.toml"
+    require_part(tiny.is_file(), "configs/tiny-cpu.toml not in this checkout")
+    res = await deploy(
+        transport,
+        host,
+        release=build_release(standin_copy(tmp_path)),
+        config=tiny,
+        min_free_bytes=0,
+        import_check=False,
+    )
+    assert res.config_pushed
+    assert (Path(host.run_dir) / "config.toml").read_bytes() == tiny.read_bytes()
+    assert sorted(p.name for p in Path(host.run_dir).iterdir()) == ["config.toml"]
