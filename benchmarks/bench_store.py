@@ -41,7 +41,7 @@ TAGGED = (
     r"{%- endif -%}{%- endfor -%}"
     r"{%- if add_generation_prompt -%}{{ '<|im_start|>assistant\n' }}{%- endif -%}"
 )
-TEMPLATES = (("incremental-prefix", PLAIN), ("generation-tags", TAGGED))
+TEMPLATES = (("sentinel-diff", PLAIN), ("generation-tags", TAGGED))
 
 
 def words(rng: np.random.Generator, n: int) -> list[str]:
@@ -104,7 +104,7 @@ def main() -> None:
         print(f"\nimport: {CHAT_ROWS:,} multi-turn chats, local BPE (4k vocab), max_length 4096")
         print(f"{'strategy':<22}{'workers':>8}{'rows/s':>10}{'tokens/s':>12}{'seconds':>9}")
         toks = {name: build_tokenizer(tmp / f"tok-{name}", t, corpus) for name, t in TEMPLATES}
-        runs = (("incremental-prefix", 1), ("incremental-prefix", 2), ("generation-tags", 1))
+        runs = (("sentinel-diff", 1), ("sentinel-diff", 2), ("generation-tags", 1))
         for name, workers in runs:
             out = tmp / f"s-{name}-{workers}"
             manifest, secs = timed(
@@ -117,9 +117,9 @@ def main() -> None:
                 f"{name:<22}{workers:>8}{manifest.num_rows / secs:>10,.0f}"
                 f"{manifest.num_tokens / secs:>12,.0f}{secs:>9.2f}"
             )
-        a = TokenStore.open(tmp / "s-incremental-prefix-1")
+        a = TokenStore.open(tmp / "s-sentinel-diff-1")
         b = TokenStore.open(tmp / "s-generation-tags-1")
-        c = TokenStore.open(tmp / "s-incremental-prefix-2")
+        c = TokenStore.open(tmp / "s-sentinel-diff-2")
         same = np.array_equal(a.tokens, b.tokens) and np.array_equal(a.mask, b.mask)
         same_workers = a.manifest.files == c.manifest.files
         print(

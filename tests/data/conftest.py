@@ -34,19 +34,6 @@ GENERATION_TEMPLATE = (
     r"{%- if add_generation_prompt -%}{{ '<|im_start|>assistant\n' }}{%- endif -%}"
 )
 
-# Like Qwen3: only the final assistant turn gets an (empty) think block, so rendering a prefix
-# that ends at an earlier assistant turn differs from how the full conversation renders it.
-REWRITING_TEMPLATE = (
-    r"{%- for m in messages -%}"
-    r"{%- if m['role'] == 'assistant' and loop.last -%}"
-    r"{{ '<|im_start|>assistant\n<think>\n\n</think>\n\n' + m['content'] + '<|im_end|>\n' }}"
-    r"{%- else -%}"
-    r"{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>' + '\n' }}"
-    r"{%- endif -%}"
-    r"{%- endfor -%}"
-    r"{%- if add_generation_prompt -%}{{ '<|im_start|>assistant\n' }}{%- endif -%}"
-)
-
 CORPUS = [
     "hello world how are you today",
     "the quick brown fox jumps over the lazy dog",
@@ -91,11 +78,6 @@ def qwen_tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def generation_tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tokenizer(tmp_path_factory.mktemp("tok-gen"), GENERATION_TEMPLATE)
-
-
-@pytest.fixture(scope="session")
-def rewriting_tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_tokenizer(tmp_path_factory.mktemp("tok-rewrite"), REWRITING_TEMPLATE)
 
 
 def write_jsonl(path: Path, rows: list[object]) -> Path:

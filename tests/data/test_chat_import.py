@@ -57,7 +57,7 @@ def test_mask_is_exactly_assistant_content_plus_end_of_turn(
     rendered = tokenizer.apply_chat_template(CHAT, tokenize=False)
     assert tokenizer.decode(tokens.tolist()) == rendered
     assert manifest.mask_strategy == (
-        "generation-tags" if tok_fixture == "generation_tokenizer_dir" else "incremental-prefix"
+        "generation-tags" if tok_fixture == "generation_tokenizer_dir" else "sentinel-diff"
     )
     assert manifest.num_supervised_tokens == int(mask.sum())
 
@@ -180,16 +180,66 @@ def test_first_lines_are_capped_but_counts_are_not(
     assert stat.first_lines == list(range(1, FIRST_LINES_KEPT + 1))
 
 
-def test_template_that_rewrites_history_supervises_only_stable_turns(
-    tmp_path: Path, rewriting_tokenizer_dir: Path
+# Qwen3-like: history is rendered without reasoning, the final turn gets a think block.
+QWEN3_LIKE = (
+    r"{%- for m in messages -%}"
+    r"{%- if m['role'] == 'assistant' and loop.last -%}"
+    r"{{ '<|im_start|>assistant\n<think>\n' + (m['reasoning_content'] or '') + '\n</think>\n\n' }}"
+    r"{{ m['content'] + '<|im_end|>\n' }}"
+    r"{%- else -%}"
+    r"{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>' + '\n' }}"
+    r"{%- endif -%}"
+    r"{%- endfor -%}"
+)
+# Drops every assistant turn but the last (some reasoning templates do).
+LAST_ONLY = (
+    r"{%- for m in messages -%}"
+    r"{%- if m['role'] != 'assistant' or loop.last -%}"
+    r"{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>' + '\n' }}"
+    r"{%- endif -%}"
+    r"{%- endfor -%}"
+)
+# Echoes the final answer once more at the end: its text is in two places.
+ECHO_LAST = (
+    r"{%- for m in messages -%}"
+    r"{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>' + '\n' }}"
+    r"{%- endfor -%}"
+    r"{{ '<|im_start|>system\nrecap: ' + messages[-1]['content'] + '<|im_end|>\n' }}"
+)
+
+
+@pytest.mark.parametrize(
+    ("template", "expected", "unlocated"),
+    [
+        (
+            QWEN3_LIKE,
+            [
+                CHAT[2]["content"] + "<|im_end|>",
+                "think hard\n</think>\n\n" + CHAT[4]["content"] + "<|im_end|>",
+            ],
+            0,
+        ),
+        (LAST_ONLY, [CHAT[4]["content"] + "<|im_end|>"], 1),
+        (ECHO_LAST, [CHAT[2]["content"] + "<|im_end|>"], 1),
+    ],
+)
+def test_templates_that_rewrite_history(
+    tmp_path: Path,
+    qwen_tokenizer_dir: Path,
+    template: str,
+    expected: list[str],
+    unlocated: int,
 ) -> None:
-    store, manifest = _import(tmp_path, rewriting_tokenizer_dir, [{"conversations": CHAT}])
-    tokenizer = load_tokenizer(rewriting_tokenizer_dir)
+    (tmp_path / "t.jinja").write_text(template)
+    chat = [*CHAT[:4], dict(CHAT[4], reasoning_content="think hard")]
+    chat[2] = dict(chat[2], reasoning_content="old thoughts")  # not rendered in history
+    store, manifest = _import(
+        tmp_path, qwen_tokenizer_dir, [{"messages": chat}], chat_template=tmp_path / "t.jinja"
+    )
+    tokenizer = load_tokenizer(qwen_tokenizer_dir)
     tokens, mask = store.row(0)
-    supervised = [tokenizer.decode(tokens[a:b].tolist()) for a, b in _runs(mask)]
-    # The earlier turn renders differently once it is no longer last: not guessed, counted.
-    assert supervised == ["<think>\n\n</think>\n\n" + CHAT[4]["content"] + "<|im_end|>"]
-    assert manifest.params["unstable_turns"] == 1
+    assert [tokenizer.decode(tokens[a:b].tolist()) for a, b in _runs(mask)] == expected
+    assert manifest.params["unlocated_turns"] == unlocated
 
 
 def test_manifest_identifies_source_and_tokenizer(tmp_path: Path, qwen_tokenizer_dir: Path) -> None:

@@ -59,7 +59,7 @@ class ImportStats:
 
     lines: int = 0
     blank_lines: int = 0
-    unstable_turns: int = 0
+    unlocated_turns: int = 0
     skipped: dict[str, LineStat] = field(default_factory=dict)
     truncated: LineStat = field(default_factory=LineStat)
 
@@ -201,7 +201,7 @@ def import_chat_jsonl(
             params={
                 "lines": stats.lines,
                 "blank_lines": stats.blank_lines,
-                "unstable_turns": stats.unstable_turns,
+                "unlocated_turns": stats.unlocated_turns,
                 "template_kwargs": encoder.template_kwargs,
                 "chat_template": str(template_path.absolute()) if template_path else None,
             },
@@ -288,7 +288,7 @@ def _store_row(
     if isinstance(result, Rejected):
         stats.skip(result.reason, line)
         return
-    stats.unstable_turns += result.unstable_turns
+    stats.unlocated_turns += result.unlocated_turns
     tokens, mask = result.tokens, result.mask
     truncated = tokens.size > max_length
     if truncated:

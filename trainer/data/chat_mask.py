@@ -6,14 +6,15 @@ Two strategies, chosen per template (the chosen one is recorded in the store man
   (ModelOpt's patched Qwen3 template, many newer templates). Transformers then reports the exact
   character spans it rendered inside them, and a token is supervised when it overlaps a span.
   The template decides what counts: typically content plus the end-of-turn token.
-* ``incremental-prefix`` (any other template): for assistant message i, render
-  ``messages[:i]`` with the generation prompt (ends right after the assistant header) and
-  ``messages[:i+1]`` (ends after the turn's closing text). The characters between the two,
-  minus trailing whitespace, are the turn: content + end-of-turn token (e.g. ``<|im_end|>``),
-  but not the newline that separates turns, which the template, not the model, writes. Both
-  renders must be prefixes of the full conversation's render; a template that rewrites earlier
-  turns (Qwen3 drops old reasoning) breaks that for those turns, which then stay unsupervised
-  and are counted as ``unstable_turns`` rather than guessed at.
+* ``sentinel-diff`` (any other template): render the whole conversation once, then once more
+  per assistant turn with that turn's content (and reasoning, if any) replaced by a sentinel.
+  The characters where the two renders differ are exactly the text the template derived from
+  that turn, wherever it put it and however it rewrote the rest (Qwen3 renders history without
+  the think block it gives the final turn); the control token right after it (the end of turn,
+  e.g. ``<|im_end|>``) is supervised too, because the drafter must learn to stop. Headers, the
+  newline between turns and template boilerplate such as an empty ``<think></think>`` are not.
+  A turn the template does not render, or whose text shows up anywhere but in one place, is
+  left unsupervised and counted (``unlocated_turns``) rather than guessed at.
 
 The overlap rule matches transformers' own so both strategies agree on the same template.
 Content that contains the tokenizer's special tokens (e.g. a literal ``<|im_end|>``) would be
@@ -31,11 +32,15 @@ import numpy as np
 from trainer.data.conversations import Message, Rejected
 
 GENERATION_TAGS = "generation-tags"
-INCREMENTAL_PREFIX = "incremental-prefix"
+SENTINEL_DIFF = "sentinel-diff"
 TEMPLATE_ERROR = "template_error"
 CONTROL_TOKEN_IN_CONTENT = "control_token_in_content"
 
 _GENERATION_RE = re.compile(r"\{%-?\s*generation\s*-?%\}")
+# Private-use code points: never produced by real text, and distinct from each other so the
+# template's own handling (strip, split) cannot merge them with neighbouring characters.
+CONTENT_SENTINEL = "\ue000dflash-content\ue001"
+REASONING_SENTINEL = "\ue002dflash-reasoning\ue003"
 
 
 @dataclass(frozen=True)
@@ -44,7 +49,7 @@ class Encoded:
 
     tokens: np.ndarray  # int32
     mask: np.ndarray  # uint8, 1 on assistant tokens
-    unstable_turns: int = 0
+    unlocated_turns: int = 0
 
 
 def mask_from_spans(offsets: Any, spans: list[tuple[int, int]]) -> np.ndarray:
@@ -74,7 +79,7 @@ class ChatEncoder:
         template = tokenizer.get_chat_template()  # raises ValueError when there is none
         self.tokenizer = tokenizer
         self.template_kwargs = dict(template_kwargs or {})
-        self.strategy = GENERATION_TAGS if _GENERATION_RE.search(template) else INCREMENTAL_PREFIX
+        self.strategy = GENERATION_TAGS if _GENERATION_RE.search(template) else SENTINEL_DIFF
         specials = sorted(
             (t.content for t in tokenizer.added_tokens_decoder.values() if t.special and t.content),
             key=len,
@@ -96,7 +101,7 @@ class ChatEncoder:
         if self.strategy == GENERATION_TAGS:
             encoded = self._encode_generation_tags(batch)
         else:
-            encoded = self._encode_incremental(batch)
+            encoded = self._encode_sentinel_diff(batch)
         for i, result in zip(todo, encoded, strict=True):
             results[i] = result
         return [r for r in results if r is not None]
@@ -141,11 +146,11 @@ class ChatEncoder:
             **self.template_kwargs,
         )
 
-    # -- incremental prefixes ---------------------------------------------------------------
+    # -- sentinel diff -------------------------------------------------------------------
 
-    def _encode_incremental(self, batch: list[list[Message]]) -> list[Encoded | Rejected]:
+    def _encode_sentinel_diff(self, batch: list[list[Message]]) -> list[Encoded | Rejected]:
         plans: list[tuple[str, list[tuple[int, int]], int] | Rejected]
-        try:  # all renders of the chunk in three batched template calls
+        try:  # all renders of the chunk in two batched template calls
             plans = list(self._plan_spans(batch))
         except Exception:  # a bad row broke the batch: redo row by row to isolate it
             plans = []
@@ -166,61 +171,94 @@ class ChatEncoder:
             if isinstance(plan, Rejected):
                 results.append(plan)
                 continue
-            _, spans, unstable = plan
+            _, spans, unlocated = plan
             ids, offsets = encodings["input_ids"][k], encodings["offset_mapping"][k]
             k += 1
             mask = mask_from_spans(offsets, spans)
-            results.append(Encoded(np.asarray(ids, dtype=np.int32), mask, unstable_turns=unstable))
+            results.append(
+                Encoded(np.asarray(ids, dtype=np.int32), mask, unlocated_turns=unlocated)
+            )
         return results
 
     def _plan_spans(
         self, batch: list[list[Message]]
     ) -> list[tuple[str, list[tuple[int, int]], int]]:
-        """Full text, assistant character spans and unstable-turn count for each conversation."""
-        fulls = self._render_many(batch, generation_prompt=False)
+        """Full text, assistant character spans and unlocated-turn count per conversation."""
+        fulls = self._render_many(batch)
         owners: list[int] = []
-        befores: list[list[Message]] = []
-        afters: list[list[Message]] = []
-        unstable = [0] * len(batch)
+        variants: list[list[Message]] = []
         for r, messages in enumerate(batch):
             for i, message in enumerate(messages):
-                if message["role"] != "assistant":
-                    continue
-                if i == 0:  # nothing renders before it: its start cannot be located
-                    unstable[r] += 1
-                    continue
-                owners.append(r)
-                befores.append(messages[:i])
-                afters.append(messages[: i + 1])
+                if message["role"] == "assistant":
+                    owners.append(r)
+                    variants.append(_with_sentinels(messages, i))
         spans: list[list[tuple[int, int]]] = [[] for _ in batch]
-        before_texts = self._render_many(befores, generation_prompt=True)
-        after_texts = self._render_many(afters, generation_prompt=False)
-        for r, before, after_raw in zip(owners, before_texts, after_texts, strict=True):
-            after = after_raw.rstrip()
-            row = spans[r]
-            if (
-                len(after) > len(before)
-                and after.startswith(before)
-                and fulls[r].startswith(after)
-                and (not row or row[-1][1] <= len(before))
-            ):
-                row.append((len(before), len(after)))
+        unlocated = [0] * len(batch)
+        for r, variant in zip(owners, self._render_many(variants), strict=True):
+            span = self._turn_span(fulls[r], variant)
+            if span is None or (spans[r] and span[0] < spans[r][-1][1]):
+                unlocated[r] += 1
             else:
-                unstable[r] += 1
-        return [(fulls[r], spans[r], unstable[r]) for r in range(len(batch))]
+                spans[r].append(span)
+        return [(fulls[r], spans[r], unlocated[r]) for r in range(len(batch))]
 
-    def _render_many(
-        self, conversations: list[list[Message]], *, generation_prompt: bool
-    ) -> list[str]:
+    def _turn_span(self, full: str, variant: str) -> tuple[int, int] | None:
+        """Where `full` differs from the sentinel render, plus the end-of-turn token after it."""
+        if variant.count(CONTENT_SENTINEL) != 1:
+            return None
+        start = _common_prefix(full, variant)
+        tail = _common_suffix(full[start:], variant[start:])
+        changed = variant[start : len(variant) - tail]
+        # The difference must be our sentinels and what the template put between them only.
+        if not (
+            changed.endswith(CONTENT_SENTINEL)
+            and changed.startswith((CONTENT_SENTINEL, REASONING_SENTINEL))
+        ):
+            return None
+        end = len(full) - tail
+        if self._control_re is not None:
+            closing = self._control_re.match(full, end)
+            if closing is not None:
+                end = closing.end()
+        return (start, end) if end > start else None
+
+    def _render_many(self, conversations: list[list[Message]]) -> list[str]:
         if not conversations:
             return []
         texts = self.tokenizer.apply_chat_template(
-            conversations,
-            tokenize=False,
-            add_generation_prompt=generation_prompt,
-            **self.template_kwargs,
+            conversations, tokenize=False, add_generation_prompt=False, **self.template_kwargs
         )
         return [str(t) for t in texts]
+
+
+def _with_sentinels(messages: list[Message], i: int) -> list[Message]:
+    turn = dict(messages[i], content=CONTENT_SENTINEL)
+    if "reasoning_content" in turn:
+        turn["reasoning_content"] = REASONING_SENTINEL
+    return [*messages[:i], turn, *messages[i + 1 :]]
+
+
+def _common_prefix(a: str, b: str) -> int:
+    """Length of the common prefix, by bisection on C-speed slice comparisons."""
+    lo, hi = 0, min(len(a), len(b))
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def _common_suffix(a: str, b: str) -> int:
+    lo, hi = 0, min(len(a), len(b))
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a[len(a) - mid :] == b[len(b) - mid :]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
 
 
 def _encoded(ids: Any, mask: Any) -> Encoded:

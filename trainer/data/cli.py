@@ -192,7 +192,7 @@ def format_summary(m: Manifest, lengths: np.ndarray, path: str | None = None) ->
             f"lengths    min {int(lengths.min())}  p50 {p50:.0f}  p90 {p90:.0f}  p99 {p99:.0f}  "
             f"max {int(lengths.max())}  (max_length {m.max_length})"
         )
-    lines.append(f"mask       {m.mask_strategy}{_unstable(m.params)}")
+    lines.append(f"mask       {m.mask_strategy}{_unlocated(m.params)}")
     if m.truncated.count:
         lines.append(
             f"truncated  {m.truncated.count:,} rows kept after truncation ({_where(m.truncated)})"
@@ -208,9 +208,9 @@ def format_summary(m: Manifest, lengths: np.ndarray, path: str | None = None) ->
     return "\n".join(lines)
 
 
-def _unstable(params: dict[str, Any]) -> str:
-    n = params.get("unstable_turns")
-    return f"; {n} assistant turns left unsupervised (template rewrites history)" if n else ""
+def _unlocated(params: dict[str, Any]) -> str:
+    n = params.get("unlocated_turns")
+    return f"; {n} assistant turns not found in the rendering (unsupervised)" if n else ""
 
 
 def _where(stat: LineStat) -> str:
