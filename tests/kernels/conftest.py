@@ -4,8 +4,10 @@ Triton's `@triton.jit` reads TRITON_INTERPRET when a decorated module is importe
 `triton.language` helpers included), and the launcher reads it again at every call, so the variable
 is set around the first import of triton here and again, through monkeypatch, while each Triton
 test runs. Between those it is restored: a leaked TRITON_INTERPRET=1 would switch every other
-test's backend="auto" onto the slow interpreter. On CUDA machines (benchmarks/gpu.sh sets
-DFLASH_KERNEL_TESTS_CUDA=1) the kernels are compiled and the tests run them on the GPU.
+test's backend="auto" onto the slow interpreter. Where torch sees a GPU (or
+DFLASH_KERNEL_TESTS_CUDA=1, which benchmarks/gpu.sh sets) the interpreter is never touched: the
+kernels are compiled and the tests run them on the GPU, and other tests' torch.compile keeps a
+compiling Triton.
 """
 
 from __future__ import annotations
@@ -18,8 +20,9 @@ from types import ModuleType
 import pytest
 
 from tests.conftest import require_part
+from tests.kernels.helpers import kernels_on_gpu
 
-CUDA_RUN = os.environ.get("DFLASH_KERNEL_TESTS_CUDA") == "1"
+CUDA_RUN = kernels_on_gpu()
 
 
 def _import_triton_module() -> tuple[ModuleType | None, str]:
@@ -63,6 +66,6 @@ def kernel_device() -> str:
     if CUDA_RUN:
         import torch
 
-        require_part(torch.cuda.is_available(), "DFLASH_KERNEL_TESTS_CUDA=1 but no CUDA device")
+        require_part(torch.cuda.is_available(), "DFLASH_KERNEL_TESTS_CUDA=1 but torch sees no GPU")
         return "cuda"
     return "cpu"

@@ -2,7 +2,14 @@
 
 from __future__ import annotations
 
+import os
+
 import torch
+
+
+def kernels_on_gpu() -> bool:
+    """Kernel tests run compiled on CUDA when a GPU is present or DFLASH_KERNEL_TESTS_CUDA=1."""
+    return os.environ.get("DFLASH_KERNEL_TESTS_CUDA") == "1" or torch.cuda.is_available()
 
 
 def assert_close_report(

@@ -6,22 +6,19 @@ hidden), so every masked edge of the kernels is exercised.
 
 from __future__ import annotations
 
-import os
 from types import ModuleType
 
 import pytest
 import torch
 
-from tests.kernels.helpers import assert_close_report, make_case
+from tests.kernels.helpers import assert_close_report, kernels_on_gpu, make_case
 from trainer.kernels import BackendUnavailableError, lm_head_cross_entropy, select_backend
 from trainer.kernels.reference import dense_lm_head_cross_entropy
 
 pytestmark = pytest.mark.timeout(60)
 
 # bf16 kernels only make sense on the GPU run; CPU inputs are fp32 (the interpreter is numpy).
-DTYPES = (
-    ["float32", "bfloat16"] if os.environ.get("DFLASH_KERNEL_TESTS_CUDA") == "1" else ["float32"]
-)
+DTYPES = ["float32", "bfloat16"] if kernels_on_gpu() else ["float32"]
 
 
 def _reference(
