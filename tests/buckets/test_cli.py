@@ -1,0 +1,187 @@
+"""`python -m trainer.buckets plan|compare`: JSON contract, tables, and one-line errors (exit 2)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from trainer.bucketing.compare import pair_keys, repeat_share
+from trainer.buckets import format_plan_table, main
+from trainer.data.lengths import seed_shaped_lengths
+from trainer.sampler import Batch
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def lengths_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("lengths") / "lengths.npy"
+    np.save(path, seed_shaped_lengths(5_000).astype(np.int16))
+    return path
+
+
+def run(args: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
+    rc = main(args)
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
+def test_plan_json_has_the_documented_keys(lengths_file: Path, capsys) -> None:
+    """--json prints one object whose fields agree with each other and with the data."""
+    rc, out, _ = run(
+        [
+            "plan",
+            "--lengths",
+            str(lengths_file),
+            "--buckets",
+            "5",
+            "--token-budget",
+            "49152",
+            "--max-batch",
+            "64",
+            "--json",
+        ],
+        capsys,
+    )
+    assert rc == 0
+    d = json.loads(out)
+    x = np.load(lengths_file).astype(np.int64)
+    assert (
+        len(d["boundaries"]) == 6 and d["boundaries"][0] <= x.min() < x.max() < d["boundaries"][-1]
+    )
+    assert sum(b["count"] for b in d["buckets"]) == len(x)
+    assert sum(b["tokens"] for b in d["buckets"]) == int(x.sum()) == d["total_tokens"]
+    assert abs(d["padding_efficiency"] - d["simulated_efficiency"]) < 0.005
+    assert set(d["efficiency_by_k"]) >= {"1", "5", "16"}
+    for b, lo, hi in zip(d["buckets"], d["boundaries"], d["boundaries"][1:], strict=False):
+        assert (b["lo"], b["hi"]) == (lo, hi) and b["max"] < hi and b["mean_batch_size"] >= 1
+
+
+def test_plan_table_is_what_format_plan_table_renders(lengths_file: Path, capsys) -> None:
+    """Without --json the same plan prints as the table dflashctl also uses."""
+    base = [
+        "plan",
+        "--lengths",
+        str(lengths_file),
+        "--buckets",
+        "3",
+        "--token-budget",
+        "49152",
+        "--max-batch",
+        "64",
+    ]
+    _, table, _ = run(base, capsys)
+    _, js, _ = run([*base, "--json"], capsys)
+    assert table.strip() == format_plan_table(json.loads(js)).strip()
+    assert "padding efficiency: predicted" in table and "efficiency by K" in table
+
+
+def test_compare_runs_all_four_strategies_side_by_side(lengths_file: Path, capsys) -> None:
+    """Sorted is static (pairs repeat), random pads most, bucketed sits between, none over T."""
+    rc, out, _ = run(
+        [
+            "compare",
+            "--lengths",
+            str(lengths_file),
+            "--token-budget",
+            "49152",
+            "--max-batch",
+            "64",
+            "--boundaries",
+            "770,1216,1728,2432,3296",
+            "--json",
+        ],
+        capsys,
+    )
+    assert rc == 0
+    d = json.loads(out)
+    by = {r["strategy"]: r for r in d["strategies"]}
+    assert list(by) == ["sorted", "random", "bucketed", "pool-sort"]
+    assert d["boundaries"][1:-1] == [770, 1216, 1728, 2432, 3296]
+    assert by["sorted"]["pair_repeat"] == 1.0
+    assert by["bucketed"]["pair_repeat"] < 0.1 and by["random"]["pair_repeat"] < 0.01
+    assert by["random"]["padding_efficiency"] < by["bucketed"]["padding_efficiency"]
+    assert by["bucketed"]["padding_efficiency"] < by["pool-sort"]["padding_efficiency"]
+    assert all(r["largest_padded_batch"] <= 49152 for r in d["strategies"])
+    assert abs(by["bucketed"]["padding_efficiency"] - d["predicted_efficiency"]) < 0.005
+
+
+def test_pair_keys_count_each_co_batched_pair_once() -> None:
+    """Pair hashing matches a hand count, and repeat share compares two epochs."""
+    mk = lambda *ids: Batch(np.array(ids, dtype=np.int64), 0, 1, len(ids))  # noqa: E731
+    e0 = pair_keys([mk(0, 1, 2), mk(3, 4), mk(5)], n=6)
+    e1 = pair_keys([mk(2, 1), mk(0, 3, 4, 5)], n=6)
+    assert e0.tolist() == sorted([0 * 6 + 1, 0 * 6 + 2, 1 * 6 + 2, 3 * 6 + 4])
+    assert repeat_share(e0, e1) == pytest.approx(2 / 4)  # (1,2) and (3,4) repeat
+
+
+@pytest.mark.parametrize(
+    ("argv", "needle"),
+    [
+        (["--lengths", "{missing}"], "--lengths: .*no such file"),
+        (["--lengths", "{floats}"], "--lengths: .*non-integer length 1.5 at index 0"),
+        (["--buckets", "40"], "--buckets: 40 buckets do not fit these lengths: at most 3"),
+        (["--token-budget", "100"], "--token-budget: token budget 100 is smaller than the longest"),
+    ],
+)
+def test_bad_input_exits_2_with_one_line_naming_the_flag(tmp_path: Path, capsys, argv, needle):
+    """Missing file, non-integer lengths, K too large, budget below the longest sample."""
+    floats = tmp_path / "floats.npy"
+    np.save(floats, np.array([1.5, 2.0]))
+    good = tmp_path / "good.npy"
+    np.save(good, np.array([300, 300, 500, 700, 700]))
+    opts = {"--lengths": str(good), "--buckets": "2", "--token-budget": "4096", "--max-batch": "8"}
+    for flag, value in zip(argv[::2], argv[1::2], strict=True):
+        opts[flag] = value.format(missing=tmp_path / "nope.npy", floats=floats)
+    rc, out, err = run(["plan", *[t for kv in opts.items() for t in kv]], capsys)
+    assert rc == 2 and out == ""
+    assert err.count("\n") == 1 and err.startswith("error: ")
+    import re
+
+    assert re.search(needle, err), err
+
+
+def test_bad_boundaries_are_named(lengths_file: Path, capsys) -> None:
+    """compare --boundaries must be increasing integers."""
+    rc, _, err = run(
+        [
+            "compare",
+            "--lengths",
+            str(lengths_file),
+            "--token-budget",
+            "49152",
+            "--max-batch",
+            "64",
+            "--boundaries",
+            "900,300",
+        ],
+        capsys,
+    )
+    assert rc == 2 and err.startswith("error: --boundaries: '900,300'")
+
+
+def test_module_entry_point_runs_without_torch(tmp_path: Path) -> None:
+    """`python -m trainer.buckets` works with torch unimportable (dflashctl imports it)."""
+    code = (
+        "import sys; sys.modules['torch'] = None; import runpy; "
+        "sys.argv = ['trainer.buckets', 'plan', '--lengths', sys.argv[1], '--buckets', '2', "
+        "'--token-budget', '49152', '--max-batch', '64', '--json']; "
+        "runpy.run_module('trainer.buckets', run_name='__main__')"
+    )
+    tiny = tmp_path / "tiny.npy"
+    np.save(tiny, np.array([100, 200, 300, 900, 950, 4000]))
+    proc = subprocess.run(
+        [sys.executable, "-c", code, str(tiny)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert len(json.loads(proc.stdout)["boundaries"]) == 3
