@@ -191,6 +191,22 @@ QWEN3_LIKE = (
     r"{%- endif -%}"
     r"{%- endfor -%}"
 )
+# Like Qwen3 without reasoning_content: reasoning inline in content as <think>...</think>,
+# moved into the think block for the final turn and dropped from history.
+QWEN3_INLINE = (
+    r"{%- for m in messages -%}"
+    r"{%- if m['role'] == 'assistant' -%}"
+    r"{%- set answer = m['content'].split('</think>')[-1].lstrip('\n') -%}"
+    r"{%- set thought = m['content'].split('</think>')[0].split('<think>')[-1].strip('\n') "
+    r"if '</think>' in m['content'] else '' -%}"
+    r"{%- if loop.last -%}"
+    r"{{ '<|im_start|>assistant\n<think>\n' + thought + '\n</think>\n\n' + answer + '<|im_end|>\n' }}"
+    r"{%- else -%}{{ '<|im_start|>assistant\n' + answer + '<|im_end|>\n' }}{%- endif -%}"
+    r"{%- else -%}"
+    r"{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>' + '\n' }}"
+    r"{%- endif -%}"
+    r"{%- endfor -%}"
+)
 # Drops every assistant turn but the last (some reasoning templates do).
 LAST_ONLY = (
     r"{%- for m in messages -%}"
@@ -219,6 +235,14 @@ ECHO_LAST = (
             ],
             0,
         ),
+        (
+            QWEN3_INLINE,
+            [
+                CHAT[2]["content"] + "<|im_end|>",
+                "inline idea\n</think>\n\n" + CHAT[4]["content"] + "<|im_end|>",
+            ],
+            0,
+        ),
         (LAST_ONLY, [CHAT[4]["content"] + "<|im_end|>"], 1),
         (ECHO_LAST, [CHAT[2]["content"] + "<|im_end|>"], 1),
     ],
@@ -233,6 +257,9 @@ def test_templates_that_rewrite_history(
     (tmp_path / "t.jinja").write_text(template)
     chat = [*CHAT[:4], dict(CHAT[4], reasoning_content="think hard")]
     chat[2] = dict(chat[2], reasoning_content="old thoughts")  # not rendered in history
+    if template is QWEN3_INLINE:
+        chat[2] = dict(CHAT[2], content="<think>\nold idea\n</think>\n\n" + CHAT[2]["content"])
+        chat[4] = dict(CHAT[4], content="<think>\ninline idea\n</think>\n\n" + CHAT[4]["content"])
     store, manifest = _import(
         tmp_path, qwen_tokenizer_dir, [{"messages": chat}], chat_template=tmp_path / "t.jinja"
     )

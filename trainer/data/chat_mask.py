@@ -208,14 +208,14 @@ class ChatEncoder:
             return None
         start = _common_prefix(full, variant)
         tail = _common_suffix(full[start:], variant[start:])
-        changed = variant[start : len(variant) - tail]
-        # The difference must be our sentinels and what the template put between them only.
-        if not (
-            changed.endswith(CONTENT_SENTINEL)
-            and changed.startswith((CONTENT_SENTINEL, REASONING_SENTINEL))
-        ):
-            return None
         end = len(full) - tail
+        # The difference must end with the content, and must not cross a turn boundary: control
+        # tokens inside it came from the template (content holding them is rejected earlier),
+        # so the template used this turn's text somewhere far from the turn itself.
+        if not variant[: len(variant) - tail].endswith(CONTENT_SENTINEL):
+            return None
+        if self._control_re is not None and self._control_re.search(full, start, end):
+            return None
         if self._control_re is not None:
             closing = self._control_re.match(full, end)
             if closing is not None:
