@@ -87,3 +87,11 @@ def test_explicit_triton_without_triton_installed_says_why(monkeypatch: pytest.M
         select_backend("triton", torch.device("cuda"))
     assert "backend='chunked'" in str(info.value)
     assert select_backend("auto", torch.device("cuda")) == "chunked"
+
+
+def test_non_positive_chunk_size_is_rejected() -> None:
+    """chunk_size=0 or negative is a caller bug, reported instead of silently replaced."""
+    h, w, lab = make_case(5, 8, 30, seed=0)
+    for bad in (0, -4):
+        with pytest.raises(KernelInputError, match="chunk_size must be positive"):
+            lm_head_cross_entropy(h, w, lab, backend="chunked", chunk_size=bad)

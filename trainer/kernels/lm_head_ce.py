@@ -51,7 +51,8 @@ def lm_head_cross_entropy(
         labels: [N] integer class ids in [0, V), or `ignore_index`.
         ignore_index: label value whose position gets loss 0, correct False and zero gradient.
         backend: "auto", "triton", "chunked" or "dense" (see the module docstring).
-        chunk_size: vocabulary chunk width of the chunked path (None: sized to ~256 MiB of logits).
+        chunk_size: vocabulary chunk width of the chunked path (None: sized to <= 256 MiB of
+            fp32 logits, at most 16384 wide); the Triton path sizes its own tiles.
 
     Returns:
         LMHeadCE(loss=[N] float32, correct=[N] bool).
@@ -61,6 +62,8 @@ def lm_head_cross_entropy(
         BackendUnavailableError: an explicitly requested backend cannot run here.
     """
     labels = _validate(hidden, weight, labels, ignore_index)
+    if chunk_size is not None and chunk_size <= 0:
+        raise KernelInputError(f"{_PREFIX}: chunk_size must be positive, got {chunk_size}")
     chosen = select_backend(backend, hidden.device, hidden.dtype)
     if hidden.shape[0] == 0:
         empty = hidden.new_zeros(0, dtype=torch.float32) + hidden.sum() * 0
@@ -70,8 +73,6 @@ def lm_head_cross_entropy(
     if chosen == "triton":
         return _triton().triton_lm_head_cross_entropy(hidden, weight, labels, ignore_index)
     width = chunk_size or default_chunk_size(hidden.shape[0], weight.shape[0])
-    if width <= 0:
-        raise KernelInputError(f"{_PREFIX}: chunk_size must be positive, got {chunk_size}")
     loss, correct = ChunkedLMHeadCE.apply(hidden, weight, labels, ignore_index, width)
     return LMHeadCE(loss=loss, correct=correct)
 
@@ -104,6 +105,8 @@ def triton_unavailable_reason(
     except ImportError as exc:
         return f"triton failed to import ({exc}); use backend='chunked'"
     if device.type == "cuda":
+        if dtype == torch.bfloat16 and torch.cuda.get_device_capability(device) < (8, 0):
+            return f"bf16 tensor-core dots need compute capability 8.0+ ({device}); use fp16/fp32"
         return None
     if module.INTERPRETED:
         # The interpreter reads bf16/fp16 buffers as raw integers: results would be garbage.
