@@ -35,7 +35,10 @@ def make_transport(host: HostConfig) -> Any:
 
 
 def _inventory(args: argparse.Namespace) -> Inventory:
-    return load_inventory(args.hosts)
+    inv = load_inventory(args.hosts)
+    for warning in inv.warnings:
+        _print_err(f"warning: {warning}")
+    return inv
 
 
 def _host(args: argparse.Namespace) -> HostConfig:

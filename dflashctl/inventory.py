@@ -141,6 +141,7 @@ class HostConfig(_Strict):
 class Inventory(_Strict):
     path: Path
     hosts: dict[str, HostConfig]
+    warnings: tuple[str, ...] = ()
 
     def get(self, name: str) -> HostConfig:
         """Look a host up, failing with a message that lists the known names."""
@@ -252,7 +253,12 @@ def load_inventory(path: Path | str | None = None) -> Inventory:
         raise InventoryError(f"{p}: inventory not found (pass --hosts FILE)") from None
     except OSError as err:
         raise InventoryError(f"{p}: cannot read inventory: {err.strerror}") from None
-    return parse_inventory(text, p)
+    inv = parse_inventory(text, p)
+    if p.stat().st_mode & 0o022:
+        # Whoever can write the inventory chooses which host and key dflashctl trusts.
+        warning = f"{p}: writable by group or others; restrict it (chmod go-w {p})"
+        inv = inv.model_copy(update={"warnings": (*inv.warnings, warning)})
+    return inv
 
 
 def local_host(name: str, workdir: Path, *, python: str, session: str = "dflash") -> HostConfig:

@@ -140,6 +140,11 @@ class SshTransport:
                 )
             except asyncssh.HostKeyNotVerifiable:
                 raise HostKeyError(_host_key_message(self.host)) from None
+            except (asyncssh.KeyImportError, asyncssh.KeyEncryptionError) as err:
+                raise TransportError(
+                    f"{self.host.name}: cannot use identity_file {self.host.identity_file}: {err} "
+                    f"(encrypted keys: load them into ssh-agent and set use_agent = true)"
+                ) from None
             except asyncssh.PermissionDenied:
                 raise HostUnreachable(
                     f"{self.host.name}: {self.host.user}@{self.host.address}:{self.host.port} "

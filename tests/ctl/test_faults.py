@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import shlex
+import subprocess
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,7 +20,7 @@ import pytest
 from dflashctl.cli import main as cli_main
 from dflashctl.control import RunControl
 from dflashctl.inventory import HostConfig, load_inventory
-from dflashctl.remote import CommandTimeout, HostKeyError, HostUnreachable
+from dflashctl.remote import CommandTimeout, HostKeyError, HostUnreachable, TransportError
 from dflashctl.remote.commands import BASE_ENV
 from dflashctl.remote.ssh import SshTransport, pin_host_key
 
@@ -271,3 +272,12 @@ async def test_unreachable_host_is_exit_3_and_other_hosts_still_answer(
     assert rc == 0
     assert "dead" in out and "UNREACHABLE" in out
     assert "fake" in out and "CT 200 running" in out
+
+
+async def test_encrypted_identity_file_is_a_clear_error(server: Server, tmp_path: Path) -> None:
+    enc = tmp_path / "encrypted_key"
+    subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "pw", "-f", str(enc)], check=True)
+    host = host_for(tmp_path, server).model_copy(update={"identity_file": enc})
+    pin_host_key(host, server.host_key.convert_to_public())
+    with pytest.raises(TransportError, match=r"cannot use identity_file .*ssh-agent"):
+        await SshTransport(host).run(["argv-echo"], timeout=5)

@@ -87,3 +87,12 @@ def test_missing_file_and_unknown_host(tmp_path: Path) -> None:
 def test_example_inventory_in_repo_is_valid() -> None:
     inv = load_inventory(Path(__file__).resolve().parents[2] / "hosts.toml")
     assert inv.hosts
+
+
+def test_group_writable_inventory_warns(tmp_path: Path) -> None:
+    path = tmp_path / "hosts.toml"
+    path.write_text(GOOD)
+    path.chmod(0o644)
+    assert load_inventory(path).warnings == ()
+    path.chmod(0o664)
+    assert "writable by group or others" in load_inventory(path).warnings[0]
