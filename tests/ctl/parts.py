@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -234,3 +235,18 @@ def hosts_toml(
 
 def kill_tmux_in(container: Container) -> None:
     _run(["lxc-attach", "-n", container.name, "--", "tmux", "-L", "dflash", "kill-server"])
+
+
+def halve_lr(text: str) -> tuple[str, str, str]:
+    """The config text with [optimizer] lr halved, plus the old and new `lr = ...` lines."""
+    m = re.search(r"(?m)^lr = (\S+)", text)
+    assert m, "the tiny config has no `lr = ...` line"
+    old, new = m.group(0), f"lr = {float(m.group(1)) / 2:g}"
+    return text[: m.start()] + new + text[m.end() :], old, new
+
+
+def bump_buckets(text: str) -> str:
+    """The config text with batching.num_buckets + 1 (a resume-breaking change)."""
+    m = re.search(r"(?m)^num_buckets = (\d+)", text)
+    assert m, "the tiny config has no `num_buckets = ...` line"
+    return text[: m.start()] + f"num_buckets = {int(m.group(1)) + 1}" + text[m.end() :]

@@ -101,13 +101,14 @@ def test_operator_loop_end_to_end(
     st = wait_status(inv, capsys, lambda s: (s["step"] or 0) > 0, timeout=180)
     assert st["state"] == "running" and st["config_hash"] == first_hash
 
-    cfg.write_text(cfg.read_text().replace("lr = 3e-3", "lr = 2e-3"))
+    text, old_lr, new_lr = P.halve_lr(cfg.read_text())
+    cfg.write_text(text)
     new_hash = config_hash_of_file(cfg)
     assert new_hash != first_hash
     capsys.readouterr()
     assert cli_main([*inv, "restart", "ct", "--timeout", "90", "--tree", str(tree)]) == 0
     out = capsys.readouterr().out
-    assert "-lr = 3e-3" in out and "+lr = 2e-3" in out  # the diff was shown
+    assert f"-{old_lr}" in out and f"+{new_lr}" in out  # the diff was shown
     st = wait_status(
         inv, capsys, lambda s: s["config_hash"] == new_hash and s["state"] == "running", timeout=120
     )

@@ -21,6 +21,7 @@ from dflashctl.inventory import HostConfig, local_host
 from dflashctl.release import Release, build_release
 from dflashctl.remote import LocalTransport
 from tests.conftest import require_part
+from tests.ctl.parts import bump_buckets, halve_lr
 
 STANDIN = Path(__file__).resolve().parent / "standin"
 pytestmark = pytest.mark.timeout(120)
@@ -243,7 +244,7 @@ async def test_restart_refuses_resume_breaking_change_without_fresh(
     run.mkdir(parents=True)
     (run / "config.toml").write_text(TINY.read_text())
     new = tmp_path / "new.toml"
-    new.write_text(TINY.read_text().replace("num_buckets = 4", "num_buckets = 5"))
+    new.write_text(bump_buckets(TINY.read_text()))
     with pytest.raises(ControlError, match=r"batching\.num_buckets.*--fresh"):
         await ctl.restart(config=new)
     assert (run / "config.toml").read_text() == TINY.read_text()  # nothing pushed
@@ -264,9 +265,10 @@ async def test_restart_pushes_config_redeploys_and_resumes(ctl: RunControl, tmp_
         return ((await ctl.status()).step or 0) >= 2
 
     await wait_for(stepping)
-    cfg.write_text(TINY.read_text().replace("lr = 3e-3", "lr = 1e-3"))
+    text, old_lr, new_lr = halve_lr(TINY.read_text())
+    cfg.write_text(text)
     res = await ctl.restart(config=cfg, release=rel, stop_timeout=20)
-    assert "-lr = 3e-3" in res.config_diff and "+lr = 1e-3" in res.config_diff
+    assert f"-{old_lr}" in res.config_diff and f"+{new_lr}" in res.config_diff
     assert res.deploy.transferred_bytes == 0 and res.stop.checkpoint is not None
     assert res.start.started and res.old_config_hash != res.new_config_hash
     assert (Path(ctl.host.run_dir) / "config.toml").read_text() == cfg.read_text()
