@@ -293,6 +293,7 @@ def test_gzip_input_matches_plain(tmp_path: Path, qwen_tokenizer_dir: Path) -> N
     import_chat_jsonl(gz, qwen_tokenizer_dir, 256, tmp_path / "g")
     p, g = TokenStore.open(tmp_path / "p"), TokenStore.open(tmp_path / "g")
     assert p.row(0)[0].tolist() == g.row(0)[0].tolist()
+    assert g.manifest.source_sha256 == sha256_file(gz)  # the file as stored, like sha256sum
 
 
 def test_no_usable_rows_writes_nothing(tmp_path: Path, qwen_tokenizer_dir: Path) -> None:

@@ -130,6 +130,10 @@ class _HashingLines:
         self.path = path
         self.digest = hashlib.sha256()
 
+    def file_sha256(self) -> str:
+        """sha256 of the file as stored (what `sha256sum` prints), compressed or not."""
+        return sha256_file(self.path) if self.path.suffix == ".gz" else self.digest.hexdigest()
+
     def __iter__(self) -> Iterator[tuple[int, bytes]]:
         opener: Callable[..., IO[bytes]] = gzip.open if self.path.suffix == ".gz" else open
         try:
@@ -191,7 +195,7 @@ def import_chat_jsonl(
         return writer.commit(
             kind="chat-import",
             source=str(source.absolute()),
-            source_sha256=lines.digest.hexdigest(),
+            source_sha256=lines.file_sha256(),
             tokenizer=identity,
             vocab_size=len(tokenizer),
             max_length=max_length,
