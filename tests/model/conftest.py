@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -12,9 +13,13 @@ from trainer.model.tiny import build_tiny_target
 
 
 @pytest.fixture(scope="session", autouse=True)
-def _few_threads() -> None:
-    # The development machine has 2 cores shared by the whole team.
-    torch.set_num_threads(2)
+def _one_thread() -> Iterator[None]:
+    # 2 shared cores: one intra-op thread is ~10x faster than two under contention for
+    # these tiny shapes (OpenMP threads spin-wait when oversubscribed).
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="session")

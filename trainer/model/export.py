@@ -109,6 +109,19 @@ def export_drafter(drafter: DFlashDrafter, out_dir: str | Path) -> Path:
     return out
 
 
+def read_drafter_config(path: str | Path) -> DrafterConfig:
+    """The DrafterConfig of an export directory, without reading its weights."""
+    root = Path(path)
+    cfg_path = root / CONFIG
+    if not cfg_path.is_file() or not (root / WEIGHTS).is_file():
+        raise ExportError(f"{root}: not a drafter export (needs {CONFIG} and {WEIGHTS})")
+    try:
+        data = json.loads(cfg_path.read_text())
+    except json.JSONDecodeError as err:
+        raise ExportError(f"{cfg_path}: invalid JSON: {err}") from None
+    return config_from_json(data, str(cfg_path))
+
+
 def load_drafter(
     path: str | Path,
     *,
@@ -123,13 +136,7 @@ def load_drafter(
     """
     root = Path(path)
     cfg_path, w_path = root / CONFIG, root / WEIGHTS
-    if not cfg_path.is_file() or not w_path.is_file():
-        raise ExportError(f"{root}: not a drafter export (needs {CONFIG} and {WEIGHTS})")
-    try:
-        data = json.loads(cfg_path.read_text())
-    except json.JSONDecodeError as err:
-        raise ExportError(f"{cfg_path}: invalid JSON: {err}") from None
-    cfg = config_from_json(data, str(cfg_path))
+    cfg = read_drafter_config(root)
     drafter = DFlashDrafter(cfg)
     state = load_file(w_path)
     missing, unexpected = drafter.load_state_dict(state, strict=False)

@@ -1,0 +1,118 @@
+"""Greedy speculative decoding with a DFlash drafter, and the plain greedy baseline.
+
+One step: the drafter drafts a block [x_t, mask x (B-1)] at positions t..t+B-1 from the
+features of every committed token before t; the target verifies [x_t, d_1..d_{B-1}] in ONE
+forward (KV cache), the longest prefix where d_k equals the target's argmax is accepted, plus
+the target's own next token (the bonus). The verify forward also yields the features of the
+tokens it commits, which feed the next draft; rejected positions are cropped from the cache.
+With greedy verification the output is exactly the target's greedy output, so any mismatch is
+a bug (or a numerics tie), which `trainer.eval` reports.
+
+The drafter recomputes its context keys/values from all committed features every step (no
+drafter KV cache): simple and exact, O(context) per draft — fine for evaluation, not serving.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from trainer.model.drafter import DFlashDrafter
+from trainer.model.target import TargetModel
+
+
+@dataclass
+class SpecOutput:
+    """Generated tokens and per-verify-step acceptance of one prompt."""
+
+    tokens: list[int]
+    accept_lengths: list[int] = field(default_factory=list)  # accepted drafts + 1 bonus
+    seconds: float = 0.0
+
+    @property
+    def tau(self) -> float:
+        """Mean tokens committed per verify step (max = block size)."""
+        return sum(self.accept_lengths) / len(self.accept_lengths) if self.accept_lengths else 0.0
+
+
+def _as_prompt(prompt: list[int] | Tensor, device: torch.device) -> Tensor:
+    ids = torch.as_tensor(prompt, dtype=torch.long, device=device).reshape(1, -1)
+    if ids.shape[1] == 0:
+        raise ValueError("empty prompt")
+    return ids
+
+
+def _finish(tokens: list[int], max_new_tokens: int, eos_id: int | None) -> list[int]:
+    tokens = tokens[:max_new_tokens]
+    if eos_id is not None and eos_id in tokens:
+        tokens = tokens[: tokens.index(eos_id) + 1]
+    return tokens
+
+
+@torch.no_grad()
+def greedy_generate(
+    target: TargetModel, prompt: list[int] | Tensor, max_new_tokens: int, eos_id: int | None = None
+) -> SpecOutput:
+    """Plain greedy decoding with a KV cache, one target forward per token (the reference)."""
+    ids = _as_prompt(prompt, target.device)
+    start = time.perf_counter()
+    cache = target.new_cache()
+    logits = target.model(input_ids=ids, cache=cache, use_cache=True).logits
+    out: list[int] = []
+    while True:
+        tok = int(logits[0, -1].argmax())
+        out.append(tok)
+        if len(out) >= max_new_tokens or tok == eos_id:
+            break
+        nxt = torch.tensor([[tok]], device=target.device)
+        logits = target.model(input_ids=nxt, cache=cache, use_cache=True).logits
+    return SpecOutput(_finish(out, max_new_tokens, eos_id), seconds=time.perf_counter() - start)
+
+
+@torch.no_grad()
+def speculative_generate(
+    target: TargetModel,
+    drafter: DFlashDrafter,
+    prompt: list[int] | Tensor,
+    max_new_tokens: int,
+    eos_id: int | None = None,
+) -> SpecOutput:
+    """Greedy speculative decoding; `accept_lengths` has one entry per verify forward."""
+    if list(target.layer_ids) != list(drafter.config.target_layer_ids):
+        raise ValueError(
+            f"drafter reads layers {drafter.config.target_layer_ids}, target captures "
+            f"{list(target.layer_ids)}"
+        )
+    bsz, mask_id = drafter.config.block_size, drafter.config.mask_token_id
+    device = target.device
+    ids = _as_prompt(prompt, device)
+    start = time.perf_counter()
+    cache = target.new_cache()
+    logits, context = target.forward_with_capture(ids, cache=cache)
+    anchor = int(logits[0, -1].argmax())
+    out = [anchor]
+    accept: list[int] = []
+    offsets = torch.arange(bsz, device=device)
+    while len(out) < max_new_tokens and anchor != eos_id:
+        pos = context.shape[1]  # the anchor's position: everything before it is committed
+        block = torch.full((1, bsz), mask_id, dtype=torch.long, device=device)
+        block[0, 0] = anchor
+        hidden = drafter(context, block, (pos + offsets)[None])
+        draft = drafter.logits(hidden[:, 1:]).argmax(-1)  # [1, B-1]
+        verify_in = torch.cat([block[:, :1], draft], dim=1)
+        vlogits, vfeats = target.forward_with_capture(verify_in, cache=cache)
+        predicted = vlogits[0].argmax(-1)  # predicted[i]: target's token after verify_in[:i+1]
+        matches = (draft[0] == predicted[:-1]).int()
+        accepted = int(matches.cumprod(0).sum())
+        committed = [*draft[0, :accepted].tolist(), int(predicted[accepted])]
+        context = torch.cat([context, vfeats[:, : accepted + 1]], dim=1)
+        target.crop_cache(cache, pos + accepted + 1)
+        out.extend(committed)
+        accept.append(accepted + 1)
+        anchor = committed[-1]
+        if eos_id is not None and eos_id in committed:
+            break
+    return SpecOutput(_finish(out, max_new_tokens, eos_id), accept, time.perf_counter() - start)
