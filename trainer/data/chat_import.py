@@ -12,6 +12,7 @@ import gzip
 import hashlib
 import multiprocessing
 import os
+import signal
 import sys
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -238,6 +239,9 @@ _WORKER_ENCODER: ChatEncoder | None = None
 
 
 def _init_worker(encoder: ChatEncoder) -> None:
+    # Ctrl-C reaches the whole process group: let the parent alone decide to stop (it cancels
+    # queued chunks and removes the temp store) instead of workers dying mid-chunk.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     global _WORKER_ENCODER
     _WORKER_ENCODER = encoder
 
