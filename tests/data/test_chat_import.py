@@ -365,3 +365,18 @@ def test_template_error_is_isolated_to_its_row(tmp_path: Path, qwen_tokenizer_di
     assert manifest.skipped["template_error"].first_lines == [2]
     assert manifest.tokenizer is not None
     assert "chat_template (override)" in manifest.tokenizer.files
+
+
+def test_mask_token_id_must_be_outside_the_tokenizer(
+    tmp_path: Path, qwen_tokenizer_dir: Path
+) -> None:
+    size = len(load_tokenizer(qwen_tokenizer_dir))
+    with pytest.raises(
+        InputError, match=rf"--mask-token-id 2: is token '<\|im_end\|>' .* >= {size}"
+    ):
+        _import(tmp_path / "a", qwen_tokenizer_dir, [{"conversations": CHAT}], mask_token_id=2)
+    store, manifest = _import(
+        tmp_path / "b", qwen_tokenizer_dir, [{"conversations": CHAT}], mask_token_id=size + 3
+    )
+    assert manifest.mask_token_id == size + 3 and manifest.reserved_token_ids == [size + 3]
+    assert store.manifest.vocab_size == size  # ids in the store stay below the tokenizer size

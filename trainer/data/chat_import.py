@@ -157,6 +157,7 @@ def import_chat_jsonl(
     template_kwargs: dict[str, Any] | None = None,
     chunk_rows: int = 256,
     workers: int = 1,
+    mask_token_id: int | None = None,
     progress: Progress | None = None,
 ) -> Manifest:
     """Stream `input_path` through the chat template into a new store at `out`.
@@ -165,6 +166,9 @@ def import_chat_jsonl(
     processes when > 1; the store is identical for any worker count because chunks are written
     back in input order. A row longer than `max_length` keeps its first `max_length` tokens and
     is counted as truncated.
+
+    `mask_token_id`, when given, is recorded for the drafter; it must lie past the tokenizer's
+    ids (an unused embedding row, e.g. 151669 for Qwen3), so no row can contain it.
     """
     source = Path(input_path)
     tok_dir = Path(tokenizer_dir)
@@ -181,6 +185,12 @@ def import_chat_jsonl(
         encoder = ChatEncoder(tokenizer, template_kwargs)
     except ValueError as exc:
         raise InputError(f"{tok_dir}: {_one_line(exc)}") from None
+    if mask_token_id is not None and mask_token_id < len(tokenizer):
+        piece = tokenizer.convert_ids_to_tokens(mask_token_id) if mask_token_id >= 0 else None
+        raise InputError(
+            f"--mask-token-id {mask_token_id}: is token {piece!r} of {tok_dir}; choose an id "
+            f">= {len(tokenizer)} (an unused embedding row) so no row can contain it"
+        )
     identity = tokenizer_identity(tok_dir, tokenizer, template_path)
     stats = ImportStats()
     lines = _HashingLines(source)
@@ -203,6 +213,8 @@ def import_chat_jsonl(
             skipped=stats.skipped,
             truncated=stats.truncated,
             mask_strategy=encoder.strategy,
+            mask_token_id=mask_token_id,
+            reserved_token_ids=[] if mask_token_id is None else [mask_token_id],
             params={
                 "lines": stats.lines,
                 "blank_lines": stats.blank_lines,

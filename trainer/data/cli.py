@@ -49,6 +49,11 @@ def build_parser() -> argparse.ArgumentParser:
         default=min(8, os.cpu_count() or 1),
         help="encoding processes (default: cores, at most 8); the store is the same for any N",
     )
+    imp.add_argument(
+        "--mask-token-id",
+        type=int,
+        help="record the drafter's mask id (must be >= the tokenizer's size: an unused row)",
+    )
     imp.add_argument("--force", action="store_true", help="replace an existing store")
 
     syn = sub.add_parser("synth", help="write a learnable synthetic store")
@@ -129,6 +134,7 @@ def _run_import(args: argparse.Namespace) -> Manifest:
         chat_template=args.chat_template,
         template_kwargs=kwargs,
         workers=args.workers,
+        mask_token_id=args.mask_token_id,
         progress=progress,
     )
 
