@@ -3,9 +3,9 @@
 Lengths come from a real distribution (seed-shaped or a `.npy`/store), so bucketing and
 throughput behave as on real data. Tokens must be *learnable*, or a demo cannot show a falling
 loss: every row is a walk on a seeded sparse Markov chain (each token has 4 successors with
-probabilities 0.70/0.15/0.10/0.05, plus a 2% jump to a uniform token). Predicting the next token
-from the current one is worth ~1.5 bits instead of log2(V); predicting k tokens ahead (what a
-block drafter does) decays smoothly with k. Each row starts with a prompt (10-50% of its length,
+probabilities 0.70/0.15/0.10/0.05, plus a 2% jump to a uniform token). A bigram model reaches
+~1.3 nats/token on held-out rows instead of ln V (6.2 nats at V=512); predicting k tokens ahead
+(what a block drafter does) gets harder smoothly with k. Each row starts with a prompt (10-50% of its length,
 mask 0) followed by the response (mask 1, at least 2 tokens so it can hold an anchor).
 
 Reserved ids: the top `reserved_top` ids of the vocabulary (default 8: V-8..V-1) and the mask
