@@ -22,6 +22,7 @@ import json
 import os
 import secrets
 import shutil
+from array import array
 from collections.abc import Iterator, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
@@ -387,7 +388,7 @@ class StoreWriter:
         self.tmp.mkdir()
         self._tokens = _HashingWriter(self.tmp / TOKENS)
         self._mask = _HashingWriter(self.tmp / MASK)
-        self._lengths: list[int] = []
+        self._lengths = array("i")  # 4 bytes a row, not a Python int: stores reach 1e8 rows
         self.num_tokens = 0
         self.num_supervised_tokens = 0
         self._done = False
@@ -415,7 +416,7 @@ class StoreWriter:
             raise ValueError("add_flat: tokens, mask and lengths disagree")
         self._tokens.write(np.asarray(tokens, dtype=np.int32))
         self._mask.write(np.asarray(mask, dtype=np.uint8))
-        self._lengths.extend(int(x) for x in lens)
+        self._lengths.frombytes(lens.astype(np.int32).tobytes())
         self.num_tokens += int(tokens.size)
         self.num_supervised_tokens += int(np.count_nonzero(mask))
 
@@ -425,13 +426,15 @@ class StoreWriter:
         `manifest_fields` are the provenance fields (kind, source, vocab_size, max_length, ...);
         counts, file hashes and created_at are filled in here so they cannot disagree.
         """
-        lengths = np.asarray(self._lengths, dtype=np.int32)
+        lengths = (
+            np.frombuffer(self._lengths, dtype=np.int32) if self._lengths else np.zeros(0, np.int32)
+        )
         offsets = np.zeros(lengths.size + 1, dtype=np.int64)
         np.cumsum(lengths, out=offsets[1:])
         files = {TOKENS: self._tokens.finish(), MASK: self._mask.finish()}
-        for name, array in ((OFFSETS, offsets), (LENGTHS, lengths)):
+        for name, values in ((OFFSETS, offsets), (LENGTHS, lengths)):
             writer = _HashingWriter(self.tmp / name)
-            writer.write(array.astype(DATA_FILES[name], copy=False))
+            writer.write(values.astype(DATA_FILES[name], copy=False))
             files[name] = writer.finish()
         manifest = Manifest(
             created_at=datetime.now(UTC),
