@@ -62,6 +62,14 @@ def test_lengths_follow_source_and_clip(tmp_path: Path, lengths_npy: Path) -> No
     assert len(sub) == 25 and set(sub.lengths.tolist()) <= set(LENGTHS.tolist())
 
 
+def test_length_scale_shrinks_the_shape(tmp_path: Path, lengths_npy: Path) -> None:
+    store = _synth(tmp_path / "s", lengths_npy, length_scale=10)
+    assert store.lengths.tolist() == np.clip(np.rint(LENGTHS / 10), 3, None).astype(int).tolist()
+    assert store.manifest.params["length_scale"] == 10
+    with pytest.raises(InputError, match="--length-scale 0: must be positive"):
+        _synth(tmp_path / "t", lengths_npy, length_scale=0)
+
+
 def test_rows_are_prompt_then_response(tmp_path: Path, lengths_npy: Path) -> None:
     store = _synth(tmp_path / "s", lengths_npy)
     for i in range(len(store)):

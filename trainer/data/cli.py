@@ -64,6 +64,9 @@ def build_parser() -> argparse.ArgumentParser:
     syn.add_argument("--out", required=True, help="store directory to create")
     syn.add_argument("--rows", type=int, help="subsample N rows from the length distribution")
     syn.add_argument("--max-length", type=int, help="clip lengths to N tokens")
+    syn.add_argument(
+        "--length-scale", type=float, default=1.0, help="divide every length by F (shrink a shape)"
+    )
     syn.add_argument("--seed", type=int, default=0)
     syn.add_argument("--mask-token-id", type=int, help="never emitted (default V-1)")
     syn.add_argument(
@@ -153,6 +156,7 @@ def _run_synth(args: argparse.Namespace) -> Manifest:
         seed=args.seed,
         mask_token_id=args.mask_token_id,
         reserved_top=args.reserved_top,
+        length_scale=args.length_scale,
         overwrite=args.force,
     )
 
