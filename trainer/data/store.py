@@ -156,7 +156,10 @@ def _map(path: Path, dtype: np.dtype[Any], count: int) -> np.ndarray:
     """Read-only mapping as a plain ndarray view (the memmap subclass makes every index slow)."""
     if count == 0:  # np.memmap refuses empty files
         return np.empty(0, dtype=dtype)
-    return np.memmap(path, dtype=dtype, mode="r", shape=(count,)).view(np.ndarray)
+    try:
+        return np.memmap(path, dtype=dtype, mode="r", shape=(count,)).view(np.ndarray)
+    except OSError as exc:
+        raise StoreError(f"{path}: cannot map: {_one_line(exc)}") from None
 
 
 class TokenStore:
