@@ -319,9 +319,14 @@ class BatchSampler:
         blob = json.dumps(self._fingerprint_config, sort_keys=True).encode()
         return hashlib.sha256(blob).hexdigest()[:16]
 
-    def state_dict(self) -> dict[str, Any]:
-        """Resume state: the position plus what it is only valid for (JSON-serializable)."""
-        epoch, done = self.position
+    def state_dict(self, position: tuple[int, int] | None = None) -> dict[str, Any]:
+        """Resume state: a position plus what it is only valid for (JSON-serializable).
+
+        Args:
+            position: (epoch, batches trained) to record instead of `self.position`; a pipeline
+                that prefetches ahead of training passes the count it actually trained on.
+        """
+        epoch, done = self.position if position is None else position
         return {
             "version": STATE_VERSION,
             "epoch": epoch,

@@ -133,6 +133,17 @@ def test_position_counts_batches_and_rolls_into_the_next_epoch() -> None:
     assert s.position == (1, 1) and nxt.indices.tolist() == s.epoch_batches(1)[0].indices.tolist()
 
 
+def test_state_can_record_the_trained_position_behind_a_prefetcher() -> None:
+    """A pipeline that pulled ahead saves the position it trained to and resumes from there."""
+    s = BatchSampler(np.arange(1, 200), token_budget=400, max_batch=8, seed=2)
+    it = iter(s)
+    pulled = [next(it) for _ in range(10)]  # 10 prefetched, only 6 trained
+    state = s.state_dict(position=(0, 6))
+    fresh = BatchSampler(np.arange(1, 200), token_budget=400, max_batch=8, seed=2)
+    fresh.load_state_dict(state)
+    assert next(iter(fresh)).indices.tolist() == pulled[6].indices.tolist()
+
+
 def test_mismatched_state_is_refused_naming_the_setting() -> None:
     """A state from another budget or other data is refused, with the differing key named."""
     x = seed_shaped_lengths(5000)
