@@ -31,7 +31,14 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    from trainer.pipeline.runner import RunOptions, run  # torch loads only after --help
+    from trainer.config import ConfigError, TrainConfig
+
+    try:  # torch-free: a bad config fails in a fraction of a second, before torch loads
+        TrainConfig.load(args.config)
+    except ConfigError as exc:
+        print(f"ERROR: {exc}", flush=True)
+        return 2
+    from trainer.pipeline.runner import RunOptions, run
 
     return run(RunOptions(args.config, args.run_dir, args.resume, args.fresh))
 

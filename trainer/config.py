@@ -56,6 +56,9 @@ class SyntheticData(BaseModel):
     rows: int = Field(default=4000, ge=1, description="samples to generate")
     max_length: int = Field(default=128, ge=8, description="longest sample (tokens)")
     lengths_from: str = Field(default="seed-shaped", description="length distribution source")
+    length_scale: float = Field(
+        default=1.0, ge=1.0, description="divide source lengths (CPU demos keep the seed's shape)"
+    )
     seed: int = Field(default=0, ge=0)
 
 

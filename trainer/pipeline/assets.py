@@ -11,6 +11,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+import numpy as np
 import torch
 from pydantic import ValidationError
 from safetensors import safe_open
@@ -38,7 +39,7 @@ def ensure_store(cfg: TrainConfig) -> Path:
     try:
         synth_store(
             path,
-            lengths_from=syn.lengths_from,
+            lengths_from=_scaled_lengths(syn.lengths_from, syn.length_scale, syn.seed, path),
             vocab_size=_vocab_hint(cfg),
             rows=syn.rows,
             max_length=syn.max_length,
@@ -50,6 +51,21 @@ def ensure_store(cfg: TrainConfig) -> Path:
     except FileExistsError:
         pass  # another rank or run published it first: same content
     return path
+
+
+def _scaled_lengths(source: str, scale: float, seed: int, store: Path) -> str:
+    """`source` as-is, or its lengths divided by `scale` saved next to the store (.npy)."""
+    if scale == 1.0:
+        return source
+    from trainer.data.lengths import LengthsError, load_lengths, seed_shaped_lengths
+
+    try:
+        base = seed_shaped_lengths(seed=seed) if source == "seed-shaped" else load_lengths(source)
+    except LengthsError as exc:
+        raise UserError(f"data.synthetic.lengths_from: {exc}") from None
+    out = store.parent / f"{store.name}.lengths-div{scale:g}.npy"
+    np.save(out, np.maximum(1, np.rint(base / scale)).astype(np.int64))
+    return str(out)
 
 
 def _vocab_hint(cfg: TrainConfig) -> int:

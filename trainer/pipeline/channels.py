@@ -21,16 +21,35 @@ class Stopped(Exception):
 
 
 class WaitClock:
-    """Seconds one stage worker spent blocked on its input and on its output."""
+    """Seconds one stage worker spent blocked on its input and on its output.
+
+    A wait in progress counts up to now (`total`), so a status interval that falls inside a
+    long wait reports it in that interval rather than all at once when the wait ends.
+    """
 
     def __init__(self) -> None:
         self.input_s = 0.0
         self.output_s = 0.0
+        self._since: dict[str, float] = {}
+
+    def begin(self, kind: str) -> float:
+        t0 = time.perf_counter()
+        self._since[kind] = t0
+        return t0
+
+    def end(self, kind: str, t0: float) -> None:
+        self._since.pop(kind, None)
+        setattr(self, kind, getattr(self, kind) + time.perf_counter() - t0)
+
+    def total(self, kind: str) -> float:
+        since = self._since.get(kind)
+        running = time.perf_counter() - since if since is not None else 0.0
+        return getattr(self, kind) + running
 
 
 def put(q: queue.Queue[T], item: T, stop: threading.Event, clock: WaitClock | None = None) -> None:
     """Blocking put that gives up (raises Stopped) as soon as `stop` is set."""
-    t0 = time.perf_counter()
+    t0 = clock.begin("output_s") if clock else 0.0
     try:
         while True:
             if stop.is_set():
@@ -42,12 +61,12 @@ def put(q: queue.Queue[T], item: T, stop: threading.Event, clock: WaitClock | No
                 continue
     finally:
         if clock is not None:
-            clock.output_s += time.perf_counter() - t0
+            clock.end("output_s", t0)
 
 
 def get(q: queue.Queue[T], stop: threading.Event, clock: WaitClock | None = None) -> T:
     """Blocking get that gives up (raises Stopped) as soon as `stop` is set."""
-    t0 = time.perf_counter()
+    t0 = clock.begin("input_s") if clock else 0.0
     try:
         while True:
             if stop.is_set():
@@ -58,7 +77,7 @@ def get(q: queue.Queue[T], stop: threading.Event, clock: WaitClock | None = None
                 continue
     finally:
         if clock is not None:
-            clock.input_s += time.perf_counter() - t0
+            clock.end("input_s", t0)
 
 
 class ReorderBuffer(Generic[T]):
@@ -79,7 +98,7 @@ class ReorderBuffer(Generic[T]):
         self._cond = threading.Condition()
 
     def put(self, seq: int, item: T, stop: threading.Event, clock: WaitClock | None = None) -> None:
-        t0 = time.perf_counter()
+        t0 = clock.begin("output_s") if clock else 0.0
         try:
             with self._cond:
                 while seq >= self.next_seq + self.capacity:
@@ -92,10 +111,10 @@ class ReorderBuffer(Generic[T]):
                 self._cond.notify_all()
         finally:
             if clock is not None:
-                clock.output_s += time.perf_counter() - t0
+                clock.end("output_s", t0)
 
     def get(self, stop: threading.Event, clock: WaitClock | None = None) -> tuple[int, T]:
-        t0 = time.perf_counter()
+        t0 = clock.begin("input_s") if clock else 0.0
         try:
             with self._cond:
                 while self.next_seq not in self._items:
@@ -109,7 +128,7 @@ class ReorderBuffer(Generic[T]):
                 return seq, item
         finally:
             if clock is not None:
-                clock.input_s += time.perf_counter() - t0
+                clock.end("input_s", t0)
 
     def depth(self) -> int:
         """Packets ready or waiting for their turn (the status line's q_hs)."""

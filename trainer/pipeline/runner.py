@@ -304,6 +304,9 @@ class Run:
         for i, dev in enumerate(self.target_devices):
 
             def load(dev: str = dev) -> TargetModel:
+                from transformers.utils import logging as hf_logging
+
+                hf_logging.disable_progress_bar()  # bars would interleave with status lines
                 return TargetModel.load(self.target_dir, self.layer_ids, dev, self.target_dtype)
 
             body = target_body(

@@ -142,7 +142,7 @@ def wait_percent(
         return 0.0
     total = 0.0
     for c in clocks:
-        now = getattr(c, attr)
+        now = c.total(attr)
         key = (id(c), attr)
         total += now - since.get(key, 0.0)
         since[key] = now

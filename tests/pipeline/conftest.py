@@ -1,0 +1,115 @@
+"""Shared fixtures for the pipeline's end-to-end tests: one tiny store + target per session."""
+
+from __future__ import annotations
+
+import copy
+import os
+import subprocess
+import sys
+import tomllib
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+TINY = REPO / "configs" / "tiny-cpu.toml"
+
+
+def _toml(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml(v) for v in value) + "]"
+    return repr(value)
+
+
+def dump_toml(d: dict[str, Any], prefix: str = "") -> str:
+    lines = [f"{k} = {_toml(v)}" for k, v in d.items() if not isinstance(v, dict)]
+    out = ([f"[{prefix}]"] if prefix else []) + lines
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.append(dump_toml(v, f"{prefix}.{k}" if prefix else k))
+    return "\n".join(out) + "\n"
+
+
+def merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    out = copy.deepcopy(base)
+    for k, v in over.items():
+        out[k] = merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_assets(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """The bundled tiny config with its store and target built once, at absolute paths."""
+    from trainer.config import TrainConfig
+    from trainer.pipeline import assets
+
+    root = tmp_path_factory.mktemp("tiny-assets")
+    raw = tomllib.loads(TINY.read_text())
+    raw = merge(
+        raw,
+        {
+            "data": {"store": str(root / "store"), "synthetic": {"rows": 1200}},
+            "model": {"target_dir": str(root / "target")},
+            "batching": {"token_budget": 512, "max_batch": 8},
+            "status": {"interval_s": 0.5, "rate_window_s": 5.0},
+            "checkpoint": {"every_steps": 1000, "every_minutes": 60.0, "keep_last": 3},
+        },
+    )
+    cfg = TrainConfig.from_dict(raw)
+    assets.ensure_store(cfg)
+    assets.ensure_target(cfg)
+    return raw
+
+
+RunCli = Callable[..., subprocess.CompletedProcess[str]]
+
+
+def cli_env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DFLASH_")}
+    env.update({"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **extra})
+    return env
+
+
+def write_config(path: Path, base: dict[str, Any], **over: Any) -> Path:
+    path.write_text(dump_toml(merge(base, over)))
+    return path
+
+
+def trainer_argv(config: Path, run_dir: Path, *args: str) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "trainer",
+        "--config",
+        str(config),
+        "--run-dir",
+        str(run_dir),
+        *args,
+    ]
+
+
+@pytest.fixture
+def run_cli() -> RunCli:
+    def run(
+        config: Path,
+        run_dir: Path,
+        *args: str,
+        env: dict[str, str] | None = None,
+        timeout: float = 120,
+    ) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            trainer_argv(config, run_dir, *args),
+            cwd=REPO,
+            env=env or cli_env(),
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
+
+    return run
