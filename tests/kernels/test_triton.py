@@ -1,6 +1,6 @@
 """The Triton kernels (CPU interpreter here, real GPU under benchmarks/gpu.sh) equal the dense reference.
 
-Shapes are deliberately not multiples of the tiles (interpreter tiles: 16 rows x 64 vocab x 16
+Shapes are deliberately not multiples of the tiles (interpreter tiles: 16 rows x 128 vocab x 16
 hidden), so every masked edge of the kernels is exercised.
 """
 
@@ -77,15 +77,15 @@ def test_vocab_splits_and_backward_chunks_do_not_change_results(
     _check(triton_ce, hidden, weight, labels, num_splits=num_splits, chunk=64)
 
 
-def test_argmax_ties_resolve_to_lowest_id_within_tiles_tiles_and_splits(
+def test_argmax_ties_resolve_to_lowest_id_within_and_across_tiles_and_splits(
     triton_ce: ModuleType, kernel_device: str
 ) -> None:
     """Exactly equal logits: inside one tile, across tiles, across splits, and all-equal rows."""
-    v, d = 200, 16
+    v, d = 400, 16
     weight = torch.zeros(v, d)
-    # Interpreter tiles are 64 wide and 2 splits cover [0, 128) and [128, 200):
-    weight[[5, 6, 100, 150], 0] = 1.0  # 5/6 share a tile, 100 is a later tile, 150 a later split
-    weight[[20, 180], 1] = 1.0  # second tie group, different splits
+    # Interpreter tiles are 128 wide and 2 splits cover [0, 256) and [256, 400):
+    weight[[5, 6, 130, 300], 0] = 1.0  # 5/6 share a tile, 130 is a later tile, 300 a later split
+    weight[[20, 380], 1] = 1.0  # second tie group, different splits
     hidden = torch.zeros(4, d)
     hidden[0, 0] = 2.0
     hidden[1, 0] = 2.0
