@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 from pathlib import Path
 
 from rich.text import Text
 from textual.widgets import DataTable, Digits, Log, Static
 
+from dflashctl.control import parse_gpu_csv
 from dflashctl.monitor import RestartPlan, RunState, apply_lines, apply_status
 from dflashctl.tui.app import DflashApp, HostBinding
 from dflashctl.tui.screens.confirm import ConfirmScreen
@@ -16,7 +18,7 @@ from dflashctl.tui.screens.help import HelpScreen
 from dflashctl.tui.screens.host import HostScreen
 from dflashctl.tui.screens.log import LogScreen
 from dflashctl.tui.screens.restart import RestartScreen
-from dflashctl.tui.widgets.panes import lr_points, queues_text
+from dflashctl.tui.widgets.panes import gpus_text, lr_points, queues_text
 from tests.tui.fixtures import (
     FIXED_NOW,
     WARMUP,
@@ -261,3 +263,19 @@ async def test_invalid_local_config_refuses_restart_naming_file_and_key(tmp_path
         assert "cannot restart" in verdict and "kpro6.toml" in verdict and "num_buckets" in verdict
         await pilot.press("enter", "escape")
     assert not [c for c in control.calls if c[0] == "restart"]
+
+
+def test_gpu_pane_shows_each_gpu_from_nvidia_smi_samples() -> None:
+    csv = "0, NVIDIA RTX PRO 6000, 97, 81234, 97887, 71, 402.5\n1, NVIDIA RTX PRO 6000, 3, 512, 97887, 88, 61.0\n"
+    state = replace(RunState("kpro6"), gpus=tuple(parse_gpu_csv(csv)))
+    text = gpus_text(state)
+    first, second = text.plain.splitlines()
+    assert (
+        first.startswith("GPU0")
+        and " 97%" in first
+        and "81234/97887 MiB" in first
+        and "71°C" in first
+    )
+    assert second.startswith("GPU1") and "  3%" in second and "88°C" in second
+    assert any(span.style == "bold red" for span in text.spans)  # 88 °C is flagged
+    assert "no GPU samples" in gpus_text(RunState("cpu-only")).plain

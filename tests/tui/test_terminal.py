@@ -7,6 +7,7 @@ live values change, edits the demo config, presses `r`, confirms, and sees the r
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import re
 import shutil
@@ -19,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import require_part
+from trainer.config import TrainConfig, config_hash
 
 ROOT = Path(__file__).resolve().parents[2]
 ROW = re.compile(r"^\s*demo\s+(\S+)\s+\S+\s+(\d+)\s", re.M)
@@ -128,8 +130,16 @@ def test_demo_tui_live_edit_and_one_key_restart(tmp_path: Path) -> None:
             120,
         )
         assert before is not None and _row(after) is not None
-        deployed = (demo_dir / "host" / "run" / "config.toml").read_text()
-        assert "interval_s = 1" in deployed
+        run_dir = demo_dir / "host" / "run"
+        assert "interval_s = 1" in (run_dir / "config.toml").read_text()
+        want = config_hash(TrainConfig.load(config))
+        deadline = time.monotonic() + 90
+        while json.loads((run_dir / "run-state.json").read_text()).get("config_hash") != want:
+            assert time.monotonic() < deadline, "the restarted run never reported the new config"
+            time.sleep(0.5)
+        term.wait(
+            "status lines from the restarted run", lambda t: (_row(t) or ("", -1))[1] >= 0, 60
+        )
         term.keys("q")
         term.wait("the demo to stop its run and exit", lambda t: "stop:" in t, 120)
     finally:

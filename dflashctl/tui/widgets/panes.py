@@ -7,7 +7,6 @@ app, and a redraw costs one Text build per pane, not one widget update per numbe
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 from rich.text import Text
 from textual.widgets import Static
@@ -228,31 +227,23 @@ def metrics_text(state: RunState, width: int) -> Text:
     return out
 
 
-def _gpu_field(sample: Any, *names: str) -> Any:
-    for name in names:
-        value = getattr(sample, name, None)
-        if value is not None:
-            return value
-    return None
-
-
 def gpus_text(state: RunState) -> Text:
-    """Per-GPU utilisation, memory and temperature from nvidia-smi in the container."""
+    """Per-GPU utilisation, memory, temperature and power (`RunControl.gpus()` samples)."""
     out = Text()
     if not state.gpus:
         out.append("no GPU samples (nvidia-smi absent or not yet polled)", style="dim")
         return out
     for i, g in enumerate(state.gpus):
-        idx = _gpu_field(g, "index") or i
-        util = _gpu_field(g, "util_pct", "utilization", "util")
-        used = _gpu_field(g, "mem_used_mib", "memory_used_mib", "mem_used")
-        total = _gpu_field(g, "mem_total_mib", "memory_total_mib", "mem_total")
-        temp = _gpu_field(g, "temp_c", "temperature_c", "temperature", "temp")
-        out.append(f"GPU{idx} ", style="bold")
-        out.append_text(bar(float(util or 0), 100.0, 10, style="green"))
+        util = g.util_pct
+        hot = g.temp_c is not None and g.temp_c >= 85
+        out.append(f"GPU{g.index} ", style="bold")
+        out.append_text(bar(float(util or 0.0), 100.0, 10, style="green"))
         out.append(f" {fmt(util, '.0f'):>3}%  ")
-        mem = f"{fmt(used, '.0f')}/{fmt(total, '.0f')} MiB" if total else DASH
-        out.append(f"{mem:>18}  {fmt(temp, '.0f')}°C")
+        if g.mem_total_mib:
+            out.append(f"{fmt(g.mem_used_mib, '.0f')}/{g.mem_total_mib:.0f} MiB  ")
+        out.append(f"{fmt(g.temp_c, '.0f')}°C", style="bold red" if hot else "")
+        if g.power_w is not None:
+            out.append(f"  {g.power_w:.0f} W", style="dim")
         if i < len(state.gpus) - 1:
             out.append("\n")
     return out
