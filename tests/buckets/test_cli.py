@@ -185,3 +185,30 @@ def test_module_entry_point_runs_without_torch(tmp_path: Path) -> None:
     )
     assert proc.returncode == 0, proc.stderr
     assert len(json.loads(proc.stdout)["boundaries"]) == 3
+
+
+def test_compare_plans_its_own_boundaries_and_prints_a_table(lengths_file: Path, capsys) -> None:
+    """--buckets K plans with the DP; one epoch prints the table with diversity left blank."""
+    rc, out, _ = run(
+        [
+            "compare",
+            "--lengths",
+            str(lengths_file),
+            "--token-budget",
+            "49152",
+            "--max-batch",
+            "64",
+            "--buckets",
+            "3",
+            "--epochs",
+            "1",
+        ],
+        capsys,
+    )
+    assert rc == 0
+    lines = out.splitlines()
+    assert "bucket boundaries=[" in lines[0] and lines[0].count(",") >= 3
+    rows = {ln.split()[0]: ln for ln in lines[2:6]}
+    assert list(rows) == ["sorted", "random", "bucketed", "pool-sort"]
+    assert all(ln.rstrip().endswith("-") for ln in rows.values())  # no next epoch to compare
+    assert "bucketed predicted by the planner" in lines[-1]
