@@ -195,3 +195,17 @@ def test_gamma_must_be_positive(target: TargetModel) -> None:
     ids, loss, attn = make_batch()
     with pytest.raises(ValueError, match="gamma"):
         dflash_objective(drafter, target, ids, loss, attn, target.capture(ids, attn), gamma=0.0)
+
+
+def test_fp32_master_weights_under_bf16_autocast(target: TargetModel) -> None:
+    """The pipeline's mixed precision: q, k, v stay in one dtype and the loss backprops."""
+    drafter = make_drafter(target, block_size=4)
+    ids, loss, attn = make_batch()
+    feats = target.capture(ids, attn)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        res = dflash_objective(
+            drafter, target, ids, loss, attn, feats, num_anchors=6, attn_backend="sdpa"
+        )
+    res.loss_sum.float().backward()
+    assert torch.isfinite(res.loss_sum.float())
+    assert drafter.fc.weight.grad is not None and drafter.fc.weight.grad.dtype == torch.float32

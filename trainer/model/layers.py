@@ -12,7 +12,11 @@ from torch import Tensor, nn
 
 
 class RMSNorm(nn.Module):
-    """Root-mean-square norm over the last dim, computed in fp32."""
+    """Root-mean-square norm over the last dim, computed in fp32, returned in the input dtype.
+
+    Returning the input dtype (not the weight's) keeps q, k and v in one dtype when fp32
+    master weights run under bf16 autocast.
+    """
 
     def __init__(self, dim: int, eps: float = 1e-6) -> None:
         super().__init__()
@@ -23,7 +27,7 @@ class RMSNorm(nn.Module):
         dtype = x.dtype
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
+        return (self.weight * x32).to(dtype)
 
 
 class SwiGLU(nn.Module):
