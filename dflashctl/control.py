@@ -33,7 +33,7 @@ from dflashctl.remote.commands import (
     tmux_pane_state,
     write_file_atomic,
 )
-from dflashctl.remote.transport import HostUnreachable, Transport, TransportError
+from dflashctl.remote.transport import CommandResult, HostUnreachable, Transport, TransportError
 from trainer.events import CheckpointEvent, ErrorEvent, Event, StatusEvent, parse_line, parse_text
 
 MARK = "@@dflash@@:"
@@ -289,7 +289,7 @@ class RunControl:
 
     async def _run(
         self, argv: list[str], *, timeout: float = 60, input: bytes | None = None
-    ) -> Any:
+    ) -> CommandResult:
         return await self.transport.run(argv, timeout=timeout, input=input)
 
     async def _pane_state(self) -> PaneState | None:
@@ -312,7 +312,12 @@ class RunControl:
         except TransportError as err:
             return RunStatus(host=self.host.name, state="unreachable", message=str(err))
         if not res.ok:
-            return RunStatus(host=self.host.name, state="unreachable", message=res.error_line())
+            msg = res.error_line()
+            if "not running" in msg:
+                msg = f"container {self.host.ctid} is not running (pct start {self.host.ctid})"
+            return RunStatus(
+                host=self.host.name, state="unreachable", message=f"{self.host.name}: {msg}"
+            )
         return parse_status(self.host.name, res.stdout, config_hash_of_text)
 
     async def deployed_config(self) -> str:

@@ -281,3 +281,23 @@ async def test_encrypted_identity_file_is_a_clear_error(server: Server, tmp_path
     pin_host_key(host, server.host_key.convert_to_public())
     with pytest.raises(TransportError, match=r"cannot use identity_file .*ssh-agent"):
         await SshTransport(host).run(["argv-echo"], timeout=5)
+
+
+async def test_trust_answer_no_pins_nothing(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import io
+
+    srv = await start_server(tmp_path, FakePve(lines=[]))
+    host_for(tmp_path, srv)
+    monkeypatch.setattr("sys.stdin", io.StringIO("n\n"))
+    try:
+        rc = await asyncio.to_thread(
+            cli_main, ["--hosts", str(tmp_path / "hosts.toml"), "trust", "fake"]
+        )
+    finally:
+        srv.acceptor.close()
+        await srv.acceptor.wait_closed()
+    out = capsys.readouterr().out
+    assert rc == 1 and "Trust this key? [y/N]" in out and "not trusted" in out
+    assert not (tmp_path / "known_hosts").exists()

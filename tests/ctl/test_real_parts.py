@@ -160,3 +160,29 @@ def test_status_json_and_logs_via_cli(
     assert cli_main([*inv, "attach", "ct", "--print"]) == 0
     line = capsys.readouterr().out
     assert "StrictHostKeyChecking=yes" in line and "attach-session -t =dflash-test" in line
+
+
+async def test_pct_shim_push_status_and_stopped_container_messages(
+    real_parts: P.Parts, ssh_host: HostConfig, clean_workdir: Path, tmp_path: Path
+) -> None:
+    """The shim keeps Proxmox's syntax and error texts, which dflashctl's messages rely on."""
+    src = tmp_path / "note.txt"
+    src.write_text("pushed\n")
+    transport = SshTransport(ssh_host)
+    try:
+        ctid = ssh_host.ctid
+        res = await transport.run_host(
+            ["pct", "push", str(ctid), str(src), f"{P.CONTAINER_WORKDIR}/n"]
+        )
+        assert res.ok and (clean_workdir / "n").read_text() == "pushed\n"
+        assert (await transport.run_host(["pct", "status", "99999"])).rc != 0
+        gone = ssh_host.model_copy(update={"ctid": 4243, "name": "gone"})
+        with real_parts.sshd.map_file.open("a") as f:
+            f.write("4243 dflt-never-created\n")
+        gone_transport = SshTransport(gone)
+        st = await RunControl(gone_transport, gone).status()
+        await gone_transport.close()
+        assert st.state == "unreachable"
+        assert st.message == "gone: container 4243 is not running (pct start 4243)"
+    finally:
+        await transport.close()
