@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from torch.autograd.function import once_differentiable
 
 DEFAULT_CHUNK_BYTES = 256 * 2**20
 """fp32 bytes one [N, chunk] logits tile may take; sets the default chunk width."""
@@ -117,6 +118,7 @@ class ChunkedLMHeadCE(torch.autograd.Function):
         return loss, correct
 
     @staticmethod
+    @once_differentiable
     def backward(  # type: ignore[override]
         ctx: Any, grad_loss: torch.Tensor | None, _grad_correct: torch.Tensor | None
     ) -> tuple[torch.Tensor | None, None, None, None, None]:

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 import triton
 import triton.language as tl
+from torch.autograd.function import once_differentiable
 
 from trainer.kernels.common import LMHeadCE
 
@@ -330,6 +331,7 @@ class TritonLMHeadCE(torch.autograd.Function):
         return loss, correct
 
     @staticmethod
+    @once_differentiable
     def backward(  # type: ignore[override]
         ctx: Any, grad_loss: torch.Tensor | None, _grad_correct: torch.Tensor | None
     ) -> tuple[torch.Tensor | None, None, None, None, None, None, None]:
