@@ -9,8 +9,8 @@ programs to fill the GPU; their [S, N] partials are merged by a few torch ops.
 
 Backward (`_dlogits_kernel`): for one vocabulary chunk at a time the kernel recomputes the logits
 tile, forms dloss * (softmax - onehot) and writes it in the input dtype into a reusable [N, chunk]
-buffer; grad_hidden accumulates chunk @ W_chunk in fp32 through cuBLAS. The chunk is sized to
-~256 MiB, so the full [N, V] logits never exist, while the expensive grad matmul stays on the
+buffer; grad_hidden accumulates chunk @ W_chunk in fp32 through cuBLAS. The chunk is at most
+256 MiB and 16384 ids wide, so the full [N, V] logits never exist, while the expensive grad matmul stays on the
 vendor GEMM (a fully fused dE would need a [BLOCK_N, D] accumulator — 2 MiB at D = 4096 — or
 atomics over V / BLOCK_V partial sums).
 
