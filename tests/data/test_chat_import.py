@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from tests.data.conftest import write_jsonl
 from trainer.data.chat_import import import_chat_jsonl, load_tokenizer
-from trainer.data.chat_mask import mask_from_spans
+from trainer.data.chat_mask import ChatEncoder, mask_from_spans
 from trainer.data.errors import InputError
 from trainer.data.store import FIRST_LINES_KEPT, TokenStore, sha256_file
 
@@ -380,3 +380,31 @@ def test_mask_token_id_must_be_outside_the_tokenizer(
     )
     assert manifest.mask_token_id == size + 3 and manifest.reserved_token_ids == [size + 3]
     assert store.manifest.vocab_size == size  # ids in the store stay below the tokenizer size
+
+
+def test_one_pass_and_per_turn_diff_agree(
+    tmp_path: Path, qwen_tokenizer_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    tricky = [
+        {"role": "user", "content": "\nhello\n"},
+        {"role": "assistant", "content": "\n\nleading and trailing newlines\n\n"},
+        {"role": "user", "content": ""},
+        {"role": "assistant", "content": "é 你好 \t tabs"},
+        {"role": "user", "content": "again"},
+        {"role": "assistant", "content": "x"},
+    ]
+    rows: list[object] = [{"conversations": CHAT}, {"conversations": tricky}]
+    original = ChatEncoder._spans_one_pass
+    answers: list[object] = []
+
+    def spy(self, full, variant, turns):  # type: ignore[no-untyped-def]
+        answers.append(original(self, full, variant, turns))
+        return answers[-1]
+
+    monkeypatch.setattr(ChatEncoder, "_spans_one_pass", spy)
+    _, fast_manifest = _import(tmp_path / "fast", qwen_tokenizer_dir, rows)
+    assert len(answers) == 2 and None not in answers  # both rows took the one-pass path
+    monkeypatch.setattr(ChatEncoder, "_spans_one_pass", lambda *args: None)
+    _, slow_manifest = _import(tmp_path / "slow", qwen_tokenizer_dir, rows)
+    assert fast_manifest.files == slow_manifest.files
+    assert fast_manifest.num_supervised_tokens > 0

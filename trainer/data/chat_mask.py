@@ -41,6 +41,7 @@ _GENERATION_RE = re.compile(r"\{%-?\s*generation\s*-?%\}")
 # template's own handling (strip, split) cannot merge them with neighbouring characters.
 CONTENT_SENTINEL = "\ue000dflash-content\ue001"
 REASONING_SENTINEL = "\ue002dflash-reasoning\ue003"
+_TURN_SENTINEL_RE = re.compile("\ue004dflash-turn-(\\d+)\ue005")
 
 
 @dataclass(frozen=True)
@@ -183,17 +184,34 @@ class ChatEncoder:
     def _plan_spans(
         self, batch: list[list[Message]]
     ) -> list[tuple[str, list[tuple[int, int]], int]]:
-        """Full text, assistant character spans and unlocated-turn count per conversation."""
+        """Full text, assistant character spans and unlocated-turn count per conversation.
+
+        Fast path: one extra render with every assistant turn swapped for its own numbered
+        sentinel; if the constant text between sentinels (which holds the turn's control
+        tokens) re-appears in order in the real render, the gaps are the turns. Templates whose
+        text around a turn depends on its content, or that drop or repeat turns, fall back to
+        one render per turn (the diff against a single swapped turn).
+        """
         fulls = self._render_many(batch)
-        owners: list[int] = []
-        variants: list[list[Message]] = []
-        for r, messages in enumerate(batch):
-            for i, message in enumerate(messages):
-                if message["role"] == "assistant":
-                    owners.append(r)
-                    variants.append(_with_sentinels(messages, i))
         spans: list[list[tuple[int, int]]] = [[] for _ in batch]
         unlocated = [0] * len(batch)
+        quick = [(r, v) for r, m in enumerate(batch) if (v := _all_turn_sentinels(m)) is not None]
+        rendered = self._render_many([v for _, v in quick])
+        slow = set(range(len(batch)))
+        for (r, _), text in zip(quick, rendered, strict=True):
+            turns = sum(m["role"] == "assistant" for m in batch[r])
+            found = self._spans_one_pass(fulls[r], text, turns)
+            if found is not None:
+                slow.discard(r)
+                spans[r] = [span for span in found if span is not None]
+                unlocated[r] = found.count(None)
+        owners: list[int] = []
+        variants: list[list[Message]] = []
+        for r in sorted(slow):
+            for i, message in enumerate(batch[r]):
+                if message["role"] == "assistant":
+                    owners.append(r)
+                    variants.append(_with_sentinels(batch[r], i))
         for r, variant in zip(owners, self._render_many(variants), strict=True):
             span = self._turn_span(fulls[r], variant)
             if span is None or (spans[r] and span[0] < spans[r][-1][1]):
@@ -201,6 +219,34 @@ class ChatEncoder:
             else:
                 spans[r].append(span)
         return [(fulls[r], spans[r], unlocated[r]) for r in range(len(batch))]
+
+    def _spans_one_pass(
+        self, full: str, variant: str, turns: int
+    ) -> list[tuple[int, int] | None] | None:
+        """Per-turn spans from the all-sentinel render, or None when it cannot decide."""
+        if self._control_re is None:
+            return None
+        parts = _TURN_SENTINEL_RE.split(variant)
+        constants, order = parts[0::2], parts[1::2]
+        if order != [str(k) for k in range(turns)] or not full.startswith(constants[0]):
+            return None
+        pos = len(constants[0])
+        found: list[tuple[int, int] | None] = []
+        for k, after in enumerate(constants[1:], start=1):
+            if k == len(constants) - 1:
+                end = len(full) - len(after)
+                if end < pos or full[end:] != after:
+                    return None
+            else:
+                # Searching needs an anchor content cannot contain: a control token.
+                end = full.find(after, pos) if self._control_re.search(after) else -1
+                if end < 0:
+                    return None
+            if self._control_re.search(full, pos, end):
+                return None
+            found.append(self._closed_span(full, pos, end))
+            pos = end + len(after)
+        return found
 
     def _turn_span(self, full: str, variant: str) -> tuple[int, int] | None:
         """Where `full` differs from the sentinel render, plus the end-of-turn token after it."""
@@ -216,6 +262,10 @@ class ChatEncoder:
             return None
         if self._control_re is not None and self._control_re.search(full, start, end):
             return None
+        return self._closed_span(full, start, end)
+
+    def _closed_span(self, full: str, start: int, end: int) -> tuple[int, int] | None:
+        """Extend a turn's text by the control token right after it (its end-of-turn)."""
         if self._control_re is not None:
             closing = self._control_re.match(full, end)
             if closing is not None:
@@ -229,6 +279,20 @@ class ChatEncoder:
             conversations, tokenize=False, add_generation_prompt=False, **self.template_kwargs
         )
         return [str(t) for t in texts]
+
+
+def _all_turn_sentinels(messages: list[Message]) -> list[Message] | None:
+    """Every assistant content replaced by a numbered sentinel (None if a turn has reasoning)."""
+    out: list[Message] = []
+    k = 0
+    for message in messages:
+        if message["role"] == "assistant":
+            if "reasoning_content" in message:
+                return None
+            message = dict(message, content=f"\ue004dflash-turn-{k}\ue005")
+            k += 1
+        out.append(message)
+    return out
 
 
 def _with_sentinels(messages: list[Message], i: int) -> list[Message]:
