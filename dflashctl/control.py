@@ -402,8 +402,13 @@ class RunControl:
         outcome = (waited.stdout.strip().splitlines() or ["timeout"])[-1]
         log = await self._run(["tail", "-n", f"+{mark + 1}", self._path("run/status.log")])
         cap = await self._run(tmux_capture(self.host.session, 300))
-        events = [*_events(log.stdout if log.ok else ""), *parse_text(cap.stdout if cap.ok else "")]
-        ckpts = [e for e in events if isinstance(e, CheckpointEvent)]
+        # Only checkpoints written after the interrupt count: status.log lines past the mark, or
+        # (trainers that only print) pane lines newer than the last checkpoint known before it.
+        before = st.last_checkpoint.step if st.last_checkpoint else -1
+        ckpts = [e for e in _events(log.stdout if log.ok else "") if isinstance(e, CheckpointEvent)]
+        if not ckpts:
+            pane_events = parse_text(cap.stdout if cap.ok else "")
+            ckpts = [e for e in pane_events if isinstance(e, CheckpointEvent) and e.step > before]
         state = await self._pane_state()
         await self._run(tmux_kill_session(self.host.session))
         best = max(ckpts, key=lambda e: e.step) if ckpts else None

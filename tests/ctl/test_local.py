@@ -313,3 +313,30 @@ async def test_deploy_with_config_writes_it_in_the_switch(local, tmp_path: Path)
     assert res.config_pushed
     assert (Path(host.run_dir) / "config.toml").read_bytes() == tiny.read_bytes()
     assert sorted(p.name for p in Path(host.run_dir).iterdir()) == ["config.toml"]
+
+
+async def test_stop_does_not_report_an_old_checkpoint_as_its_own(
+    ctl: RunControl, tmp_path: Path
+) -> None:
+    """A trainer that ignores SIGINT: the periodic checkpoint from before is not 'the' stop one."""
+    run = Path(ctl.host.run_dir)
+    run.mkdir(parents=True)
+    (run / "status.log").write_text(
+        "Checkpoint saved: step=5 path=run/checkpoints/step-00000005.pt\n"
+    )
+    script = (
+        "import signal, time; signal.signal(signal.SIGINT, signal.SIG_IGN); "
+        "print('Checkpoint saved: step=5 path=run/checkpoints/step-00000005.pt', flush=True); "
+        "time.sleep(60)"
+    )
+    from dflashctl.remote.commands import tmux_new_session
+
+    res = await ctl.transport.run(
+        tmux_new_session(
+            ctl.host.session, [sys.executable, "-c", script], cwd=ctl.host.workdir, env={}
+        )
+    )
+    assert res.ok
+    stop = await ctl.stop(timeout=1.0)
+    assert stop.was_running and stop.outcome == "timeout" and stop.checkpoint is None
+    assert (await ctl.status()).state == "stopped"  # killed after the timeout
