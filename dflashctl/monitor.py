@@ -235,7 +235,7 @@ def shape_from_config(path: Path) -> RunShape:
     bounds = cfg.batching.boundaries
     sched = cfg.schedule
     return RunShape(
-        boundaries=tuple(bounds) if isinstance(bounds, list) else None,
+        boundaries=tuple(bounds) if isinstance(bounds, list) else planned_boundaries(cfg),
         q_pre_capacity=cfg.topology.prefetch_depth,
         q_hs_capacity=cfg.topology.hidden_depth,
         warmup_steps=sched.warmup_steps,
@@ -244,6 +244,24 @@ def shape_from_config(path: Path) -> RunShape:
         epochs=sched.epochs,
         schedule=lr_schedule(cfg.optimizer.lr, sched.min_lr),
     )
+
+
+def planned_boundaries(cfg: Any) -> tuple[int, ...] | None:
+    """For `boundaries = "plan"`: the edges the trainer will plan, when the token store is
+    readable here (the demo, a shared filesystem). Same planner, same inputs, same answer; None
+    when the store is remote (then the trainer's run-state.json or b0..bN labels are used)."""
+    from trainer.buckets import plan_buckets
+    from trainer.data.store import StoreError, TokenStore
+
+    b = cfg.batching
+    if b.strategy != "bucketed":
+        return None
+    try:
+        store = TokenStore.open(cfg.resolve(cfg.data.store))
+    except (StoreError, OSError):
+        return None
+    plan = plan_buckets(store.lengths, b.num_buckets, b.token_budget, b.max_batch, simulate=False)
+    return tuple(int(x) for x in plan.boundaries)
 
 
 def lr_schedule(peak: float, floor: float) -> Callable[[int, int, int], float]:

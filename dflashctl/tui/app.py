@@ -194,7 +194,8 @@ class DflashApp(App[None]):
             follower.mark_config(False, f"{path}: {exc.strerror}")
             return
         seen = self._config_seen.get(name)
-        if seen is not None and seen[0] == mtime and name in self._deployed_cache:
+        settled = seen is not None and seen[0] == mtime and name in self._deployed_cache
+        if settled and binding.shape.boundaries is not None:
             return
         try:
             local = path.read_text()
@@ -203,6 +204,10 @@ class DflashApp(App[None]):
         except Exception as exc:  # unreachable host or unreadable file: say so, keep going
             follower.mark_config(False, f"{path}: {exc}")
             return
+        if seen is None or seen[0] != mtime or binding.shape.boundaries is None:
+            # the shape follows the config; "plan" edges appear once the store exists
+            binding.shape = await asyncio.to_thread(shape_from_config, path)
+            self.dirty.add(name)
         self._config_seen[name] = (mtime, local)
         follower.mark_config(local != self._deployed_cache[name])
 

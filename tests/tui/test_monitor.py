@@ -254,3 +254,46 @@ async def test_shrunk_status_log_restarts_the_stream_from_zero() -> None:
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
     assert follower.state.status is not None and follower.state.status.step == 0
+
+
+def test_planned_boundaries_match_the_trainers_planner_on_a_local_store(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    store = tmp_path / "store"
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "trainer.data",
+            "synth",
+            "--lengths-from",
+            "seed-shaped",
+            "--vocab",
+            "512",
+            "--out",
+            str(store),
+            "--rows",
+            "2000",
+            "--max-length",
+            "96",
+        ],
+        check=True,
+        capture_output=True,
+    )
+    text = REPO_CONFIG.read_text().replace('store = ".cache/tiny-store"', f'store = "{store}"')
+    config = tmp_path / "run.toml"
+    config.write_text(text)
+    cfg = TrainConfig.load(config)
+    from trainer.buckets import plan_buckets
+    from trainer.data.store import TokenStore
+
+    b = cfg.batching
+    expected = plan_buckets(
+        TokenStore.open(store).lengths, b.num_buckets, b.token_budget, b.max_batch, simulate=False
+    ).boundaries
+    shape = shape_from_config(config)
+    assert shape.boundaries == tuple(expected) and len(expected) == b.num_buckets + 1
+    # a store that is not here (a remote host's path): no guess, the labels fall back
+    config.write_text(text.replace(str(store), str(tmp_path / "elsewhere")))
+    assert shape_from_config(config).boundaries is None
