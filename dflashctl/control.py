@@ -33,7 +33,13 @@ from dflashctl.remote.commands import (
     tmux_pane_state,
     write_file_atomic,
 )
-from dflashctl.remote.transport import CommandResult, HostUnreachable, Transport, TransportError
+from dflashctl.remote.transport import (
+    CommandResult,
+    HostKeyError,
+    HostUnreachable,
+    Transport,
+    TransportError,
+)
 from trainer.events import CheckpointEvent, ErrorEvent, Event, StatusEvent, parse_line, parse_text
 
 MARK = "@@dflash@@:"
@@ -508,6 +514,8 @@ class RunControl:
                     attempt = 0
                     yield line
                 reason = "stream ended"
+            except HostKeyError:
+                raise  # retrying cannot fix an unknown or changed host key
             except HostUnreachable as err:
                 reason = str(err)
             attempt += 1

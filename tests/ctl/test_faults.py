@@ -301,3 +301,13 @@ async def test_trust_answer_no_pins_nothing(
     out = capsys.readouterr().out
     assert rc == 1 and "Trust this key? [y/N]" in out and "not trusted" in out
     assert not (tmp_path / "known_hosts").exists()
+
+
+async def test_follow_does_not_retry_a_host_key_failure(server: Server, tmp_path: Path) -> None:
+    host = host_for(tmp_path, server)
+    pin_host_key(host, asyncssh.generate_private_key("ssh-ed25519").convert_to_public())
+    transport = SshTransport(host)
+    with pytest.raises(HostKeyError, match="CHANGED"):
+        async for _ in RunControl(transport, host).follow(0, delay=lambda a: 0.01):
+            pass
+    assert server.pve.commands == []
