@@ -15,7 +15,13 @@ import torch
 from tests.model.helpers import MASK_ID, make_drafter
 from trainer import eval as eval_cli
 from trainer.model.export import export_drafter
-from trainer.model.fit import evaluate_full_blocks, fit, greedy_continuations
+from trainer.model.fit import (
+    evaluate_full_blocks,
+    fit,
+    greedy_continuations,
+    teacher_forced_streaks,
+    walk_accept_lengths,
+)
 from trainer.model.mask_token import validate_mask_token_id
 from trainer.model.speculative import greedy_generate, speculative_generate
 from trainer.model.target import TargetModel
@@ -76,10 +82,15 @@ def test_overfitting_one_sequence_reaches_full_streak_and_tau_block_size(
 
 @pytest.mark.timeout(180)
 def test_training_on_target_generations_raises_held_out_tau(target: TargetModel) -> None:
-    """After a short run on the target's own greedy text, held-out tau is well above 1."""
+    """After a short run on the target's own greedy text, held-out tau is well above 1.
+
+    Also checks train/inference consistency: teacher-forced streaks from the training forward,
+    walked the way serving advances, give exactly the real loop's acceptance lengths.
+    """
     gen = torch.Generator().manual_seed(0)
     rows = greedy_continuations(target, torch.randint(0, 500, (1024, 8), generator=gen), 40)
-    held = greedy_continuations(target, torch.randint(0, 500, (8, 8), generator=gen), 40)
+    # B extra tokens so the teacher-forced walk has labels wherever the real loop drafts.
+    held = greedy_continuations(target, torch.randint(0, 500, (8, 8), generator=gen), 40 + BLOCK)
     assert not any(MASK_ID in r.ids for r in rows)
     drafter = make_drafter(target, block_size=BLOCK, num_layers=2)
     before = [speculative_generate(target, drafter, r.ids[:8], 40) for r in held[:2]]
@@ -90,6 +101,9 @@ def test_training_on_target_generations_raises_held_out_tau(target: TargetModel)
     for r in held:
         spec = speculative_generate(target, drafter, r.ids[:8], 40)
         assert spec.tokens == r.ids[8:48], "speculative output must equal greedy output"
+        # The training-path metric walked like serving reproduces the real acceptance.
+        walk = walk_accept_lengths(teacher_forced_streaks(drafter, target, r), 8, 40)
+        assert walk == spec.accept_lengths
         taus.append(spec.tau)
     mean_tau = sum(taus) / len(taus)
     assert mean_tau > 1.6, f"held-out tau {mean_tau:.2f} ({taus})"

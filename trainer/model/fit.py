@@ -16,9 +16,10 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from trainer.model.attention import build_mask
 from trainer.model.drafter import DFlashDrafter
 from trainer.model.masks import Anchors
-from trainer.model.objective import StepResult, dflash_objective
+from trainer.model.objective import StepResult, block_labels, dflash_objective, streaks
 from trainer.model.target import TargetModel
 
 
@@ -183,3 +184,40 @@ def evaluate_full_blocks(
         anchors=Anchors(positions, keep),
     )
     return to_metrics(-1, res)
+
+
+@torch.no_grad()
+def teacher_forced_streaks(drafter: DFlashDrafter, target: TargetModel, row: Row) -> Tensor:
+    """Streak of a block anchored at EVERY position of `row` (one masked training forward).
+
+    Returns an int64 tensor [S]; entry a = leading slots whose argmax equals row[a+k] among
+    supervised in-range labels. Uses the training path (multi-anchor mask, dense logits).
+    """
+    bsz = drafter.config.block_size
+    ids, loss_mask, attn = pad_rows([row], target.device)
+    seq = ids.shape[1]
+    anchors = Anchors(torch.arange(seq)[None], torch.ones(1, seq, dtype=torch.bool))
+    positions = anchors.positions.to(target.device)
+    block_ids = drafter.block_input_ids(ids.gather(1, positions))
+    block_pos = (positions[:, :, None] + torch.arange(bsz, device=ids.device)).flatten(1)
+    mask = build_mask(positions, attn, bsz, "sdpa")
+    hidden = drafter(target.capture(ids, attn), block_ids, block_pos, mask)
+    predicted = drafter.logits(hidden).argmax(-1).view(1, seq, bsz)[:, :, 1:]
+    labels, valid = block_labels(ids, loss_mask, attn, anchors, bsz)
+    return streaks(predicted == labels, valid)[0].cpu()
+
+
+def walk_accept_lengths(streak_at: Tensor, first: int, max_new_tokens: int) -> list[int]:
+    """Acceptance lengths of the serving walk over teacher-forced streaks.
+
+    Starts at the first generated position and jumps by streak+1, as greedy speculative
+    decoding does; with labels = the target's greedy text this reproduces the real loop's
+    `accept_lengths` exactly (up to numerics), which is what makes the training metric honest.
+    """
+    pos, produced, out = first, 1, []
+    while produced < max_new_tokens:
+        step = int(streak_at[pos]) + 1
+        out.append(step)
+        pos += step
+        produced += step
+    return out
