@@ -159,3 +159,13 @@ def test_sigterm_mid_write_leaves_no_store_and_no_temp(tmp_path: Path) -> None:
             proc.kill()
     assert proc.returncode == 130 and "nothing was written" in err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["big.npy"]
+
+
+def test_progress_goes_to_stderr(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr("trainer.data.cli.PROGRESS_EVERY_S", 0.0)
+    argv = ["synth", "--lengths-from", str(_npy(tmp_path)), "--vocab", "64"]
+    assert main([*argv, "--out", str(tmp_path / "s")]) == 0
+    captured = capsys.readouterr()
+    assert "synth: 4 rows of 4" in captured.err and "synth:" not in captured.out

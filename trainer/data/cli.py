@@ -12,7 +12,7 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from types import FrameType
 from typing import Any
 
@@ -116,18 +116,6 @@ def _run_import(args: argparse.Namespace) -> Manifest:
         raise InputError(f"--template-kwargs: not JSON ({exc.msg})") from None
     if not isinstance(kwargs, dict):
         raise InputError("--template-kwargs: must be a JSON object")
-    started = time.monotonic()
-    last = [started]
-
-    def progress(lines: int, rows: int) -> None:
-        now = time.monotonic()
-        if now - last[0] >= PROGRESS_EVERY_S:
-            last[0] = now
-            rate = lines / (now - started)
-            print(
-                f"import: {lines:,} lines, {rows:,} rows kept, {rate:,.0f} lines/s", file=sys.stderr
-            )
-
     return import_chat_jsonl(
         args.input,
         args.tokenizer,
@@ -138,8 +126,25 @@ def _run_import(args: argparse.Namespace) -> Manifest:
         template_kwargs=kwargs,
         workers=args.workers,
         mask_token_id=args.mask_token_id,
-        progress=progress,
+        progress=_throttled("import", "lines"),
     )
+
+
+def _throttled(command: str, unit: str) -> Callable[[int, int], None]:
+    """A progress callback printing to stderr at most every PROGRESS_EVERY_S seconds."""
+    started = time.monotonic()
+    last = [started]
+
+    def report(done: int, other: int) -> None:
+        now = time.monotonic()
+        if now - last[0] < PROGRESS_EVERY_S:
+            return
+        last[0] = now
+        rate = done / max(now - started, 1e-9)
+        detail = f"of {other:,}" if command == "synth" else f"({other:,} rows kept)"
+        print(f"{command}: {done:,} {unit} {detail}, {rate:,.0f} {unit}/s", file=sys.stderr)
+
+    return report
 
 
 def _run_synth(args: argparse.Namespace) -> Manifest:
@@ -158,6 +163,7 @@ def _run_synth(args: argparse.Namespace) -> Manifest:
         reserved_top=args.reserved_top,
         length_scale=args.length_scale,
         overwrite=args.force,
+        progress=_throttled("synth", "rows"),
     )
 
 

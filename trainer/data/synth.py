@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -185,6 +185,7 @@ def synth_store(
     reserved_top: int = 8,
     length_scale: float = 1.0,
     overwrite: bool = False,
+    progress: Callable[[int, int], None] | None = None,
 ) -> Manifest:
     """Write a learnable synthetic store whose lengths follow `lengths_from`."""
     check_target(out, overwrite)
@@ -210,6 +211,8 @@ def synth_store(
     with StoreWriter(out, overwrite=overwrite) as writer:
         for tokens, mask, lens in generate(lengths, chain, seed):
             writer.add_flat(tokens, mask, lens)
+            if progress is not None:
+                progress(writer.num_rows, int(lengths.size))
         return writer.commit(
             kind="synthetic",
             source=source,
