@@ -408,3 +408,50 @@ def test_one_pass_and_per_turn_diff_agree(
     _, slow_manifest = _import(tmp_path / "slow", qwen_tokenizer_dir, rows)
     assert fast_manifest.files == slow_manifest.files
     assert fast_manifest.num_supervised_tokens > 0
+
+
+TOOLS_TEMPLATE = (
+    r"{%- for m in messages -%}"
+    r"{%- if m['role'] == 'assistant' -%}"
+    r"{{ '<|im_start|>assistant\n' + m['content'] }}"
+    r"{%- if m['tool_calls'] is defined -%}{%- for call in m['tool_calls'] -%}"
+    r"{{ '\n<tool_call>\n' + (call['function'] | tojson) + '\n</tool_call>' }}"
+    r"{%- endfor -%}{%- endif -%}"
+    r"{{ '<|im_end|>\n' }}"
+    r"{%- elif m['role'] == 'tool' -%}"
+    r"{{ '<|im_start|>user\n<tool_response>\n' + m['content'] + '\n</tool_response><|im_end|>\n' }}"
+    r"{%- else -%}"
+    r"{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>' + '\n' }}"
+    r"{%- endif -%}"
+    r"{%- endfor -%}"
+)
+
+
+def test_tool_calls_are_supervised_tool_results_are_not(
+    tmp_path: Path, qwen_tokenizer_dir: Path
+) -> None:
+    (tmp_path / "t.jinja").write_text(TOOLS_TEMPLATE)
+    call = {"type": "function", "function": {"name": "add", "arguments": {"x": 1, "y": 2}}}
+    chat = [
+        {"role": "user", "content": "hello world"},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "content": "3"},
+        {"role": "assistant", "content": "the quick brown fox"},
+    ]
+    bad = [chat[0], {"role": "assistant", "content": None, "tool_calls": [{"oops": 1}]}]
+    store, manifest = _import(
+        tmp_path,
+        qwen_tokenizer_dir,
+        [{"messages": chat}, {"messages": bad}],
+        chat_template=tmp_path / "t.jinja",
+    )
+    tokenizer = load_tokenizer(qwen_tokenizer_dir)
+    tokens, mask = store.row(0)
+    supervised = [tokenizer.decode(tokens[a:b].tolist()) for a, b in _runs(mask)]
+    assert len(supervised) == 2
+    assert supervised[0].startswith("\n<tool_call>\n{") and '"name": "add"' in supervised[0]
+    assert supervised[0].endswith("\n</tool_call><|im_end|>")
+    assert supervised[1] == "the quick brown fox<|im_end|>"
+    assert "<tool_response>" not in "".join(supervised)
+    assert manifest.skipped["bad_schema"].first_lines == [2]
+    assert manifest.params["unlocated_turns"] == 0

@@ -23,6 +23,7 @@ encoded as control tokens and silently change the turn structure, so such rows a
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -111,8 +112,11 @@ class ChatEncoder:
         if self._control_re is None:
             return None
         for message in messages:
-            for key in ("content", "reasoning_content"):
-                found = self._control_re.search(message.get(key, ""))
+            texts = [message["content"], message.get("reasoning_content", "")]
+            if "tool_calls" in message:
+                texts.append(json.dumps(message["tool_calls"], ensure_ascii=False))
+            for text in texts:
+                found = self._control_re.search(text)
                 if found:
                     return found.group(0)
         return None
@@ -289,14 +293,21 @@ def _all_turn_sentinels(messages: list[Message]) -> list[Message] | None:
         if message["role"] == "assistant":
             if "reasoning_content" in message:
                 return None
-            message = dict(message, content=f"\ue004dflash-turn-{k}\ue005")
+            message = _without_tool_calls(dict(message, content=f"\ue004dflash-turn-{k}\ue005"))
             k += 1
         out.append(message)
     return out
 
 
+def _without_tool_calls(message: Message) -> Message:
+    """Tool calls are model output too: dropping them from the sentinel render makes their
+    rendered text part of the difference, so it is supervised with the content."""
+    message.pop("tool_calls", None)
+    return message
+
+
 def _with_sentinels(messages: list[Message], i: int) -> list[Message]:
-    turn = dict(messages[i], content=CONTENT_SENTINEL)
+    turn = _without_tool_calls(dict(messages[i], content=CONTENT_SENTINEL))
     if "reasoning_content" in turn:
         turn["reasoning_content"] = REASONING_SENTINEL
     return [*messages[:i], turn, *messages[i + 1 :]]

@@ -5,7 +5,8 @@ Accepted row shapes (the common public ones):
   {"messages":      [{"role": ..., "content": ...}, ...]}      OpenAI style (NeMo)
   {"conversations": [{"from": "human", "value": ...}, ...]}    ShareGPT style
 OpenAI content may also be a list of parts; only text parts are accepted. An assistant turn may
-carry `reasoning_content` (passed through to templates that render it, such as Qwen3's).
+carry `reasoning_content` and OpenAI `tool_calls` (content may then be null); both are passed
+through to templates that render them (Qwen's do), and tool results use role "tool".
 
 Pure functions, no tokenizer: bad rows are classified here so the import can count them by
 reason without ever raising.
@@ -38,7 +39,7 @@ ROLE_ALIASES: dict[str, str] = {
     "bot": "assistant",
 }
 
-Message = dict[str, str]
+Message = dict[str, Any]  # role, content[, reasoning_content][, tool_calls]
 
 
 @dataclass(frozen=True)
@@ -98,14 +99,33 @@ def _normalise_turn(k: int, turn: Any) -> Message | Rejected:
     canonical = ROLE_ALIASES.get(role.strip().lower())
     if canonical is None:
         return Rejected(UNKNOWN_ROLE, f"message {k} role {role[:40]!r}")
-    content = _content_text(turn.get("content", turn.get("value")))
+    raw_content = turn.get("content", turn.get("value"))
+    tool_calls = turn.get("tool_calls") if canonical == "assistant" else None
+    if tool_calls is not None and not _valid_tool_calls(tool_calls):
+        return Rejected(BAD_SCHEMA, f"message {k} tool_calls is not a list of function calls")
+    if raw_content is None and tool_calls:
+        raw_content = ""  # OpenAI: an assistant turn that only calls tools has content null
+    content = _content_text(raw_content)
     if content is None:
         return Rejected(BAD_SCHEMA, f"message {k} content is not text")
     message: Message = {"role": canonical, "content": content}
     reasoning = turn.get("reasoning_content")
     if canonical == "assistant" and isinstance(reasoning, str) and reasoning:
         message["reasoning_content"] = reasoning
+    if tool_calls:
+        message["tool_calls"] = tool_calls
     return message
+
+
+def _valid_tool_calls(calls: Any) -> bool:
+    """OpenAI shape: [{"type": "function", "function": {"name": str, "arguments": ...}}]."""
+    if not isinstance(calls, list):
+        return False
+    for call in calls:
+        function = call.get("function", call) if isinstance(call, dict) else None
+        if not (isinstance(function, dict) and isinstance(function.get("name"), str)):
+            return False
+    return True
 
 
 def _content_text(content: Any) -> str | None:
