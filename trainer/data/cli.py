@@ -62,7 +62,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     syn.add_argument("--vocab", type=int, required=True, help="vocabulary size V")
     syn.add_argument("--out", required=True, help="store directory to create")
-    syn.add_argument("--rows", type=int, help="subsample N rows from the length distribution")
+    syn.add_argument(
+        "--rows",
+        type=int,
+        help="draw N rows from the length distribution (with replacement past its size)",
+    )
     syn.add_argument("--max-length", type=int, help="clip lengths to N tokens")
     syn.add_argument(
         "--length-scale", type=float, default=1.0, help="divide every length by F (shrink a shape)"
