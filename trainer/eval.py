@@ -22,9 +22,11 @@ import sys
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
+from trainer.model.drafter import DFlashDrafter
 from trainer.model.export import ExportError, load_drafter, read_drafter_config
 from trainer.model.speculative import greedy_generate, speculative_generate
 from trainer.model.target import TargetError, TargetModel
@@ -99,7 +101,7 @@ def load_prompts(path: Path, vocab_size: int, tokenizer_dir: Path | None = None)
     return prompts
 
 
-def _load_tokenizer(path: Path):
+def _load_tokenizer(path: Path) -> Any:
     from transformers import AutoTokenizer
 
     try:
@@ -110,7 +112,7 @@ def _load_tokenizer(path: Path):
 
 def evaluate(
     target: TargetModel,
-    drafter: torch.nn.Module,
+    drafter: DFlashDrafter,
     prompts: Sequence[list[int]],
     *,
     max_new_tokens: int,
@@ -121,7 +123,7 @@ def evaluate(
     results: list[PromptResult] = []
     committed = 0
     for i, prompt in enumerate(prompts):
-        spec = speculative_generate(target, drafter, prompt, max_new_tokens, eos_id)  # type: ignore[arg-type]
+        spec = speculative_generate(target, drafter, prompt, max_new_tokens, eos_id)
         greedy = greedy_generate(target, prompt, max_new_tokens, eos_id) if check_greedy else None
         committed += sum(spec.accept_lengths)
         results.append(
@@ -144,7 +146,7 @@ def evaluate(
         new_tokens=sum(r.new_tokens for r in results),
         verify_steps=steps,
         matches=sum(r.matches_greedy for r in results),
-        block_size=drafter.config.block_size,  # type: ignore[union-attr]
+        block_size=drafter.config.block_size,
         spec_seconds=sum(r.spec_seconds for r in results),
         greedy_seconds=sum(r.greedy_seconds for r in results),
     )

@@ -124,20 +124,15 @@ class DrafterAttention(nn.Module):
     def __init__(self, cfg: DrafterConfig) -> None:
         super().__init__()
         h, d = cfg.hidden_size, cfg.head_dim
-        self.num_heads, self.num_kv_heads, self.head_dim = (
-            cfg.num_attention_heads,
-            cfg.num_key_value_heads,
-            d,
-        )
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = cfg.num_key_value_heads
+        self.head_dim = d
         self.q_proj = nn.Linear(h, self.num_heads * d, bias=False)
         self.k_proj = nn.Linear(h, self.num_kv_heads * d, bias=False)
         self.v_proj = nn.Linear(h, self.num_kv_heads * d, bias=False)
         self.o_proj = nn.Linear(self.num_heads * d, h, bias=False)
         self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
-
-    def _heads(self, x: Tensor, n: int) -> Tensor:
-        return x.view(*x.shape[:2], n, self.head_dim).transpose(1, 2)
 
     def forward(
         self,
@@ -148,15 +143,11 @@ class DrafterAttention(nn.Module):
         mask: AttnMask,
     ) -> Tensor:
         kv_in = torch.cat([context, u], dim=1)
-        q = self._heads(
-            self.q_norm(self.q_proj(u).view(*u.shape[:2], -1, self.head_dim)).flatten(2),
-            self.num_heads,
-        )
-        k = self._heads(
-            self.k_norm(self.k_proj(kv_in).view(*kv_in.shape[:2], -1, self.head_dim)).flatten(2),
-            self.num_kv_heads,
-        )
-        v = self._heads(self.v_proj(kv_in), self.num_kv_heads)
+        b, q_len, kv_len, d = u.shape[0], u.shape[1], kv_in.shape[1], self.head_dim
+        # QK-norm per head, then heads first: [B, heads, T, head_dim].
+        q = self.q_norm(self.q_proj(u).view(b, q_len, self.num_heads, d)).transpose(1, 2)
+        k = self.k_norm(self.k_proj(kv_in).view(b, kv_len, self.num_kv_heads, d)).transpose(1, 2)
+        v = self.v_proj(kv_in).view(b, kv_len, self.num_kv_heads, d).transpose(1, 2)
         q = apply_rotary(q, *rope_q)
         k = apply_rotary(k, *rope_kv)
         out = attend(q, k, v, mask, scale=self.head_dim**-0.5)
