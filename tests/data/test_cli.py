@@ -169,3 +169,39 @@ def test_progress_goes_to_stderr(
     assert main([*argv, "--out", str(tmp_path / "s")]) == 0
     captured = capsys.readouterr()
     assert "synth: 4 rows of 4" in captured.err and "synth:" not in captured.out
+
+
+def test_show_marks_supervised_text(
+    tmp_path: Path, qwen_tokenizer_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    chat = {
+        "messages": [
+            {"role": "user", "content": "hi"},
+            {"role": "assistant", "content": "hello world"},
+        ]
+    }
+    source = write_jsonl(tmp_path / "c.jsonl", [chat])
+    out = tmp_path / "s"
+    argv = ["import", "--input", str(source), "--tokenizer", str(qwen_tokenizer_dir)]
+    assert main([*argv, "--max-length", "64", "--out", str(out), "--workers", "1"]) == 0
+    capsys.readouterr()
+    assert main(["show", str(out)]) == 0  # tokenizer found through the manifest
+    shown = capsys.readouterr().out
+    assert (
+        "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n⟦hello world<|im_end|>⟧\n" in shown
+    )
+    assert main(["show", str(out), "--rows", "1"]) == 2
+    assert "--rows: 1 is outside 0..0" in capsys.readouterr().err
+
+
+def test_show_synthetic_prints_ids(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "s"
+    main(["synth", "--lengths-from", str(_npy(tmp_path)), "--vocab", "64", "--out", str(out)])
+    capsys.readouterr()
+    assert main(["show", str(out), "--rows", "0"]) == 0
+    shown = capsys.readouterr().out
+    store = TokenStore.open(out)
+    tokens, mask = store.row(0)
+    first = int(np.argmax(mask))
+    expected = " ".join(map(str, tokens[:first])) + " ⟦" + " ".join(map(str, tokens[first:])) + " ⟧"
+    assert f"--- row 0: 10 tokens, {10 - first} supervised\n{expected}\n" in shown

@@ -82,6 +82,13 @@ def build_parser() -> argparse.ArgumentParser:
     info.add_argument("store")
     info.add_argument("--verify", action="store_true", help="also check sha256 and token ids")
     info.add_argument("--json", action="store_true", help="print the manifest as JSON")
+
+    show = sub.add_parser("show", help="print rows with the supervised tokens marked ⟦ ⟧")
+    show.add_argument("store")
+    picks = show.add_mutually_exclusive_group()
+    picks.add_argument("--count", type=int, default=3, help="the first N rows (default 3)")
+    picks.add_argument("--rows", help="comma-separated row numbers, e.g. 0,17,42")
+    show.add_argument("--tokenizer", help="tokenizer dir (default: the one in the manifest)")
     return parser
 
 
@@ -93,6 +100,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             manifest = _run_import(args)
         elif args.command == "synth":
             manifest = _run_synth(args)
+        elif args.command == "show":
+            return _run_show(args)
         else:
             return _run_info(args)
     except (InputError, StoreError) as exc:
@@ -183,6 +192,30 @@ def _run_info(args: argparse.Namespace) -> int:
         print(format_summary(store.manifest, store.lengths, path=str(store.path)))
         if args.verify:
             print("verify     ok: sizes, sha256, token ids, mask")
+    return 0
+
+
+def _run_show(args: argparse.Namespace) -> int:
+    from trainer.data.show import id_decoder, render_row, tokenizer_decoder
+
+    store = TokenStore.open(args.store)
+    try:
+        rows = (
+            [int(r) for r in args.rows.split(",")]
+            if args.rows
+            else list(range(min(args.count, len(store))))
+        )
+    except ValueError:
+        raise InputError(f"--rows {args.rows!r}: expected comma-separated integers") from None
+    bad = [r for r in rows if not 0 <= r < len(store)]
+    if bad:
+        raise InputError(f"--rows: {bad[0]} is outside 0..{len(store) - 1} of {store.path}")
+    tok_dir = args.tokenizer or (store.manifest.tokenizer and store.manifest.tokenizer.name_or_path)
+    decode = tokenizer_decoder(tok_dir) if tok_dir else id_decoder
+    for r in rows:
+        tokens, mask = store.row(r)
+        print(f"--- row {r}: {tokens.size} tokens, {int(mask.sum())} supervised")
+        print(render_row(tokens, mask, decode))
     return 0
 
 
