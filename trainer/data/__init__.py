@@ -1,4 +1,4 @@
-"""Token store, chat-JSONL import and synthetic data (`python -m trainer.data import|synth|info`).
+"""Token store, chat-JSONL import and synthetic data (`python -m trainer.data import|synth|info|show`).
 
 Importing this package is cheap and torch-free; the tokenizer stack (transformers) is loaded only
 by the `import` command.

@@ -1,4 +1,4 @@
-"""Entry point: `python -m trainer.data import|synth|info` (see trainer/data/cli.py)."""
+"""Entry point: `python -m trainer.data import|synth|info|show` (see trainer/data/cli.py)."""
 
 import sys
 

@@ -1,4 +1,4 @@
-"""`python -m trainer.data import|synth|info`: build and inspect token stores.
+"""`python -m trainer.data import|synth|info|show`: build and inspect token stores.
 
 Exit codes: 0 ok; 2 usage or input error (one line on stderr naming the file, line or option;
 nothing is written); 130 interrupted (nothing is written); 1 unexpected failure (traceback).
