@@ -263,12 +263,17 @@ def load_inventory(path: Path | str | None = None) -> Inventory:
 
 def local_host(name: str, workdir: Path, *, python: str, session: str = "dflash") -> HostConfig:
     """A host whose 'container' is this machine (LocalTransport): demo and local tests."""
-    return HostConfig(
-        name=name,
-        address="localhost",
-        ctid=100,
-        workdir=str(workdir.resolve()),
-        python=python,
-        session=session,
-        known_hosts=user_config_dir() / "known_hosts",
-    )
+    try:
+        return HostConfig(
+            name=name,
+            address="localhost",
+            ctid=100,
+            workdir=str(workdir.resolve()),
+            python=python,
+            session=session,
+            known_hosts=user_config_dir() / "known_hosts",
+        )
+    except ValidationError as err:
+        first = err.errors()[0]
+        key = ".".join(str(p) for p in first["loc"])
+        raise InventoryError(f"local host {name!r}: {key}: {first['msg']}") from None

@@ -96,3 +96,11 @@ def test_group_writable_inventory_warns(tmp_path: Path) -> None:
     assert load_inventory(path).warnings == ()
     path.chmod(0o664)
     assert "writable by group or others" in load_inventory(path).warnings[0]
+
+
+def test_local_host_with_an_unusable_path_is_a_clear_error(tmp_path: Path) -> None:
+    from dflashctl.inventory import local_host
+
+    assert local_host("demo", tmp_path / "wd", python="/usr/bin/python3").workdir.endswith("/wd")
+    with pytest.raises(InventoryError, match=r"local host 'demo': workdir:"):
+        local_host("demo", tmp_path / "my runs", python="/usr/bin/python3")
