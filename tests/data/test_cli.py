@@ -205,3 +205,18 @@ def test_show_synthetic_prints_ids(tmp_path: Path, capsys: pytest.CaptureFixture
     first = int(np.argmax(mask))
     expected = " ".join(map(str, tokens[:first])) + " ⟦" + " ".join(map(str, tokens[first:])) + " ⟧"
     assert f"--- row 0: 10 tokens, {10 - first} supervised\n{expected}\n" in shown
+
+
+def test_synth_and_info_need_neither_torch_nor_transformers(tmp_path: Path) -> None:
+    lengths = _npy(tmp_path)
+    code = (
+        "import sys\n"
+        "sys.modules['torch'] = None\n"
+        "sys.modules['transformers'] = None\n"
+        "from trainer.data.cli import main\n"
+        f"assert main(['synth', '--lengths-from', {str(lengths)!r}, '--vocab', '64',"
+        f" '--out', {str(tmp_path / 's')!r}]) == 0\n"
+        f"assert main(['info', {str(tmp_path / 's')!r}, '--verify']) == 0\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
