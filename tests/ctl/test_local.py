@@ -340,3 +340,24 @@ async def test_stop_does_not_report_an_old_checkpoint_as_its_own(
     stop = await ctl.stop(timeout=1.0)
     assert stop.was_running and stop.outcome == "timeout" and stop.checkpoint is None
     assert (await ctl.status()).state == "stopped"  # killed after the timeout
+
+
+async def test_interrupted_deploy_leaves_current_and_no_lock(local, tmp_path: Path) -> None:
+    transport, host = local
+    tree = standin_copy(tmp_path)
+    first = build_release(tree)
+    await deploy(transport, host, release=first, min_free_bytes=0, import_check=False)
+    (tree / "trainer" / "v.py").write_text("v = 2\n")
+    second = build_release(tree)
+    # cancel while the (slow, importing) preflight runs, as Ctrl-C would
+    task = asyncio.create_task(deploy(transport, host, release=second, min_free_bytes=0))
+    await asyncio.sleep(0.5)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    wd = Path(host.workdir)
+    assert os.readlink(wd / "current") == f"releases/{first.id}"
+    assert not (wd / ".deploy.lock").exists()
+    assert not (wd / "releases" / second.id).exists()
+    probes = await transport.run(["pgrep", "-f", f"import importlib.*{host.workdir}"])
+    assert probes.stdout.strip() == ""  # the remote probe was killed with the local command
