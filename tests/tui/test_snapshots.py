@@ -5,11 +5,13 @@ Update (after looking at the report): `pytest tests/tui/test_snapshots.py --snap
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import replace
 
 from dflashctl.monitor import RestartPlan, RunState, apply_lines, apply_status
 from dflashctl.runconfig import config_diff
 from dflashctl.tui.app import DflashApp, HostBinding
+from dflashctl.tui.screens.host import HostScreen
 from dflashctl.tui.screens.restart import RestartScreen
 from tests.tui.fixtures import FIXED_NOW, Status, run_lines, seed_shape
 
@@ -35,6 +37,15 @@ token_budget = 49152
 lr = 6e-4
 warmup_ratio = 0.04
 """
+
+
+async def _painted(pilot) -> None:  # type: ignore[no-untyped-def]
+    """Wait (bounded) until the host screen drew its panes at their laid-out size."""
+    async with asyncio.timeout(10):
+        while not (isinstance(pilot.app.screen, HostScreen) and pilot.app.screen.painted):
+            await pilot.pause(0.05)
+            pilot.app.flush()
+    await pilot.pause()
 
 
 def fleet_app() -> DflashApp:
@@ -74,9 +85,7 @@ def test_fleet_screen(snap_compare) -> None:  # type: ignore[no-untyped-def]
 def test_host_screen(snap_compare) -> None:  # type: ignore[no-untyped-def]
     async def open_host(pilot) -> None:  # type: ignore[no-untyped-def]
         await pilot.press("enter")
-        await pilot.pause()
-        pilot.app.flush()
-        await pilot.pause()
+        await _painted(pilot)
 
     assert snap_compare(fleet_app(), terminal_size=SIZE, run_before=open_host)
 
@@ -84,9 +93,7 @@ def test_host_screen(snap_compare) -> None:  # type: ignore[no-untyped-def]
 def test_stale_host_screen(snap_compare) -> None:  # type: ignore[no-untyped-def]
     async def open_stale(pilot) -> None:  # type: ignore[no-untyped-def]
         await pilot.press("down", "enter")
-        await pilot.pause()
-        pilot.app.flush()
-        await pilot.pause()
+        await _painted(pilot)
 
     assert snap_compare(fleet_app(), terminal_size=SIZE, run_before=open_stale)
 

@@ -73,6 +73,8 @@ class HostScreen(Screen[None]):
         self.query_one("#host-header", Static).update(header_text(state, now))
         if self._painted and self.host not in set(dirty):
             return
+        if self.query_one("#queues").content_size.width == 0:
+            return  # not laid out yet: charts drawn now would have the wrong width
         self._painted = True
         st = state.status
         self.query_one("#ktok-digits", Digits).update(fmt(st.ktok_s if st else None, ".1f"))
@@ -86,12 +88,20 @@ class HostScreen(Screen[None]):
         self._pane("#gpus").update(gpus_text(state))
         self._append_log(state)
 
+    def on_resize(self) -> None:
+        self._painted = False  # charts are sized to their panes: redraw at the new size
+        self.app.call_later(self.app.flush)  # type: ignore[attr-defined]
+
+    @property
+    def painted(self) -> bool:
+        """True once the panes were drawn at their laid-out size (tests wait for it)."""
+        return self._painted
+
     def _pane(self, selector: str) -> Static:
         return self.query_one(selector, Static)
 
     def _width(self, selector: str) -> int:
-        width = self.query_one(selector).content_size.width
-        return width if width > 0 else 40
+        return max(8, self.query_one(selector).content_size.width)
 
     def _append_log(self, state: RunState) -> None:
         """Write only the lines that arrived since the last tick (the tail is bounded)."""
