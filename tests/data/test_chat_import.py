@@ -347,21 +347,37 @@ def test_worker_processes_give_the_same_store(tmp_path: Path, qwen_tokenizer_dir
     assert two.num_rows == 11 and two.skipped.keys() == {"malformed_json", "empty_conversation"}
 
 
-def test_template_error_is_isolated_to_its_row(tmp_path: Path, qwen_tokenizer_dir: Path) -> None:
+NO_TOOLS = (
+    r"{%- for m in messages -%}"
+    r"{%- if m['role'] == 'tool' -%}{{ raise_exception('tool messages unsupported') }}{%- endif -%}"
+    r"{%- if m['role'] == 'assistant' -%}"
+    r"{{ '<|im_start|>assistant\n' }}{% generation %}{{ m['content'] + '<|im_end|>' }}"
+    r"{% endgeneration %}{{ '\n' }}"
+    r"{%- else -%}"
+    r"{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>' + '\n' }}"
+    r"{%- endif -%}"
+    r"{%- endfor -%}"
+)
+
+
+@pytest.mark.parametrize("tags", [True, False], ids=["generation-tags", "sentinel-diff"])
+def test_template_error_is_isolated_to_its_row(
+    tmp_path: Path, qwen_tokenizer_dir: Path, tags: bool
+) -> None:
     template = tmp_path / "no_tools.jinja"
-    template.write_text(
-        "{%- for m in messages -%}"
-        "{%- if m['role'] == 'tool' -%}{{ raise_exception('tool messages unsupported') }}{%- endif -%}"
-        "{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>' + '\\n' }}"
-        "{%- endfor -%}"
-        "{%- if add_generation_prompt -%}{{ '<|im_start|>assistant\\n' }}{%- endif -%}"
+    text = (
+        NO_TOOLS
+        if tags
+        else NO_TOOLS.replace("{% generation %}", "").replace("{% endgeneration %}", "")
     )
+    template.write_text(text)
     tool = {"role": "tool", "content": "42"}
     rows: list[object] = [{"conversations": CHAT}, {"conversations": [*CHAT[:3], tool, *CHAT[3:]]}]
     store, manifest = _import(
         tmp_path, qwen_tokenizer_dir, [*rows, rows[0]], chat_template=template
     )
-    assert len(store) == 2
+    assert manifest.mask_strategy == ("generation-tags" if tags else "sentinel-diff")
+    assert len(store) == 2 and store.row(1)[1].sum() > 0
     assert manifest.skipped["template_error"].first_lines == [2]
     assert manifest.tokenizer is not None
     assert "chat_template (override)" in manifest.tokenizer.files
