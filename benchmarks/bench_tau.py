@@ -6,8 +6,8 @@ Side by side in one run, on held-out prompts whose continuations the target gene
 greedily: an untrained drafter, drafters trained on the target's own greedy text (block 8
 and block 16). For each: the real tau; the teacher-forced streaks of the training forward
 walked the way serving advances ("walk", should equal tau); and 1 + the mean streak over all
-anchors ("1+streak", what a training log shows — biased high, because the serving walk lands
-right after rejections, where the drafter is weakest).
+anchors ("1+streak", what a training log shows; it averages every position, while serving
+only visits the positions right after each rejection, so it is not tau).
 Every speculative output is checked against greedy decoding. CPU, one thread.
 """
 
@@ -26,6 +26,8 @@ from trainer.model.fit import (
     evaluate_full_blocks,
     fit,
     greedy_continuations,
+    teacher_forced_streaks,
+    walk_accept_lengths,
 )
 from trainer.model.speculative import speculative_generate
 from trainer.model.target import TargetModel
@@ -36,15 +38,17 @@ PROMPT, NEW, MASK_ID = 8, 40, 511
 
 def measure(
     target: TargetModel, drafter: DFlashDrafter, held: list[Row]
-) -> tuple[float, float, bool]:
-    """(mean real tau, 1 + teacher-forced streak, all outputs == greedy)."""
-    taus, same = [], True
+) -> tuple[float, float, float, bool]:
+    """(real tau, teacher-forced walk tau, 1 + mean streak over all anchors, outputs == greedy)."""
+    taus, walks, same = [], [], True
     for r in held:
         spec = speculative_generate(target, drafter, r.ids[:PROMPT], NEW)
         same &= spec.tokens == r.ids[PROMPT : PROMPT + NEW]
         taus.append(spec.tau)
+        walk = walk_accept_lengths(teacher_forced_streaks(drafter, target, r), PROMPT, NEW)
+        walks.append(sum(walk) / len(walk))
     sim = 1.0 + evaluate_full_blocks(drafter, target, held).streak
-    return sum(taus) / len(taus), sim, same
+    return sum(taus) / len(taus), sum(walks) / len(walks), sim, same
 
 
 def main() -> int:
@@ -62,7 +66,10 @@ def main() -> int:
             target, torch.randint(0, 500, (args.rows, PROMPT), generator=gen), NEW
         )
         held = greedy_continuations(
-            target, torch.randint(0, 500, (args.held, PROMPT), generator=gen), NEW
+            # 16 extra tokens: the walk needs labels wherever a block-16 draft reaches.
+            target,
+            torch.randint(0, 500, (args.held, PROMPT), generator=gen),
+            NEW + 16,
         )
         print(
             f"data: {args.rows} train / {args.held} held-out rows of {PROMPT}+{NEW} tokens "
