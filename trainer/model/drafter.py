@@ -13,6 +13,7 @@ reference, never registered: they stay out of state_dict, optimizers and DDP.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -134,24 +135,37 @@ class DrafterAttention(nn.Module):
         self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
 
+    def _kv(self, x: Tensor, rope: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor]:
+        b, t, d = x.shape[0], x.shape[1], self.head_dim
+        k = self.k_norm(self.k_proj(x).view(b, t, self.num_kv_heads, d)).transpose(1, 2)
+        v = self.v_proj(x).view(b, t, self.num_kv_heads, d).transpose(1, 2)
+        return apply_rotary(k, *rope), v
+
     def forward(
         self,
         u: Tensor,
         context: Tensor,
         rope_q: tuple[Tensor, Tensor],
-        rope_kv: tuple[Tensor, Tensor],
+        rope_ctx: tuple[Tensor, Tensor],
         mask: AttnMask,
-    ) -> Tensor:
-        kv_in = torch.cat([context, u], dim=1)
-        b, q_len, kv_len, d = u.shape[0], u.shape[1], kv_in.shape[1], self.head_dim
-        # QK-norm per head, then heads first: [B, heads, T, head_dim].
+        past: tuple[Tensor, Tensor] | None = None,
+    ) -> tuple[Tensor, tuple[Tensor, Tensor]]:
+        """Attention output and the context K/V (past + new) for the drafter cache.
+
+        Context and block go through the same k/v projections; the block's own keys sit at
+        the queries' positions, so they share `rope_q`.
+        """
+        b, q_len, d = u.shape[0], u.shape[1], self.head_dim
         q = self.q_norm(self.q_proj(u).view(b, q_len, self.num_heads, d)).transpose(1, 2)
-        k = self.k_norm(self.k_proj(kv_in).view(b, kv_len, self.num_kv_heads, d)).transpose(1, 2)
-        v = self.v_proj(kv_in).view(b, kv_len, self.num_kv_heads, d).transpose(1, 2)
         q = apply_rotary(q, *rope_q)
-        k = apply_rotary(k, *rope_kv)
+        k_ctx, v_ctx = self._kv(context, rope_ctx)
+        if past is not None:
+            k_ctx, v_ctx = torch.cat([past[0], k_ctx], dim=2), torch.cat([past[1], v_ctx], dim=2)
+        k_blk, v_blk = self._kv(u, rope_q)
+        k = torch.cat([k_ctx, k_blk], dim=2)
+        v = torch.cat([v_ctx, v_blk], dim=2)
         out = attend(q, k, v, mask, scale=self.head_dim**-0.5)
-        return self.o_proj(out.transpose(1, 2).flatten(2))
+        return self.o_proj(out.transpose(1, 2).flatten(2)), (k_ctx, v_ctx)
 
 
 class DrafterLayer(nn.Module):
@@ -169,11 +183,25 @@ class DrafterLayer(nn.Module):
         z: Tensor,
         context: Tensor,
         rope_q: tuple[Tensor, Tensor],
-        rope_kv: tuple[Tensor, Tensor],
+        rope_ctx: tuple[Tensor, Tensor],
         mask: AttnMask,
-    ) -> Tensor:
-        z = z + self.self_attn(self.input_layernorm(z), context, rope_q, rope_kv, mask)
-        return z + self.mlp(self.post_attention_layernorm(z))
+        past: tuple[Tensor, Tensor] | None = None,
+    ) -> tuple[Tensor, tuple[Tensor, Tensor]]:
+        attn, kv = self.self_attn(self.input_layernorm(z), context, rope_q, rope_ctx, mask, past)
+        z = z + attn
+        return z + self.mlp(self.post_attention_layernorm(z)), kv
+
+
+@dataclass
+class DrafterCache:
+    """Per-layer K/V (after k_norm and RoPE) of the context positions committed so far.
+
+    Speculative decoding feeds only newly committed features each step instead of
+    re-projecting the whole context (fc alone is 5H x H per position at Qwen3-8B size).
+    """
+
+    layers: list[tuple[Tensor, Tensor]] = field(default_factory=list)
+    length: int = 0
 
 
 class DFlashDrafter(nn.Module):
@@ -251,6 +279,7 @@ class DFlashDrafter(nn.Module):
         block_positions: Tensor,
         mask: AttnMask = None,
         context_positions: Tensor | None = None,
+        cache: DrafterCache | None = None,
     ) -> Tensor:
         """Normed hidden states of the block tokens.
 
@@ -260,21 +289,34 @@ class DFlashDrafter(nn.Module):
             block_positions: [B, Q] absolute positions of the block tokens.
             mask: None (every block token sees all context and the whole block: inference
                 with one block) or a training mask from `attention.build_mask`.
-            context_positions: [B, S] absolute context positions (default 0..S-1).
+            context_positions: [B, S] absolute context positions (default 0..S-1, or
+                following the cached ones).
+            cache: inference only. `features` are then the positions committed since the
+                last call; their per-layer K/V are appended to the cache, and the block
+                attends to everything cached. The block's own K/V are never cached.
 
         Returns:
             [B, Q, H]; feed to `logits` or to the fused LM-head CE with `lm_head.weight`.
         """
         context = self.project_context(features)
         z = self.embed_tokens(block_ids).to(context.dtype)
+        start = 0 if cache is None else cache.length
+        if cache is not None and mask is not None:
+            raise ValueError("the drafter cache is for unmasked inference drafting only")
         if context_positions is None:
-            context_positions = torch.arange(features.shape[1], device=features.device).expand(
-                features.shape[0], -1
-            )
+            context_positions = torch.arange(
+                start, start + features.shape[1], device=features.device
+            ).expand(features.shape[0], -1)
         rope_q = self.rotary(block_positions, z.dtype)
-        rope_kv = self.rotary(torch.cat([context_positions, block_positions], dim=1), z.dtype)
-        for layer in self.layers:
-            z = layer(z, context, rope_q, rope_kv, mask)
+        rope_ctx = self.rotary(context_positions, z.dtype)
+        new_kv = []
+        for i, layer in enumerate(self.layers):
+            past = cache.layers[i] if cache is not None and cache.layers else None
+            z, kv = layer(z, context, rope_q, rope_ctx, mask, past)
+            new_kv.append(kv)
+        if cache is not None:
+            cache.layers = new_kv
+            cache.length = start + features.shape[1]
         return self.norm(z)
 
     def logits(self, hidden: Tensor) -> Tensor:

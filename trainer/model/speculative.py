@@ -8,8 +8,9 @@ tokens it commits, which feed the next draft; rejected positions are cropped fro
 With greedy verification the output is exactly the target's greedy output, so any mismatch is
 a bug (or a numerics tie), which `trainer.eval` reports.
 
-The drafter recomputes its context keys/values from all committed features every step (no
-drafter KV cache): simple and exact, O(context) per draft — fine for evaluation, not serving.
+The drafter keeps a per-layer K/V cache of committed context positions (`DrafterCache`) and
+only projects the features committed since its last draft; the block's own K/V are never
+cached, so nothing needs cropping on the drafter side.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from trainer.model.drafter import DFlashDrafter
+from trainer.model.drafter import DFlashDrafter, DrafterCache
 from trainer.model.target import TargetModel
 
 
@@ -79,8 +80,14 @@ def speculative_generate(
     prompt: list[int] | Tensor,
     max_new_tokens: int,
     eos_id: int | None = None,
+    *,
+    drafter_cache: bool = True,
 ) -> SpecOutput:
-    """Greedy speculative decoding; `accept_lengths` has one entry per verify forward."""
+    """Greedy speculative decoding; `accept_lengths` has one entry per verify forward.
+
+    `drafter_cache=False` re-projects the whole context every step (the reference the
+    cached path is tested against).
+    """
     if list(target.layer_ids) != list(drafter.config.target_layer_ids):
         raise ValueError(
             f"drafter reads layers {drafter.config.target_layer_ids}, target captures "
@@ -91,16 +98,20 @@ def speculative_generate(
     ids = _as_prompt(prompt, device)
     start = time.perf_counter()
     cache = target.new_cache()
-    logits, context = target.forward_with_capture(ids, cache=cache)
+    logits, pending = target.forward_with_capture(ids, cache=cache)
+    context = pending  # all committed features; only kept when the drafter cache is off
+    committed_len = ids.shape[1]
+    dcache = DrafterCache() if drafter_cache else None
     anchor = int(logits[0, -1].argmax())
     out = [anchor]
     accept: list[int] = []
     offsets = torch.arange(bsz, device=device)
     while len(out) < max_new_tokens and anchor != eos_id:
-        pos = context.shape[1]  # the anchor's position: everything before it is committed
+        pos = committed_len  # the anchor's position: everything before it is committed
         block = torch.full((1, bsz), mask_id, dtype=torch.long, device=device)
         block[0, 0] = anchor
-        hidden = drafter(context, block, (pos + offsets)[None])
+        feats = pending if dcache is not None else context
+        hidden = drafter(feats, block, (pos + offsets)[None], cache=dcache)
         draft = drafter.logits(hidden[:, 1:]).argmax(-1)  # [1, B-1]
         verify_in = torch.cat([block[:, :1], draft], dim=1)
         vlogits, vfeats = target.forward_with_capture(verify_in, cache=cache)
@@ -108,7 +119,10 @@ def speculative_generate(
         matches = (draft[0] == predicted[:-1]).int()
         accepted = int(matches.cumprod(0).sum())
         committed = [*draft[0, :accepted].tolist(), int(predicted[accepted])]
-        context = torch.cat([context, vfeats[:, : accepted + 1]], dim=1)
+        pending = vfeats[:, : accepted + 1]
+        committed_len += accepted + 1
+        if dcache is None:
+            context = torch.cat([context, pending], dim=1)
         target.crop_cache(cache, pos + accepted + 1)
         out.extend(committed)
         accept.append(accepted + 1)
