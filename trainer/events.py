@@ -26,6 +26,8 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, field_validator
 
 __all__ = [
+    "BOTTLENECK_KEY",
+    "EVENT_ADAPTER",
     "PHASE_TEXTS",
     "STAGE_WAIT_KEYS",
     "CheckpointEvent",
