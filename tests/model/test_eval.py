@@ -85,3 +85,19 @@ def test_cli_writes_json_results(target: TargetModel, tmp_path: Path) -> None:
     assert data["summary"]["prompts"] == 2 and data["summary"]["matches"] == 2
     assert [p["new_tokens"] for p in data["prompts"]] == [6, 6]
     assert data["summary"]["tau"] >= 1.0
+
+
+def test_text_prompts_go_through_the_given_tokenizer(tmp_path: Path) -> None:
+    """{"text": ...} lines are tokenised with --tokenizer DIR (a local word-level tokenizer)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"[UNK]": 0, "hello": 1, "tiny": 2, "world": 3}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]").save_pretrained(
+        tmp_path / "tok"
+    )
+    path = tmp_path / "p.jsonl"
+    path.write_text('{"text": "hello tiny world"}\n[7]\n')
+    assert eval_cli.load_prompts(path, 512, tmp_path / "tok") == [[1, 2, 3], [7]]
