@@ -170,3 +170,19 @@ def test_bad_config_is_one_line_and_exit_2(tmp_path: Path, run_cli: RunCli) -> N
     assert out.stdout.strip().splitlines() == [
         f"ERROR: {bad}: optimizer.extra: unknown key (typo?)"
     ]
+
+
+@pytest.mark.timeout(90)
+def test_nonfinite_losses_are_skipped_then_stop_the_run(
+    tmp_path: Path, tiny_assets: dict[str, Any], run_cli: RunCli
+) -> None:
+    """NaN losses skip the update (weights stay finite); N in a row stop with a clear error."""
+    cfg = write_config(tmp_path / "run.toml", tiny_assets, optimizer={"max_nonfinite": 3})
+    out = run_cli(cfg, tmp_path / "run", env=cli_env(DFLASH_NONFINITE="4:2,9:100"), timeout=60)
+    assert out.returncode == 1, out.stderr[-3000:]
+    losses = _losses(tmp_path / "run")
+    assert [s for s, v in losses.items() if v != v] == [5, 6, 10, 11]  # NaN != NaN; 12 raised
+    assert all(losses[s] == losses[s] for s in (1, 2, 3, 4, 7, 8, 9))
+    last = _events(tmp_path / "run")[-1]
+    assert isinstance(last, ErrorEvent)
+    assert "NonFiniteLoss: 3 non-finite losses in a row (step 12)" in last.message

@@ -2,6 +2,7 @@
 
     DFLASH_FAULT=target:3          raise in the target worker on its 3rd batch
     DFLASH_STAGE_DELAY=target:0.05 sleep 50 ms per batch in every target worker (benchmarks)
+    DFLASH_NONFINITE=5:2,10:100    make the loss NaN at optimizer steps 5-6 and 10-109
 
 Stages: prefetch, target, drafter, monitor. Never set these in production; they exist so the
 tests can prove that a failure in any stage stops every stage and exits non-zero, and so the
@@ -36,6 +37,7 @@ class FaultPlan:
     def __init__(self) -> None:
         self.fail_at = {k: int(v) for k, v in _parse("DFLASH_FAULT").items()}
         self.delay = {k: float(v) for k, v in _parse("DFLASH_STAGE_DELAY").items()}
+        self.nan_ranges = [(int(a), int(a) + int(n)) for a, n in _parse("DFLASH_NONFINITE").items()]
         self._counts: dict[str, int] = {}
         self._lock = threading.Lock()
 
@@ -49,3 +51,7 @@ class FaultPlan:
             n = self._counts[stage] = self._counts.get(stage, 0) + 1
         if n == self.fail_at[stage]:
             raise InjectedFault(f"injected fault in stage {stage!r} at item {n} (DFLASH_FAULT)")
+
+    def nonfinite_at(self, step: int) -> bool:
+        """True when the loss of optimizer step `step` (0-based) should be made NaN."""
+        return any(lo <= step < hi for lo, hi in self.nan_ranges)

@@ -210,6 +210,7 @@ class Run:
         self._resume()
         self.start_micro = self.start_step * accum
         self.end_micro = self.end_step * accum
+        self.board.real_tokens = self.plan.real_tokens_before(self.start_micro)
 
     def _target_dtype(self) -> torch.dtype:
         name = self.cfg.topology.target_dtype
@@ -369,6 +370,8 @@ class Run:
                             noise=m.noise,
                             generator=self.gen,
                         )
+                    if self.faults.nonfinite_at(step):
+                        res.loss_sum = res.loss_sum * float("nan")
                     res.loss_sum.float().backward()
                     sums += torch.stack(
                         [getattr(res, k).detach().to(torch.float64) for k in METRIC_KEYS]
@@ -390,7 +393,7 @@ class Run:
                     self.board.nonfinite += 1
                     if nonfinite_run >= o.max_nonfinite:
                         raise NonFiniteLoss(
-                            f"{nonfinite_run} non-finite losses in a row (step {step}): the run "
+                            f"{nonfinite_run} non-finite losses in a row (step {step + 1}): the run "
                             "diverged; lower optimizer.lr or check the data"
                         )
                 elif weight > 0:
