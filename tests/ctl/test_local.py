@@ -324,8 +324,10 @@ async def test_stop_does_not_report_an_old_checkpoint_as_its_own(
     (run / "status.log").write_text(
         "Checkpoint saved: step=5 path=run/checkpoints/step-00000005.pt\n"
     )
+    ready = tmp_path / "sigint-ignored"
     script = (
-        "import signal, time; signal.signal(signal.SIGINT, signal.SIG_IGN); "
+        "import pathlib, signal, time; signal.signal(signal.SIGINT, signal.SIG_IGN); "
+        f"pathlib.Path({str(ready)!r}).touch(); "
         "print('Checkpoint saved: step=5 path=run/checkpoints/step-00000005.pt', flush=True); "
         "time.sleep(60)"
     )
@@ -337,6 +339,13 @@ async def test_stop_does_not_report_an_old_checkpoint_as_its_own(
         )
     )
     assert res.ok
+    # Signal only once the handler is installed: under load, python's start-up can outlast
+    # the stop's SIGINT, and an un-ignored SIGINT makes this a different test.
+    for _ in range(600):
+        if ready.exists():
+            break
+        await asyncio.sleep(0.05)
+    assert ready.exists(), "the SIGINT-ignoring stand-in never started"
     stop = await ctl.stop(timeout=1.0)
     assert stop.was_running and stop.outcome == "timeout" and stop.checkpoint is None
     assert (await ctl.status()).state == "stopped"  # killed after the timeout
