@@ -38,8 +38,12 @@ system-deps:
 		fi; \
 	fi
 
-demo: venv
-	@$(PY) -m dflashctl.demo_entry
+# The live TUI on a real (tiny, CPU) training run under local tmux. Without a terminal (CI, pipes)
+# the same run goes headless for DEMO_SECONDS and prints its last status line.
+DEMO_SECONDS ?= 90
+demo: system-deps venv
+	@if [ -t 0 ] && [ -t 1 ]; then $(VENV)/bin/dflashctl demo; \
+	else $(VENV)/bin/dflashctl demo --headless --duration $(DEMO_SECONDS); fi
 
 test: system-deps venv
 	@$(PY) -m ruff check .
