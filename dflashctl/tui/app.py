@@ -45,6 +45,8 @@ from dflashctl.tui.screens.log import LogScreen
 from dflashctl.tui.screens.restart import Report, RestartScreen
 
 CONFIG_CHECK_S = 2.0
+DEPLOYED_REFRESH_S = 30.0
+"""Re-read the deployed config this often: someone may push from the CLI meanwhile."""
 STOP_TIMEOUT_S = 120.0
 
 
@@ -104,7 +106,8 @@ class DflashApp(App[None]):
         self.dirty: set[str] = set(self.hosts)
         self.frames = 0
         self._config_seen: dict[str, tuple[float, str | None]] = {}
-        self._deployed_cache: dict[str, str] = {}
+        self._deployed_cache: dict[str, tuple[str, float]] = {}
+        self._config_epoch: dict[str, int] = {}
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -188,28 +191,43 @@ class DflashApp(App[None]):
         path = binding.config_path
         assert path is not None
         follower = self.followers[name]
+        epoch = self._config_epoch.get(name, 0)
         try:
             mtime = path.stat().st_mtime
         except OSError as exc:
             follower.mark_config(False, f"{path}: {exc.strerror}")
             return
         seen = self._config_seen.get(name)
-        settled = seen is not None and seen[0] == mtime and name in self._deployed_cache
+        cached = self._deployed_cache.get(name)
+        now = time.monotonic()
+        refetch = cached is None or now - cached[1] > DEPLOYED_REFRESH_S
+        settled = seen is not None and seen[0] == mtime and not refetch
         if settled and binding.shape.boundaries is not None:
             return
         try:
             local = path.read_text()
-            if name not in self._deployed_cache:
-                self._deployed_cache[name] = await binding.control.deployed_config()
+            deployed = await binding.control.deployed_config() if refetch else cached[0]  # type: ignore[index]
         except Exception as exc:  # unreachable host or unreadable file: say so, keep going
             follower.mark_config(False, f"{path}: {exc}")
             return
+        if self._config_epoch.get(name, 0) != epoch:
+            return  # a push or restart happened meanwhile: this comparison is out of date
+        if not deployed:
+            follower.mark_config(False, f"{name}: deployed run/config.toml unreadable or absent")
+            return
+        self._deployed_cache[name] = (deployed, now if refetch else cached[1])  # type: ignore[index]
         if seen is None or seen[0] != mtime or binding.shape.boundaries is None:
             # the shape follows the config; "plan" edges appear once the store exists
             binding.shape = await asyncio.to_thread(shape_from_config, path)
             self.dirty.add(name)
         self._config_seen[name] = (mtime, local)
-        follower.mark_config(local != self._deployed_cache[name])
+        follower.mark_config(local != deployed)
+
+    def _forget_config(self, host: str) -> None:
+        """After a push or restart: drop cached comparisons, and void any check in flight."""
+        self._config_epoch[host] = self._config_epoch.get(host, 0) + 1
+        self._deployed_cache.pop(host, None)
+        self._config_seen.pop(host, None)
 
     # ------------------------------------------------------------------ actions
 
@@ -247,7 +265,6 @@ class DflashApp(App[None]):
                 diff="", fresh=False, error=f"{host}: no run_config in the inventory"
             )
         deployed = await binding.control.deployed_config()
-        self._deployed_cache[host] = deployed
         return await asyncio.to_thread(plan_restart, deployed, binding.config_path)
 
     @work(exclusive=True, exit_on_error=False, group="restart-plan")
@@ -273,8 +290,7 @@ class DflashApp(App[None]):
         result = await binding.control.restart(
             fresh=plan.fresh, config=binding.config_path, progress=report
         )
-        self._deployed_cache.pop(host, None)
-        self._config_seen.pop(host, None)
+        self._forget_config(host)
         follower = self.followers.get(host)
         if follower is not None:
             follower.mark_config(False)

@@ -33,7 +33,10 @@ def verdict_text(plan: RestartPlan) -> Text:
 class RestartScreen(ModalScreen[str | None]):
     """Dismisses with the result line after a restart ran, or None when cancelled."""
 
-    BINDINGS: ClassVar[list[BindingType]] = [("escape", "cancel", "Cancel")]
+    BINDINGS: ClassVar[list[BindingType]] = [
+        ("escape", "cancel", "Cancel"),
+        ("enter", "confirm", "Confirm / close"),  # whichever widget has focus
+    ]
     AUTO_FOCUS = "#confirm"  # enter confirms; escape cancels
 
     def __init__(self, host: str, plan: RestartPlan, execute: Execute) -> None:
@@ -65,13 +68,15 @@ class RestartScreen(ModalScreen[str | None]):
                     disabled=self.plan.error is not None,
                 )
                 yield Button("Cancel", id="cancel")
+                yield Button("Close", id="close", variant="primary")
 
     def _report(self, line: str) -> None:
         self.progress.append(line)
         self.query_one("#restart-progress", Static).update("\n".join(self.progress))
 
     @on(Button.Pressed, "#confirm")
-    def _confirm(self) -> None:
+    def action_confirm(self) -> None:
+        """Enter or the button: run the restart; once it finished, close with its result."""
         if self.running or self.plan.error is not None:
             return
         if self.result is not None:
@@ -93,10 +98,17 @@ class RestartScreen(ModalScreen[str | None]):
             self._report(result)
         self.result = result
         self.running = False
-        button = self.query_one("#confirm", Button)
-        button.label = "Close"
-        button.disabled = False
-        button.focus()
+        # A fresh button (not the confirm one relabelled): Button ignores a press within 0.2 s
+        # of the previous one, which would swallow an Enter after a fast restart.
+        self.query_one("#confirm", Button).display = False
+        self.query_one("#cancel", Button).display = False
+        close = self.query_one("#close", Button)
+        close.display = True
+        close.focus()
+
+    @on(Button.Pressed, "#close")
+    def _close(self) -> None:
+        self.dismiss(self.result)
 
     @on(Button.Pressed, "#cancel")
     def action_cancel(self) -> None:
