@@ -146,8 +146,8 @@ sys.meta_path.insert(0, _NoTorch())
 
 
 def test_shared_modules_import_without_torch() -> None:
-    """dflashctl imports events, config and buckets on laptops without torch."""
-    modules = ["trainer.events", "trainer.config"]
+    """dflashctl imports events, config, buckets and the LR schedule on laptops without torch."""
+    modules = ["trainer.events", "trainer.config", "trainer.pipeline.schedule"]
     if (REPO / "trainer" / "buckets.py").exists():  # the planner lands in parallel
         modules.append("trainer.buckets")
     code = (

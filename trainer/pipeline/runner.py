@@ -93,6 +93,12 @@ def _pick_devices(cfg: TrainConfig, world: distributed.World) -> tuple[torch.dev
             f"{world.local_size} rank(s) run on this node: launch with "
             f"`torchrun --nproc-per-node {len(topo.drafter_devices)} -m trainer ...`"
         )
+    shared = world.local_size > 1 and len(topo.drafter_devices) == 1
+    if shared and topo.drafter_devices[0].startswith("cuda"):
+        raise assets.UserError(
+            f"topology.drafter_devices: {world.local_size} ranks would share "
+            f"{topo.drafter_devices[0]}; list one device per rank"
+        )
     drafter = topo.drafter_devices[world.local_rank % len(topo.drafter_devices)]
     targets = topo.target_devices
     if len(targets) >= world.local_size:
@@ -583,7 +589,15 @@ def _run(r: Run) -> int:
     r.reporter.phase("starting")
     r.start_stages()
     if r.world.is_main:
-        write_run_state(r.run_dir, state="running", last_step=r.start_step)
+        write_run_state(
+            r.run_dir,
+            state="running",
+            last_step=r.start_step,
+            total_steps=r.total_steps,
+            end_step=r.end_step,
+            warmup_steps=r.warmup,
+            boundaries=list(r.sampler.boundaries) if r.sampler.num_buckets > 1 else None,
+        )
     r.reporter.phase("running")
     try:
         r.monitor()
