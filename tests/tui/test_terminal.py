@@ -97,7 +97,11 @@ def test_demo_tui_live_edit_and_one_key_restart(tmp_path: Path) -> None:
     session = f"dflash-demo-test-{tag}"
     term = Terminal(f"dflash-tuitest-{tag}")
     demo_dir = tmp_path / "demo"
+    editor = tmp_path / "editor.sh"  # a scripted "user" editing the file the app hands it
+    editor.write_text("#!/bin/sh\nsed -i 's/^interval_s = 2$/interval_s = 1/' \"$1\"\n")
+    editor.chmod(0o755)
     env = {"TERM": "xterm-256color", "OMP_NUM_THREADS": "1", "COLUMNS": "140", "LINES": "45"}
+    env |= {"EDITOR": str(editor), "VISUAL": ""}
     try:
         term.start(
             [sys.executable, "-m", "dflashctl.demo", "--dir", str(demo_dir), "--session", session],
@@ -111,10 +115,10 @@ def test_demo_tui_live_edit_and_one_key_restart(tmp_path: Path) -> None:
         assert "Ktok/s" in live and "ETA" in live
 
         config = demo_dir / "demo.toml"
-        text = config.read_text()
-        assert "interval_s = 2" in text
-        config.write_text(text.replace("interval_s = 2", "interval_s = 1"))
+        assert "interval_s = 2" in config.read_text()
+        term.keys("e")  # the app suspends and runs $EDITOR on the demo config
         term.wait("the fleet to flag the change", lambda t: "changed" in t, 30)
+        assert "interval_s = 1" in config.read_text()
 
         term.keys("r")
         modal = term.wait("the restart modal", lambda t: "Restart demo" in t and "Will" in t, 30)
