@@ -73,17 +73,24 @@ def test_trains_hundreds_of_steps_with_parseable_status_and_falling_loss(
 def test_resume_reproduces_the_uninterrupted_loss_sequence(
     tmp_path: Path, tiny_assets: dict[str, Any], run_cli: RunCli
 ) -> None:
-    """Stop at step 20, resume to 40: steps 21..40 equal an uninterrupted run bit for bit."""
-    whole = write_config(tmp_path / "whole.toml", tiny_assets, schedule={"max_steps": 40})
-    half = write_config(tmp_path / "half.toml", tiny_assets, schedule={"max_steps": 20})
+    """Resume from step 20 of a run (--resume PATH): steps 21..40 equal the run bit for bit."""
+    whole = write_config(
+        tmp_path / "whole.toml",
+        tiny_assets,
+        schedule={"max_steps": 40},
+        checkpoint={"every_steps": 20},
+    )
     a = run_cli(whole, tmp_path / "a")
     assert a.returncode == 0, a.stderr[-3000:]
-    b1 = run_cli(half, tmp_path / "b")
-    assert b1.returncode == 0, b1.stderr[-3000:]
-    b2 = run_cli(whole, tmp_path / "b")
-    assert b2.returncode == 0, b2.stderr[-3000:]
-    assert "Resuming from checkpoint: step=20" in (tmp_path / "b" / "status.log").read_text()
+    mid = tmp_path / "a" / "checkpoints" / "step-00000020.pt"
+    b = run_cli(whole, tmp_path / "b", "--resume", str(mid))
+    assert b.returncode == 0, b.stderr[-3000:]
+    assert (
+        f"Resuming from checkpoint: step=20 path={mid}"
+        in (tmp_path / "b" / "status.log").read_text()
+    )
     la, lb = _losses(tmp_path / "a"), _losses(tmp_path / "b")
+    assert sorted(lb) == list(range(21, 41))
     assert [lb[s] for s in range(21, 41)] == [la[s] for s in range(21, 41)]
     sa = load_checkpoint(list_checkpoints(tmp_path / "a")[-1][1])
     sb = load_checkpoint(list_checkpoints(tmp_path / "b")[-1][1])
