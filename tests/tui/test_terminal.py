@@ -21,6 +21,7 @@ import pytest
 
 from tests.conftest import require_part
 from trainer.config import TrainConfig, config_hash
+from trainer.events import StatusEvent, parse_line
 
 ROOT = Path(__file__).resolve().parents[2]
 ROW = re.compile(r"^\s*demo\s+(\S+)\s+\S+\s+(\d+)\s", re.M)
@@ -153,3 +154,32 @@ def test_demo_tui_live_edit_and_one_key_restart(tmp_path: Path) -> None:
             check=False,
             capture_output=True,
         )
+
+
+@pytest.mark.parts
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_headless_demo_prints_the_last_status_line_and_stops(tmp_path: Path) -> None:
+    require_part(shutil.which("tmux") is not None, "tmux is not installed")
+    require_part(importlib.util.find_spec("torch") is not None, "torch (the train extra) missing")
+    session = f"dflash-demo-headless-{os.getpid()}"
+    argv = [sys.executable, "-m", "dflashctl.demo", "--dir", str(tmp_path / "demo")]
+    argv += ["--session", session, "--headless", "--duration", "20"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    try:
+        done = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=280)
+    finally:
+        subprocess.run(
+            ["tmux", "-L", "dflash", "kill-session", "-t", f"={session}"],
+            check=False,
+            capture_output=True,
+        )
+    assert done.returncode == 0, done.stderr
+    last = parse_line(done.stdout.strip().splitlines()[-1])
+    assert isinstance(last, StatusEvent) and last.step > 0 and last.ktok_s
+    alive = subprocess.run(
+        ["tmux", "-L", "dflash", "has-session", "-t", f"={session}"],
+        capture_output=True,
+        check=False,
+    )
+    assert alive.returncode != 0, "the demo run was left running"
