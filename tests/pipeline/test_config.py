@@ -168,3 +168,12 @@ def test_shared_modules_import_without_torch() -> None:
     )
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "ok"
+
+
+def test_seed_topology_is_one_config_line() -> None:
+    """The 6-1 production shape validates: six target workers, one drafter device."""
+    cfg = TrainConfig.load(REPO / "configs" / "qwen3-8b-6x1.toml")
+    assert cfg.topology.target_devices == [f"cuda:{i}" for i in range(1, 7)]
+    assert cfg.topology.drafter_devices == ["cuda:0"]
+    assert cfg.batching.boundaries == [1, 770, 1216, 1728, 2432, 3296, 8193]
+    assert resume_critical_changes(cfg, cfg) == []
