@@ -5,8 +5,11 @@ from __future__ import annotations
 import asyncio
 from dataclasses import replace
 from pathlib import Path
+from types import SimpleNamespace
 
 from rich.text import Text
+from textual.message import Message
+from textual.notifications import Notify
 from textual.widgets import DataTable, Digits, Log, Static
 
 from dflashctl.control import parse_gpu_csv
@@ -279,3 +282,29 @@ def test_gpu_pane_shows_each_gpu_from_nvidia_smi_samples() -> None:
     assert second.startswith("GPU1") and "  3%" in second and "88°C" in second
     assert any(span.style == "bold red" for span in text.spans)  # 88 °C is flagged
     assert "no GPU samples" in gpus_text(RunState("cpu-only")).plain
+
+
+async def test_deploy_key_runs_the_hosts_deploy_and_reports_the_release() -> None:
+    deployed: list[str] = []
+
+    async def deploy() -> object:
+        deployed.append("kpro6")
+        return SimpleNamespace(release="3f9a1c2b7d10")
+
+    control = ReplayControl(lines=run_lines(2))
+    app = DflashApp(
+        [HostBinding("kpro6", control, deploy=deploy), HostBinding("kpro7", ReplayControl())],
+        clock=lambda: FIXED_NOW,
+    )
+    seen: list[Message] = []
+
+    def said(text: str) -> bool:
+        return any(isinstance(m, Notify) and text in m.notification.message for m in seen)
+
+    async with app.run_test(size=SIZE, message_hook=seen.append) as pilot:
+        await _until(pilot, lambda: app.states["kpro6"].lines_seen == 4)
+        await pilot.press("d")
+        await _until(pilot, lambda: said("kpro6: deployed release 3f9a1c2b7d10"))
+        await pilot.press("down", "d")  # kpro7 has no deploy: said, not crashed
+        await _until(pilot, lambda: said("kpro7: deploy is not available"))
+    assert deployed == ["kpro6"]
