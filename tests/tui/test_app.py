@@ -308,3 +308,40 @@ async def test_deploy_key_runs_the_hosts_deploy_and_reports_the_release() -> Non
         await pilot.press("down", "d")  # kpro7 has no deploy: said, not crashed
         await _until(pilot, lambda: said("kpro7: deploy is not available"))
     assert deployed == ["kpro6"]
+
+
+async def test_a_dead_host_over_real_ssh_is_unreachable_and_never_blocks_the_app(
+    tmp_path: Path,
+) -> None:
+    """Real RunControl over a real SshTransport to a port nobody listens on."""
+    import socket
+
+    from dflashctl.control import RunControl
+    from dflashctl.inventory import load_inventory
+    from dflashctl.remote.ssh import SshTransport
+
+    with socket.socket() as s:  # a free port, closed again: connections are refused
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    (tmp_path / "known_hosts").write_text("")
+    inv = tmp_path / "hosts.toml"
+    inv.write_text(
+        f'[hosts.kpro9]\naddress = "127.0.0.1"\nport = {port}\nctid = 109\n'
+        f'known_hosts = "{tmp_path / "known_hosts"}"\nconnect_timeout = 2\n'
+    )
+    host = load_inventory(inv).get("kpro9")
+    transport = SshTransport(host)
+    live = ReplayControl(lines=run_lines(3))
+    app = DflashApp(
+        [
+            HostBinding("kpro9", RunControl(transport, host), close=transport.close),
+            HostBinding("kpro6", live, shape=seed_shape()),
+        ]
+    )
+    async with app.run_test(size=SIZE) as pilot:
+        table = app.screen.query_one("#fleet", DataTable)
+        await _until(pilot, lambda: _cell(table, "kpro9", "state") == "unreachable", 15)
+        assert "kpro9" in (app.states["kpro9"].link_error or "")
+        await _until(pilot, lambda: _cell(table, "kpro6", "state") == "running")
+        await pilot.press("question_mark")  # the app still answers keys
+        assert isinstance(app.screen, HelpScreen)
