@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import re
 import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 CHECKPOINT_VERSION = 1
@@ -100,3 +102,25 @@ def archive_checkpoints(run_dir: Path) -> Path | None:
         n += 1
     os.replace(root, dest)
     return dest
+
+
+def rng_state(gen: torch.Generator) -> dict[str, Any]:
+    """Every RNG a step consumes, so a resumed rank draws exactly what it would have."""
+    state: dict[str, Any] = {
+        "anchor": gen.get_state(),
+        "torch": torch.get_rng_state(),
+        "numpy": np.random.get_state(),
+        "python": random.getstate(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(gen: torch.Generator, state: dict[str, Any]) -> None:
+    gen.set_state(state["anchor"])
+    torch.set_rng_state(state["torch"])
+    np.random.set_state(state["numpy"])
+    random.setstate(state["python"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])

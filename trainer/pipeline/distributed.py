@@ -15,6 +15,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from trainer.config import TrainConfig
+from trainer.pipeline.assets import UserError
+
 
 @dataclass(frozen=True)
 class World:
@@ -87,3 +90,28 @@ def gather_objects(obj: Any, world: World) -> list[Any]:
 def barrier(world: World) -> None:
     if world.distributed:
         dist.barrier()
+
+
+def pick_devices(cfg: TrainConfig, world: World) -> tuple[torch.device, list[str]]:
+    """This rank's drafter device and its share of the target devices."""
+    topo = cfg.topology
+    if len(topo.drafter_devices) not in (1, world.local_size):
+        raise UserError(
+            f"topology.drafter_devices has {len(topo.drafter_devices)} entries but "
+            f"{world.local_size} rank(s) run on this node: launch with "
+            f"`torchrun --nproc-per-node {len(topo.drafter_devices)} -m trainer ...`"
+        )
+    shared = world.local_size > 1 and len(topo.drafter_devices) == 1
+    if shared and topo.drafter_devices[0].startswith("cuda"):
+        raise UserError(
+            f"topology.drafter_devices: {world.local_size} ranks would share "
+            f"{topo.drafter_devices[0]}; list one device per rank"
+        )
+    drafter = topo.drafter_devices[world.local_rank % len(topo.drafter_devices)]
+    targets = topo.target_devices
+    if len(targets) >= world.local_size:
+        targets = targets[world.local_rank :: world.local_size]
+    for dev in [drafter, *targets]:
+        if dev.startswith("cuda") and not torch.cuda.is_available():
+            raise UserError(f"topology: device {dev!r} requested but CUDA is unavailable")
+    return torch.device(drafter), list(targets)

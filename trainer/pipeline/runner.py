@@ -19,7 +19,6 @@ import json
 import math
 import os
 import queue
-import random
 import signal
 import threading
 import time
@@ -85,51 +84,6 @@ def _release() -> str:
     return "dev"
 
 
-def _pick_devices(cfg: TrainConfig, world: distributed.World) -> tuple[torch.device, list[str]]:
-    topo = cfg.topology
-    if len(topo.drafter_devices) not in (1, world.local_size):
-        raise assets.UserError(
-            f"topology.drafter_devices has {len(topo.drafter_devices)} entries but "
-            f"{world.local_size} rank(s) run on this node: launch with "
-            f"`torchrun --nproc-per-node {len(topo.drafter_devices)} -m trainer ...`"
-        )
-    shared = world.local_size > 1 and len(topo.drafter_devices) == 1
-    if shared and topo.drafter_devices[0].startswith("cuda"):
-        raise assets.UserError(
-            f"topology.drafter_devices: {world.local_size} ranks would share "
-            f"{topo.drafter_devices[0]}; list one device per rank"
-        )
-    drafter = topo.drafter_devices[world.local_rank % len(topo.drafter_devices)]
-    targets = topo.target_devices
-    if len(targets) >= world.local_size:
-        targets = targets[world.local_rank :: world.local_size]
-    for dev in [drafter, *targets]:
-        if dev.startswith("cuda") and not torch.cuda.is_available():
-            raise assets.UserError(f"topology: device {dev!r} requested but CUDA is unavailable")
-    return torch.device(drafter), list(targets)
-
-
-def _rng_state(gen: torch.Generator) -> dict[str, Any]:
-    state: dict[str, Any] = {
-        "anchor": gen.get_state(),
-        "torch": torch.get_rng_state(),
-        "numpy": np.random.get_state(),
-        "python": random.getstate(),
-    }
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def _set_rng_state(gen: torch.Generator, state: dict[str, Any]) -> None:
-    gen.set_state(state["anchor"])
-    torch.set_rng_state(state["torch"])
-    np.random.set_state(state["numpy"])
-    random.setstate(state["python"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-
-
 class Run:
     """One training process (one data-parallel rank)."""
 
@@ -151,7 +105,7 @@ class Run:
     def setup(self) -> None:
         cfg, world = self.cfg, self.world
         self.reporter.phase("loading")
-        self.drafter_device, self.target_devices = _pick_devices(cfg, world)
+        self.drafter_device, self.target_devices = distributed.pick_devices(cfg, world)
         if world.is_main:
             store_path = assets.ensure_store(cfg)
             target_dir = assets.ensure_target(cfg)
@@ -270,7 +224,7 @@ class Run:
             raise assets.UserError(f"{path}: {exc}") from None
         self.drafter.load_state_dict(state["drafter"], strict=True)
         self.opt.load_state_dict(state["optimizer"])
-        _set_rng_state(self.gen, state["rng"][self.world.rank])
+        checkpoint.set_rng_state(self.gen, state["rng"][self.world.rank])
         self.start_step = int(state["step"])
         self.board.nonfinite = int(state["counters"]["nonfinite"])
         self.board.step = self.start_step
@@ -435,7 +389,7 @@ class Run:
                 metrics_log.close()
 
     def _save(self, step: int) -> None:
-        rng = distributed.gather_objects(_rng_state(self.gen), self.world)
+        rng = distributed.gather_objects(checkpoint.rng_state(self.gen), self.world)
         if not self.world.is_main:
             return
         micro = step * self.cfg.optimizer.grad_accum
