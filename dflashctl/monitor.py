@@ -147,6 +147,23 @@ def apply_status(state: RunState, status: Any) -> RunState:
     )
 
 
+def start_new_run(state: RunState) -> RunState:
+    """After a fresh restart: drop the old run's histories (the trainer keeps appending to the
+    same status.log, so the line count, and the follow position, carry on)."""
+    return replace(
+        state,
+        status=None,
+        checkpoint=None,
+        last_error=None,
+        ktok_hist=(),
+        loss_hist=(),
+        acc_hist=(),
+        streak_hist=(),
+        q_pre_hist=(),
+        q_hs_hist=(),
+    )
+
+
 def apply_link(
     state: RunState, link: LinkState, error: str | None = None, retry_at: float | None = None
 ) -> RunState:
@@ -451,6 +468,10 @@ class HostFollower:
 
     def mark_config(self, changed: bool, note: str | None = None) -> None:
         self._set(replace(self.state, config_changed=changed, config_note=note))
+
+    def new_run(self) -> None:
+        """A fresh run started: its curves must not continue the old run's."""
+        self._set(start_new_run(self.state))
 
     def reset_stream(self) -> None:
         """Forget what was read: after a fresh restart status.log starts over."""

@@ -293,6 +293,8 @@ class DflashApp(App[None]):
         self._forget_config(host)
         follower = self.followers.get(host)
         if follower is not None:
+            if plan.fresh:
+                follower.new_run()
             follower.mark_config(False)
             await follower.poll_status()
             follower.reconnect_now()

@@ -245,13 +245,16 @@ async def test_restart_with_a_resumable_change_resumes(tmp_path: Path) -> None:
 async def test_restart_with_a_resume_critical_change_starts_fresh_naming_the_key(
     tmp_path: Path,
 ) -> None:
-    control, _, diff, verdict = await _restart_via_keys(
+    control, app, diff, verdict = await _restart_via_keys(
         tmp_path, "num_buckets = 4", "num_buckets = 3"
     )
     assert "+num_buckets = 3" in diff
     assert "start FRESH" in verdict and "batching.num_buckets" in verdict
     [(fresh, _)] = [arg for name, arg in control.calls if name == "restart"]
     assert fresh is True
+    state = app.states["kpro6"]
+    assert state.ktok_hist == () and state.status is None  # the new run's curves start empty
+    assert state.lines_seen == 5  # status.log keeps growing: the follow position carries on
 
 
 async def test_invalid_local_config_refuses_restart_naming_file_and_key(tmp_path: Path) -> None:
