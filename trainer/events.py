@@ -21,6 +21,7 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Iterable
+from itertools import repeat
 from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, field_validator
@@ -244,11 +245,18 @@ def format_line(ev: Event) -> str:
 # every number grammar was 4x slower, and the parser must sustain >= 100k lines/s.
 _F = r"([^ ]+)"
 _QUEUE = r"\[((?:\d+(?:, \d+)*)?)\]"
-_STATUS_RE = re.compile(
+_STATUS_HEAD = (
     rf"\[(\d+)m\] step=(\d+) loss={_F} acc={_F} streak={_F} lr={_F} noise={_F}"
     rf" \| tgt={_F}b/s dft={_F}b/s \({_F}Ktok/s\) \| q_pre={_QUEUE} q_hs={_QUEUE}"
-    rf" \| epoch~{_F} ETA={_F}(.*)"
+    rf" \| epoch~{_F} ETA={_F}"
 )
+# The general form: any tail after the ETA, checked by _general_extra.
+_STATUS_RE = re.compile(_STATUS_HEAD + r"(.*)")
+# The fast form (what the trainer prints): no tail, or one " | k=v k=v ..." group whose values
+# hold no '='.  Every line it matches, the general form parses to the same event (a test checks
+# this); every other line takes the general path.  '\n' is excluded because (.*) excludes it.
+_FAST_PAIR = r"[^ =|\n]+=[^ =\n]+"
+_STATUS_FAST_RE = re.compile(_STATUS_HEAD + rf"(?: \| ({_FAST_PAIR}(?: {_FAST_PAIR})*))?")
 _STATUS_START_RE = re.compile(r"\[\d+m\] step=")
 _CHECKPOINT_RE = re.compile(r"step=(\d+) path=(.+)")
 _PHASE_ITEMS = tuple(PHASE_TEXTS.items())
@@ -257,40 +265,114 @@ _PHASE_ITEMS = tuple(PHASE_TEXTS.items())
 _PAIR_RE = re.compile(r" ([^ =|]+)=([^ ]+)")
 
 
-def _parse_status(line: str) -> StatusEvent | None:
-    m = _STATUS_RE.fullmatch(line)
-    if m is None:
+def _general_extra(tail: str) -> dict[str, str] | None:
+    # One or more " | k=v k=v" groups (merged); every space-separated token must be a pair.
+    pairs = _PAIR_RE.findall(tail)
+    if not tail.startswith(" | ") or len(pairs) != tail.count(" ") - tail.count(" | "):
         return None
-    g = m.groups()
-    eta_text = g[13]
-    eta = None
-    if eta_text != UNKNOWN_ETA:
-        unit = _ETA_UNITS.get(eta_text[-1])
-        try:
-            eta = float(eta_text[:-1]) * unit if unit else None
-        except ValueError:
-            eta = None
-        if eta is None or not math.isfinite(eta):
+    return dict(pairs)
+
+
+class _Memo(dict):  # type: ignore[type-arg]
+    """A bounded text -> value memo for the fixed-precision fields of status lines.
+
+    They repeat from line to line (``acc=0.613``, ``noise=0.1000``, queue depths, ``ETA=9.8d``:
+    a few thousand distinct texts), and a dict hit costs a fraction of float()/int().  When full
+    it starts over, so memory stays bounded whatever the input.  ``convert`` may raise ValueError
+    (nothing is stored then); NaN is never stored, so every parse gets its own NaN, as float() does.
+    """
+
+    __slots__ = ("_convert", "_preset")
+
+    def __init__(self, convert, preset: dict[str, object]) -> None:
+        super().__init__(preset)
+        self._convert = convert
+        self._preset = preset
+
+    def __missing__(self, text: str) -> object:
+        value = self._convert(text)
+        if len(self) >= _MEMO_SIZE:
+            self.clear()
+            self.update(self._preset)
+        if value == value:
+            self[text] = value
+        return value
+
+
+_MEMO_SIZE = 16384
+
+
+def _status_eta(text: str) -> float | None:
+    """The ETA field's seconds; ValueError when the line cannot be a status line."""
+    if text == UNKNOWN_ETA:
+        return None
+    unit = _ETA_UNITS.get(text[-1])
+    eta = float(text[:-1]) * unit if unit else None
+    if eta is None or not math.isfinite(eta):
+        raise ValueError(f"bad ETA {text!r}")
+    return eta
+
+
+# '---' -> None; anything float() refuses raises ValueError (the line is then not a status line).
+_FLOATS = _Memo(float, {MISSING: None})
+_INTS = _Memo(int, {})
+_ETAS = _Memo(_status_eta, {UNKNOWN_ETA: None})
+_STATUS_FIELDS_SET = frozenset(StatusEvent.model_fields)
+_new = object.__new__
+_setattr = object.__setattr__
+
+
+def _parse_status(
+    line: str,
+    _fast=_STATUS_FAST_RE.fullmatch,  # globals bound as locals: the hot path
+    _general=_STATUS_RE.fullmatch,
+    _float=_FLOATS.__getitem__,
+    _small_int=_INTS.__getitem__,
+    _eta=_ETAS.__getitem__,
+    _map=map,
+    _split=str.split,
+    _repeat=repeat,
+) -> StatusEvent | None:
+    # Hot path (>= 100k lines/s for dflashctl's log replay): one regex that also checks the extra
+    # pairs, split with str methods; memoised number fields; the model built without validation.
+    m = _fast(line)
+    if m is not None:
+        g = m.groups()
+        pairs = g[14]
+        # The regex checked every token is key=value with exactly one '='.
+        extra = dict(_map(_split, pairs.split(" "), _repeat("="))) if pairs else {}
+    else:
+        m = _general(line)
+        if m is None:
             return None
-    tail = g[14]
-    pairs: list[tuple[str, str]] = []
-    if tail:
-        # One or more " | k=v k=v" groups (merged); every space-separated token must be a pair.
-        pairs = _PAIR_RE.findall(tail)
-        if not tail.startswith(" | ") or len(pairs) != tail.count(" ") - tail.count(" | "):
+        g = m.groups()
+        tail = g[14]
+        extra = _general_extra(tail) if tail else {}
+        if extra is None:
             return None
+    el, step, loss, acc, streak, lr, noise, tgt, dft, ktok, q_pre, q_hs, epoch, eta, _ = g
     try:
-        # Hot path (>= 100k lines/s): one comprehension instead of a call per field. float()
-        # also accepts forms the trainer never prints ("1_0", "infinity"): lenient on input.
-        values = [None if x == MISSING else float(x) for x in (*g[2:10], g[12])]
+        eta = _eta(eta)
+        # float() also accepts forms the trainer never prints ("1_0", "infinity"): lenient.
+        # loss and lr take most values (4 digits, exponent): memoising them would only churn.
+        loss = None if loss == MISSING else float(loss)
+        lr = None if lr == MISSING else float(lr)
+        acc, streak, noise, tgt, dft, ktok, epoch = _map(
+            _float, (acc, streak, noise, tgt, dft, ktok, epoch)
+        )
     except ValueError:
         return None
-    loss, acc, streak, lr, noise, tgt, dft, ktok, epoch = values
-    return _construct_status(
+    # The regex already guarantees every type, and pydantic's model_construct/validation would
+    # cost 4x the regex.  This sets exactly the attributes model_construct sets; a test compares
+    # the result with validation.
+    ev = _new(StatusEvent)
+    _setattr(
+        ev,
+        "__dict__",
         {
             "kind": "status",
-            "elapsed_min": int(g[0]),
-            "step": int(g[1]),
+            "elapsed_min": int(el),
+            "step": int(step),
             "loss": loss,
             "acc": acc,
             "streak": streak,
@@ -299,32 +381,17 @@ def _parse_status(line: str) -> StatusEvent | None:
             "tgt_bps": tgt,
             "dft_bps": dft,
             "ktok_s": ktok,
-            "q_pre": list(map(int, g[10].split(", "))) if g[10] else [],
-            "q_hs": list(map(int, g[11].split(", "))) if g[11] else [],
+            "q_pre": list(_map(_small_int, q_pre.split(", "))) if q_pre else [],
+            "q_hs": list(_map(_small_int, q_hs.split(", "))) if q_hs else [],
             "epoch": epoch,
             "eta_s": eta,
-            "extra": dict(pairs),
-        }
+            "extra": extra,
+        },
     )
-
-
-_STATUS_FIELDS_SET = frozenset(StatusEvent.model_fields)
-
-
-def _construct_status(values: dict[str, object]) -> StatusEvent:
-    # The regex already guarantees every type, and pydantic's model_construct/validation would
-    # cost 4x the regex (the parser must sustain >= 100k lines/s for dflashctl's log replay).
-    # This sets exactly the attributes model_construct sets; a test compares it with validation.
-    ev = _new(StatusEvent)
-    _setattr(ev, "__dict__", values)
     _setattr(ev, "__pydantic_fields_set__", set(_STATUS_FIELDS_SET))
     _setattr(ev, "__pydantic_extra__", None)
     _setattr(ev, "__pydantic_private__", None)
     return ev
-
-
-_new = object.__new__
-_setattr = object.__setattr__
 
 
 def parse_line(line: str) -> Event:

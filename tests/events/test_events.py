@@ -5,9 +5,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
+from trainer import events
 from trainer.events import (
     EVENT_ADAPTER,
     CheckpointEvent,
@@ -230,3 +231,106 @@ def test_fast_constructed_status_equals_validated(ev: StatusEvent) -> None:
     validated = StatusEvent.model_validate(parsed.model_dump())
     assert parsed == validated
     assert parsed.model_dump_json() == validated.model_dump_json()
+
+
+def _reference_parse(line: str) -> StatusEvent | None:
+    """The general (pre-fast-path) status parser: one loose regex, findall for the extras."""
+    m = events._STATUS_RE.fullmatch(line)
+    if m is None:
+        return None
+    g = m.groups()
+    try:
+        eta = events._status_eta(g[13])
+        floats = [None if x == "---" else float(x) for x in (*g[2:10], g[12])]
+    except ValueError:
+        return None
+    extra = events._general_extra(g[14]) if g[14] else {}
+    if extra is None:
+        return None
+    loss, acc, streak, lr, noise, tgt, dft, ktok, epoch = floats
+    return StatusEvent.model_construct(
+        kind="status",
+        elapsed_min=int(g[0]),
+        step=int(g[1]),
+        loss=loss,
+        acc=acc,
+        streak=streak,
+        lr=lr,
+        noise=noise,
+        tgt_bps=tgt,
+        dft_bps=dft,
+        ktok_s=ktok,
+        q_pre=[int(x) for x in g[10].split(", ")] if g[10] else [],
+        q_hs=[int(x) for x in g[11].split(", ")] if g[11] else [],
+        epoch=epoch,
+        eta_s=eta,
+        extra=extra,
+    )
+
+
+_odd_number = st.sampled_from(["---", "nan", "inf", "-inf", "1_0", "1e999", "x", "1.5", "0.0"])
+# Tokens near the key=value shape: empty key or value, '|' in the key, a second '=', tab, newline.
+_near = st.text(alphabet="ab|=-%\t\n", max_size=3)
+_near_pair = st.one_of(st.tuples(_near, _near).map("=".join), _near)
+_odd_tail = st.lists(_near_pair, min_size=1, max_size=3).map(" ".join)
+
+
+_SEED_EVENT = StatusEvent(elapsed_min=3, step=7, q_pre=[1, 2])
+
+
+@settings(max_examples=200)
+@given(
+    status_events,
+    st.lists(
+        st.tuples(st.sampled_from(["loss=", "acc=", "noise=", "dft=", "epoch~"]), _odd_number)
+    ),
+    # a new " | " group, or more tokens continuing the line's own extras (if any)
+    st.one_of(st.just(""), _odd_tail.map(lambda t: " | " + t), _odd_tail.map(lambda t: " " + t)),
+)
+@example(ev=_SEED_EVENT, subs=[], tail=" | a|=b")
+@example(ev=_SEED_EVENT, subs=[], tail=" | a=b\n")
+@example(ev=_SEED_EVENT, subs=[], tail=" | a=b\tc")
+@example(ev=_SEED_EVENT, subs=[], tail=" | a==b")
+@example(ev=_SEED_EVENT, subs=[], tail=" | =b")
+@example(ev=_SEED_EVENT, subs=[], tail=" | a=")
+@example(ev=_SEED_EVENT, subs=[], tail=" | a=b  c=d")
+@example(ev=_SEED_EVENT, subs=[], tail=" | a=b ")
+@example(ev=_SEED_EVENT, subs=[], tail=" | a=b | c=d")
+@example(ev=_SEED_EVENT, subs=[], tail=" |  | a=b")
+@example(ev=_SEED_EVENT, subs=[], tail=" | | a=b")
+@example(ev=_SEED_EVENT, subs=[], tail=" | a=b c")
+@example(ev=_SEED_EVENT, subs=[], tail=" | a=1 a=2")
+@example(ev=StatusEvent(elapsed_min=0, step=0, extra={"w": "1%"}), subs=[], tail=" a|=b")
+@example(ev=_SEED_EVENT, subs=[], tail=" a=b")
+@example(ev=_SEED_EVENT, subs=[], tail=" | a=|")
+@example(ev=_SEED_EVENT, subs=[("acc=", "---"), ("loss=", "nan")], tail="")
+def test_fast_path_matches_general_parser(ev: StatusEvent, subs: list, tail: str) -> None:
+    """The fast regex, the memoised numbers and the str-split extras agree with the general path."""
+    line = format_status_line(ev)
+    for key, value in subs:  # replace one number field's text, keeping the rest of the line
+        start = line.index(key) + len(key)
+        line = line[:start] + value + line[line.index(" ", start) :]
+    line += tail
+    expected = _reference_parse(line)
+    for _ in range(2):  # the first parse may fill the memos, the second reads them
+        got = events._parse_status(line)
+        assert (got is None) == (expected is None), line
+        if got is not None:
+            assert got.model_dump_json() == expected.model_dump_json(), line
+            assert got.model_fields_set == expected.model_fields_set
+            assert format_status_line(got) == format_status_line(expected)
+
+
+def test_number_memos_stay_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A memo that fills up starts over (keeping '---' -> None) and still converts correctly."""
+    monkeypatch.setattr(events, "_MEMO_SIZE", 8)
+    memo = events._Memo(float, {"---": None})
+    for i in range(50):
+        assert memo[f"{i}.5"] == i + 0.5
+        assert len(memo) <= 8
+    assert memo["---"] is None
+    with pytest.raises(ValueError):
+        memo["x"]
+    assert "x" not in memo
+    nan = memo["nan"]
+    assert nan != nan and "nan" not in memo
