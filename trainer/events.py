@@ -441,6 +441,24 @@ def _infer_width(lines: list[str]) -> int | None:
     return max(len(ln) for ln in lines)
 
 
+def _extras_continuation(line: str, lines: list[str], i: int) -> tuple[str, int] | None:
+    """Re-join extra-field rows after a status line that is complete on its own.
+
+    Without a known width, a line wrapped exactly before its `` | k=v`` extras looks complete;
+    the next row then starts with `` | ``. Join rows while the status stays incomplete and keep
+    the join only if the result parses, so an unrelated row is never swallowed.
+    """
+    if not lines[i].startswith(" | "):
+        return None
+    joined, j = line + lines[i], i + 1
+    while (
+        j < len(lines) and lines[j] and not _starts_event(lines[j]) and _incomplete_status(joined)
+    ):
+        joined += lines[j]
+        j += 1
+    return (joined, j) if _parse_status(joined) is not None else None
+
+
 def _join_wrapped(lines: list[str], width: int | None) -> list[str]:
     logical: list[str] = []
     i = 0
@@ -449,6 +467,10 @@ def _join_wrapped(lines: list[str], width: int | None) -> list[str]:
         last = current
         is_status = bool(_STATUS_START_RE.match(current))
         i += 1
+        if is_status and width is None and i < len(lines) and not _incomplete_status(current):
+            extended = _extras_continuation(current, lines, i)
+            if extended is not None:
+                current, i = extended
         while i < len(lines) and lines[i] and not _starts_event(lines[i]):
             if width is not None and len(last) == width:
                 sep = ""

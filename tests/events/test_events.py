@@ -334,3 +334,23 @@ def test_number_memos_stay_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
     assert "x" not in memo
     nan = memo["nan"]
     assert nan != nan and "nan" not in memo
+
+
+def test_width_free_rejoin_of_a_wrap_just_before_the_extras() -> None:
+    """A row break exactly before ` | k=v` leaves a complete line; the extras still re-join."""
+    ev = parse_line(SEED_LINE_2)
+    assert isinstance(ev, StatusEvent)
+    line = format_status_line(ev.model_copy(update={"extra": {"gnorm": "0.841"}}))
+    head, tail = line.split(" | gnorm=")
+    events = parse_text(f"{head}\n | gnorm={tail}\n")
+    assert [format_line(e) for e in events] == [line]
+
+
+def test_width_free_rejoin_never_swallows_an_unrelated_row() -> None:
+    """A row starting with ' | ' that does not complete the status line stays its own line."""
+    ev = parse_line(SEED_LINE_2)
+    assert isinstance(ev, StatusEvent)
+    line = format_status_line(ev)
+    events = parse_text(f"{line}\n | not a key value row\n")
+    assert [e.kind for e in events] == ["status", "raw"]
+    assert format_line(events[0]) == line
