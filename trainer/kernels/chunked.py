@@ -15,6 +15,8 @@ from typing import Any
 import torch
 from torch.autograd.function import once_differentiable
 
+from trainer.kernels.common import add_chunk_grad
+
 DEFAULT_CHUNK_BYTES = 256 * 2**20
 """fp32 bytes one [N, chunk] logits tile may take; sets the default chunk width."""
 MAX_CHUNK = 16384
@@ -89,10 +91,7 @@ def chunked_grad_hidden(
         # Subtract the onehot without a host sync: rows whose label is elsewhere subtract 0.
         probs.scatter_add_(1, local[:, None], -in_chunk[:, None])
         probs.mul_(scale)
-        if hidden.dtype == torch.float32:
-            grad.addmm_(probs, w)
-        else:
-            grad.add_(probs.to(hidden.dtype) @ w)
+        add_chunk_grad(grad, probs, w)
     return grad
 
 

@@ -23,3 +23,15 @@ class KernelInputError(ValueError):
 
 class BackendUnavailableError(RuntimeError):
     """An explicitly requested backend cannot run on this machine or for these tensors."""
+
+
+def add_chunk_grad(grad: torch.Tensor, dlogits: torch.Tensor, w: torch.Tensor) -> None:
+    """grad (fp32) += dlogits @ w for one vocabulary chunk, shared by the chunked and Triton backward.
+
+    fp32 inputs accumulate in place; bf16/fp16 inputs multiply in their own dtype (tensor cores on
+    GPU) and the product is summed in fp32, so the chunks never accumulate in low precision.
+    """
+    if w.dtype == torch.float32:
+        grad.addmm_(dlogits, w)
+    else:
+        grad.add_(dlogits.to(w.dtype) @ w)

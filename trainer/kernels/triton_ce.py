@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 from torch.autograd.function import once_differentiable
 
-from trainer.kernels.common import LMHeadCE
+from trainer.kernels.common import LMHeadCE, add_chunk_grad
 
 DLOGITS_CHUNK_BYTES = 256 * 2**20
 """Bytes of the reusable [N, chunk] dlogits buffer of the backward pass."""
@@ -299,10 +299,7 @@ def triton_grad_hidden(
         )  # fmt: skip
         dlogits = buf[:, :width]
         w = weight[v_start : v_start + width]
-        if hidden.dtype == torch.float32:
-            grad.addmm_(dlogits, w)
-        else:
-            grad.add_(dlogits @ w)
+        add_chunk_grad(grad, dlogits, w)
     return grad
 
 
