@@ -21,7 +21,7 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Iterable
-from itertools import repeat
+from itertools import pairwise, repeat
 from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, field_validator
@@ -432,31 +432,24 @@ def _incomplete_status(line: str) -> bool:
     return " ETA=" not in line or _parse_status(line) is None
 
 
+def _wrapped_before_extras(line: str, following: str) -> bool:
+    # A row break exactly before ` | k=v` leaves a status line that parses on its own; the
+    # next row starting with ` | ` proves the wrap only if the joined line parses too.
+    return (
+        following.startswith(" | ")
+        and _STATUS_START_RE.match(line) is not None
+        and _parse_status(line + following) is not None
+    )
+
+
 def _infer_width(lines: list[str]) -> int | None:
     # A status line that only parses once joined proves the capture was wrapped; no row of a
     # capture is wider than the pane, so the widest row is the width (one row short when every
     # wrap happened at a blank that tmux trimmed: pass `width` explicitly to be exact).
-    if not any(_incomplete_status(ln) for ln in lines):
-        return None
-    return max(len(ln) for ln in lines)
-
-
-def _extras_continuation(line: str, lines: list[str], i: int) -> tuple[str, int] | None:
-    """Re-join extra-field rows after a status line that is complete on its own.
-
-    Without a known width, a line wrapped exactly before its `` | k=v`` extras looks complete;
-    the next row then starts with `` | ``. Join rows while the status stays incomplete and keep
-    the join only if the result parses, so an unrelated row is never swallowed.
-    """
-    if not lines[i].startswith(" | "):
-        return None
-    joined, j = line + lines[i], i + 1
-    while (
-        j < len(lines) and lines[j] and not _starts_event(lines[j]) and _incomplete_status(joined)
-    ):
-        joined += lines[j]
-        j += 1
-    return (joined, j) if _parse_status(joined) is not None else None
+    wrapped = any(_incomplete_status(ln) for ln in lines) or any(
+        _wrapped_before_extras(a, b) for a, b in pairwise(lines)
+    )
+    return max(len(ln) for ln in lines) if wrapped else None
 
 
 def _join_wrapped(lines: list[str], width: int | None) -> list[str]:
@@ -467,10 +460,6 @@ def _join_wrapped(lines: list[str], width: int | None) -> list[str]:
         last = current
         is_status = bool(_STATUS_START_RE.match(current))
         i += 1
-        if is_status and width is None and i < len(lines) and not _incomplete_status(current):
-            extended = _extras_continuation(current, lines, i)
-            if extended is not None:
-                current, i = extended
         while i < len(lines) and lines[i] and not _starts_event(lines[i]):
             if width is not None and len(last) == width:
                 sep = ""
