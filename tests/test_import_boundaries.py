@@ -1,7 +1,10 @@
-"""dflashctl must work on a laptop without the training stack.
+"""Import boundaries from ../shared/ARCHITECTURE.md, checked in fresh interpreters.
 
-Every dflashctl module (TUI included) and the trainer modules it reaches are imported in a fresh
-interpreter where torch, triton and transformers cannot be imported; `dflashctl --help` must run.
+- dflashctl works on a laptop without the training stack: every dflashctl module (TUI included)
+  and the trainer modules it reaches import with torch, triton and transformers unimportable, and
+  `dflashctl --help` runs.
+- Textual is imported only under dflashctl/tui/: every other dflashctl module (services, CLI,
+  monitor, demo) imports with textual unimportable.
 """
 
 from __future__ import annotations
@@ -15,12 +18,16 @@ import dflashctl
 
 REPO = Path(__file__).resolve().parents[1]
 
-BLOCKER = """
+TRAINING_STACK = ("torch", "triton", "transformers")
+
+
+def _blocker(roots: tuple[str, ...]) -> str:
+    return f"""
 import importlib.abc, sys
 class _Blocked(importlib.abc.MetaPathFinder):
     def find_spec(self, name, path=None, target=None):
-        if name.split(".")[0] in {"torch", "triton", "transformers"}:
-            raise ImportError(f"{name} is blocked: dflashctl must stay torch-free")
+        if name.split(".")[0] in {set(roots)!r}:
+            raise ImportError(f"{{name}} is blocked by an import-boundary test")
         return None
 sys.meta_path.insert(0, _Blocked())
 """
@@ -33,9 +40,9 @@ def _dflashctl_modules() -> list[str]:
     return names
 
 
-def _run(code: str, *args: str) -> subprocess.CompletedProcess[str]:
+def _run(code: str, blocked: tuple[str, ...] = TRAINING_STACK) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-c", BLOCKER + code, *args],
+        [sys.executable, "-c", _blocker(blocked) + code],
         capture_output=True,
         text=True,
         cwd=REPO,
@@ -56,6 +63,15 @@ def test_every_dflashctl_module_imports_without_torch() -> None:
         )
     )
     out = _run(code)
+    assert out.returncode == 0, out.stderr[-2000:]
+
+
+def test_textual_stays_under_dflashctl_tui() -> None:
+    modules = [m for m in _dflashctl_modules() if not m.startswith("dflashctl.tui")]
+    assert {"dflashctl.monitor", "dflashctl.demo", "dflashctl.control"} <= set(modules)
+    code = "import importlib\n" + "".join(f"importlib.import_module({m!r})\n" for m in modules)
+    code += "assert not [m for m in sys.modules if m.split('.')[0] == 'textual']\n"
+    out = _run(code, blocked=("textual",))
     assert out.returncode == 0, out.stderr[-2000:]
 
 
