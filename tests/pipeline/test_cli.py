@@ -144,6 +144,8 @@ def test_sigterm_leaves_a_loadable_checkpoint(tmp_path: Path, tiny_assets: dict[
     stops = [e for e in events if isinstance(e, PhaseEvent) and e.phase == "stopping"]
     assert stops and stops[0].detail == "(SIGTERM)"
     ckpt = [e for e in events if isinstance(e, CheckpointEvent)][-1]
+    # The announcement precedes the stop's checkpoint even when the drafter beats the monitor.
+    assert events.index(stops[0]) < events.index(ckpt)
     state = load_checkpoint(Path(ckpt.path))
     assert state["step"] == ckpt.step >= 5
     assert state["sampler"]["position"] > 0 and "anchor" in state["rng"][0]

@@ -98,6 +98,8 @@ class Run:
         self.board = Board()
         self.t0 = time.monotonic()
         self.stopped_by_signal = False
+        self._stop_announced = False
+        self._announce_lock = threading.Lock()
         self.completed = False
         self.windows = {k: RateWindow(cfg.status.rate_window_s) for k in ("tgt", "dft", "tok")}
 
@@ -377,6 +379,8 @@ class Run:
                 stop_now = vals[len(METRIC_KEYS)] > 0
                 due = vals[len(METRIC_KEYS) + 1] > 0
                 every = cfg.checkpoint.every_steps
+                if stop_now:
+                    self.announce_stop()  # before its checkpoint line, even if the monitor is asleep
                 if stop_now or due or step == self.end_step or (every and step % every == 0):
                     self._save(step)
                     last_ckpt = time.monotonic()
@@ -420,12 +424,10 @@ class Run:
         since: dict[tuple[int, str], float] = {}
         last_t = time.monotonic()
         next_t = last_t
-        announced = False
         first = True
         while self.drafter_thread.is_alive() and not self.sup.stop.is_set():
-            if self.stop_request.is_set() and not announced:
-                self.reporter.phase("stopping", f"({self.signal_name})")
-                announced = True
+            if self.stop_request.is_set():
+                self.announce_stop()
             now = time.monotonic()
             if now < next_t:
                 self.drafter_thread.join(min(0.1, next_t - now))
@@ -485,6 +487,18 @@ class Run:
         self.reporter.line(line)
 
     # ------------------------------------------------------------------ signals
+    def announce_stop(self) -> None:
+        """Print the stopping line once, from whichever thread sees the request first.
+
+        The monitor polls every 0.1 s; the drafter can finish its step and checkpoint before
+        that, so it announces too, and the line always precedes the stop's checkpoint line.
+        """
+        with self._announce_lock:
+            if self._stop_announced:
+                return
+            self._stop_announced = True
+        self.reporter.phase("stopping", f"({self.signal_name})")
+
     def install_signals(self) -> None:
         def handler(signum: int, _frame: Any) -> None:
             if self.stop_request.is_set():
