@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -11,6 +12,7 @@ from hypothesis import strategies as st
 from trainer import events
 from trainer.events import (
     EVENT_ADAPTER,
+    STAGE_WAIT_KEYS,
     CheckpointEvent,
     ErrorEvent,
     PhaseEvent,
@@ -165,7 +167,20 @@ status_events = st.builds(
     q_hs=st.lists(st.integers(0, 999), max_size=8),
     epoch=_opt_floats(0, 100),
     eta_s=_opt_floats(0, 1e9),
-    extra=st.dictionaries(_token, _token, max_size=4),
+    extra=st.one_of(
+        st.dictionaries(_token, _token, max_size=4),
+        # what the trainer prints (the fast path's own branch), sometimes with more pairs after
+        st.builds(
+            lambda values, gnorm, more: {
+                **dict(zip(events.TRAINER_EXTRA_KEYS, values, strict=True)),
+                **({"gnorm": gnorm} if gnorm else {}),
+                **more,
+            },
+            st.lists(_token, min_size=5, max_size=5),
+            st.one_of(st.none(), _token),
+            st.dictionaries(_token, _token, max_size=2),
+        ),
+    ),
 )
 
 
@@ -201,8 +216,14 @@ def test_parse_text_rejoins_any_pane_width(evs: list[StatusEvent], width: int, t
     """Lines hard-wrapped at the pane width (tmux may trim trailing blanks) parse as one each."""
     lines = [format_phase_line("running"), *(format_status_line(e) for e in evs)]
     rows = [row for ln in lines for row in _wrap(ln, width, trim)]
-    # Without the width, trimmed rows are ambiguous; untrimmed ones must still re-join.
-    for w in (width, None) if not trim else (width,):
+    # Without the width, trimmed rows are ambiguous, and so is a break inside an extras token
+    # whose first half already reads as a complete line; other untrimmed rows must re-join.
+    ambiguous = trim or any(
+        isinstance(parse_line(ln[:cut]), StatusEvent) and ln[cut] != " "
+        for ln in lines
+        for cut in range(width, len(ln), width)
+    )
+    for w in (width,) if ambiguous else (width, None):
         events = parse_text("\n".join(rows) + "\n", width=w)
         assert [format_line(e) for e in events] == lines
 
@@ -233,9 +254,19 @@ def test_fast_constructed_status_equals_validated(ev: StatusEvent) -> None:
     assert parsed.model_dump_json() == validated.model_dump_json()
 
 
+# The status line as first specified: every field loose, any tail.  Kept apart from the parser's
+# tuned regexes so that the comparison below checks them against the plain grammar.
+_REFERENCE_RE = re.compile(
+    r"\[(\d+)m\] step=(\d+) loss=([^ ]+) acc=([^ ]+) streak=([^ ]+) lr=([^ ]+) noise=([^ ]+)"
+    r" \| tgt=([^ ]+)b/s dft=([^ ]+)b/s \(([^ ]+)Ktok/s\)"
+    r" \| q_pre=\[((?:\d+(?:, \d+)*)?)\] q_hs=\[((?:\d+(?:, \d+)*)?)\]"
+    r" \| epoch~([^ ]+) ETA=([^ ]+)(.*)"
+)
+
+
 def _reference_parse(line: str) -> StatusEvent | None:
     """The general (pre-fast-path) status parser: one loose regex, findall for the extras."""
-    m = events._STATUS_RE.fullmatch(line)
+    m = _REFERENCE_RE.fullmatch(line)
     if m is None:
         return None
     g = m.groups()
@@ -268,7 +299,13 @@ def _reference_parse(line: str) -> StatusEvent | None:
     )
 
 
-_odd_number = st.sampled_from(["---", "nan", "inf", "-inf", "1_0", "1e999", "x", "1.5", "0.0"])
+# The last six carry the unit the tuned regex stops at ("dft=2.5b/s", "(1.5Ktok/s)") or near misses.
+_odd_number = st.sampled_from(
+    [
+        *("---", "nan", "inf", "-inf", "1_0", "1e999", "x", "1.5", "0.0"),
+        *("2.5b/s", "1bb/s", "b/s", "1.5Ktok/s)", "1KKtok/s)", "---Ktok/s)"),
+    ]
+)
 # Tokens near the key=value shape: empty key or value, '|' in the key, a second '=', tab, newline.
 _near = st.text(alphabet="ab|=-%\t\n", max_size=3)
 _near_pair = st.one_of(st.tuples(_near, _near).map("=".join), _near)
@@ -276,13 +313,14 @@ _odd_tail = st.lists(_near_pair, min_size=1, max_size=3).map(" ".join)
 
 
 _SEED_EVENT = StatusEvent(elapsed_min=3, step=7, q_pre=[1, 2])
+_TRAINER_TAIL = " | w_pre_out=1.0% w_tgt_in=2.0% w_tgt_out=3.0% w_dft_in=4.0% bottleneck=target"
 
 
 @settings(max_examples=200)
 @given(
     status_events,
     st.lists(
-        st.tuples(st.sampled_from(["loss=", "acc=", "noise=", "dft=", "epoch~"]), _odd_number)
+        st.tuples(st.sampled_from(["loss=", "acc=", "noise=", "dft=", "(", "epoch~"]), _odd_number)
     ),
     # a new " | " group, or more tokens continuing the line's own extras (if any)
     st.one_of(st.just(""), _odd_tail.map(lambda t: " | " + t), _odd_tail.map(lambda t: " " + t)),
@@ -304,6 +342,18 @@ _SEED_EVENT = StatusEvent(elapsed_min=3, step=7, q_pre=[1, 2])
 @example(ev=_SEED_EVENT, subs=[], tail=" a=b")
 @example(ev=_SEED_EVENT, subs=[], tail=" | a=|")
 @example(ev=_SEED_EVENT, subs=[("acc=", "---"), ("loss=", "nan")], tail="")
+@example(ev=_SEED_EVENT, subs=[], tail=_TRAINER_TAIL)
+@example(ev=_SEED_EVENT, subs=[], tail=_TRAINER_TAIL + " gnorm=0.512")
+@example(ev=_SEED_EVENT, subs=[], tail=_TRAINER_TAIL + " gnorm=0.512 nonfinite=3")
+@example(ev=_SEED_EVENT, subs=[], tail=_TRAINER_TAIL + " gnorm=")
+@example(ev=_SEED_EVENT, subs=[], tail=_TRAINER_TAIL + " gnorm=1=2")
+@example(ev=_SEED_EVENT, subs=[], tail=_TRAINER_TAIL + " w_pre_out=9.9%")
+@example(ev=_SEED_EVENT, subs=[], tail=_TRAINER_TAIL + " | gnorm=0.5")
+@example(ev=_SEED_EVENT, subs=[], tail=_TRAINER_TAIL.replace(" w_tgt_in=2.0%", ""))
+@example(ev=_SEED_EVENT, subs=[], tail=_TRAINER_TAIL.replace("4.0%", "4=0%"))
+@example(ev=_SEED_EVENT, subs=[], tail=_TRAINER_TAIL.replace("target", "a|b"))
+@example(ev=_SEED_EVENT, subs=[("dft=", "1bb/s")], tail="")
+@example(ev=_SEED_EVENT, subs=[("(", "1.5Ktok/s)")], tail=_TRAINER_TAIL)
 def test_fast_path_matches_general_parser(ev: StatusEvent, subs: list, tail: str) -> None:
     """The fast regex, the memoised numbers and the str-split extras agree with the general path."""
     line = format_status_line(ev)
@@ -321,6 +371,34 @@ def test_fast_path_matches_general_parser(ev: StatusEvent, subs: list, tail: str
             assert format_status_line(got) == format_status_line(expected)
 
 
+def test_trainer_status_lines_take_the_trainer_branch() -> None:
+    """Lines the trainer's status_line prints hit the literal-dict branch and parse exactly."""
+    from trainer.pipeline.status import Board, status_line
+
+    waits = {k: 12.5 * i for i, k in enumerate(STAGE_WAIT_KEYS)}
+    for gnorm in (None, 0.731):
+        line = status_line(
+            elapsed_s=95.0,
+            board=Board(step=12, lr=3e-4, gnorm=gnorm),
+            metrics={"loss": 2.5, "acc": 0.25, "streak": 3.5},
+            noise=0.1,
+            tgt_bps=1.5,
+            dft_bps=0.5,
+            ktok_s=12.0,
+            q_pre=[3, 4],
+            q_hs=[1],
+            epoch=0.5,
+            eta_s=5000.0,
+            waits=waits,
+        )
+        m = events._STATUS_FAST_RE.fullmatch(line)
+        assert m is not None and m.group(15) == "0.0%", line  # the trainer branch matched
+        got = parse_line(line)
+        assert isinstance(got, StatusEvent) and format_status_line(got) == line
+        assert got.model_dump_json() == _reference_parse(line).model_dump_json()
+        assert list(got.extra) == [*events.TRAINER_EXTRA_KEYS, *(["gnorm"] if gnorm else [])]
+
+
 def test_number_memos_stay_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
     """A memo that fills up starts over (keeping '---' -> None) and still converts correctly."""
     monkeypatch.setattr(events, "_MEMO_SIZE", 8)
@@ -336,13 +414,14 @@ def test_number_memos_stay_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
     assert nan != nan and "nan" not in memo
 
 
-def test_width_free_rejoin_of_a_wrap_just_before_the_extras() -> None:
-    """A row break exactly before ` | k=v` leaves a complete line; the extras still re-join."""
-    ev = parse_line(SEED_LINE_2)
+@pytest.mark.parametrize("cut", [" | w_pre_out=", " w_tgt_out=", " gnorm="])
+def test_width_free_rejoin_of_a_wrap_at_a_blank_in_the_extras(cut: str) -> None:
+    """A row break at a blank in the extras leaves a complete line; the extras still re-join."""
+    ev = parse_line(SEED_LINE_2 + _TRAINER_TAIL + " gnorm=0.841")
     assert isinstance(ev, StatusEvent)
-    line = format_status_line(ev.model_copy(update={"extra": {"gnorm": "0.841"}}))
-    head, tail = line.split(" | gnorm=")
-    events = parse_text(f"{head}\n | gnorm={tail}\n")
+    line = format_status_line(ev)
+    head, tail = line.split(cut)
+    events = parse_text(f"{head}\n{cut}{tail}\n")
     assert [format_line(e) for e in events] == [line]
 
 
