@@ -265,7 +265,7 @@ def _print_line(line: str, as_json: bool) -> None:
 
 
 async def cmd_logs(args: argparse.Namespace) -> int:
-    from dflashctl.control import RunControl
+    from dflashctl.control import LOG_RESTARTED, RunControl
 
     host = _host(args)
 
@@ -284,7 +284,9 @@ async def cmd_logs(args: argparse.Namespace) -> int:
             return EXIT_OK
 
         def link(state: str) -> None:
-            if state != "connected":
+            if state == LOG_RESTARTED:
+                print(f"dflashctl: {host.name}: {state}", file=sys.stderr, flush=True)
+            elif state != "connected":
                 print(f"dflashctl: {state}; reconnecting", file=sys.stderr, flush=True)
 
         async for line in ctl.follow(start, on_link=link):

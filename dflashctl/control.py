@@ -35,6 +35,7 @@ from dflashctl.remote.commands import (
 )
 from dflashctl.remote.transport import (
     CommandResult,
+    CommandTimeout,
     HostKeyError,
     HostUnreachable,
     Transport,
@@ -43,6 +44,7 @@ from dflashctl.remote.transport import (
 from trainer.events import CheckpointEvent, ErrorEvent, Event, StatusEvent, parse_line, parse_text
 
 MARK = "@@dflash@@:"
+LOG_RESTARTED = "restarted: status.log started over; reading it from its first line"
 GPU_QUERY = "index,name,utilization.gpu,memory.used,memory.total,temperature.gpu,power.draw"
 
 
@@ -485,6 +487,17 @@ class RunControl:
             raise ControlError(f"{self.host.name}: nvidia-smi: {res.error_line()}")
         return parse_gpu_csv(res.stdout)
 
+    async def _log_started_over(self, lines_read: int) -> bool:
+        """Is run/status.log now shorter than the lines already read from it (or gone)?"""
+        try:
+            res = await self._run(["wc", "-l", self._path("run/status.log")], timeout=30)
+        except CommandTimeout:
+            return False  # unknown: keep the count (the tail itself will show what is wrong)
+        if not res.ok:
+            return "No such file" in res.stderr
+        count = res.stdout.split()[0] if res.stdout.split() else ""
+        return count.isdigit() and int(count) < lines_read
+
     async def follow(
         self,
         from_line: int = 0,
@@ -497,14 +510,23 @@ class RunControl:
 
         One long-lived `tail -F` per connection. The count of lines delivered is the resume
         point, and only newline-terminated lines are delivered, so a reconnect neither repeats
-        nor skips a line. `on_link` hears "connected"/"lost: ..." for the UI.
+        nor skips a line. A log found shorter than that count on reconnect was started over
+        (deleted, replaced): it is read again from its first line (reported as LOG_RESTARTED),
+        because skipping the new run's first lines would be worse than repeating a few.
+        `on_link` hears "connected"/"lost: ..." (and LOG_RESTARTED) for the UI.
         """
         delay = delay or backoff_delays()
         next_line = from_line
         attempt = 0
         path = self._path("run/status.log")
+        reconnecting = False
         while True:
             try:
+                if reconnecting and next_line > 0 and await self._log_started_over(next_line):
+                    next_line = 0
+                    if on_link:
+                        on_link(LOG_RESTARTED)
+                reconnecting = True
                 if on_link:
                     on_link("connected")
                 async for line in self.transport.stream_lines(

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal, Protocol
 
+from dflashctl.control import LOG_RESTARTED
 from trainer.events import (
     CheckpointEvent,
     ErrorEvent,
@@ -497,7 +498,9 @@ class HostFollower:
             self._set(replace(self.state, gpus=tuple(gpus)))
 
     def _on_link(self, report: str) -> None:
-        if report == "connected":
+        if report == LOG_RESTARTED:  # the stream reads status.log again from its first line
+            self._set(replace(self.state, lines_seen=0))
+        elif report == "connected":
             self._set(apply_link(self.state, "connecting"))
         else:
             self._set(apply_link(self.state, "retrying", report.removeprefix("lost: ")))

@@ -18,7 +18,7 @@ import asyncssh
 import pytest
 
 from dflashctl.cli import main as cli_main
-from dflashctl.control import RunControl
+from dflashctl.control import LOG_RESTARTED, RunControl
 from dflashctl.inventory import HostConfig, load_inventory
 from dflashctl.remote import CommandTimeout, HostKeyError, HostUnreachable, TransportError
 from dflashctl.remote.commands import BASE_ENV
@@ -71,6 +71,8 @@ class FakePve:
                     await asyncio.sleep(0.005)
                 await process.stdin.read()  # like tail -F: until the client goes away
                 self.closed.append("tail")
+            elif argv[0] == "wc":
+                process.stdout.write(f"{len(self.lines)} {argv[-1]}\n".encode())
             elif argv[0] == "argv-echo":
                 process.stdout.write(json.dumps(argv[1:]).encode())
             elif argv[0] == "slow":
@@ -152,6 +154,28 @@ async def test_follow_survives_drops_without_duplicates_or_losses(
     assert got == [f"line {i}" for i in range(20)]
     assert server.pve.tail_starts == [0, 7, 14]
     assert sum(1 for s in links if s.startswith("lost:")) == 2
+
+
+async def test_follow_rereads_a_log_that_started_over(server: Server, tmp_path: Path) -> None:
+    """A status.log found shorter on reconnect is read from its first line, not past its end."""
+    host = host_for(tmp_path, server)
+    pin_host_key(host, server.host_key.convert_to_public())
+    transport = SshTransport(host)
+    links: list[str] = []
+    got: list[str] = []
+    async for line in RunControl(transport, host).follow(
+        0, on_link=links.append, delay=lambda attempt: 0.01
+    ):
+        got.append(line)
+        if len(got) == 14:  # the link drops after this line; the log is replaced meanwhile
+            server.pve.lines = [f"new {i}" for i in range(5)]
+        if len(got) == 19:
+            break
+    await transport.close()
+    assert got == [f"line {i}" for i in range(14)] + [f"new {i}" for i in range(5)]
+    assert server.pve.tail_starts == [0, 7, 0]
+    assert links.count(LOG_RESTARTED) == 1
+    assert [argv[0] for argv in server.pve.inner].count("wc") == 2  # once per reconnect
 
 
 async def test_follow_resumes_from_a_given_line(server: Server, tmp_path: Path) -> None:

@@ -15,6 +15,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+from dflashctl.control import LOG_RESTARTED
 from dflashctl.monitor import RunShape, lr_schedule
 from trainer.events import StatusEvent, format_status_line
 
@@ -119,6 +120,10 @@ class ReplayControl:
         if self.fail_follow > 0:
             self.fail_follow -= 1
             raise ConnectionRefusedError("ssh: connect to host kpro6 port 22: Connection refused")
+        if from_line > len(self.lines):  # like RunControl: a log that started over is re-read
+            from_line = 0
+            if on_link:
+                on_link(LOG_RESTARTED)
         if on_link:
             on_link("connected")
         for line in self.lines[from_line:]:

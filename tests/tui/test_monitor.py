@@ -256,6 +256,24 @@ async def test_shrunk_status_log_restarts_the_stream_from_zero() -> None:
     assert follower.state.status is not None and follower.state.status.step == 0
 
 
+async def test_a_log_restart_reported_by_the_stream_resets_the_line_count() -> None:
+    control = ReplayControl(lines=run_lines(4))
+    follower = HostFollower("h", control, lambda s: None, clock=lambda: FIXED_NOW)
+    task = asyncio.create_task(follower.run())
+    try:
+        await _until(lambda: follower.state.lines_seen == 6)
+        control.lines[:] = run_lines(1)  # replaced while the link was down; no poll saw it
+        follower.reconnect_now()
+        await _until(lambda: [a for n, a in control.calls if n == "follow"][-1] == 6)
+        await _until(lambda: follower.state.lines_seen == 3)
+        await asyncio.sleep(0.05)
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+    assert follower.state.lines_seen == 3  # counted from the new log's first line, not 6 + 3
+    assert follower.state.status is not None and follower.state.status.step == 0
+
+
 def test_planned_boundaries_match_the_trainers_planner_on_a_local_store(tmp_path: Path) -> None:
     import subprocess
     import sys
