@@ -298,9 +298,16 @@ async def cmd_logs(args: argparse.Namespace) -> int:
 
 def attach_argv(host: HostConfig, term: str) -> list[str]:
     """The system ssh argv for an interactive attach (host key checked against our file)."""
-    from dflashctl.remote.commands import clean_env, pct_exec, shell_join, tmux_attach
+    from dflashctl.remote.commands import (
+        clean_env,
+        pct_exec,
+        shell_join,
+        tmux_attach,
+        with_known_term,
+    )
 
-    remote = shell_join(pct_exec(host.ctid, clean_env(tmux_attach(host.session), {"TERM": term})))
+    attach = with_known_term(tmux_attach(host.session))
+    remote = shell_join(pct_exec(host.ctid, clean_env(attach, {"TERM": term})))
     argv = [
         "ssh",
         "-t",

@@ -149,6 +149,19 @@ def tmux_attach(session: str) -> list[str]:
     return tmux("attach-session", "-t", _session_target(session))
 
 
+# tmux refuses a terminal the container has no terminfo entry for ("missing or unsuitable
+# terminal: xterm-kitty"); any modern terminal renders xterm-256color, which ncurses-base ships.
+FALLBACK_TERM = "xterm-256color"
+KNOWN_TERM_SCRIPT = (
+    f'infocmp "$TERM" >/dev/null 2>&1 || TERM={FALLBACK_TERM}; export TERM; exec "$@"'
+)
+
+
+def with_known_term(argv: Sequence[str]) -> list[str]:
+    """Run argv with $TERM, or FALLBACK_TERM when the container cannot describe $TERM."""
+    return ["sh", "-c", KNOWN_TERM_SCRIPT, "dflash-term", *argv]
+
+
 @dataclass(frozen=True)
 class PaneState:
     dead: bool

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
 from pathlib import Path
 
 import pytest
 
 from dflashctl.cli import attach_argv, main
 from dflashctl.inventory import load_inventory
+from dflashctl.remote.commands import with_known_term
 
 
 def write_inv(tmp: Path, body: str) -> str:
@@ -72,4 +75,21 @@ def test_attach_argv_pins_host_key_and_targets_exact_session(tmp_path: Path) -> 
     assert argv[-2] == "root@10.1.2.6"
     assert argv[-1].startswith("pct exec 200 -- env -i ")
     assert argv[-1].endswith("tmux -L dflash attach-session -t =run-1")
-    assert "TERM=xterm-256color" in argv[-1]
+    assert "TERM=xterm-256color" in argv[-1] and "infocmp" in argv[-1]
+
+
+@pytest.mark.parametrize(
+    ("term", "seen"),
+    [
+        ("xterm-256color", "xterm-256color"),
+        ("vt100", "vt100"),
+        ("no-such-term-x9", "xterm-256color"),
+    ],
+)
+def test_attach_falls_back_to_a_terminal_the_container_knows(term: str, seen: str) -> None:
+    """An unknown $TERM (say xterm-kitty without its terminfo) would make tmux refuse to attach."""
+    argv = with_known_term(["sh", "-c", 'echo "$TERM"'])
+    out = subprocess.run(
+        argv, env={"PATH": os.defpath, "TERM": term}, capture_output=True, text=True
+    )
+    assert out.stdout.strip() == seen
