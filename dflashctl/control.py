@@ -41,7 +41,7 @@ from dflashctl.remote.transport import (
     Transport,
     TransportError,
 )
-from trainer.events import CheckpointEvent, ErrorEvent, Event, StatusEvent, parse_line, parse_text
+from trainer.events import CheckpointEvent, ErrorEvent, Event, StatusEvent, parse_line
 
 MARK = "@@dflash@@:"
 LOG_RESTARTED = "restarted: status.log started over; reading it from its first line"
@@ -187,7 +187,9 @@ def parse_status(host: str, stdout: str, hash_text: Callable[[str], str | None])
     log_events = _events(s.get("log", ""))
     last_status = next((e for e in reversed(log_events) if isinstance(e, StatusEvent)), None)
     last_ckpt = next((e for e in reversed(log_events) if isinstance(e, CheckpointEvent)), None)
-    pane_events = parse_text(capture, pane.width if pane else None) if capture else []
+    # The capture is taken with -J: tmux already re-joined wrapped rows, so re-joining rows that
+    # happen to be exactly the pane width would glue separate lines together.
+    pane_events = _events(capture)
     if last_status is None:
         last_status = next((e for e in reversed(pane_events) if isinstance(e, StatusEvent)), None)
     if last_ckpt is None:
@@ -415,7 +417,7 @@ class RunControl:
         before = st.last_checkpoint.step if st.last_checkpoint else -1
         ckpts = [e for e in _events(log.stdout if log.ok else "") if isinstance(e, CheckpointEvent)]
         if not ckpts:
-            pane_events = parse_text(cap.stdout if cap.ok else "")
+            pane_events = _events(cap.stdout if cap.ok else "")  # -J: rows already joined
             ckpts = [e for e in pane_events if isinstance(e, CheckpointEvent) and e.step > before]
         state = await self._pane_state()
         await self._run(tmux_kill_session(self.host.session))

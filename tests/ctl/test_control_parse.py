@@ -66,11 +66,20 @@ def test_clean_exit_is_stopped_and_no_session_is_stopped() -> None:
     assert parse_status("h", f"{MARK}noworkdir\n", fake_hash).message == "nothing deployed yet"
 
 
-def test_status_falls_back_to_wrapped_pane_capture() -> None:
-    line = LINE.format(step=12)
-    wrapped = "\n".join(line[i : i + 80] for i in range(0, len(line), 80))
-    out = script_output(session="yes", pane="0|||1|80", capture=wrapped, log_lines="0")
+def test_status_falls_back_to_the_pane_capture() -> None:
+    """With an empty status.log the pane (captured with -J, so rows arrive re-joined) counts."""
+    out = script_output(session="yes", pane="0|||1|80", capture=LINE.format(step=12), log_lines="0")
     assert parse_status("h", out, fake_hash).step == 12
+
+
+def test_a_capture_line_exactly_the_pane_width_is_not_glued_to_the_next() -> None:
+    """tmux -J leaves a line that filled the row exactly as it was; re-joining it by width would
+    turn the status line plus the warning after it into one unreadable line."""
+    line = LINE.format(step=12)
+    capture = f"{line}\nUserWarning: something\nERROR: stage target failed: boom"
+    out = script_output(session="yes", pane=f"1|1||1|{len(line)}", capture=capture, log_lines="0")
+    st = parse_status("h", out, fake_hash)
+    assert st.step == 12 and st.last_error == "stage target failed: boom"
 
 
 def test_sections_keep_blank_lines_inside() -> None:
