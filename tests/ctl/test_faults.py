@@ -10,7 +10,7 @@ import asyncio
 import json
 import shlex
 import subprocess
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -136,21 +136,33 @@ async def server(tmp_path: Path) -> AsyncIterator[Server]:
     await srv.acceptor.wait_closed()
 
 
-async def test_follow_survives_drops_without_duplicates_or_losses(
-    server: Server, tmp_path: Path
-) -> None:
+async def follow_lines(
+    server: Server, tmp_path: Path, count: int, each: Callable[[list[str]], None] | None = None
+) -> tuple[list[str], list[str]]:
+    """Follow status.log from line 0 until `count` lines arrive: (lines, link reports)."""
     host = host_for(tmp_path, server)
     pin_host_key(host, server.host_key.convert_to_public())
     transport = SshTransport(host)
     links: list[str] = []
     got: list[str] = []
-    async for line in RunControl(transport, host).follow(
-        0, on_link=links.append, delay=lambda attempt: 0.01
-    ):
-        got.append(line)
-        if len(got) == 20:
-            break
-    await transport.close()
+    try:
+        async for line in RunControl(transport, host).follow(
+            0, on_link=links.append, delay=lambda attempt: 0.01
+        ):
+            got.append(line)
+            if each is not None:
+                each(got)
+            if len(got) == count:
+                break
+    finally:
+        await transport.close()
+    return got, links
+
+
+async def test_follow_survives_drops_without_duplicates_or_losses(
+    server: Server, tmp_path: Path
+) -> None:
+    got, links = await follow_lines(server, tmp_path, 20)
     assert got == [f"line {i}" for i in range(20)]
     assert server.pve.tail_starts == [0, 7, 14]
     assert sum(1 for s in links if s.startswith("lost:")) == 2
@@ -158,20 +170,12 @@ async def test_follow_survives_drops_without_duplicates_or_losses(
 
 async def test_follow_rereads_a_log_that_started_over(server: Server, tmp_path: Path) -> None:
     """A status.log found shorter on reconnect is read from its first line, not past its end."""
-    host = host_for(tmp_path, server)
-    pin_host_key(host, server.host_key.convert_to_public())
-    transport = SshTransport(host)
-    links: list[str] = []
-    got: list[str] = []
-    async for line in RunControl(transport, host).follow(
-        0, on_link=links.append, delay=lambda attempt: 0.01
-    ):
-        got.append(line)
+
+    def replace_log(got: list[str]) -> None:
         if len(got) == 14:  # the link drops after this line; the log is replaced meanwhile
             server.pve.lines = [f"new {i}" for i in range(5)]
-        if len(got) == 19:
-            break
-    await transport.close()
+
+    got, links = await follow_lines(server, tmp_path, 19, replace_log)
     assert got == [f"line {i}" for i in range(14)] + [f"new {i}" for i in range(5)]
     assert server.pve.tail_starts == [0, 7, 0]
     assert links.count(LOG_RESTARTED) == 1
