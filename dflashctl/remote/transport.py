@@ -72,12 +72,21 @@ def _decode(data: bytes) -> str:
 
 
 async def _kill_group(proc: asyncio.subprocess.Process) -> None:
+    """SIGKILL the process's group (it leads one: start_new_session) and reap it.
+
+    `proc.kill()` only when the group could not be signalled: it goes through Popen.poll(),
+    which can reap the just-killed child before asyncio's child watcher does, and the watcher
+    then logs "Unknown child process pid N, will report returncode 255" to the user's terminal.
+    """
     if proc.returncode is not None:
         return
-    with contextlib.suppress(ProcessLookupError, PermissionError):
+    try:
         os.killpg(proc.pid, signal.SIGKILL)
-    with contextlib.suppress(ProcessLookupError):
-        proc.kill()
+    except ProcessLookupError:
+        pass  # the group is gone: the process has exited and only awaits reaping
+    except PermissionError:
+        with contextlib.suppress(ProcessLookupError):
+            proc.kill()
     await proc.wait()
 
 

@@ -19,7 +19,7 @@ from dflashctl.control import ControlError, RunControl
 from dflashctl.deploy import DeployError, deploy
 from dflashctl.inventory import HostConfig, local_host
 from dflashctl.release import Release, build_release
-from dflashctl.remote import LocalTransport
+from dflashctl.remote import CommandTimeout, LocalTransport
 from tests.conftest import require_part
 from tests.ctl.parts import bump_buckets, halve_lr
 
@@ -370,3 +370,18 @@ async def test_interrupted_deploy_leaves_current_and_no_lock(local, tmp_path: Pa
     assert not (wd / "releases" / second.id).exists()
     probes = await transport.run(["pgrep", "-f", f"import importlib.*{host.workdir}"])
     assert probes.stdout.strip() == ""  # the remote probe was killed with the local command
+
+
+async def test_killing_helpers_never_confuses_the_child_watcher(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A command killed at its timeout is reaped without asyncio's "Unknown child process"
+    warning (it reached the terminal in the demo: Popen.poll() had reaped the child first)."""
+    transport = LocalTransport()
+    with caplog.at_level("WARNING", logger="asyncio"):
+        for _ in range(1000):  # the race hit about 1 kill in 170 here
+            with pytest.raises(CommandTimeout):
+                await transport.run(["sleep", "100"], timeout=0.002)
+        await asyncio.sleep(0.1)  # the watcher thread reports late
+    await transport.close()
+    assert not [r.getMessage() for r in caplog.records if "child process" in r.getMessage()]
