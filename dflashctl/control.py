@@ -497,8 +497,8 @@ class RunControl:
             return False  # unknown: keep the count (the tail itself will show what is wrong)
         if not res.ok:
             return "No such file" in res.stderr
-        count = res.stdout.split()[0] if res.stdout.split() else ""
-        return count.isdigit() and int(count) < lines_read
+        count = res.stdout.split()[:1]  # "N path"
+        return bool(count) and count[0].isdigit() and int(count[0]) < lines_read
 
     async def follow(
         self,

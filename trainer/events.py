@@ -29,6 +29,7 @@ from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, field_validator
 __all__ = [
     "BOTTLENECK_KEY",
     "EVENT_ADAPTER",
+    "GNORM_KEY",
     "PHASE_TEXTS",
     "STAGE_WAIT_KEYS",
     "TRAINER_EXTRA_KEYS",
@@ -73,6 +74,7 @@ STAGE_WAIT_KEYS: dict[str, str] = {
     "w_dft_in": "drafter waiting for hidden states (q_hs empty / out of order)",
 }
 BOTTLENECK_KEY = "bottleneck"  # "prefetch" | "target" | "drafter" | "---"
+GNORM_KEY = "gnorm"  # the last step's gradient norm, once a step has run
 
 _FROZEN = ConfigDict(frozen=True, extra="forbid")
 
@@ -268,7 +270,7 @@ TRAINER_EXTRA_KEYS = (*STAGE_WAIT_KEYS, BOTTLENECK_KEY)
 _TRAINER_TAIL = (
     r" \| "
     + " ".join(f"{k}=({_FAST_VALUE})" for k in TRAINER_EXTRA_KEYS)
-    + rf"(?: gnorm=({_FAST_VALUE}))?"
+    + rf"(?: {GNORM_KEY}=({_FAST_VALUE}))?"
 )
 _STATUS_FAST_RE = re.compile(
     _STATUS_HEAD + rf"(?:{_TRAINER_TAIL}|(?: \| ({_FAST_PAIR}(?: {_FAST_PAIR})*))?)"
@@ -369,7 +371,7 @@ def _parse_status(
             extra["w_dft_in"] = w_dft_in
             extra["bottleneck"] = neck
             if gnorm is not None:
-                extra["gnorm"] = gnorm
+                extra[GNORM_KEY] = gnorm
         elif pairs:  # the regex checked every token is key=value with exactly one '='
             extra = dict(_map(_split, pairs.split(" "), _repeat("=")))
         else:

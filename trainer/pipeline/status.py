@@ -20,6 +20,7 @@ from typing import Any, TextIO
 
 from trainer.events import (
     BOTTLENECK_KEY,
+    GNORM_KEY,
     StatusEvent,
     format_checkpoint_line,
     format_error_line,
@@ -178,7 +179,7 @@ def status_line(
         extra = {k: f"{v:.1f}%" for k, v in waits.items()}
         extra[BOTTLENECK_KEY] = bottleneck(waits["w_tgt_in"], waits["w_tgt_out"], waits["w_dft_in"])
     if board.gnorm is not None:
-        extra["gnorm"] = f"{board.gnorm:.3f}"
+        extra[GNORM_KEY] = f"{board.gnorm:.3f}"
     if board.nonfinite:
         extra["nonfinite"] = str(board.nonfinite)
     return format_status_line(
