@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import re
 import tomllib
+from collections.abc import Sequence
 from pathlib import Path, PurePosixPath
 from typing import Annotated, Any
 
@@ -23,6 +24,8 @@ from pydantic import (
     field_validator,
     model_validator,
 )
+
+from trainer.validation import dotted, one_line
 
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 ENV_KEY_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -169,22 +172,15 @@ def default_inventory_path() -> Path:
     return user_config_dir() / "hosts.toml"
 
 
-def _format_error(path: Path, err: ValidationError) -> str:
-    first = err.errors()[0]
-    loc = [str(p) for p in first["loc"]]
-    where = ""
+def _inventory_key(loc: Sequence[int | str]) -> str:
+    """`host 'a': ctid` for a host's key, the dotted key elsewhere."""
     if len(loc) >= 2 and loc[0] == "hosts":
-        where = f"host {loc[1]!r}: "
-        loc = loc[2:]
-    key = ".".join(loc) or "(table)"
-    msg = first["msg"]
-    if first["type"] == "extra_forbidden":
-        msg = "unknown key"
-    elif first["type"] == "missing":
-        msg = "required key is missing"
-    extra = len(err.errors()) - 1
-    more = f" (+{extra} more)" if extra else ""
-    return f"{path}: {where}{key}: {msg}{more}"
+        return f"host {str(loc[1])!r}: {dotted(loc[2:], '(table)')}"
+    return dotted(loc, "(table)")
+
+
+def _format_error(path: Path, err: ValidationError) -> str:
+    return f"{path}: {one_line(err, key=_inventory_key)}"
 
 
 def _resolve_local(base: Path, value: str | None) -> Path | None:
@@ -219,9 +215,8 @@ def _merge(path: Path, name: str, entry: HostEntry, defaults: HostSettings) -> H
     try:
         return HostConfig(**resolved)
     except ValidationError as err:
-        first = err.errors()[0]
-        key = ".".join(str(p) for p in first["loc"]) or "(host)"
-        raise InventoryError(f"{path}: host {name!r}: {key}: {first['msg']}") from None
+        detail = one_line(err, key=lambda loc: dotted(loc, "(host)"))
+        raise InventoryError(f"{path}: host {name!r}: {detail}") from None
 
 
 def parse_inventory(text: str, path: Path) -> Inventory:
@@ -274,6 +269,4 @@ def local_host(name: str, workdir: Path, *, python: str, session: str = "dflash"
             known_hosts=user_config_dir() / "known_hosts",
         )
     except ValidationError as err:
-        first = err.errors()[0]
-        key = ".".join(str(p) for p in first["loc"])
-        raise InventoryError(f"local host {name!r}: {key}: {first['msg']}") from None
+        raise InventoryError(f"local host {name!r}: {one_line(err)}") from None

@@ -32,6 +32,8 @@ from pydantic import (
     model_validator,
 )
 
+from trainer.validation import one_line
+
 __all__ = [
     "RESUME_CRITICAL_KEYS",
     "ConfigError",
@@ -230,7 +232,7 @@ class TrainConfig(BaseModel):
         try:
             return cls.model_validate(raw)
         except ValidationError as err:
-            raise ConfigError(_one_line(source, err)) from None
+            raise ConfigError(f"{source}: {one_line(err)}") from None
 
     @property
     def source(self) -> Path | None:
@@ -247,19 +249,6 @@ class TrainConfig(BaseModel):
     def to_toml(self) -> str:
         """Canonical TOML of this config (saved next to checkpoints for the record)."""
         return _to_toml(self.model_dump(mode="json", exclude_none=True))
-
-
-def _one_line(source: str, err: ValidationError) -> str:
-    errors = err.errors(include_url=False)
-    first = errors[0]
-    key = ".".join(str(p) for p in first["loc"]) or "<top>"
-    msg = first["msg"]
-    if first["type"] == "extra_forbidden":
-        msg = "unknown key (typo?)"
-    elif first["type"] == "missing":
-        msg = "required key is missing"
-    more = f" (+{len(errors) - 1} more)" if len(errors) > 1 else ""
-    return f"{source}: {key}: {msg}{more}"
 
 
 def config_hash(cfg: TrainConfig) -> str:

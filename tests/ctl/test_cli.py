@@ -25,7 +25,7 @@ def test_bad_inventory_is_exit_2_with_one_line(
     inv = write_inv(tmp_path, '[hosts.a]\naddress = "h"\nctid = 200\nbogus = 1\n')
     assert main(["--hosts", inv, "status"]) == 2
     err = capsys.readouterr().err.strip()
-    assert err == f"dflashctl: {inv}: host 'a': bogus: unknown key"
+    assert err == f"dflashctl: {inv}: host 'a': bogus: unknown key (typo?)"
 
 
 def test_unknown_host_and_missing_inventory_are_exit_2(

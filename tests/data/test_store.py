@@ -180,11 +180,11 @@ def test_row_longer_than_max_length_is_refused(tmp_path: Path) -> None:
         ),
         (
             lambda r: _edit_manifest(r, num_rows="three"),
-            r"manifest\.json: invalid manifest key num_rows",
+            r"manifest\.json: invalid manifest: num_rows: ",
         ),
         (
             lambda r: _edit_manifest(r, surprise=1),
-            r"manifest\.json: invalid manifest key surprise",
+            r"manifest\.json: invalid manifest: surprise: unknown key",
         ),
     ],
 )

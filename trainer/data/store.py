@@ -32,6 +32,8 @@ from typing import Any, Literal, Self
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from trainer.validation import dotted, one_line
+
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 TOKENS = "tokens.i32"
@@ -147,9 +149,8 @@ def _read_manifest(root: Path) -> Manifest:
     try:
         return Manifest.model_validate(raw)
     except ValidationError as exc:
-        first = exc.errors()[0]
-        key = ".".join(str(part) for part in first["loc"]) or "<root>"
-        raise StoreError(f"{path}: invalid manifest key {key}: {first['msg']}") from None
+        detail = one_line(exc, key=lambda loc: dotted(loc, "<root>"))
+        raise StoreError(f"{path}: invalid manifest: {detail}") from None
 
 
 def _map(path: Path, dtype: np.dtype[Any], count: int) -> np.ndarray:

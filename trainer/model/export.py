@@ -21,6 +21,7 @@ from pydantic import ValidationError
 from safetensors.torch import load_file, save_file
 
 from trainer.model.drafter import DFlashDrafter, DrafterConfig
+from trainer.validation import dotted, one_line
 
 CONFIG = "config.json"
 WEIGHTS = "model.safetensors"
@@ -86,9 +87,8 @@ def config_from_json(data: dict[str, Any], source: str = CONFIG) -> DrafterConfi
     except KeyError as err:
         raise ExportError(f"{source}: missing key {err.args[0]!r}") from None
     except ValidationError as err:
-        first = err.errors()[0]
-        loc = ".".join(str(p) for p in first["loc"]) or "config"
-        raise ExportError(f"{source}: {loc}: {first['msg']}") from None
+        detail = one_line(err, key=lambda loc: dotted(loc, "config"))
+        raise ExportError(f"{source}: {detail}") from None
 
 
 def export_drafter(drafter: DFlashDrafter, out_dir: str | Path) -> Path:

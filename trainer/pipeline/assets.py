@@ -20,6 +20,7 @@ from torch import nn
 from trainer.config import TrainConfig
 from trainer.model.drafter import DFlashDrafter, DrafterConfig
 from trainer.model.target import default_target_layer_ids
+from trainer.validation import dotted, one_line
 
 
 class UserError(Exception):
@@ -143,9 +144,7 @@ def drafter_config(cfg: TrainConfig, hf: Any, layer_ids: list[int]) -> DrafterCo
             **overrides,
         )
     except ValidationError as exc:
-        err = exc.errors(include_url=False)[0]
-        where = ".".join(str(x) for x in err["loc"]) or "model"
-        raise UserError(f"model ({where}): {err['msg']}") from None
+        raise UserError(f"model: {one_line(exc, key=lambda loc: dotted(loc, 'model'))}") from None
 
 
 def _tensor(target_dir: Path, names: tuple[str, ...]) -> torch.Tensor | None:

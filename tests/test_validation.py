@@ -1,0 +1,57 @@
+"""One-line validation messages: every offending key is named, not just the first."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from dflashctl.inventory import InventoryError, parse_inventory
+from trainer.config import ConfigError, TrainConfig
+from trainer.validation import one_line
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    a: int
+    b: int
+    c: int
+    d: int
+
+
+def _error(**values: object) -> ValidationError:
+    with pytest.raises(ValidationError) as info:
+        _Strict.model_validate(values)
+    return info.value
+
+
+def test_names_each_problem_in_plain_words_then_counts_the_rest() -> None:
+    assert one_line(_error(a="x", b=1, c=1, d=1)).startswith("a: Input should be a valid integer")
+    assert one_line(_error(a=1, b=1, c=1, d=1, typo=2)) == "typo: unknown key (typo?)"
+    msg = one_line(_error(e=1))  # a, b, c, d missing and e unknown: 5 problems
+    assert msg == (
+        "a: required key is missing; b: required key is missing; c: required key is missing"
+        " (+2 more)"
+    )
+    assert "\n" not in msg
+
+
+def test_a_run_config_with_several_mistakes_names_them_all(tmp_path: Path) -> None:
+    path = tmp_path / "run.toml"
+    path.write_text('seed = "one"\n[data]\nstore = "s"\nstroe = "s"\n')
+    with pytest.raises(ConfigError) as info:
+        TrainConfig.load(path)
+    message = str(info.value)
+    assert message.startswith(f"{path}: ") and "\n" not in message
+    for key in ("seed: ", "data.stroe: unknown key (typo?)", "batching: required key is missing"):
+        assert key in message, message
+
+
+def test_an_inventory_with_several_mistakes_names_each_host_key() -> None:
+    text = '[hosts.a]\naddress = "h"\nctid = "x"\n[hosts.b]\naddress = "h"\nctid = 1\nprot = 2\n'
+    with pytest.raises(InventoryError) as info:
+        parse_inventory(text, Path("/inv/hosts.toml"))
+    message = str(info.value)
+    assert message.startswith("/inv/hosts.toml: host 'a': ctid: ")
+    assert "; host 'b': prot: unknown key (typo?)" in message
