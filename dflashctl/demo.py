@@ -207,7 +207,12 @@ def run_tui(args: argparse.Namespace) -> int:
         shape=shape_from_config(config),
         close=transport.close,
     )
-    DflashApp([binding]).run()
+    quit_action = (
+        "quit (the demo run keeps going: --keep)"
+        if args.keep
+        else ("quit and stop the demo run gracefully (--keep leaves it running)")
+    )
+    DflashApp([binding], quit_action=quit_action).run()
     if args.keep:
         print(f"demo run left running: tmux -L dflash attach -t ={host.session}")
         return 0

@@ -39,7 +39,7 @@ from dflashctl.monitor import (
 )
 from dflashctl.tui.screens.confirm import ConfirmScreen
 from dflashctl.tui.screens.fleet import FleetScreen
-from dflashctl.tui.screens.help import HelpScreen
+from dflashctl.tui.screens.help import QUIT_KEEPS_RUNS, HelpScreen
 from dflashctl.tui.screens.host import HostScreen
 from dflashctl.tui.screens.log import LogScreen
 from dflashctl.tui.screens.restart import Report, RestartScreen
@@ -94,8 +94,10 @@ class DflashApp(App[None]):
         live: bool = True,
         refresh_hz: float = 4.0,
         editor: str | None = None,
+        quit_action: str = QUIT_KEEPS_RUNS,
     ) -> None:
         super().__init__()
+        self.quit_action = quit_action  # what `q` does, as the help screen says it
         self.hosts: dict[str, HostBinding] = {h.name: h for h in hosts}
         self.clock = clock
         self.live = live
@@ -238,7 +240,7 @@ class DflashApp(App[None]):
         return host
 
     def action_help(self) -> None:
-        self.push_screen(HelpScreen())
+        self.push_screen(HelpScreen(self.quit_action))
 
     def action_log(self) -> None:
         host = self._need_host()

@@ -7,6 +7,7 @@ from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 
+from rich.console import Console
 from rich.text import Text
 from textual.message import Message
 from textual.notifications import Notify
@@ -17,7 +18,7 @@ from dflashctl.monitor import RestartPlan, RunState, apply_lines, apply_status
 from dflashctl.tui.app import DflashApp, HostBinding
 from dflashctl.tui.screens.confirm import ConfirmScreen
 from dflashctl.tui.screens.fleet import FleetScreen, fleet_row
-from dflashctl.tui.screens.help import HelpScreen
+from dflashctl.tui.screens.help import HelpScreen, keymap_table
 from dflashctl.tui.screens.host import HostScreen
 from dflashctl.tui.screens.log import LogScreen
 from dflashctl.tui.screens.restart import RestartScreen
@@ -348,3 +349,20 @@ async def test_a_dead_host_over_real_ssh_is_unreachable_and_never_blocks_the_app
         await _until(pilot, lambda: _cell(table, "kpro6", "state") == "running")
         await pilot.press("question_mark")  # the app still answers keys
         assert isinstance(app.screen, HelpScreen)
+
+
+async def test_help_says_what_quit_does_in_this_app() -> None:
+    """The demo stops its run on `q`; the help must not promise that runs keep going there."""
+    stops = "quit and stop the demo run gracefully"
+    host = HostBinding("demo", ReplayControl(lines=run_lines(2)), shape=seed_shape())
+    app = DflashApp([host], clock=lambda: FIXED_NOW, quit_action=stops)
+    async with app.run_test(size=SIZE) as pilot:
+        await pilot.press("question_mark")
+        assert isinstance(app.screen, HelpScreen)
+        console = Console(record=True, width=120)
+        console.print(keymap_table(app.screen.quit_action))
+        text = console.export_text()
+        assert stops in text and "runs keep going" not in text
+    console = Console(record=True, width=120)
+    console.print(keymap_table())
+    assert "quit (the runs keep going)" in console.export_text()

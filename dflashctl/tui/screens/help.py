@@ -11,6 +11,8 @@ from textual.containers import Vertical
 from textual.screen import ModalScreen
 from textual.widgets import Static
 
+QUIT_KEEPS_RUNS = "quit (the runs keep going)"
+
 KEYMAP: tuple[tuple[str, str], ...] = (
     ("enter", "open the highlighted host"),
     ("escape", "back to the fleet (closes modals)"),
@@ -23,16 +25,17 @@ KEYMAP: tuple[tuple[str, str], ...] = (
     ("c", "reconnect now (skip the backoff wait)"),
     ("ctrl+p", "command palette: every action above by name"),
     ("?", "this help"),
-    ("q", "quit (the runs keep going)"),
+    ("q", QUIT_KEEPS_RUNS),
 )
 
 
-def keymap_table() -> Table:
+def keymap_table(quit_action: str = QUIT_KEEPS_RUNS) -> Table:
+    """The key map; `quit_action` says what `q` does in this app (the demo stops its run)."""
     table = Table(show_header=True, header_style="bold", box=None, padding=(0, 2))
     table.add_column("key", style="bold cyan")
     table.add_column("action")
     for key, action in KEYMAP:
-        table.add_row(key, action)
+        table.add_row(key, quit_action if key == "q" else action)
     return table
 
 
@@ -42,7 +45,11 @@ class HelpScreen(ModalScreen[None]):
         ("question_mark", "dismiss", "Close"),
     ]
 
+    def __init__(self, quit_action: str = QUIT_KEEPS_RUNS) -> None:
+        super().__init__()
+        self.quit_action = quit_action
+
     def compose(self) -> ComposeResult:
         with Vertical(id="help-box", classes="modal-box"):
             yield Static("dflashctl keys", classes="modal-title")
-            yield Static(keymap_table())
+            yield Static(keymap_table(self.quit_action))
