@@ -157,15 +157,9 @@ async def cmd_stop(args: argparse.Namespace) -> int:
 
     async def go(t: Any) -> int:
         res = await RunControl(t, host).stop(args.timeout)
+        print(f"{host.name}: {res.summary()}")
         if not res.was_running:
-            print(f"{host.name}: not running ({res.outcome})")
             return EXIT_OK
-        ck = (
-            f"checkpoint step {res.checkpoint.step} at {res.checkpoint.path}"
-            if res.checkpoint
-            else "NO checkpoint line seen"
-        )
-        print(f"{host.name}: stopped ({res.outcome}); {ck}")
         return EXIT_OK if res.checkpoint or res.outcome == "exited" else EXIT_FAILED
 
     return await _with_transport(host, go)

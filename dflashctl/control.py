@@ -21,6 +21,7 @@ from dflashctl.inventory import NAME_RE, HostConfig
 from dflashctl.release import Release
 from dflashctl.remote.commands import (
     PANE_FORMAT,
+    REAP_NUDGE_FN,
     PaneState,
     guarded,
     parse_pane_state,
@@ -31,6 +32,7 @@ from dflashctl.remote.commands import (
     tmux_kill_session,
     tmux_new_session,
     tmux_pane_state,
+    tmux_reap_nudge,
     write_file_atomic,
 )
 from dflashctl.remote.transport import (
@@ -109,6 +111,16 @@ class StopResult:
     outcome: str  # exited | checkpointed | timeout | not-running | dead
     exit_status: int | None = None
 
+    def summary(self) -> str:
+        """What stop found and did, for people (the CLI and the demo print it)."""
+        if not self.was_running:
+            if self.exit_status is None:
+                return "not running"
+            return f"not running: the run had already exited with status {self.exit_status}"
+        ck = self.checkpoint
+        saved = f"checkpoint step {ck.step} at {ck.path}" if ck else "NO checkpoint line seen"
+        return f"stopped ({self.outcome}); {saved}"
+
 
 @dataclass(frozen=True)
 class RestartResult:
@@ -125,12 +137,13 @@ class RestartResult:
 
 # $1 workdir $2 session $3 pane format. Sections, each after a MARK line.
 STATUS_SCRIPT = (
-    'm="' + MARK + '"; cd "$1" 2>/dev/null || { echo "${m}noworkdir"; exit 0; }\n'
+    REAP_NUDGE_FN + 'm="' + MARK + '"; cd "$1" 2>/dev/null || { echo "${m}noworkdir"; exit 0; }\n'
     'echo "${m}session"; tmux -L dflash has-session -t "=$2" 2>/dev/null && echo yes || echo no\n'
-    # A pane whose pty just closed is dead before tmux has reaped its exit status: ask again.
+    # A pane whose pty just closed is dead before tmux has reaped its exit status: nudge the
+    # server once (it may have lost the SIGCHLD) and ask again.
     'echo "${m}pane"; i=0; while :; do p=$(tmux -L dflash display-message -p -t "=$2:" "$3" '
-    '2>/dev/null); case "$p" in "1|||"*) [ $i -lt 10 ] || break; i=$((i+1)); sleep 0.1;; '
-    '*) break;; esac; done; echo "$p"\n'
+    '2>/dev/null); case "$p" in "1|||"*) [ $i -lt 10 ] || break; [ $i -gt 0 ] || reap_nudge '
+    '"$2"; i=$((i+1)); sleep 0.1;; *) break;; esac; done; echo "$p"\n'
     'echo "${m}current"; readlink current 2>/dev/null\n'
     'echo "${m}run_release"; cat ' + RUNNING_RELEASE_FILE + " 2>/dev/null\n"
     'echo "${m}run_state"; cat run/run-state.json 2>/dev/null; echo\n'
@@ -305,11 +318,13 @@ class RunControl:
     async def _pane_state(self) -> PaneState | None:
         """The pane's state, re-asked briefly while a just-exited pane is not yet reaped."""
         state = None
-        for _ in range(10):
+        for attempt in range(10):
             res = await self._run(tmux_pane_state(self.host.session))
             state = parse_pane_state(res.stdout) if res.ok else None
             if state is None or state.settled:
                 return state
+            if attempt == 0:  # tmux may have lost the SIGCHLD: see tmux_reap_nudge
+                await self._run(tmux_reap_nudge(self.host.session))
             await asyncio.sleep(0.1)
         return state
 
@@ -378,13 +393,26 @@ class RunControl:
             "PYTHONPATH": self._path(f"releases/{release}"),
             "DFLASH_RELEASE": release,
         }
-        res = await self._run(
-            tmux_new_session(self.host.session, argv, cwd=self.host.workdir, env=env)
-        )
+        res = await self.new_session(argv, env)
         if not res.ok:
             raise ControlError(f"{self.host.name}: tmux new-session: {res.error_line()}")
         state = await self._pane_state()
         return StartResult(self.host.name, True, release, state.pid if state else None, argv)
+
+    async def new_session(self, argv: list[str], env: dict[str, str]) -> CommandResult:
+        """`tmux new-session` for the host's session running argv in the workdir.
+
+        Killing a server's last session makes it exit, and a client that reaches it meanwhile
+        fails with "server exited unexpectedly" (stop, or start clearing a dead pane, right
+        before a new session): that is retried, so a restart never fails on the timing.
+        """
+        command = tmux_new_session(self.host.session, argv, cwd=self.host.workdir, env=env)
+        for attempt in range(5):
+            res = await self._run(command)
+            if res.ok or "server exited unexpectedly" not in res.stderr:
+                break
+            await asyncio.sleep(0.1 * (attempt + 1))
+        return res
 
     async def stop(self, timeout: float = 120.0) -> StopResult:
         """SIGINT, wait for the checkpoint line (or exit) up to `timeout`, then kill the session."""

@@ -118,7 +118,7 @@ async def headless(control: Any, duration: float, say: Any) -> int:
     before = await control.status()
     say("stopping the demo run gracefully ...")
     stopped = await control.stop(timeout=STOP_TIMEOUT_S)
-    say(f"stop: {stopped.outcome}")
+    say(f"stop: {stopped.summary()}")
     if last is None:
         tail = [ln for ln in before.pane_tail if ln.strip()]
         why = before.last_error or (tail[-1] if tail else None) or f"run is {before.state}"
@@ -222,7 +222,7 @@ def run_tui(args: argparse.Namespace) -> int:
         local = LocalTransport(label="demo")
         try:
             result = await RunControl(local, host).stop(timeout=STOP_TIMEOUT_S)
-            print(f"stop: {result.outcome}")
+            print(f"stop: {result.summary()}")
         finally:
             await local.close()
 

@@ -140,6 +140,21 @@ def tmux_pane_state(session: str) -> list[str]:
     return tmux("display-message", "-p", "-t", _pane_target(session), PANE_FORMAT)
 
 
+# tmux links libutempter, whose helper briefly takes over SIGCHLD when a pane's pty closes; a pane
+# process exiting in that instant is never reaped (tmux/tmux#311), so the pane reads dead with no
+# exit status for good and the process stays a zombie. A SIGCHLD sent to the server makes it run
+# its waitpid loop again; it is harmless when nothing is waiting.
+REAP_NUDGE_FN = (
+    "reap_nudge() { kill -CHLD "
+    f'"$(tmux -L {TMUX_SOCKET} display-message -p -t "=$1:" "#{{pid}}")" 2>/dev/null; }}\n'
+)
+
+
+def tmux_reap_nudge(session: str) -> list[str]:
+    """Make the tmux server reap a dead pane's process (see REAP_NUDGE_FN)."""
+    return ["sh", "-c", REAP_NUDGE_FN + 'reap_nudge "$1"; exit 0', "dflash-reap", session]
+
+
 def tmux_capture(session: str, lines: int = 200) -> list[str]:
     """Last `lines` of the pane including scrollback, wrapped lines joined (-J)."""
     return tmux("capture-pane", "-p", "-J", "-t", _pane_target(session), "-S", f"-{int(lines)}")

@@ -209,6 +209,7 @@ async def test_crash_leaves_exit_status_and_tail(ctl: RunControl, tmp_path: Path
     assert st.last_error == "config asked for a crash"
     stop = await ctl.stop()
     assert stop.outcome == "dead" and stop.exit_status == 3
+    assert stop.summary() == "not running: the run had already exited with status 3"
     assert (await ctl.status()).exit_status is None  # dead session cleared
 
 
@@ -273,6 +274,11 @@ async def test_restart_pushes_config_redeploys_and_resumes(ctl: RunControl, tmp_
     assert res.start.started and res.old_config_hash != res.new_config_hash
     assert (Path(ctl.host.run_dir) / "config.toml").read_text() == cfg.read_text()
     resumed_from = res.stop.checkpoint.step
+    ck = res.stop.checkpoint
+    assert (
+        res.stop.summary()
+        == f"stopped ({res.stop.outcome}); checkpoint step {ck.step} at {ck.path}"
+    )
 
     async def resumed() -> bool:
         st = await ctl.status()
@@ -331,13 +337,8 @@ async def test_stop_does_not_report_an_old_checkpoint_as_its_own(
         "print('Checkpoint saved: step=5 path=run/checkpoints/step-00000005.pt', flush=True); "
         "time.sleep(60)"
     )
-    from dflashctl.remote.commands import tmux_new_session
 
-    res = await ctl.transport.run(
-        tmux_new_session(
-            ctl.host.session, [sys.executable, "-c", script], cwd=ctl.host.workdir, env={}
-        )
-    )
+    res = await ctl.new_session([sys.executable, "-c", script], {})
     assert res.ok
     # Signal only once the handler is installed: under load, python's start-up can outlast
     # the stop's SIGINT, and an un-ignored SIGINT makes this a different test.
@@ -348,6 +349,7 @@ async def test_stop_does_not_report_an_old_checkpoint_as_its_own(
     assert ready.exists(), "the SIGINT-ignoring stand-in never started"
     stop = await ctl.stop(timeout=1.0)
     assert stop.was_running and stop.outcome == "timeout" and stop.checkpoint is None
+    assert stop.summary() == "stopped (timeout); NO checkpoint line seen"
     assert (await ctl.status()).state == "stopped"  # killed after the timeout
 
 
@@ -385,3 +387,19 @@ async def test_killing_helpers_never_confuses_the_child_watcher(
         await asyncio.sleep(0.1)  # the watcher thread reports late
     await transport.close()
     assert not [r.getMessage() for r in caplog.records if "child process" in r.getMessage()]
+
+
+async def test_exit_status_of_a_pane_tmux_failed_to_reap(ctl: RunControl) -> None:
+    """tmux (with libutempter) sometimes loses the SIGCHLD of a pane process that exits as its
+    pty closes: the pane reads dead with no status and the process stays a zombie. Status and
+    stop must still see the exit status (they nudge the server), never a crash with no code.
+    Each stop kills the server's last session, so each new session also meets a server that is
+    exiting ("server exited unexpectedly"), which new_session retries."""
+    Path(ctl.host.workdir).mkdir(parents=True, exist_ok=True)
+    for _ in range(60):  # about 1 instant exit in 6 to 20 hit the race here
+        started = await ctl.new_session(["sh", "-c", "exit 3"], {})
+        assert started.ok, started.stderr
+        st = await ctl.status()
+        assert (st.state, st.exit_status) == ("crashed", 3)
+        stop = await ctl.stop()
+        assert (stop.outcome, stop.exit_status) == ("dead", 3)  # and the session is gone
