@@ -200,10 +200,11 @@ async def cmd_restart(args: argparse.Namespace) -> int:
     return await _with_transport(host, go)
 
 
-def _format_status(st: Any) -> str:
+def format_run_status(st: Any) -> str:
+    """`dflashctl status` text for one host: a summary line, then what it knows of the run."""
     from trainer.events import format_status_line
 
-    parts = [f"{st.host}: {st.state}"]
+    parts = [f"{st.host}: {'finished' if st.finished else st.state}"]
     if st.exit_status is not None:
         parts.append(f"exit={st.exit_status}")
     parts.append(f"release={st.release or '-'}")
@@ -243,7 +244,7 @@ async def cmd_status(args: argparse.Namespace) -> int:
         print(json.dumps([r.to_json_dict() for r in results], indent=2, default=str))
     else:
         for r in results:
-            print(_format_status(r))
+            print(format_run_status(r))
     if results and all(r.state == "unreachable" for r in results):
         return EXIT_UNREACHABLE
     return EXIT_OK

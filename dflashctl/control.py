@@ -86,12 +86,23 @@ class RunStatus:
     def step(self) -> int | None:
         return self.last_event.step if self.last_event else None
 
+    @property
+    def finished(self) -> bool:
+        """Stopped because the plan is complete (the trainer said so), not by an operator."""
+        return run_finished(self.state, self.exit_status, self.run_state)
+
     def to_json_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["last_event"] = self.last_event.model_dump() if self.last_event else None
         d["last_checkpoint"] = self.last_checkpoint.model_dump() if self.last_checkpoint else None
         d["step"] = self.step
+        d["finished"] = self.finished
         return d
+
+
+def run_finished(state: str, exit_status: int | None, run_state: dict[str, Any]) -> bool:
+    """A clean exit whose run-state.json says the whole plan was trained (state "finished")."""
+    return state == "stopped" and exit_status == 0 and run_state.get("state") == "finished"
 
 
 @dataclass(frozen=True)

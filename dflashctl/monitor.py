@@ -23,7 +23,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal, Protocol
 
-from dflashctl.control import LOG_RESTARTED
+from dflashctl.control import LOG_RESTARTED, run_finished
 from trainer.events import (
     CheckpointEvent,
     ErrorEvent,
@@ -184,7 +184,9 @@ def display_state(state: RunState, now: float, stale_after: float = STALE_AFTER_
         code = "?" if state.exit_status is None else str(state.exit_status)
         return f"crashed (exit {code})"
     if state.run == "stopped":
-        return "stopped"
+        return (
+            "finished" if run_finished(state.run, state.exit_status, state.run_info) else "stopped"
+        )
     if state.link == "retrying":
         return "unreachable"
     if state.run == "running":

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dflashctl.cli import format_run_status
 from dflashctl.control import (
     MARK,
     parse_gpu_csv,
@@ -105,3 +106,14 @@ def test_stop_wait_scans_from_the_line_after_the_mark() -> None:
 def test_unterminated_file_does_not_swallow_the_next_section() -> None:
     out = f"{MARK}config\n[x]\n\n{MARK}capture\nline\n"  # `cat` of "[x]" then the script's echo
     assert split_sections(out) == {"config": "[x]", "capture": "line"}
+
+
+def test_a_clean_exit_after_the_whole_plan_is_finished_not_just_stopped() -> None:
+    state = '{"state": "finished", "pid": 4242, "exit_status": 0}'
+    out = script_output(session="yes", pane="1|0||4242|250", run_state=state, log_lines="0")
+    st = parse_status("h", out, fake_hash)
+    assert (st.state, st.exit_status, st.finished) == ("stopped", 0, True)
+    assert st.to_json_dict()["finished"] is True
+    assert format_run_status(st).startswith("h: finished exit=0 ")
+    stopped = script_output(session="yes", pane="1|0||4242|250", run_state='{"state": "stopped"}')
+    assert not parse_status("h", stopped, fake_hash).finished

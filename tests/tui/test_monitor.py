@@ -86,6 +86,18 @@ def test_checkpoint_and_error_lines_are_kept() -> None:
 
 
 @pytest.mark.parametrize(
+    ("exit_status", "trainer_state", "expected"),
+    [(0, "finished", "finished"), (0, "stopped", "stopped"), (1, "finished", "crashed (exit 1)")],
+)
+def test_a_run_that_trained_its_whole_plan_shows_finished(
+    exit_status: int, trainer_state: str, expected: str
+) -> None:
+    run = "stopped" if exit_status == 0 else "crashed"
+    state = RunState("h", run=run, exit_status=exit_status, run_info={"state": trainer_state})
+    assert display_state(state, FIXED_NOW) == expected
+
+
+@pytest.mark.parametrize(
     ("run", "exit_status", "age", "link", "expected"),
     [
         ("running", None, 5.0, "live", "running"),
@@ -101,6 +113,7 @@ def test_checkpoint_and_error_lines_are_kept() -> None:
 def test_display_state(
     run: str, exit_status: int | None, age: float | None, link: str, expected: str
 ) -> None:
+    """(The trainer's own "finished" is tested below: it needs run-state.json.)"""
     state = RunState(
         "h",
         run=run,

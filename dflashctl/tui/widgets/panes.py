@@ -31,6 +31,7 @@ STATE_STYLES = {
     "running": "bold green",
     "stale": "bold yellow",
     "stopped": "bold blue",
+    "finished": "bold cyan",
     "unreachable": "bold red",
     "connecting": "dim",
 }
