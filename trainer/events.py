@@ -359,6 +359,7 @@ def _parse_status(
     _map=map,
     _split=str.split,
     _repeat=repeat,
+    _gnorm=GNORM_KEY,
 ) -> StatusEvent | None:
     # Hot path (>= 100k lines/s for dflashctl's log replay): one regex that also checks the extra
     # pairs, memoised number fields, and the model built without validation.
@@ -371,7 +372,7 @@ def _parse_status(
             extra["w_dft_in"] = w_dft_in
             extra["bottleneck"] = neck
             if gnorm is not None:
-                extra[GNORM_KEY] = gnorm
+                extra[_gnorm] = gnorm
         elif pairs:  # the regex checked every token is key=value with exactly one '='
             extra = dict(_map(_split, pairs.split(" "), _repeat("=")))
         else:
@@ -394,7 +395,7 @@ def _parse_status(
         # the attributes model_construct sets; a test compares the result with validation.
         fields = {
             "kind": "status",
-            "elapsed_min": int(el),
+            "elapsed_min": _small_int(el),  # repeats for every line of the same minute
             "step": int(step),
             "loss": None if loss == MISSING else float(loss),
             "acc": _float(acc),
@@ -405,7 +406,14 @@ def _parse_status(
             "dft_bps": _float(dft),
             "ktok_s": _float(ktok),
             "q_pre": list(_map(_small_int, q_pre.split(", "))) if q_pre else [],
-            "q_hs": list(_map(_small_int, q_hs.split(", "))) if q_hs else [],
+            # one drafter per rank is the usual case: skip the split for a single depth
+            "q_hs": (
+                [_small_int(q_hs)]
+                if q_hs and "," not in q_hs
+                else list(_map(_small_int, q_hs.split(", ")))
+                if q_hs
+                else []
+            ),
             "epoch": _float(epoch),
             "eta_s": _eta(eta),
             "extra": extra,
