@@ -20,8 +20,7 @@ from dflashctl.deploy import RUNNING_RELEASE_FILE, DeployResult, deploy, push_co
 from dflashctl.inventory import NAME_RE, HostConfig
 from dflashctl.release import Release
 from dflashctl.remote.commands import (
-    PANE_FORMAT,
-    REAP_NUDGE_FN,
+    SETTLED_PANE_FN,
     PaneState,
     guarded,
     parse_pane_state,
@@ -31,8 +30,7 @@ from dflashctl.remote.commands import (
     tmux_interrupt,
     tmux_kill_session,
     tmux_new_session,
-    tmux_pane_state,
-    tmux_reap_nudge,
+    tmux_settled_pane_state,
     write_file_atomic,
 )
 from dflashctl.remote.transport import (
@@ -146,15 +144,11 @@ class RestartResult:
 
 # --- pure builders and parsers -------------------------------------------------------------
 
-# $1 workdir $2 session $3 pane format. Sections, each after a MARK line.
+# $1 workdir $2 session. Sections, each after a MARK line.
 STATUS_SCRIPT = (
-    REAP_NUDGE_FN + 'm="' + MARK + '"; cd "$1" 2>/dev/null || { echo "${m}noworkdir"; exit 0; }\n'
+    SETTLED_PANE_FN + 'm="' + MARK + '"; cd "$1" 2>/dev/null || { echo "${m}noworkdir"; exit 0; }\n'
     'echo "${m}session"; tmux -L dflash has-session -t "=$2" 2>/dev/null && echo yes || echo no\n'
-    # A pane whose pty just closed is dead before tmux has reaped its exit status: nudge the
-    # server once (it may have lost the SIGCHLD) and ask again.
-    'echo "${m}pane"; i=0; while :; do p=$(tmux -L dflash display-message -p -t "=$2:" "$3" '
-    '2>/dev/null); case "$p" in "1|||"*) [ $i -lt 10 ] || break; [ $i -gt 0 ] || reap_nudge '
-    '"$2"; i=$((i+1)); sleep 0.1;; *) break;; esac; done; echo "$p"\n'
+    'echo "${m}pane"; settled_pane "$2"\n'
     'echo "${m}current"; readlink current 2>/dev/null\n'
     'echo "${m}run_release"; cat ' + RUNNING_RELEASE_FILE + " 2>/dev/null\n"
     'echo "${m}run_state"; cat run/run-state.json 2>/dev/null; echo\n'
@@ -167,7 +161,7 @@ STATUS_SCRIPT = (
 
 
 def status_argv(workdir: str, session: str) -> list[str]:
-    return ["sh", "-c", STATUS_SCRIPT, "dflash-status", workdir, session, PANE_FORMAT]
+    return ["sh", "-c", STATUS_SCRIPT, "dflash-status", workdir, session]
 
 
 def split_sections(stdout: str) -> dict[str, str]:
@@ -327,17 +321,9 @@ class RunControl:
         return await self.transport.run(argv, timeout=timeout, input=input)
 
     async def _pane_state(self) -> PaneState | None:
-        """The pane's state, re-asked briefly while a just-exited pane is not yet reaped."""
-        state = None
-        for attempt in range(10):
-            res = await self._run(tmux_pane_state(self.host.session))
-            state = parse_pane_state(res.stdout) if res.ok else None
-            if state is None or state.settled:
-                return state
-            if attempt == 0:  # tmux may have lost the SIGCHLD: see tmux_reap_nudge
-                await self._run(tmux_reap_nudge(self.host.session))
-            await asyncio.sleep(0.1)
-        return state
+        """The pane's state once tmux has its exit status (one round trip); None: no session."""
+        res = await self._run(tmux_settled_pane_state(self.host.session))
+        return parse_pane_state(res.stdout) if res.ok else None
 
     async def status(self) -> RunStatus:
         """Never raises for transport problems: an unreachable host is a state."""

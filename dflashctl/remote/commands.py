@@ -136,23 +136,25 @@ def tmux_kill_session(session: str) -> list[str]:
 PANE_FORMAT = "#{pane_dead}|#{pane_dead_status}|#{pane_dead_signal}|#{pane_pid}|#{pane_width}"
 
 
-def tmux_pane_state(session: str) -> list[str]:
-    return tmux("display-message", "-p", "-t", _pane_target(session), PANE_FORMAT)
-
-
-# tmux links libutempter, whose helper briefly takes over SIGCHLD when a pane's pty closes; a pane
-# process exiting in that instant is never reaped (tmux/tmux#311), so the pane reads dead with no
-# exit status for good and the process stays a zombie. A SIGCHLD sent to the server makes it run
-# its waitpid loop again; it is harmless when nothing is waiting.
-REAP_NUDGE_FN = (
-    "reap_nudge() { kill -CHLD "
-    f'"$(tmux -L {TMUX_SOCKET} display-message -p -t "=$1:" "#{{pid}}")" 2>/dev/null; }}\n'
+# `settled_pane SESSION` prints the pane's PANE_FORMAT line (nothing without the session) once it
+# is settled. A pane whose pty just closed reads dead before tmux has reaped its exit status, so
+# it asks again for up to 1 s. And tmux links libutempter, whose helper briefly takes over SIGCHLD
+# when a pane's pty closes: a pane process exiting in that instant is never reaped
+# (tmux/tmux#311), so the pane reads dead with no status for good and the process stays a
+# zombie. The first such answer therefore sends the server a SIGCHLD, which makes it run its
+# waitpid loop again (harmless when nothing is waiting).
+SETTLED_PANE_FN = (
+    "settled_pane() { i=0; while :; do "
+    f'p=$(tmux -L {TMUX_SOCKET} display-message -p -t "=$1:" "{PANE_FORMAT}" 2>/dev/null); '
+    'case "$p" in "1|||"*) [ $i -lt 10 ] || break; [ $i -gt 0 ] || kill -CHLD '
+    f'"$(tmux -L {TMUX_SOCKET} display-message -p -t "=$1:" "#{{pid}}")" 2>/dev/null; '
+    'i=$((i+1)); sleep 0.1;; *) break;; esac; done; echo "$p"; }\n'
 )
 
 
-def tmux_reap_nudge(session: str) -> list[str]:
-    """Make the tmux server reap a dead pane's process (see REAP_NUDGE_FN)."""
-    return ["sh", "-c", REAP_NUDGE_FN + 'reap_nudge "$1"; exit 0', "dflash-reap", session]
+def tmux_settled_pane_state(session: str) -> list[str]:
+    """The pane's PANE_FORMAT line once tmux has its exit status (see SETTLED_PANE_FN)."""
+    return ["sh", "-c", SETTLED_PANE_FN + 'settled_pane "$1"', "dflash-pane", session]
 
 
 def tmux_capture(session: str, lines: int = 200) -> list[str]:
@@ -183,11 +185,6 @@ class PaneState:
     exit_status: int | None  # a signal death reads as 128 + signal, like a shell's $?
     pid: int | None
     width: int | None
-
-    @property
-    def settled(self) -> bool:
-        """False in the instant after the pane's pty closed but before tmux reaped the child."""
-        return not self.dead or self.exit_status is not None
 
 
 def parse_pane_state(stdout: str) -> PaneState | None:

@@ -45,7 +45,6 @@ def test_tmux_uses_private_socket_and_exact_targets() -> None:
         C.tmux_kill_session("run"),
         C.tmux_interrupt("run"),
         C.tmux_capture("run"),
-        C.tmux_pane_state("run"),
         C.tmux_attach("run"),
     ):
         assert argv[:3] == ["tmux", "-L", "dflash"]
@@ -88,14 +87,19 @@ def test_parse_pct_status(out: str, state: str) -> None:
     assert C.parse_pct_status(out) == state
 
 
+def test_settled_pane_query_targets_the_exact_session_on_the_private_socket() -> None:
+    argv = C.tmux_settled_pane_state("run")
+    assert argv[:2] == ["sh", "-c"] and argv[-1] == "run"  # the name travels as "$1"
+    assert '-L dflash display-message -p -t "=$1:"' in argv[2] and C.PANE_FORMAT in argv[2]
+
+
 def test_parse_pane_state() -> None:
     s = C.parse_pane_state("1|3||1234|250\n")
     assert s == C.PaneState(dead=True, exit_status=3, pid=1234, width=250)
     alive = C.parse_pane_state("0|||99|250")
     assert alive is not None and not alive.dead and alive.exit_status is None
     killed = C.parse_pane_state("1||9|7|250")
-    assert killed is not None and killed.exit_status == 137 and killed.settled
-    assert not C.PaneState(dead=True, exit_status=None, pid=1, width=1).settled
+    assert killed is not None and killed.exit_status == 137
     assert C.parse_pane_state("") is None
     assert C.parse_pane_state("can't find session") is None
 

@@ -20,6 +20,7 @@ from dflashctl.deploy import DeployError, deploy
 from dflashctl.inventory import HostConfig, local_host
 from dflashctl.release import Release, build_release
 from dflashctl.remote import CommandTimeout, LocalTransport
+from dflashctl.remote.commands import PaneState, parse_pane_state, tmux_settled_pane_state
 from tests.conftest import require_part
 from tests.ctl.parts import bump_buckets, halve_lr
 
@@ -403,3 +404,24 @@ async def test_exit_status_of_a_pane_tmux_failed_to_reap(ctl: RunControl) -> Non
         assert (st.state, st.exit_status) == ("crashed", 3)
         stop = await ctl.stop()
         assert (stop.outcome, stop.exit_status) == ("dead", 3)  # and the session is gone
+
+
+async def test_settled_pane_query_on_real_tmux(ctl: RunControl) -> None:
+    """No session: nothing. A live pane: alive with its pid. A pane that exited: its status."""
+    transport, session = ctl.transport, ctl.host.session
+    Path(ctl.host.workdir).mkdir(parents=True, exist_ok=True)
+
+    async def query() -> PaneState | None:
+        res = await transport.run(tmux_settled_pane_state(session))
+        assert res.ok, res.stderr
+        return parse_pane_state(res.stdout)
+
+    assert await query() is None
+    assert (await ctl.new_session(["sleep", "30"], {})).ok
+    alive = await query()
+    assert alive is not None and not alive.dead and alive.pid is not None
+    await transport.run(["tmux", "-L", "dflash", "kill-server"])
+    assert (await ctl.new_session(["sh", "-c", "sleep 0.3; exit 5"], {})).ok
+    await asyncio.sleep(0.6)
+    dead = await query()
+    assert dead is not None and dead.dead and dead.exit_status == 5
