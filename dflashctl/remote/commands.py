@@ -133,7 +133,7 @@ def tmux_kill_session(session: str) -> list[str]:
     return tmux("kill-session", "-t", _session_target(session))
 
 
-PANE_FORMAT = "#{pane_dead}|#{pane_dead_status}|#{pane_dead_signal}|#{pane_pid}|#{pane_width}"
+PANE_FORMAT = "#{pane_dead}|#{pane_dead_status}|#{pane_dead_signal}|#{pane_pid}"
 
 
 # `settled_pane SESSION` prints the pane's PANE_FORMAT line (nothing without the session) once it
@@ -184,14 +184,13 @@ class PaneState:
     dead: bool
     exit_status: int | None  # a signal death reads as 128 + signal, like a shell's $?
     pid: int | None
-    width: int | None
 
 
 def parse_pane_state(stdout: str) -> PaneState | None:
     """Parse PANE_FORMAT output; None when it is not there (no session)."""
     line = stdout.strip().splitlines()[-1] if stdout.strip() else ""
     parts = line.split("|")
-    if len(parts) != 5 or parts[0] not in {"0", "1"}:
+    if len(parts) != 4 or parts[0] not in {"0", "1"}:
         return None
 
     def num(s: str) -> int | None:
@@ -200,9 +199,7 @@ def parse_pane_state(stdout: str) -> PaneState | None:
     status, signal = num(parts[1]), num(parts[2])
     if status is None and signal is not None:
         status = 128 + signal
-    return PaneState(
-        dead=parts[0] == "1", exit_status=status, pid=num(parts[3]), width=num(parts[4])
-    )
+    return PaneState(dead=parts[0] == "1", exit_status=status, pid=num(parts[3]))
 
 
 # --- files ---------------------------------------------------------------------------------

@@ -94,11 +94,11 @@ def test_settled_pane_query_targets_the_exact_session_on_the_private_socket() ->
 
 
 def test_parse_pane_state() -> None:
-    s = C.parse_pane_state("1|3||1234|250\n")
-    assert s == C.PaneState(dead=True, exit_status=3, pid=1234, width=250)
-    alive = C.parse_pane_state("0|||99|250")
+    s = C.parse_pane_state("1|3||1234\n")
+    assert s == C.PaneState(dead=True, exit_status=3, pid=1234)
+    alive = C.parse_pane_state("0|||99")
     assert alive is not None and not alive.dead and alive.exit_status is None
-    killed = C.parse_pane_state("1||9|7|250")
+    killed = C.parse_pane_state("1||9|7")
     assert killed is not None and killed.exit_status == 137
     assert C.parse_pane_state("") is None
     assert C.parse_pane_state("can't find session") is None

@@ -29,7 +29,7 @@ def fake_hash(text: str) -> str:
 def test_running_session_with_status_lines() -> None:
     out = script_output(
         session="yes",
-        pane="0|||4242|250",
+        pane="0|||4242",
         current="releases/abc123def456",
         run_release="abc123def456",
         run_state='{"config_hash": "cfg000000001", "pid": 4242}',
@@ -48,7 +48,7 @@ def test_running_session_with_status_lines() -> None:
 def test_dead_pane_is_crashed_with_exit_status_and_traceback_tail() -> None:
     out = script_output(
         session="yes",
-        pane="1|3||0|250",
+        pane="1|3||0",
         capture="Traceback (most recent call last):\nERROR: CUDA out of memory",
         log_lines="0",
     )
@@ -59,8 +59,7 @@ def test_dead_pane_is_crashed_with_exit_status_and_traceback_tail() -> None:
 
 def test_clean_exit_is_stopped_and_no_session_is_stopped() -> None:
     assert (
-        parse_status("h", script_output(session="yes", pane="1|0||0|250"), fake_hash).state
-        == "stopped"
+        parse_status("h", script_output(session="yes", pane="1|0||0"), fake_hash).state == "stopped"
     )
     st = parse_status("h", script_output(session="no", pane=""), fake_hash)
     assert st.state == "stopped" and st.exit_status is None
@@ -69,7 +68,7 @@ def test_clean_exit_is_stopped_and_no_session_is_stopped() -> None:
 
 def test_status_falls_back_to_the_pane_capture() -> None:
     """With an empty status.log the pane (captured with -J, so rows arrive re-joined) counts."""
-    out = script_output(session="yes", pane="0|||1|80", capture=LINE.format(step=12), log_lines="0")
+    out = script_output(session="yes", pane="0|||1", capture=LINE.format(step=12), log_lines="0")
     assert parse_status("h", out, fake_hash).step == 12
 
 
@@ -78,7 +77,7 @@ def test_a_capture_line_exactly_the_pane_width_is_not_glued_to_the_next() -> Non
     turn the status line plus the warning after it into one unreadable line."""
     line = LINE.format(step=12)
     capture = f"{line}\nUserWarning: something\nERROR: stage target failed: boom"
-    out = script_output(session="yes", pane=f"1|1||1|{len(line)}", capture=capture, log_lines="0")
+    out = script_output(session="yes", pane="1|1||1", capture=capture, log_lines="0")
     st = parse_status("h", out, fake_hash)
     assert st.step == 12 and st.last_error == "stage target failed: boom"
 
@@ -110,10 +109,10 @@ def test_unterminated_file_does_not_swallow_the_next_section() -> None:
 
 def test_a_clean_exit_after_the_whole_plan_is_finished_not_just_stopped() -> None:
     state = '{"state": "finished", "pid": 4242, "exit_status": 0}'
-    out = script_output(session="yes", pane="1|0||4242|250", run_state=state, log_lines="0")
+    out = script_output(session="yes", pane="1|0||4242", run_state=state, log_lines="0")
     st = parse_status("h", out, fake_hash)
     assert (st.state, st.exit_status, st.finished) == ("stopped", 0, True)
     assert st.to_json_dict()["finished"] is True
     assert format_run_status(st).startswith("h: finished exit=0 ")
-    stopped = script_output(session="yes", pane="1|0||4242|250", run_state='{"state": "stopped"}')
+    stopped = script_output(session="yes", pane="1|0||4242", run_state='{"state": "stopped"}')
     assert not parse_status("h", stopped, fake_hash).finished
