@@ -210,7 +210,7 @@ def run_tui(args: argparse.Namespace) -> int:
     quit_action = (
         "quit (the demo run keeps going: --keep)"
         if args.keep
-        else ("quit and stop the demo run gracefully (--keep leaves it running)")
+        else "quit and stop the demo run gracefully (--keep leaves it running)"
     )
     DflashApp([binding], quit_action=quit_action).run()
     if args.keep:
