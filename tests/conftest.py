@@ -8,6 +8,7 @@ real-parts test in CI would make a green run lie.
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 
@@ -21,3 +22,11 @@ def require_part(available: bool, reason: str) -> None:
     if IN_CI:
         pytest.fail(f"CI=true and a required part is unavailable: {reason}", pytrace=False)
     pytest.skip(reason)
+
+
+@pytest.fixture(scope="session")
+def qwen3_tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A directory holding the real Qwen3 tokenizer (unpacked from tests/fixtures once)."""
+    from tests.fixtures.qwen3 import unpack_qwen3_tokenizer
+
+    return unpack_qwen3_tokenizer(tmp_path_factory.mktemp("qwen3-tokenizer"))
