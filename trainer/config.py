@@ -21,10 +21,11 @@ import itertools
 import json
 import tomllib
 from pathlib import Path
-from typing import Any, Literal, Self
+from typing import Annotated, Any, Literal, Self
 
 from pydantic import (
     BaseModel,
+    BeforeValidator,
     ConfigDict,
     Field,
     PrivateAttr,
@@ -32,7 +33,7 @@ from pydantic import (
     model_validator,
 )
 
-from trainer.validation import one_line
+from trainer.validation import STRICT, NotUtf8Error, one_line, utf8_text
 
 __all__ = [
     "RESUME_CRITICAL_KEYS",
@@ -47,7 +48,19 @@ class ConfigError(ValueError):
     """A bad run config; the message is one line naming the file and the dotted key."""
 
 
-_SECTION = ConfigDict(extra="forbid", frozen=True)
+# Strict types and finite floats in every section (trainer.validation.STRICT): `max_batch = true`,
+# `"64"` or `64.0` is an error naming the key, not 1 or 64; `lr = inf` is refused at load. An
+# integer is still a valid float (`interval_s = 2`), as TOML writes whole numbers that way.
+_SECTION = ConfigDict(**STRICT, extra="forbid", frozen=True)
+
+
+def _tuple(value: Any) -> Any:
+    return tuple(value) if isinstance(value, list) else value
+
+
+# TOML (and a checkpoint's JSON dump of the config) has arrays, never tuples; strict mode would
+# refuse a list for a tuple field, so arrays are turned into tuples first (items stay strict).
+FloatPair = Annotated[tuple[float, float], BeforeValidator(_tuple)]
 
 
 class SyntheticData(BaseModel):
@@ -154,7 +167,7 @@ class OptimizerConfig(BaseModel):
     model_config = _SECTION
 
     lr: float = Field(default=6e-4, gt=0)
-    betas: tuple[float, float] = (0.9, 0.95)
+    betas: FloatPair = (0.9, 0.95)
     eps: float = Field(default=1e-8, gt=0)
     weight_decay: float = Field(default=0.0, ge=0)
     clip: float = Field(default=1.0, ge=0, description="max grad norm; 0 disables clipping")
@@ -215,11 +228,11 @@ class TrainConfig(BaseModel):
         """Read and validate a TOML run config; raises ConfigError (one line) on any problem."""
         path = Path(path)
         try:
-            raw = tomllib.loads(path.read_text(encoding="utf-8"))
+            raw = tomllib.loads(utf8_text(path.read_bytes()))
         except OSError as err:
             raise ConfigError(f"{path}: cannot read: {err.strerror or err}") from None
-        except UnicodeDecodeError as err:
-            raise ConfigError(f"{path}: not UTF-8 text: {err.reason}") from None
+        except NotUtf8Error as err:
+            raise ConfigError(f"{path}: {err}") from None
         except tomllib.TOMLDecodeError as err:
             raise ConfigError(f"{path}: invalid TOML: {err}") from None
         cfg = cls.from_dict(raw, source=str(path))

@@ -177,3 +177,65 @@ def test_seed_topology_is_one_config_line() -> None:
     assert cfg.topology.drafter_devices == ["cuda:0"]
     assert cfg.batching.boundaries == [1, 770, 1216, 1728, 2432, 3296, 8193]
     assert resume_critical_changes(cfg, cfg) == []
+
+
+@pytest.mark.parametrize(
+    ("extra", "expected"),
+    [
+        ("[optimizer]\nlr = inf\n", "optimizer.lr: Input should be a finite number, got inf"),
+        ("[optimizer]\nlr = nan\n", "optimizer.lr: Input should be a finite number, got nan"),
+        ("[optimizer]\nbetas = [0.9, inf]\n", "optimizer.betas.1: Input should be a finite"),
+        ("[model.drafter]\nnum_layers = 1\n[status]\ninterval_s = -inf\n", "status.interval_s: "),
+        ("[schedule]\nmin_lr = nan\n", "schedule.min_lr: Input should be a finite number"),
+        ("[checkpoint]\nevery_minutes = inf\n", "checkpoint.every_minutes: Input should be a fin"),
+    ],
+)
+def test_non_finite_floats_are_refused_in_every_field(
+    tmp_path: Path, extra: str, expected: str
+) -> None:
+    """`lr = inf` passed `gt=0` and put NaN into every weight after one step: refused at load."""
+    with pytest.raises(ConfigError) as info:
+        TrainConfig.load(_write(tmp_path, textwrap.dedent(MINIMAL) + extra))
+    assert str(info.value).startswith(f"{tmp_path / 'run.toml'}: {expected}"), str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("value", "shown"),
+    [("true", "true"), ('"64"', '"64"'), ("64.0", "64.0"), ("6.4e1", "64.0")],
+)
+def test_integers_are_strict_booleans_strings_and_floats_are_refused(
+    tmp_path: Path, value: str, shown: str
+) -> None:
+    """`max_batch = true` became 1 (and "64" / 64.0 became 64): now an error naming the key."""
+    text = MINIMAL.replace("token_budget = 4096", f"token_budget = 4096\nmax_batch = {value}")
+    with pytest.raises(ConfigError) as info:
+        TrainConfig.load(_write(tmp_path, text))
+    assert str(info.value) == (
+        f"{tmp_path / 'run.toml'}: batching.max_batch: Input should be a valid integer, got {shown}"
+    )
+
+
+def test_floats_take_integers_but_never_booleans_or_strings(tmp_path: Path) -> None:
+    """`lr = 1` and `interval_s = 2` are natural TOML for floats; `true` or "1e-3" are not."""
+    cfg = TrainConfig.load(_write(tmp_path, MINIMAL + "[optimizer]\nlr = 1\nbetas = [1, 0.5]\n"))
+    assert cfg.optimizer.lr == 1.0 and isinstance(cfg.optimizer.lr, float)
+    assert cfg.optimizer.betas == (1.0, 0.5)
+    for bad, shown in (("true", "true"), ('"1e-3"', '"1e-3"')):
+        with pytest.raises(ConfigError, match=rf"optimizer.lr: .*valid number, got {shown}$"):
+            TrainConfig.load(_write(tmp_path, MINIMAL + f"[optimizer]\nlr = {bad}\n"))
+    with pytest.raises(ConfigError, match=r"data.store: Input should be a valid string, got 7"):
+        TrainConfig.load(_write(tmp_path, MINIMAL.replace('store = "store"', "store = 7")))
+
+
+def test_a_non_utf8_config_names_the_file_and_byte_offset(tmp_path: Path) -> None:
+    """Latin-1 bytes in a comment: one line with the byte offset and its line, no traceback."""
+    path = tmp_path / "run.toml"
+    data = textwrap.dedent(MINIMAL).encode() + b"# caf\xe9\n"
+    path.write_bytes(data)
+    with pytest.raises(ConfigError) as info:
+        TrainConfig.load(path)
+    offset = data.index(b"\xe9")
+    line = data[:offset].count(b"\n") + 1
+    assert str(info.value) == (
+        f"{path}: not UTF-8 text at byte {offset} (line {line}): invalid continuation byte 0xe9"
+    )
