@@ -10,6 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from trainer.model.speculative import greedy_generate
 from trainer.model.target import (
     TargetError,
     TargetModel,
@@ -49,11 +50,51 @@ def test_tiny_cli_writes_a_loadable_model(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(
     ("total", "n", "expected"),
-    [(36, 5, [1, 9, 17, 25, 33]), (64, 5, [1, 16, 31, 46, 61]), (8, 2, [1, 5]), (8, 1, [4])],
+    [
+        (36, 5, [1, 9, 17, 25, 33]),
+        (64, 5, [1, 16, 31, 46, 61]),
+        (8, 2, [1, 5]),
+        (8, 1, [4]),
+        # 23.5 -> 24 and 68.5 -> 68: half to even, as z-lab/SpecForge/SGLang (half up gives 69).
+        (94, 5, [1, 24, 46, 68, 91]),
+    ],
 )
 def test_default_layer_ids_follow_the_dflash_rule(total: int, n: int, expected: list[int]) -> None:
     """Uniform from layer 1 to L-3, rounded; one feature takes the middle layer."""
     assert default_target_layer_ids(total, n) == expected
+
+
+def _zlab_build_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
+    # The reference formula as z-lab/SpecForge write it (Python round(), half to even).
+    if num_draft_layers == 1:
+        return [num_target_layers // 2]
+    start, end = 1, num_target_layers - 3
+    span = end - start
+    return [round(start + i * span / (num_draft_layers - 1)) for i in range(num_draft_layers)]
+
+
+def test_default_layer_ids_equal_the_reference_formula_for_every_depth() -> None:
+    """Every (depth, features) pair a real model could have picks the reference's layers."""
+    for total in range(4, 161):
+        for n in range(1, min(total - 2, 12) + 1):
+            assert default_target_layer_ids(total, n) == _zlab_build_target_layer_ids(total, n)
+
+
+def test_greedy_generate_uses_the_kv_cache(target: TargetModel) -> None:
+    """Cached greedy decoding equals re-running the whole sequence for every token.
+
+    Under transformers 4.x a `cache=` keyword was silently ignored, so every step after the
+    first saw only its own token and the output went wrong after the first token.
+    """
+    prompt = [5, 17, 42, 99, 3]
+    ids = torch.tensor([prompt])
+    want: list[int] = []
+    with torch.no_grad():
+        for _ in range(8):
+            nxt = int(target.model(input_ids=ids).logits[0, -1].argmax())
+            want.append(nxt)
+            ids = torch.cat([ids, torch.tensor([[nxt]])], dim=1)
+    assert greedy_generate(target, prompt, 8).tokens == want
 
 
 def test_capture_matches_hf_hidden_states_plus_one(target: TargetModel) -> None:
@@ -112,6 +153,9 @@ def test_forward_with_capture_matches_capture_and_logits(target: TargetModel) ->
     torch.testing.assert_close(
         torch.cat([feats, feats2], 1), target.capture(ids), atol=1e-5, rtol=1e-5
     )
+    target.crop_cache(cache, 7)
+    assert cache.get_seq_length() == 7
+    # A fully accepted block crops nothing; transformers 4.x read crop(-0) as "keep none".
     target.crop_cache(cache, 7)
     assert cache.get_seq_length() == 7
 

@@ -50,11 +50,11 @@ def greedy_continuations(target: TargetModel, prompts: Tensor, num_new: int) -> 
     """
     ids = prompts.to(target.device)
     cache = target.new_cache()
-    logits = target.model(input_ids=ids, cache=cache, use_cache=True).logits
+    logits = target.logits(ids, cache)
     for _ in range(num_new):
         nxt = logits[:, -1].argmax(-1, keepdim=True)
         ids = torch.cat([ids, nxt], dim=1)
-        logits = target.model(input_ids=nxt, cache=cache, use_cache=True).logits
+        logits = target.logits(nxt, cache)
     plen = prompts.shape[1]
     mask = [0] * plen + [1] * num_new
     return [Row(row.tolist(), mask) for row in ids.cpu()]

@@ -61,7 +61,7 @@ def greedy_generate(
     ids = _as_prompt(prompt, target.device)
     start = time.perf_counter()
     cache = target.new_cache()
-    logits = target.model(input_ids=ids, cache=cache, use_cache=True).logits
+    logits = target.logits(ids, cache)
     out: list[int] = []
     while True:
         tok = int(logits[0, -1].argmax())
@@ -69,7 +69,7 @@ def greedy_generate(
         if len(out) >= max_new_tokens or tok == eos_id:
             break
         nxt = torch.tensor([[tok]], device=target.device)
-        logits = target.model(input_ids=nxt, cache=cache, use_cache=True).logits
+        logits = target.logits(nxt, cache)
     return SpecOutput(_finish(out, max_new_tokens, eos_id), seconds=time.perf_counter() - start)
 
 

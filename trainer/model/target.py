@@ -10,6 +10,7 @@ never run.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, suppress
 from pathlib import Path
@@ -29,9 +30,12 @@ class _StopForward(Exception):
 
 
 def default_target_layer_ids(num_target_layers_total: int, num_draft_layers: int) -> list[int]:
-    """DFlash rule: `n` ids spread uniformly from layer 1 to layer L-3, rounded.
+    """DFlash rule: `n` ids spread uniformly from layer 1 to layer L-3, Python `round()`ed.
 
-    One feature takes the middle layer. Examples: (36, 5) -> [1, 9, 17, 25, 33]; (8, 2) -> [1, 5].
+    `round()` is half to even, exactly as z-lab, SpecForge and SGLang compute it, so a drafter
+    trained here reads the layers those loaders assume: (94, 5) -> [1, 24, 46, 68, 91] (half up
+    would pick 69). One feature takes the middle layer. Examples: (36, 5) -> [1, 9, 17, 25, 33];
+    (8, 2) -> [1, 5].
     """
     n, total = num_draft_layers, num_target_layers_total
     if n < 1:
@@ -41,8 +45,7 @@ def default_target_layer_ids(num_target_layers_total: int, num_draft_layers: int
     if n == 1:
         return [total // 2]
     start, end = 1, total - 3
-    # Python's round() is banker's rounding; the reference rule rounds half up.
-    return [int(start + i * (end - start) / (n - 1) + 0.5) for i in range(n)]
+    return [round(start + i * (end - start) / (n - 1)) for i in range(n)]
 
 
 def validate_layer_ids(layer_ids: Sequence[int], num_layers: int) -> list[int]:
@@ -72,6 +75,14 @@ def _decoder_of(model: nn.Module) -> nn.Module:
     return decoder
 
 
+def cache_keyword(model: nn.Module) -> str:
+    """The name of the KV-cache argument of `model.forward`: `cache` (transformers 5) or
+    `past_key_values` (4.x). 4.x swallows an unknown `cache=` into **kwargs and silently runs
+    without a cache, so the name must be right, not merely accepted."""
+    params = inspect.signature(model.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
 def _layer_output(output: Any) -> Tensor:
     # transformers 5 decoder layers return a tensor; older ones return (hidden, ...).
     return output[0] if isinstance(output, tuple) else output
@@ -98,6 +109,7 @@ class TargetModel:
         # Embedding rows (padded vocab), which is what a mask token id must index.
         self.vocab_size = int(self.embed_tokens.weight.shape[0])
         self.config = model.config
+        self._cache_kw = cache_keyword(model)
         self._captured: dict[int, Tensor] | None = None
         self._stop_after: int | None = None
         for i in self.layer_ids:
@@ -181,10 +193,17 @@ class TargetModel:
     @staticmethod
     def crop_cache(cache: Any, length: int) -> None:
         """Drop cached positions >= `length` (rejected draft tokens after a verify step)."""
-        extra = cache.get_seq_length() - length
-        if extra < 0:
-            raise ValueError(f"cannot crop a cache of {cache.get_seq_length()} to {length}")
-        cache.crop(-extra)
+        have = cache.get_seq_length()
+        if have < length:
+            raise ValueError(f"cannot crop a cache of {have} to {length}")
+        if have > length:
+            # A negative count (transformers 5 takes no other); never crop(-0), which
+            # transformers 4.x reads as crop(0), "keep 0 positions".
+            cache.crop(length - have)
+
+    def logits(self, input_ids: Tensor, cache: Any) -> Tensor:
+        """Logits [B, T, V] of a forward that extends `cache` in place (greedy decoding)."""
+        return self.model(input_ids=input_ids, use_cache=True, **{self._cache_kw: cache}).logits
 
     def _concat(self, captured: dict[int, Tensor]) -> Tensor:
         return torch.cat([captured[i] for i in self.layer_ids], dim=-1)
@@ -224,7 +243,7 @@ class TargetModel:
             out = self.model(
                 input_ids=input_ids,
                 attention_mask=attention_mask,
-                cache=cache,
                 use_cache=cache is not None,
+                **{self._cache_kw: cache},
             )
             return out.logits.float(), self._concat(captured)
