@@ -231,7 +231,7 @@ ECHO_LAST = (
             QWEN3_LIKE,
             [
                 CHAT[2]["content"] + "<|im_end|>",
-                "think hard\n</think>\n\n" + CHAT[4]["content"] + "<|im_end|>",
+                "<think>\nthink hard\n</think>\n\n" + CHAT[4]["content"] + "<|im_end|>",
             ],
             0,
         ),
@@ -239,7 +239,7 @@ ECHO_LAST = (
             QWEN3_INLINE,
             [
                 CHAT[2]["content"] + "<|im_end|>",
-                "inline idea\n</think>\n\n" + CHAT[4]["content"] + "<|im_end|>",
+                "<think>\ninline idea\n</think>\n\n" + CHAT[4]["content"] + "<|im_end|>",
             ],
             0,
         ),

@@ -1,14 +1,13 @@
 """Import chat JSONL into a token store (`python -m trainer.data import`).
 
-A bad row never stops the import: it is counted under a reason with its line number and the
-first few line numbers land in the manifest, so a 900k-row import that loses 3% of its rows says
-which rows and why. Only problems with the whole input (missing file, unloadable tokenizer, no
+A bad row never stops the import: it is counted under a reason with its line number, and the
+first few line numbers plus a few distinct details (the offending role, key or character) land
+in the manifest, so a 900k-row import that loses 3% of its rows says which rows and why. Only problems with the whole input (missing file, unloadable tokenizer, no
 usable row at all) are errors, and then nothing is written.
 """
 
 from __future__ import annotations
 
-import gzip
 import hashlib
 import multiprocessing
 import os
@@ -19,13 +18,14 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ProcessPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 import numpy as np
 
 from trainer.data.chat_mask import ChatEncoder, Encoded
-from trainer.data.conversations import Message, Rejected, parse_line
+from trainer.data.conversations import Conversation, Rejected, expand_turns
 from trainer.data.errors import InputError
+from trainer.data.sources import ChatSource
 from trainer.data.store import (
     LineStat,
     Manifest,
@@ -34,6 +34,7 @@ from trainer.data.store import (
     check_target,
     sha256_file,
 )
+from trainer.data.template_kwargs import inert_template_kwargs
 
 NO_SUPERVISED_PAIR = "no_supervised_pair"
 NO_SUPERVISED_PAIR_AFTER_TRUNCATION = "no_supervised_pair_after_truncation"
@@ -61,20 +62,25 @@ class ImportStats:
     lines: int = 0
     blank_lines: int = 0
     unlocated_turns: int = 0
+    reasoning_turns: int = 0  # assistant turns with reasoning in the kept conversations
+    reasoning_dropped: int = 0  # ... of which the template rendered no reasoning (history)
+    expanded_rows: int = 0  # extra rows made by per-turn expansion
     skipped: dict[str, LineStat] = field(default_factory=dict)
     truncated: LineStat = field(default_factory=LineStat)
 
-    def skip(self, reason: str, line: int) -> None:
-        self.skipped.setdefault(reason, LineStat()).add(line)
+    def skip(self, reason: str, line: int, detail: str | None = None) -> None:
+        self.skipped.setdefault(reason, LineStat()).add(line, detail)
 
     def summary(self) -> str:
-        parts = [f"{r}={s.count} (lines {_lines(s)})" for r, s in sorted(self.skipped.items())]
-        return ", ".join(parts) or "nothing skipped"
+        parts = [f"{r}={s.count} ({describe(s)})" for r, s in sorted(self.skipped.items())]
+        return "; ".join(parts) or "nothing skipped"
 
 
-def _lines(stat: LineStat) -> str:
+def describe(stat: LineStat) -> str:
+    """`lines 1, 4, 8, ...: line 1: role 'function_call'; line 4: role 'observation'`."""
     more = ", ..." if stat.count > len(stat.first_lines) else ""
-    return ", ".join(map(str, stat.first_lines)) + more
+    text = "lines " + ", ".join(map(str, stat.first_lines)) + more
+    return f"{text}: {'; '.join(stat.examples)}" if stat.examples else text
 
 
 def has_supervised_pair(mask: np.ndarray) -> bool:
@@ -124,28 +130,6 @@ def tokenizer_identity(
     )
 
 
-class _HashingLines:
-    """Iterate (line number, raw bytes) over a JSONL (or .jsonl.gz) file, hashing its bytes."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self.digest = hashlib.sha256()
-
-    def file_sha256(self) -> str:
-        """sha256 of the file as stored (what `sha256sum` prints), compressed or not."""
-        return sha256_file(self.path) if self.path.suffix == ".gz" else self.digest.hexdigest()
-
-    def __iter__(self) -> Iterator[tuple[int, bytes]]:
-        opener: Callable[..., IO[bytes]] = gzip.open if self.path.suffix == ".gz" else open
-        try:
-            with opener(self.path, "rb") as fh:
-                for number, raw in enumerate(fh, start=1):
-                    self.digest.update(raw)
-                    yield number, raw.rstrip(b"\r\n")
-        except (OSError, EOFError) as exc:  # unreadable, or a truncated .gz
-            raise InputError(f"{self.path}: read failed: {_one_line(exc)}") from None
-
-
 def import_chat_jsonl(
     input_path: str | os.PathLike[str],
     tokenizer_dir: str | os.PathLike[str],
@@ -158,9 +142,10 @@ def import_chat_jsonl(
     chunk_rows: int = 256,
     workers: int = 1,
     mask_token_id: int | None = None,
+    per_turn: bool = False,
     progress: Progress | None = None,
 ) -> Manifest:
-    """Stream `input_path` through the chat template into a new store at `out`.
+    """Stream `input_path` (JSONL or one JSON array) through the chat template into `out`.
 
     Rows are encoded in chunks of `chunk_rows` (one batched tokenizer call each), by `workers`
     processes when > 1; the store is identical for any worker count because chunks are written
@@ -169,6 +154,10 @@ def import_chat_jsonl(
 
     `mask_token_id`, when given, is recorded for the drafter; it must lie past the tokenizer's
     ids (an unused embedding row, e.g. 151669 for Qwen3), so no row can contain it.
+
+    `per_turn` writes one row per assistant turn (the conversation up to it, only that turn
+    supervised), so templates that drop history reasoning (Qwen3) still train every turn's.
+    Each row keeps its source line (`TokenStore.source_line`).
     """
     source = Path(input_path)
     tok_dir = Path(tokenizer_dir)
@@ -185,6 +174,9 @@ def import_chat_jsonl(
         encoder = ChatEncoder(tokenizer, template_kwargs)
     except ValueError as exc:
         raise InputError(f"{tok_dir}: {_one_line(exc)}") from None
+    inert = inert_template_kwargs(_templates(tokenizer), encoder.template_kwargs)
+    if inert:
+        raise InputError(f"--template-kwargs: {'; '.join(inert)}")
     if mask_token_id is not None and mask_token_id < len(tokenizer):
         piece = tokenizer.convert_ids_to_tokens(mask_token_id) if mask_token_id >= 0 else None
         raise InputError(
@@ -193,9 +185,9 @@ def import_chat_jsonl(
         )
     identity = tokenizer_identity(tok_dir, tokenizer, template_path)
     stats = ImportStats()
-    lines = _HashingLines(source)
+    lines = ChatSource(source)
     with StoreWriter(out, overwrite=overwrite) as writer:
-        chunks = _parsed_chunks(lines, stats, chunk_rows)
+        chunks = _parsed_chunks(lines, stats, chunk_rows, per_turn)
         for chunk, results in encode_chunks(chunks, encoder, workers):
             for (line, _), result in zip(chunk, results, strict=True):
                 _store_row(writer, stats, line, result, max_length)
@@ -219,27 +211,40 @@ def import_chat_jsonl(
                 "lines": stats.lines,
                 "blank_lines": stats.blank_lines,
                 "unlocated_turns": stats.unlocated_turns,
+                "reasoning_turns": stats.reasoning_turns,
+                "reasoning_dropped": stats.reasoning_dropped,
+                "per_turn": per_turn,
+                "expanded_rows": stats.expanded_rows,
+                "source_format": lines.format,
                 "template_kwargs": encoder.template_kwargs,
                 "chat_template": str(template_path.absolute()) if template_path else None,
             },
         )
 
 
-Chunk = list[tuple[int, list[Message]]]  # (line number, messages) in input order
+Chunk = list[tuple[int, Conversation]]  # (line number, conversation) in input order
 
 
-def _parsed_chunks(lines: _HashingLines, stats: ImportStats, chunk_rows: int) -> Iterator[Chunk]:
-    """Parse lines, count rejects on the spot, and group good rows into chunks."""
+def _templates(tokenizer: Any) -> list[str]:
+    template = tokenizer.chat_template
+    return list(template.values()) if isinstance(template, dict) else [str(template)]
+
+
+def _parsed_chunks(
+    rows: ChatSource, stats: ImportStats, chunk_rows: int, per_turn: bool
+) -> Iterator[Chunk]:
+    """Parse rows, count rejects on the spot, and group good rows into chunks."""
     pending: Chunk = []
-    for line, raw in lines:
-        stats.lines = line
-        parsed = parse_line(raw)
+    for line, parsed in rows:
+        stats.lines = rows.lines
         if parsed is None:
             stats.blank_lines += 1
         elif isinstance(parsed, Rejected):
-            stats.skip(parsed.reason, line)
+            stats.skip(parsed.reason, line, parsed.detail)
         else:
-            pending.append((line, parsed))
+            expanded = expand_turns(parsed) if per_turn else [parsed]
+            stats.expanded_rows += len(expanded) - 1
+            pending.extend((line, conversation) for conversation in expanded)
             if len(pending) >= chunk_rows:
                 yield pending
                 pending = []
@@ -258,7 +263,7 @@ def _init_worker(encoder: ChatEncoder) -> None:
     _WORKER_ENCODER = encoder
 
 
-def _encode_in_worker(conversations: list[list[Message]]) -> list[Encoded | Rejected]:
+def _encode_in_worker(conversations: list[Conversation]) -> list[Encoded | Rejected]:
     assert _WORKER_ENCODER is not None, "worker used without its initializer"
     return _WORKER_ENCODER.encode_batch(conversations)
 
@@ -303,12 +308,18 @@ def encode_chunks(
 
 
 def _store_row(
-    writer: StoreWriter, stats: ImportStats, line: int, result: Encoded | Rejected, max_length: int
+    writer: StoreWriter,
+    stats: ImportStats,
+    line: int,
+    result: Encoded | Rejected,
+    max_length: int,
 ) -> None:
     if isinstance(result, Rejected):
-        stats.skip(result.reason, line)
+        stats.skip(result.reason, line, result.detail)
         return
     stats.unlocated_turns += result.unlocated_turns
+    stats.reasoning_turns += result.reasoning_turns
+    stats.reasoning_dropped += result.reasoning_dropped
     tokens, mask = result.tokens, result.mask
     truncated = tokens.size > max_length
     if truncated:
@@ -319,7 +330,7 @@ def _store_row(
         return
     if truncated:
         stats.truncated.add(line)
-    writer.add(tokens, mask)
+    writer.add(tokens, mask, source_line=line)
 
 
 def _one_line(exc: BaseException) -> str:

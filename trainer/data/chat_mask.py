@@ -1,40 +1,50 @@
 """Tokenise conversations with the target's chat template and mark the assistant tokens.
 
-Two strategies, chosen per template (the chosen one is recorded in the store manifest):
+Both strategies produce the rendered text plus the character spans to supervise; one shared
+tail then applies the think-block rule, tokenises (one batched call, row-by-row when a row
+breaks it) and maps spans to tokens. The chosen strategy is recorded in the store manifest:
 
 * ``generation-tags``: the template wraps assistant output in ``{% generation %}`` blocks
-  (ModelOpt's patched Qwen3 template, many newer templates). Transformers then reports the exact
-  character spans it rendered inside them, and a token is supervised when it overlaps a span.
-  The template decides what counts: typically content plus the end-of-turn token.
+  (ModelOpt's patched Qwen3 template, many newer templates); transformers' renderer reports the
+  exact character spans rendered inside them.
 * ``sentinel-diff`` (any other template): render the whole conversation once, then once more
   per assistant turn with that turn's content (and reasoning, if any) replaced by a sentinel.
   The characters where the two renders differ are exactly the text the template derived from
   that turn, wherever it put it and however it rewrote the rest (Qwen3 renders history without
   the think block it gives the final turn); the control token right after it (the end of turn,
   e.g. ``<|im_end|>``) is supervised too, because the drafter must learn to stop. Headers, the
-  newline between turns and template boilerplate such as an empty ``<think></think>`` are not.
-  A turn the template does not render, or whose text shows up anywhere but in one place, is
-  left unsupervised and counted (``unlocated_turns``) rather than guessed at.
+  newline between turns and template boilerplate are not. A turn the template does not
+  render, or whose text shows up anywhere but in one place, is left unsupervised and counted
+  (``unlocated_turns``) rather than guessed at.
+
+Think blocks (both strategies): a rendered, non-empty think block is supervised from its
+opening tag (``<think>\\n``): in thinking mode the target emits that tag itself, so the drafter
+must draft it. An empty block (``<think>\\n\\n</think>\\n\\n``, what Qwen3 renders for a turn
+without reasoning and what its non-thinking prompt contains) is never supervised. Reasoning the
+template drops (Qwen3 drops it from history turns) is counted per row (``reasoning_dropped``).
 
 The overlap rule matches transformers' own so both strategies agree on the same template.
 Content that contains the tokenizer's special tokens (e.g. a literal ``<|im_end|>``) would be
 encoded as control tokens and silently change the turn structure, so such rows are rejected.
+Any failure of one row (template error, text the tokenizer cannot encode) rejects that row only.
 """
 
 from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
-from trainer.data.conversations import Message, Rejected
+from trainer.data.conversations import Conversation, Message, Rejected, has_reasoning
 
 GENERATION_TAGS = "generation-tags"
 SENTINEL_DIFF = "sentinel-diff"
 TEMPLATE_ERROR = "template_error"
+TOKENIZER_ERROR = "tokenizer_error"
 CONTROL_TOKEN_IN_CONTENT = "control_token_in_content"
 
 _GENERATION_RE = re.compile(r"\{%-?\s*generation\s*-?%\}")
@@ -43,15 +53,32 @@ _GENERATION_RE = re.compile(r"\{%-?\s*generation\s*-?%\}")
 CONTENT_SENTINEL = "\ue000dflash-content\ue001"
 REASONING_SENTINEL = "\ue002dflash-reasoning\ue003"
 _TURN_SENTINEL_RE = re.compile("\ue004dflash-turn-(\\d+)\ue005")
+THINK_OPEN = "<think>"
+THINK_CLOSE = "</think>"
+_THINK_OPEN_BEFORE = re.compile(r"<think>[ \t\r\n]*\Z")  # searched with endpos = span start
+_EMPTY_THINK = re.compile(r"<think>[ \t\r\n]*</think>[ \t\r\n]*")
+_THINK_LOOKBACK = 32
+
+Span = tuple[int, int]
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
 class Encoded:
-    """One tokenised conversation: ids, aligned loss mask, and turns left unsupervised."""
+    """One tokenised conversation: ids, aligned loss mask, and what was left unsupervised."""
 
     tokens: np.ndarray  # int32
     mask: np.ndarray  # uint8, 1 on assistant tokens
     unlocated_turns: int = 0
+    reasoning_turns: int = 0  # trained assistant turns that carry reasoning
+    reasoning_dropped: int = 0  # ... whose reasoning the template did not render
+
+
+@dataclass(frozen=True)
+class _Plan:
+    text: str
+    spans: list[Span]
+    unlocated: int = 0
 
 
 def mask_from_spans(offsets: Any, spans: list[tuple[int, int]]) -> np.ndarray:
@@ -72,8 +99,12 @@ def mask_from_spans(offsets: Any, spans: list[tuple[int, int]]) -> np.ndarray:
     return mask
 
 
+def as_conversation(row: Conversation | list[Message]) -> Conversation:
+    return row if isinstance(row, Conversation) else Conversation(list(row))
+
+
 class ChatEncoder:
-    """Turns normalised messages into (tokens, mask) with one tokenizer and chat template."""
+    """Turns normalised conversations into (tokens, mask) with one tokenizer and chat template."""
 
     def __init__(self, tokenizer: Any, template_kwargs: dict[str, Any] | None = None) -> None:
         if not getattr(tokenizer, "is_fast", False):
@@ -89,29 +120,56 @@ class ChatEncoder:
         )
         self._control_re = re.compile("|".join(map(re.escape, specials))) if specials else None
 
-    def encode_batch(self, conversations: list[list[Message]]) -> list[Encoded | Rejected]:
+    def encode_batch(
+        self, conversations: Sequence[Conversation | list[Message]]
+    ) -> list[Encoded | Rejected]:
         """Encode many conversations; a bad one becomes a Rejected, never an exception."""
-        results: list[Encoded | Rejected | None] = [None] * len(conversations)
-        todo: list[int] = []
-        for i, messages in enumerate(conversations):
-            hit = self._control_token(messages)
+        rows = [as_conversation(c) for c in conversations]
+        results: list[Encoded | Rejected | None] = [None] * len(rows)
+        groups: dict[str, list[int]] = {}  # rows sharing a tools list render in one call
+        for i, row in enumerate(rows):
+            hit = self._control_token(row)
             if hit is not None:
                 results[i] = Rejected(CONTROL_TOKEN_IN_CONTENT, f"content contains {hit!r}")
             else:
-                todo.append(i)
-        batch = [conversations[i] for i in todo]
-        if self.strategy == GENERATION_TAGS:
-            encoded = self._encode_generation_tags(batch)
-        else:
-            encoded = self._encode_sentinel_diff(batch)
-        for i, result in zip(todo, encoded, strict=True):
-            results[i] = result
+                groups.setdefault(_tools_key(row.tools), []).append(i)
+        plans: dict[int, _Plan | Rejected] = {}
+        for members in groups.values():
+            batch = [rows[i] for i in members]
+            plan = self._plan_tags if self.strategy == GENERATION_TAGS else self._plan_diff
+            for i, p in zip(members, _isolated(plan, batch, TEMPLATE_ERROR), strict=True):
+                plans[i] = p
+        ready = [i for i in sorted(plans) if not isinstance(plans[i], Rejected)]
+        texts = [_text(plans[i]) for i in ready]
+        encodings = dict(zip(ready, _isolated(self._tokenize, texts, TOKENIZER_ERROR), strict=True))
+        for i, plan in plans.items():
+            if isinstance(plan, Rejected):
+                results[i] = plan
+                continue
+            encoding = encodings[i]
+            if isinstance(encoding, Rejected):
+                results[i] = encoding
+                continue
+            ids, offsets = encoding
+            results[i] = Encoded(
+                np.asarray(ids, dtype=np.int32),
+                mask_from_spans(offsets, apply_think_rule(plan.text, plan.spans)),
+                unlocated_turns=plan.unlocated,
+                reasoning_turns=sum(map(has_reasoning, _trained(rows[i]))),
+                reasoning_dropped=reasoning_dropped(rows[i], plan.text),
+            )
+        assert all(r is not None for r in results)
         return [r for r in results if r is not None]
 
-    def _control_token(self, messages: list[Message]) -> str | None:
+    def render(self, conversation: Conversation | list[Message]) -> str:
+        """The template's own rendering of one conversation (what the store's tokens spell)."""
+        row = as_conversation(conversation)
+        return self._render_many([row.messages], row.tools)[0]
+
+    def _control_token(self, row: Conversation) -> str | None:
         if self._control_re is None:
             return None
-        for message in messages:
+        for message in row.messages:
             texts = [message["content"], message.get("reasoning_content", "")]
             if "tool_calls" in message:
                 texts.append(json.dumps(message["tool_calls"], ensure_ascii=False))
@@ -121,89 +179,68 @@ class ChatEncoder:
                     return found.group(0)
         return None
 
+    def _tokenize(self, texts: list[str]) -> list[tuple[Any, Any]]:
+        if not texts:
+            return []
+        out = self.tokenizer(texts, add_special_tokens=False, return_offsets_mapping=True)
+        return list(zip(out["input_ids"], out["offset_mapping"], strict=True))
+
     # -- generation tags --------------------------------------------------------------------
 
-    def _encode_generation_tags(self, batch: list[list[Message]]) -> list[Encoded | Rejected]:
-        if not batch:
-            return []
-        try:  # one batched call (fast path: one Rust tokenisation over the chunk)
-            out = self._apply_with_mask(batch)
-        except Exception:  # a bad row broke the batch: redo row by row to isolate it
-            out = None
-        if out is not None:
-            pairs = zip(out["input_ids"], out["assistant_masks"], strict=True)
-            return [_encoded(ids, mask) for ids, mask in pairs]
-        results: list[Encoded | Rejected] = []
-        for messages in batch:
-            try:
-                out = self._apply_with_mask([messages])
-                results.append(_encoded(out["input_ids"][0], out["assistant_masks"][0]))
-            except Exception as exc:  # a template error is a property of the row
-                results.append(Rejected(TEMPLATE_ERROR, _one_line(exc)))
-        return results
+    def _plan_tags(self, batch: list[Conversation]) -> list[_Plan]:
+        from transformers.utils.chat_template_utils import render_jinja_template
 
-    def _apply_with_mask(self, batch: list[list[Message]]) -> Any:
-        return self.tokenizer.apply_chat_template(
-            batch,
-            tokenize=True,
-            return_dict=True,
+        tools = batch[0].tools
+        texts, indices = render_jinja_template(
+            conversations=[row.messages for row in batch],
+            tools=tools,
+            chat_template=self.tokenizer.get_chat_template(None, tools),
             return_assistant_tokens_mask=True,
-            **self.template_kwargs,
+            add_generation_prompt=False,
+            **{**self.tokenizer.special_tokens_map, **self.template_kwargs},
         )
+        plans = []
+        for row, text, spans in zip(batch, texts, indices, strict=True):
+            found = sorted((int(a), int(b)) for a, b in spans if b > a)
+            if row.last_turn_only:
+                start = self._last_turn_start(row, text)
+                found = [] if start is None else [s for s in found if s[1] > start]
+            plans.append(_Plan(str(text), found))
+        return plans
+
+    def _last_turn_start(self, row: Conversation, full: str) -> int | None:
+        """Where the final assistant turn's own text begins (diff against its sentinel copy)."""
+        last = len(row.messages) - 1
+        variant = self._render_many([_with_sentinels(row.messages, last)], row.tools)[0]
+        if variant.count(CONTENT_SENTINEL) != 1:
+            return None
+        return _common_prefix(full, variant)
 
     # -- sentinel diff -------------------------------------------------------------------
 
-    def _encode_sentinel_diff(self, batch: list[list[Message]]) -> list[Encoded | Rejected]:
-        plans: list[tuple[str, list[tuple[int, int]], int] | Rejected]
-        try:  # all renders of the chunk in two batched template calls
-            plans = list(self._plan_spans(batch))
-        except Exception:  # a bad row broke the batch: redo row by row to isolate it
-            plans = []
-            for messages in batch:
-                try:
-                    plans.extend(self._plan_spans([messages]))
-                except Exception as exc:  # a template error is a property of the row
-                    plans.append(Rejected(TEMPLATE_ERROR, _one_line(exc)))
-        texts = [p[0] for p in plans if not isinstance(p, Rejected)]
-        encodings = (
-            self.tokenizer(texts, add_special_tokens=False, return_offsets_mapping=True)
-            if texts
-            else {"input_ids": [], "offset_mapping": []}
-        )
-        results: list[Encoded | Rejected] = []
-        k = 0
-        for plan in plans:
-            if isinstance(plan, Rejected):
-                results.append(plan)
-                continue
-            _, spans, unlocated = plan
-            ids, offsets = encodings["input_ids"][k], encodings["offset_mapping"][k]
-            k += 1
-            mask = mask_from_spans(offsets, spans)
-            results.append(
-                Encoded(np.asarray(ids, dtype=np.int32), mask, unlocated_turns=unlocated)
-            )
-        return results
-
-    def _plan_spans(
-        self, batch: list[list[Message]]
-    ) -> list[tuple[str, list[tuple[int, int]], int]]:
+    def _plan_diff(self, batch: list[Conversation]) -> list[_Plan]:
         """Full text, assistant character spans and unlocated-turn count per conversation.
 
         Fast path: one extra render with every assistant turn swapped for its own numbered
         sentinel; if the constant text between sentinels (which holds the turn's control
         tokens) re-appears in order in the real render, the gaps are the turns. Templates whose
         text around a turn depends on its content, or that drop or repeat turns, fall back to
-        one render per turn (the diff against a single swapped turn).
+        one render per turn (the diff against a single swapped turn). A per-turn-expanded row
+        is diffed on its final turn only.
         """
-        fulls = self._render_many(batch)
-        spans: list[list[tuple[int, int]]] = [[] for _ in batch]
+        tools = batch[0].tools
+        fulls = self._render_many([row.messages for row in batch], tools)
+        spans: list[list[Span]] = [[] for _ in batch]
         unlocated = [0] * len(batch)
-        quick = [(r, v) for r, m in enumerate(batch) if (v := _all_turn_sentinels(m)) is not None]
-        rendered = self._render_many([v for _, v in quick])
+        quick = [
+            (r, v)
+            for r, row in enumerate(batch)
+            if not row.last_turn_only and (v := _all_turn_sentinels(row.messages)) is not None
+        ]
+        rendered = self._render_many([v for _, v in quick], tools)
         slow = set(range(len(batch)))
         for (r, _), text in zip(quick, rendered, strict=True):
-            turns = sum(m["role"] == "assistant" for m in batch[r])
+            turns = sum(m["role"] == "assistant" for m in batch[r].messages)
             found = self._spans_one_pass(fulls[r], text, turns)
             if found is not None:
                 slow.discard(r)
@@ -212,21 +249,21 @@ class ChatEncoder:
         owners: list[int] = []
         variants: list[list[Message]] = []
         for r in sorted(slow):
-            for i, message in enumerate(batch[r]):
-                if message["role"] == "assistant":
+            messages = batch[r].messages
+            first = len(messages) - 1 if batch[r].last_turn_only else 0
+            for i in range(first, len(messages)):
+                if messages[i]["role"] == "assistant":
                     owners.append(r)
-                    variants.append(_with_sentinels(batch[r], i))
-        for r, variant in zip(owners, self._render_many(variants), strict=True):
+                    variants.append(_with_sentinels(messages, i))
+        for r, variant in zip(owners, self._render_many(variants, tools), strict=True):
             span = self._turn_span(fulls[r], variant)
             if span is None or (spans[r] and span[0] < spans[r][-1][1]):
                 unlocated[r] += 1
             else:
                 spans[r].append(span)
-        return [(fulls[r], spans[r], unlocated[r]) for r in range(len(batch))]
+        return [_Plan(fulls[r], spans[r], unlocated[r]) for r in range(len(batch))]
 
-    def _spans_one_pass(
-        self, full: str, variant: str, turns: int
-    ) -> list[tuple[int, int] | None] | None:
+    def _spans_one_pass(self, full: str, variant: str, turns: int) -> list[Span | None] | None:
         """Per-turn spans from the all-sentinel render, or None when it cannot decide."""
         if self._control_re is None:
             return None
@@ -235,7 +272,7 @@ class ChatEncoder:
         if order != [str(k) for k in range(turns)] or not full.startswith(constants[0]):
             return None
         pos = len(constants[0])
-        found: list[tuple[int, int] | None] = []
+        found: list[Span | None] = []
         for k, after in enumerate(constants[1:], start=1):
             if k == len(constants) - 1:
                 end = len(full) - len(after)
@@ -252,7 +289,7 @@ class ChatEncoder:
             pos = end + len(after)
         return found
 
-    def _turn_span(self, full: str, variant: str) -> tuple[int, int] | None:
+    def _turn_span(self, full: str, variant: str) -> Span | None:
         """Where `full` differs from the sentinel render, plus the end-of-turn token after it."""
         if variant.count(CONTENT_SENTINEL) != 1:
             return None
@@ -268,7 +305,7 @@ class ChatEncoder:
             return None
         return self._closed_span(full, start, end)
 
-    def _closed_span(self, full: str, start: int, end: int) -> tuple[int, int] | None:
+    def _closed_span(self, full: str, start: int, end: int) -> Span | None:
         """Extend a turn's text by the control token right after it (its end-of-turn)."""
         if self._control_re is not None:
             closing = self._control_re.match(full, end)
@@ -276,13 +313,89 @@ class ChatEncoder:
                 end = closing.end()
         return (start, end) if end > start else None
 
-    def _render_many(self, conversations: list[list[Message]]) -> list[str]:
+    def _render_many(
+        self, conversations: list[list[Message]], tools: list[dict[str, Any]] | None = None
+    ) -> list[str]:
         if not conversations:
             return []
         texts = self.tokenizer.apply_chat_template(
-            conversations, tokenize=False, add_generation_prompt=False, **self.template_kwargs
+            conversations,
+            tools=tools,
+            tokenize=False,
+            add_generation_prompt=False,
+            **self.template_kwargs,
         )
         return [str(t) for t in texts]
+
+
+def apply_think_rule(text: str, spans: list[Span]) -> list[Span]:
+    """A span that opens a non-empty think block starts at its `<think>`; empty blocks never count.
+
+    The sentinel diff starts a reasoning turn's span after `<think>\\n` (the tag is constant
+    text); a generation span may start with an empty block. Both are moved to the same rule.
+    """
+    out: list[Span] = []
+    floor = 0
+    for a, b in spans:
+        empty = _EMPTY_THINK.match(text, a)
+        if empty is not None and empty.end() < b:
+            a = empty.end()
+        else:
+            opening = _THINK_OPEN_BEFORE.search(text, max(floor, a - _THINK_LOOKBACK), a)
+            if opening is not None:
+                a = opening.start()
+        out.append((a, b))
+        floor = b
+    return out
+
+
+def reasoning_dropped(row: Conversation, text: str) -> int:
+    """Assistant turns (the trained ones) whose reasoning text is absent from the rendering."""
+    dropped = 0
+    for message in _trained(row):
+        if has_reasoning(message):
+            thought = _reasoning_text(message).strip()
+            if thought and thought not in text:
+                dropped += 1
+    return dropped
+
+
+def _trained(row: Conversation) -> list[Message]:
+    return row.messages[-1:] if row.last_turn_only else row.messages
+
+
+def _reasoning_text(message: Message) -> str:
+    if message.get("reasoning_content"):
+        return str(message["reasoning_content"])
+    head = message["content"].split(THINK_CLOSE)[0]
+    return head.split(THINK_OPEN)[-1]
+
+
+def _isolated(
+    work: Callable[[list[Any]], list[T]], items: list[Any], reason: str
+) -> list[T | Rejected]:
+    """`work` over the whole batch (fast path); if that raises, item by item, so only the items
+    that fail themselves become Rejected (a property of the row, never of the import)."""
+    try:
+        return list(work(items))
+    except Exception:  # a bad row broke the batch: redo row by row to isolate it
+        pass
+    out: list[T | Rejected] = []
+    for item in items:
+        try:
+            out.extend(work([item]))
+        except Exception as exc:
+            out.append(Rejected(reason, _one_line(exc)))
+    return out
+
+
+def _text(plan: _Plan | Rejected) -> str:
+    assert isinstance(plan, _Plan)
+    return plan.text
+
+
+def _tools_key(tools: list[dict[str, Any]] | None) -> str:
+    return "" if tools is None else json.dumps(tools, sort_keys=True, ensure_ascii=False)
 
 
 def _all_turn_sentinels(messages: list[Message]) -> list[Message] | None:
@@ -291,7 +404,7 @@ def _all_turn_sentinels(messages: list[Message]) -> list[Message] | None:
     k = 0
     for message in messages:
         if message["role"] == "assistant":
-            if "reasoning_content" in message:
+            if has_reasoning(message):
                 return None
             message = _without_tool_calls(dict(message, content=f"\ue004dflash-turn-{k}\ue005"))
             k += 1
@@ -307,10 +420,27 @@ def _without_tool_calls(message: Message) -> Message:
 
 
 def _with_sentinels(messages: list[Message], i: int) -> list[Message]:
-    turn = _without_tool_calls(dict(messages[i], content=CONTENT_SENTINEL))
+    original = messages[i]
+    turn = _without_tool_calls(dict(original, content=CONTENT_SENTINEL))
     if "reasoning_content" in turn:
         turn["reasoning_content"] = REASONING_SENTINEL
+    elif THINK_CLOSE in original["content"]:
+        turn["content"] = _inline_think_sentinels(original["content"])
     return [*messages[:i], turn, *messages[i + 1 :]]
+
+
+def _inline_think_sentinels(content: str) -> str:
+    """`<think>\\nidea\\n</think>\\n\\nanswer` -> the same shape with both parts swapped, so a
+    template that moves inline reasoning into its think block (Qwen3) still parses it."""
+    head, _, _ = content.partition(THINK_CLOSE)
+    answer = content.rsplit(THINK_CLOSE, 1)[1]
+    opening = head.rfind(THINK_OPEN)
+    prefix = head[: opening + len(THINK_OPEN)] if opening >= 0 else ""
+    thought = head[len(prefix) :]
+    lead = thought[: len(thought) - len(thought.lstrip())]
+    trail = thought[len(thought.rstrip()) :]
+    gap = answer[: len(answer) - len(answer.lstrip())]
+    return f"{prefix}{lead}{REASONING_SENTINEL}{trail}{THINK_CLOSE}{gap}{CONTENT_SENTINEL}"
 
 
 def _common_prefix(a: str, b: str) -> int:
@@ -334,10 +464,6 @@ def _common_suffix(a: str, b: str) -> int:
         else:
             hi = mid - 1
     return lo
-
-
-def _encoded(ids: Any, mask: Any) -> Encoded:
-    return Encoded(np.asarray(ids, dtype=np.int32), np.asarray(mask, dtype=np.uint8))
 
 
 def _one_line(exc: BaseException) -> str:

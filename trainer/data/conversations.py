@@ -1,12 +1,18 @@
-"""Parse one chat-JSONL line into normalised messages, or say exactly why it is unusable.
+"""Parse one chat row into a normalised conversation, or say exactly why it is unusable.
 
 Accepted row shapes (the common public ones):
   {"conversations": [{"role": ..., "content": ...}, ...]}      SpecForge / Nemotron style
   {"messages":      [{"role": ..., "content": ...}, ...]}      OpenAI style (NeMo)
-  {"conversations": [{"from": "human", "value": ...}, ...]}    ShareGPT style
-OpenAI content may also be a list of parts; only text parts are accepted. An assistant turn may
-carry `reasoning_content` and OpenAI `tool_calls` (content may then be null); both are passed
-through to templates that render them (Qwen's do), and tool results use role "tool".
+  {"conversation":  [{"role": ..., "content": ...}, ...]}      LMSYS-Chat-1M
+  {"conversations": [{"from": "human", "value": ...}, ...]}    ShareGPT / LLaMA-Factory style
+Roles: system, user, assistant, tool, plus the ShareGPT names (human; gpt, bing, bard, chatgpt,
+model, bot as assistant) and LLaMA-Factory's glaive turns: `function_call` (an assistant tool
+call, value = JSON {"name", "arguments"} or a list of them) and `observation` (a tool result).
+A row-level `tools` (a list, or the JSON string LLaMA-Factory stores) becomes the template's
+`tools`, bare function definitions wrapped as OpenAI {"type": "function", "function": ...}, the
+form a server passes to the template at inference. A row-level `system` string (LLaMA-Factory)
+becomes the first message. Content may be a list of text parts ({"type": "text", "text"|"value":
+...}). An assistant turn may carry `reasoning_content` (or `reasoning`) and OpenAI `tool_calls`.
 
 Pure functions, no tokenizer: bad rows are classified here so the import can count them by
 reason without ever raising.
@@ -15,7 +21,8 @@ reason without ever raising.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+import re
+from dataclasses import dataclass, field
 from typing import Any
 
 # Skip reasons, in the order rows are checked; these keys appear in the manifest.
@@ -24,33 +31,58 @@ MALFORMED_JSON = "malformed_json"
 BAD_SCHEMA = "bad_schema"
 EMPTY_CONVERSATION = "empty_conversation"
 UNKNOWN_ROLE = "unknown_role"
+INVALID_UNICODE = "invalid_unicode"
 NO_ASSISTANT_TURN = "no_assistant_turn"
 
+TURN_KEYS = ("conversations", "messages", "conversation")
+FUNCTION_CALL = "function_call"
 ROLE_ALIASES: dict[str, str] = {
     "system": "system",
     "user": "user",
     "assistant": "assistant",
     "tool": "tool",
-    # ShareGPT and friends
+    # ShareGPT and friends (SpecForge maps bing and bard to the assistant too)
     "human": "user",
     "gpt": "assistant",
     "chatgpt": "assistant",
+    "bing": "assistant",
+    "bard": "assistant",
     "model": "assistant",
     "bot": "assistant",
+    # tool results: LLaMA-Factory/glaive, OpenAI's legacy function role, Llama 3
+    "observation": "tool",
+    "function": "tool",
+    "ipython": "tool",
+    FUNCTION_CALL: "assistant",
 }
 
 Message = dict[str, Any]  # role, content[, reasoning_content][, tool_calls]
+_SURROGATE_RE = re.compile("[\ud800-\udfff]")
 
 
 @dataclass(frozen=True)
 class Rejected:
-    """Why a line was not turned into a conversation (reason key + short detail for logs)."""
+    """Why a row was not turned into a conversation (reason key + short detail for logs)."""
 
     reason: str
     detail: str
 
 
-def parse_line(raw: bytes) -> list[Message] | Rejected | None:
+@dataclass(frozen=True)
+class Conversation:
+    """Normalised messages, the row's tool definitions, and which assistant turns to train.
+
+    `last_turn_only` marks a row made by per-turn expansion: its earlier assistant turns are
+    context (trained in their own rows), only the final one is supervised.
+    """
+
+    messages: list[Message]
+    tools: list[dict[str, Any]] | None = None
+    last_turn_only: bool = False
+    reasoning_turns: int = field(default=0, compare=False)
+
+
+def parse_line(raw: bytes) -> Conversation | Rejected | None:
     """Decode and validate one JSONL line; None for a blank line (ignored, not an error)."""
     try:
         text = raw.decode("utf-8")
@@ -62,44 +94,109 @@ def parse_line(raw: bytes) -> list[Message] | Rejected | None:
     try:
         row = json.loads(text)
     except json.JSONDecodeError as exc:
-        return Rejected(MALFORMED_JSON, f"{exc.msg} at column {exc.colno}")
+        return Rejected(MALFORMED_JSON, json_error(exc))
     except (ValueError, RecursionError) as exc:  # 5000-digit ints, absurdly deep nesting
         return Rejected(MALFORMED_JSON, " ".join(str(exc).split())[:120])
-    return normalise_row(row)
+    return normalise_conversation(row)
+
+
+def json_error(exc: json.JSONDecodeError) -> str:
+    """`Expecting ',' delimiter at column 17` (exc.msg alone: str(exc) already says 'at')."""
+    return f"{exc.msg} at column {exc.colno}"
 
 
 def normalise_row(row: Any) -> list[Message] | Rejected:
-    """Turn a decoded row into [{"role", "content"[, "reasoning_content"]}] with canonical roles."""
+    """The messages of a decoded row (see `normalise_conversation` for tools and the rest)."""
+    conversation = normalise_conversation(row)
+    return conversation if isinstance(conversation, Rejected) else conversation.messages
+
+
+def normalise_conversation(row: Any) -> Conversation | Rejected:
+    """Turn a decoded row into canonical messages + tools, or the reason it is unusable."""
     if not isinstance(row, dict):
-        return Rejected(BAD_SCHEMA, f"row is a JSON {type(row).__name__}, not an object")
-    turns = row.get("conversations", row.get("messages"))
-    if turns is None:
-        return Rejected(BAD_SCHEMA, "no 'conversations' or 'messages' key")
+        return Rejected(BAD_SCHEMA, f"row is a JSON {_json_type(row)}, not an object")
+    key = next((k for k in TURN_KEYS if k in row), None)
+    if key is None:
+        keys = ", ".join(repr(k) for k in list(row)[:8])
+        return Rejected(
+            BAD_SCHEMA, f"no 'conversations', 'messages' or 'conversation' key, keys were [{keys}]"
+        )
+    turns = row[key]
     if not isinstance(turns, list):
-        return Rejected(BAD_SCHEMA, "'conversations'/'messages' is not a list")
+        return Rejected(BAD_SCHEMA, f"'{key}' is a JSON {_json_type(turns)}, not a list")
     if not turns:
-        return Rejected(EMPTY_CONVERSATION, "no messages")
+        return Rejected(EMPTY_CONVERSATION, f"'{key}' is empty")
+    tools = _tools(row.get("tools"))
+    if isinstance(tools, Rejected):
+        return tools
     messages: list[Message] = []
+    system = row.get("system")
+    if isinstance(system, str) and system and not _has_system(turns):
+        messages.append({"role": "system", "content": system})
     for k, turn in enumerate(turns):
         parsed = _normalise_turn(k, turn)
         if isinstance(parsed, Rejected):
             return parsed
         messages.append(parsed)
+    bad = _lone_surrogate(messages, tools)
+    if bad is not None:
+        return Rejected(INVALID_UNICODE, bad)
     if not any(m["role"] == "assistant" for m in messages):
         return Rejected(NO_ASSISTANT_TURN, "no assistant message to supervise")
-    return messages
+    reasoning = sum(1 for m in messages if has_reasoning(m))
+    return Conversation(messages, tools, reasoning_turns=reasoning)
+
+
+def has_reasoning(message: Message) -> bool:
+    """An assistant turn with a think block: `reasoning_content`, or inline `...</think>`."""
+    return message["role"] == "assistant" and (
+        bool(message.get("reasoning_content")) or "</think>" in message["content"]
+    )
+
+
+def expand_turns(conversation: Conversation) -> list[Conversation]:
+    """One conversation per assistant turn, ending at it (SpecForge's per-turn expansion).
+
+    Templates such as Qwen3's render reasoning only on the final assistant turn, so without
+    this every earlier turn's reasoning is dropped; with it, row k trains turn k only.
+    """
+    ends = [i for i, m in enumerate(conversation.messages) if m["role"] == "assistant"]
+    if len(ends) <= 1:
+        return [conversation]
+    return [
+        Conversation(
+            conversation.messages[: i + 1],
+            conversation.tools,
+            last_turn_only=True,
+            reasoning_turns=int(has_reasoning(conversation.messages[i])),
+        )
+        for i in ends
+    ]
+
+
+def _has_system(turns: list[Any]) -> bool:
+    first = turns[0] if turns else None
+    return isinstance(first, dict) and first.get("role", first.get("from")) == "system"
 
 
 def _normalise_turn(k: int, turn: Any) -> Message | Rejected:
     if not isinstance(turn, dict):
-        return Rejected(BAD_SCHEMA, f"message {k} is not an object")
+        return Rejected(BAD_SCHEMA, f"message {k} is a JSON {_json_type(turn)}, not an object")
     role = turn.get("role", turn.get("from"))
     if not isinstance(role, str):
         return Rejected(BAD_SCHEMA, f"message {k} has no 'role'/'from' string")
-    canonical = ROLE_ALIASES.get(role.strip().lower())
+    name = role.strip().lower()
+    canonical = ROLE_ALIASES.get(name)
     if canonical is None:
-        return Rejected(UNKNOWN_ROLE, f"message {k} role {role[:40]!r}")
+        return Rejected(UNKNOWN_ROLE, f"role {role[:40]!r}")
     raw_content = turn.get("content", turn.get("value"))
+    if name == FUNCTION_CALL:
+        calls = _function_call(raw_content)
+        if calls is None:
+            return Rejected(
+                BAD_SCHEMA, f"message {k} (function_call) is not a JSON {{name, arguments}} call"
+            )
+        return {"role": "assistant", "content": "", "tool_calls": calls}
     tool_calls = turn.get("tool_calls") if canonical == "assistant" else None
     if tool_calls is not None and not _valid_tool_calls(tool_calls):
         return Rejected(BAD_SCHEMA, f"message {k} tool_calls is not a list of function calls")
@@ -107,14 +204,59 @@ def _normalise_turn(k: int, turn: Any) -> Message | Rejected:
         raw_content = ""  # OpenAI: an assistant turn that only calls tools has content null
     content = _content_text(raw_content)
     if content is None:
-        return Rejected(BAD_SCHEMA, f"message {k} content is not text")
+        return Rejected(
+            BAD_SCHEMA, f"message {k} content is a JSON {_json_type(raw_content)}, not text"
+        )
     message: Message = {"role": canonical, "content": content}
-    reasoning = turn.get("reasoning_content")
+    reasoning = turn.get("reasoning_content", turn.get("reasoning"))
     if canonical == "assistant" and isinstance(reasoning, str) and reasoning:
         message["reasoning_content"] = reasoning
     if tool_calls:
         message["tool_calls"] = tool_calls
     return message
+
+
+def _function_call(value: Any) -> list[dict[str, Any]] | None:
+    """glaive/LLaMA-Factory `function_call` value -> OpenAI tool_calls, or None if unusable."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except (ValueError, RecursionError):
+            return None
+    calls = value if isinstance(value, list) else [value]
+    out = []
+    for call in calls:
+        if not (isinstance(call, dict) and isinstance(call.get("name"), str)):
+            return None
+        arguments = call.get("arguments", {})
+        out.append({"type": "function", "function": {"name": call["name"], "arguments": arguments}})
+    return out or None
+
+
+def _tools(value: Any) -> list[dict[str, Any]] | Rejected | None:
+    """Row-level tool definitions in OpenAI form, None when the row has none."""
+    if value is None or value == "" or value == []:
+        return None
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except (ValueError, RecursionError):
+            return Rejected(BAD_SCHEMA, "'tools' is a string but not JSON")
+        if value == [] or value is None:
+            return None
+    if isinstance(value, dict):
+        value = [value]
+    if not isinstance(value, list):
+        return Rejected(BAD_SCHEMA, f"'tools' is a JSON {_json_type(value)}, not a list")
+    tools = []
+    for k, tool in enumerate(value):
+        if isinstance(tool, dict) and isinstance(tool.get("function"), dict):
+            tools.append(tool)
+        elif isinstance(tool, dict) and isinstance(tool.get("name"), str):
+            tools.append({"type": "function", "function": tool})
+        else:
+            return Rejected(BAD_SCHEMA, f"tools[{k}] is not a function definition")
+    return tools
 
 
 def _valid_tool_calls(calls: Any) -> bool:
@@ -131,14 +273,41 @@ def _valid_tool_calls(calls: Any) -> bool:
 def _content_text(content: Any) -> str | None:
     if isinstance(content, str):
         return content
-    if isinstance(content, list):  # OpenAI parts: [{"type": "text", "text": ...}, ...]
+    if isinstance(content, list):  # parts: [{"type": "text", "text"|"value": ...}, ...]
         texts = []
         for part in content:
             if not (isinstance(part, dict) and part.get("type") == "text"):
                 return None
-            text = part.get("text")
+            text = part.get("text", part.get("value"))
             if not isinstance(text, str):
                 return None
             texts.append(text)
         return "".join(texts)
     return None
+
+
+def _lone_surrogate(messages: list[Message], tools: list[dict[str, Any]] | None) -> str | None:
+    """Where a lone UTF-16 surrogate (scraped '\\ud83d') sits: no tokenizer can encode it."""
+    for k, message in enumerate(messages):
+        for key in ("content", "reasoning_content"):
+            text = message.get(key)
+            if isinstance(text, str) and (hit := _SURROGATE_RE.search(text)):
+                return _surrogate_detail(f"message {k} {key}", text, hit.start())
+        if "tool_calls" in message:
+            dumped = json.dumps(message["tool_calls"], ensure_ascii=False)
+            if hit := _SURROGATE_RE.search(dumped):
+                return _surrogate_detail(f"message {k} tool_calls", dumped, hit.start())
+    if tools is not None:
+        dumped = json.dumps(tools, ensure_ascii=False)
+        if hit := _SURROGATE_RE.search(dumped):
+            return _surrogate_detail("tools", dumped, hit.start())
+    return None
+
+
+def _surrogate_detail(where: str, text: str, at: int) -> str:
+    return f"{where} has a lone surrogate {text[at]!r} at character {at}"
+
+
+def _json_type(value: Any) -> str:
+    names = {dict: "object", list: "array", str: "string", bool: "boolean", type(None): "null"}
+    return names.get(type(value), "number")

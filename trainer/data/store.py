@@ -6,6 +6,8 @@ Layout of a store directory (all raw little-endian, no headers, so any tool can 
     mask.u8       flat uint8 loss mask aligned with tokens (1 = supervised)
     offsets.i64   n+1 int64 row starts into tokens (offsets[0] = 0, offsets[n] = total tokens)
     lengths.i32   n int32 row lengths (= diff(offsets), kept so the planner reads 4n bytes)
+    lines.i64     optional: n int64 1-based source lines (chat imports), so row i can be traced
+                  to its JSONL line; stores written before it existed simply lack the file
     manifest.json provenance and counts (`Manifest`), written last
 
 Writers build the store in a hidden temp directory next to the target and rename it into place
@@ -40,13 +42,16 @@ TOKENS = "tokens.i32"
 MASK = "mask.u8"
 OFFSETS = "offsets.i64"
 LENGTHS = "lengths.i32"
+LINES = "lines.i64"
 DATA_FILES: dict[str, np.dtype[Any]] = {
     TOKENS: np.dtype("<i4"),
     MASK: np.dtype("u1"),
     OFFSETS: np.dtype("<i8"),
     LENGTHS: np.dtype("<i4"),
+    LINES: np.dtype("<i8"),
 }
 FIRST_LINES_KEPT = 10  # line numbers remembered per skip reason: enough to find the pattern
+EXAMPLES_KEPT = 3  # distinct details (with their line) remembered per skip reason
 _TMP_MARK = ".tmp-"
 _HASH_CHUNK = 1 << 22
 
@@ -73,11 +78,15 @@ class LineStat(BaseModel):
     model_config = ConfigDict(extra="forbid")
     count: int = 0
     first_lines: list[int] = Field(default_factory=list)
+    examples: list[str] = Field(default_factory=list)  # "line N: detail", distinct details
 
-    def add(self, line: int) -> None:
+    def add(self, line: int, detail: str | None = None) -> None:
         self.count += 1
         if len(self.first_lines) < FIRST_LINES_KEPT:
             self.first_lines.append(line)
+        seen = (e.split(": ", 1)[-1] for e in self.examples)
+        if detail and len(self.examples) < EXAMPLES_KEPT and detail not in seen:
+            self.examples.append(f"line {line}: {detail}")
 
 
 class TokenizerIdentity(BaseModel):
@@ -174,6 +183,7 @@ class TokenStore:
         mask: np.ndarray,
         offsets: np.ndarray,
         lengths: np.ndarray,
+        lines: np.ndarray | None = None,
     ) -> None:
         self.path = path
         self.manifest = manifest
@@ -181,6 +191,7 @@ class TokenStore:
         self.mask = mask
         self.offsets = offsets
         self.lengths = lengths
+        self.lines = lines  # 1-based source line per row, None for stores without them
 
     @classmethod
     def open(cls, path: str | os.PathLike[str], verify: bool = False) -> TokenStore:
@@ -195,6 +206,8 @@ class TokenStore:
         manifest = _read_manifest(root)
         n, t = manifest.num_rows, manifest.num_tokens
         expected = {TOKENS: t, MASK: t, OFFSETS: n + 1, LENGTHS: n}
+        if LINES in manifest.files:  # optional (older stores have no source lines)
+            expected[LINES] = n
         for name, count in expected.items():
             file = root / name
             want = count * DATA_FILES[name].itemsize
@@ -222,10 +235,11 @@ class TokenStore:
         mask = _map(root / MASK, DATA_FILES[MASK], t)
         offsets = _map(root / OFFSETS, DATA_FILES[OFFSETS], n + 1)
         lengths = _map(root / LENGTHS, DATA_FILES[LENGTHS], n)
+        lines = _map(root / LINES, DATA_FILES[LINES], n) if LINES in expected else None
         _check_offsets(root, manifest, offsets, lengths)
         if verify:
             _check_contents(root, manifest, tokens, mask)
-        return cls(root, manifest, tokens, mask, offsets, lengths)
+        return cls(root, manifest, tokens, mask, offsets, lengths, lines)
 
     def __len__(self) -> int:
         return self.manifest.num_rows
@@ -244,6 +258,15 @@ class TokenStore:
         return self.tokens[lo:hi], self.mask[lo:hi]
 
     __getitem__ = row
+
+    def source_line(self, i: int) -> int | None:
+        """The input line row `i` came from (chat imports), None when the store has none."""
+        if self.lines is None:
+            return None
+        n = len(self)
+        if not -n <= i < n:
+            raise IndexError(f"row {i} out of range for {self.path} with {n} rows")
+        return int(self.lines[i % n])
 
     def __iter__(self) -> Iterator[tuple[np.ndarray, np.ndarray]]:
         for i in range(len(self)):
@@ -393,6 +416,7 @@ class StoreWriter:
         self._tokens = _HashingWriter(self.tmp / TOKENS)
         self._mask = _HashingWriter(self.tmp / MASK)
         self._lengths = array("i")  # 4 bytes a row, not a Python int: stores reach 1e8 rows
+        self._lines = array("q")  # source lines, when every row has one
         self.num_tokens = 0
         self.num_supervised_tokens = 0
         self._done = False
@@ -401,12 +425,27 @@ class StoreWriter:
     def num_rows(self) -> int:
         return len(self._lengths)
 
-    def add(self, tokens: np.ndarray | Sequence[int], mask: np.ndarray | Sequence[int]) -> None:
-        """Append one row; tokens and mask must have the same, non-zero length."""
+    def add(
+        self,
+        tokens: np.ndarray | Sequence[int],
+        mask: np.ndarray | Sequence[int],
+        source_line: int | None = None,
+    ) -> None:
+        """Append one row; tokens and mask must have the same, non-zero length.
+
+        `source_line` (1-based) is given for every row or for none; with it the store keeps
+        `lines.i64` so a row number in any later error can be traced to the input.
+        """
         tok = np.asarray(tokens, dtype=np.int32)
         msk = np.asarray(mask, dtype=np.uint8)
         if tok.ndim != 1 or tok.shape != msk.shape or tok.size == 0:
             raise ValueError(f"row {self.num_rows}: tokens {tok.shape} / mask {msk.shape} mismatch")
+        if self.num_rows and (source_line is None) != (len(self._lines) == 0):
+            raise ValueError(
+                f"row {self.num_rows}: source lines must be given for all rows or none"
+            )
+        if source_line is not None:
+            self._lines.append(source_line)
         self._tokens.write(tok)
         self._mask.write(msk)
         self._lengths.append(int(tok.size))
@@ -436,7 +475,12 @@ class StoreWriter:
         offsets = np.zeros(lengths.size + 1, dtype=np.int64)
         np.cumsum(lengths, out=offsets[1:])
         files = {TOKENS: self._tokens.finish(), MASK: self._mask.finish()}
-        for name, values in ((OFFSETS, offsets), (LENGTHS, lengths)):
+        columns = [(OFFSETS, offsets), (LENGTHS, lengths)]
+        if self._lines and len(self._lines) == self.num_rows:
+            columns.append((LINES, np.frombuffer(self._lines, dtype=np.int64)))
+        elif self._lines:
+            raise ValueError("source lines were given for some rows only")
+        for name, values in columns:
             writer = _HashingWriter(self.tmp / name)
             writer.write(values.astype(DATA_FILES[name], copy=False))
             files[name] = writer.finish()

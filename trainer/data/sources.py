@@ -1,0 +1,194 @@
+"""Rows of a chat file, each with its 1-based source line: JSONL, or one JSON array.
+
+FastChat, ShareGPT dumps and LLaMA-Factory's demos ship one JSON array (`[{...}, {...}]`)
+instead of JSONL. A file whose first value opens an array of objects is read element by element
+with `json.JSONDecoder.raw_decode` over 1 MiB text chunks, so a multi-GB array never sits in
+memory whole; each row's line is the line its element starts on. A broken array cannot be
+resynchronised, so the rows before the break are kept and the break is one `malformed_json`
+row at its line. Plain and gzip-compressed files (`.gz`) are accepted; the sha256 is that of the
+file as stored.
+"""
+
+from __future__ import annotations
+
+import codecs
+import gzip
+import hashlib
+import json
+import re
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import IO, Any
+
+from trainer.data.conversations import (
+    MALFORMED_JSON,
+    NOT_UTF8,
+    Conversation,
+    Rejected,
+    json_error,
+    normalise_conversation,
+    parse_line,
+)
+from trainer.data.errors import InputError
+from trainer.data.store import sha256_file
+
+Parsed = Conversation | Rejected | None  # None: a blank line (ignored)
+CHUNK_CHARS = 1 << 20
+MAX_ELEMENT_CHARS = 1 << 28  # one row past 256 Mi characters is a broken array, not a row
+_WS = re.compile(r"[ \t\n\r]*")
+
+
+class ChatSource:
+    """Iterate (line number, parsed row) over a chat file, hashing its bytes as read."""
+
+    def __init__(self, path: Path, chunk_chars: int = CHUNK_CHARS) -> None:
+        self.path = path
+        self.chunk_chars = chunk_chars
+        self.digest = hashlib.sha256()
+        self.format = "jsonl"
+        self.lines = 0  # lines read so far (JSONL) or the line of the last element (array)
+
+    def file_sha256(self) -> str:
+        """sha256 of the file as stored (what `sha256sum` prints), compressed or not."""
+        return sha256_file(self.path) if self.path.suffix == ".gz" else self.digest.hexdigest()
+
+    def __iter__(self) -> Iterator[tuple[int, Parsed]]:
+        try:
+            with self._open() as fh:
+                first = fh.readline()
+                self.digest.update(first)
+                if _is_array_start(first):
+                    try:
+                        self.format = "json-array"
+                        yield from self._array(first, fh)
+                        return
+                    except _NotAnArray:  # broke before its first row: JSONL after all
+                        pass
+                    self.format = "jsonl"
+                    self.digest = hashlib.sha256()
+                    fh.seek(0)
+                    first = fh.readline()
+                    self.digest.update(first)
+                yield from self._jsonl(first, fh)
+        except (OSError, EOFError) as exc:  # unreadable, or a truncated .gz
+            raise InputError(f"{self.path}: read failed: {' '.join(str(exc).split())}") from None
+
+    def _open(self) -> IO[bytes]:
+        opener: Callable[..., IO[bytes]] = gzip.open if self.path.suffix == ".gz" else open
+        return opener(self.path, "rb")
+
+    def _jsonl(self, first: bytes, fh: IO[bytes]) -> Iterator[tuple[int, Parsed]]:
+        if first:
+            self.lines = 1
+            yield 1, parse_line(first.rstrip(b"\r\n"))
+        for number, raw in enumerate(fh, start=2):
+            self.digest.update(raw)
+            self.lines = number
+            yield number, parse_line(raw.rstrip(b"\r\n"))
+
+    def _array(self, first: bytes, fh: IO[bytes]) -> Iterator[tuple[int, Parsed]]:
+        decoder = codecs.getincrementaldecoder("utf-8")("strict")
+        raw_decode = json.JSONDecoder().raw_decode
+        try:
+            buf = decoder.decode(first).removeprefix("\ufeff")
+        except UnicodeDecodeError:
+            raise _NotAnArray from None
+        elements = 0
+        pos = _WS.match(buf).end() + 1  # past '['
+        line = 1 + buf.count("\n", 0, pos)
+        eof = False
+
+        def more() -> bool:
+            nonlocal buf, eof
+            data = fh.read(self.chunk_chars)
+            self.digest.update(data)
+            eof = not data
+            try:
+                buf += decoder.decode(data, final=eof)
+            except UnicodeDecodeError as exc:
+                raise _Broken(NOT_UTF8, f"invalid UTF-8 at byte {exc.start}") from None
+            return not eof
+
+        try:
+            expect_value = True
+            while True:
+                skip = _WS.match(buf, pos).end()
+                line += buf.count("\n", pos, skip)
+                pos = skip
+                if pos >= len(buf):
+                    if eof or not more():
+                        raise _Broken(MALFORMED_JSON, "the array is not closed (truncated file?)")
+                    continue
+                char = buf[pos]
+                if char == "]" and not expect_value:
+                    break
+                if char == "]" and expect_value and not elements:
+                    break  # an empty array
+                if char == "," and not expect_value:
+                    pos += 1
+                    expect_value = True
+                    continue
+                if not expect_value:
+                    raise _Broken(
+                        MALFORMED_JSON, f"expecting ',' or ']' at column {_col(buf, pos)}"
+                    )
+                try:
+                    value, end = raw_decode(buf, pos)
+                except json.JSONDecodeError as exc:
+                    if len(buf) - pos < MAX_ELEMENT_CHARS and not eof and more():
+                        continue  # the element runs past the chunk: read on and retry
+                    raise _Broken(MALFORMED_JSON, json_error(exc)) from None
+                except (ValueError, RecursionError) as exc:
+                    raise _Broken(MALFORMED_JSON, " ".join(str(exc).split())[:120]) from None
+                if end == len(buf) and not eof and more():
+                    continue  # a number may continue in the next chunk
+                self.lines = line
+                elements += 1
+                yield line, normalise_conversation(value)
+                line += buf.count("\n", pos, end)
+                pos = end
+                expect_value = False
+                if pos > self.chunk_chars:  # drop what has been consumed
+                    buf, pos = buf[pos:], 0
+        except _Broken as broken:
+            if not elements:
+                raise _NotAnArray from None
+            self.lines = line
+            yield (
+                line,
+                Rejected(broken.reason, f"{broken.detail}; the array is unreadable from here"),
+            )
+            return
+        while more():  # hash the rest (trailing whitespace)
+            pass
+
+
+class _Broken(Exception):
+    def __init__(self, reason: str, detail: str) -> None:
+        super().__init__(detail)
+        self.reason, self.detail = reason, detail
+
+
+class _NotAnArray(Exception):
+    pass
+
+
+def _col(buf: str, pos: int) -> int:
+    return pos - buf.rfind("\n", 0, pos)
+
+
+def _is_array_start(first: bytes) -> bool:
+    """True when the file is one JSON array of rows, not JSONL whose first row is bad.
+
+    A first line that is a complete JSON value is a JSONL row, except a one-line array whose
+    items are all objects (a compact array file); anything else starting with '[' opens a
+    multi-line array.
+    """
+    text = first.lstrip(b"\xef\xbb\xbf").strip()
+    if not text.startswith(b"["):
+        return False
+    try:
+        value: Any = json.loads(text)
+    except (ValueError, RecursionError):
+        return True
+    return isinstance(value, list) and bool(value) and all(isinstance(v, dict) for v in value)
