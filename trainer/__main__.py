@@ -1,7 +1,8 @@
-"""`python -m trainer --config run.toml --run-dir DIR [--resume auto|never|PATH] [--fresh]`.
+"""`python -m trainer --config run.toml --run-dir DIR [--resume auto|never|PATH|STEP] [--fresh]`.
 
 Exit status: 0 finished or stopped cleanly by a signal (after a checkpoint), 1 a stage failed
-(traceback printed), 2 a user error (config, data, checkpoint mismatch; one line).
+(traceback printed), a checkpoint could not be written at the end, or the weights diverged,
+2 a user error (config, data, checkpoint mismatch, an unusable --resume checkpoint; one line).
 Under torchrun every rank runs this same command (data parallel).
 """
 
@@ -19,7 +20,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--resume",
         default="auto",
-        help="auto: newest checkpoint in RUN/checkpoints if any; never; or a checkpoint path",
+        help=(
+            "auto: the newest usable checkpoint in RUN/checkpoints (unreadable, incomplete or "
+            "non-finite newer ones are moved to RUN/checkpoints/rejected/); never; a checkpoint "
+            "PATH; or a STEP number (RUN/checkpoints/step-STEP.pt)"
+        ),
     )
     p.add_argument(
         "--fresh",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import json
 import queue
 import random
 import threading
@@ -14,15 +15,19 @@ import torch
 
 from trainer.pipeline.channels import ReorderBuffer, Stopped, WaitClock, get, put
 from trainer.pipeline.checkpoint import (
+    REQUIRED_KEYS,
     CheckpointError,
+    CheckpointWriteError,
     archive_checkpoints,
     list_checkpoints,
     load_checkpoint,
+    reject_checkpoint,
     save_checkpoint,
+    select_resume,
 )
 from trainer.pipeline.plan import BatchPlan
 from trainer.pipeline.schedule import lr_at, warmup_steps_for
-from trainer.pipeline.status import RateWindow, bottleneck
+from trainer.pipeline.status import RateWindow, RunStateFile, bottleneck
 from trainer.sampler import BatchSampler
 
 
@@ -139,10 +144,19 @@ def test_plan_numbers_the_samplers_batches_in_order() -> None:
     assert plan.epoch_progress(spe[0]) == pytest.approx(1.0)
 
 
+def _state(value: float) -> dict[str, object]:
+    """A checkpoint-shaped state: every required key, a drafter and an optimizer tensor."""
+    state: dict[str, object] = {k: {} for k in REQUIRED_KEYS}
+    state["drafter"] = {"fc.weight": torch.full((2,), value)}
+    state["optimizer"] = {"state": {0: {"exp_avg": torch.zeros(2)}}, "param_groups": []}
+    state["w"] = torch.full((2,), value)
+    return state
+
+
 def test_checkpoints_are_atomic_pruned_and_archived(tmp_path: Path) -> None:
     """Only complete files count; the newest N are kept; --fresh moves them aside intact."""
     for step in (10, 20, 30, 40):
-        save_checkpoint(tmp_path, step, {"w": torch.full((2,), float(step))}, keep_last=2)
+        save_checkpoint(tmp_path, step, _state(float(step)), keep_last=2)
     (tmp_path / "checkpoints" / ".step-00000050.pt.tmp-1").write_bytes(b"partial")
     assert [s for s, _ in list_checkpoints(tmp_path)] == [30, 40]
     state = load_checkpoint(list_checkpoints(tmp_path)[-1][1])
@@ -163,6 +177,84 @@ def test_damaged_checkpoint_is_a_one_line_error(tmp_path: Path) -> None:
     with pytest.raises(CheckpointError, match=r"step-00000001.pt: cannot load checkpoint") as info:
         load_checkpoint(bad)
     assert "\n" not in str(info.value)
+
+
+def test_non_finite_state_is_never_written_and_never_resumed(tmp_path: Path) -> None:
+    """inf/NaN in the drafter or the AdamW moments: no file, the earlier ones stay."""
+    save_checkpoint(tmp_path, 10, _state(1.0), keep_last=1)
+    bad = _state(float("nan"))
+    with pytest.raises(CheckpointWriteError) as info:
+        save_checkpoint(tmp_path, 20, bad, keep_last=1)
+    assert str(info.value) == (
+        "checkpoint step-00000020.pt not written: non-finite values in drafter.fc.weight; "
+        "kept step-00000010.pt"
+    )
+    moments = _state(1.0)
+    moments["optimizer"]["state"][0]["exp_avg"][1] = float("inf")  # type: ignore[index]
+    with pytest.raises(CheckpointWriteError, match=r"optimizer.state.0.exp_avg; kept step-0+10"):
+        save_checkpoint(tmp_path, 30, moments, keep_last=1)
+    assert [s for s, _ in list_checkpoints(tmp_path)] == [10]  # keep_last=1 pruned nothing
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step-00000010.pt"]
+    # One written by an older trainer is refused on load, and resume selection passes it by.
+    torch.save({"version": 1, **bad}, tmp_path / "checkpoints" / "step-00000020.pt")
+    with pytest.raises(CheckpointError, match=r"step-00000020.pt: non-finite values in drafter"):
+        load_checkpoint(tmp_path / "checkpoints" / "step-00000020.pt")
+    sel = select_resume(tmp_path)
+    assert sel.path is not None and sel.path.name == "step-00000010.pt"
+    assert [(k.path.name, k.reason) for k in sel.skipped] == [
+        ("step-00000020.pt", "non-finite values in drafter.fc.weight")
+    ]
+
+
+def test_incomplete_and_rejected_checkpoints(tmp_path: Path) -> None:
+    """A file missing keys is refused by name; rejecting moves it aside with its reason."""
+    root = tmp_path / "checkpoints"
+    root.mkdir()
+    partial = _state(1.0)
+    del partial["optimizer"], partial["rng"]
+    torch.save({"version": 1, **partial}, root / "step-00000005.pt")
+    with pytest.raises(CheckpointError) as info:
+        load_checkpoint(root / "step-00000005.pt")
+    assert info.value.reason == "incomplete checkpoint: missing optimizer, rng"
+    assert select_resume(tmp_path).path is None
+    for n in range(2):
+        (root / "step-00000005.pt").write_bytes(b"x" * n)
+        dest = reject_checkpoint(root / "step-00000005.pt", "truncated")
+        assert dest.read_bytes() == b"x" * n
+        assert dest.with_name(dest.name + ".why").read_text() == "truncated\n"
+    assert sorted(p.name for p in (root / "rejected").iterdir()) == [
+        "step-00000005.pt",
+        "step-00000005.pt.1",
+        "step-00000005.pt.1.why",
+        "step-00000005.pt.why",
+    ]
+    assert list_checkpoints(tmp_path) == []
+
+
+@pytest.mark.parametrize("corrupt", ["{not json", "[1, 2]", '"running"', ""])
+def test_a_corrupted_run_state_is_reported_and_rewritten_whole(
+    tmp_path: Path, corrupt: str
+) -> None:
+    """Every field the trainer owns comes back; keys other writers own are kept when readable."""
+    rs = RunStateFile(tmp_path)
+    assert rs.update(pid=7, config_hash="abc", release="r1", state="running") == []
+    (tmp_path / "run-state.json").write_text(corrupt)
+    problems = rs.update(last_step=3)
+    assert len(problems) == 1 and problems[0].startswith(f"{tmp_path / 'run-state.json'}: not")
+    assert problems[0].endswith("; rewritten whole")
+    state = json.loads((tmp_path / "run-state.json").read_text())
+    assert {k: state[k] for k in ("pid", "config_hash", "release", "state", "last_step")} == {
+        "pid": 7,
+        "config_hash": "abc",
+        "release": "r1",
+        "state": "running",
+        "last_step": 3,
+    }
+    data = json.loads((tmp_path / "run-state.json").read_text())
+    (tmp_path / "run-state.json").write_text(json.dumps({**data, "restarts": [1]}))
+    assert rs.update(state="stopped") == []
+    assert json.loads((tmp_path / "run-state.json").read_text())["restarts"] == [1]
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
 
 
 def test_rate_window_and_bottleneck_rule() -> None:

@@ -5,16 +5,27 @@ sampler position, every rank's RNG states, counters, and the config it was writt
 written to a temp name in the same directory, fsynced, renamed, and the directory fsynced: a
 crash or SIGKILL mid-save leaves the previous checkpoints intact and never a half file under the
 final name. `--fresh` archives the old directory to `checkpoints.old-<timestamp>`; nothing is
-ever deleted except checkpoints older than the newest `keep_last`.
+ever deleted except checkpoints older than the newest `keep_last`, and only after a newer one
+was written whole.
+
+A checkpoint whose drafter or optimizer state holds inf/NaN is never written (`save_checkpoint`
+refuses it), and `load_checkpoint` refuses one that is unreadable, incomplete or non-finite, so
+`select_resume` can fall back to the newest usable one; the ones it skips are moved aside to
+`checkpoints/rejected/` (with a `.why` line), never deleted. A write that runs out of space
+(ENOSPC/EFBIG/EDQUOT, often surfacing as torch's "unexpected pos") removes its temp file and
+raises `CheckpointWriteError` saying how much space there is and how much it needs.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import random
 import re
 import time
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -23,10 +34,32 @@ import torch
 
 CHECKPOINT_VERSION = 1
 _NAME = re.compile(r"step-(\d{8,})\.pt")
+REQUIRED_KEYS = (
+    "step",
+    "micro",
+    "world_size",
+    "config",
+    "drafter",
+    "optimizer",
+    "sampler",
+    "rng",
+    "counters",
+)
+REJECTED = "rejected"
+_DISK_FULL = {errno.ENOSPC, errno.EFBIG, errno.EDQUOT}
+_MIB = 1024 * 1024
 
 
 class CheckpointError(RuntimeError):
-    """A checkpoint cannot be used; one line naming the file."""
+    """A checkpoint cannot be used; one line naming the file (`reason` without the path)."""
+
+    def __init__(self, path: Path, reason: str) -> None:
+        super().__init__(f"{path}: {reason}")
+        self.path, self.reason = path, reason
+
+
+class CheckpointWriteError(RuntimeError):
+    """A checkpoint was not written (disk full, non-finite state); the earlier ones are intact."""
 
 
 def checkpoint_dir(run_dir: Path) -> Path:
@@ -54,19 +87,114 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def _tensors(tree: Any, prefix: str = "") -> Iterator[tuple[str, torch.Tensor]]:
+    if isinstance(tree, torch.Tensor):
+        yield prefix, tree
+    elif isinstance(tree, dict):
+        for k, v in tree.items():
+            yield from _tensors(v, f"{prefix}.{k}" if prefix else str(k))
+    elif isinstance(tree, list | tuple):
+        for i, v in enumerate(tree):
+            yield from _tensors(v, f"{prefix}.{i}" if prefix else str(i))
+
+
+def nonfinite_entries(state: dict[str, Any]) -> list[str]:
+    """Dotted names of the drafter/optimizer tensors holding inf or NaN (empty: all finite)."""
+    bad = []
+    for part in ("drafter", "optimizer"):
+        for name, t in _tensors(state.get(part, {}), part):
+            if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+                bad.append(name)
+    return bad
+
+
+def _names(items: list[str], limit: int = 2) -> str:
+    more = len(items) - limit
+    return ", ".join(items[:limit]) + (f" (+{more} more)" if more > 0 else "")
+
+
+def state_bytes(state: dict[str, Any]) -> int:
+    """What the checkpoint of `state` will take on disk, near enough (tensor bytes + 64 KiB)."""
+    return sum(t.numel() * t.element_size() for _, t in _tensors(state)) + 64 * 1024
+
+
+def free_bytes(path: Path) -> int:
+    """Bytes an unprivileged writer can still use on the filesystem holding `path`."""
+    st = os.statvfs(path)
+    return st.f_bavail * st.f_frsize
+
+
+class _Recorder:
+    """File wrapper that keeps the OSError torch's zip writer turns into 'unexpected pos'."""
+
+    def __init__(self, fh: Any) -> None:
+        self.fh, self.error = fh, None
+
+    def write(self, data: bytes) -> int:
+        try:
+            return self.fh.write(data)
+        except OSError as exc:
+            self.error = exc
+            raise
+
+    def flush(self) -> None:
+        self.fh.flush()
+
+
+def _os_error(exc: BaseException | None, recorded: OSError | None) -> OSError | None:
+    if recorded is not None:
+        return recorded
+    while exc is not None:
+        if isinstance(exc, OSError) and exc.errno is not None:
+            return exc
+        exc = exc.__cause__ or exc.__context__
+    return None
+
+
+def _kept(run_dir: Path) -> str:
+    found = list_checkpoints(run_dir)
+    return f"kept {found[-1][1].name}" if found else "no earlier checkpoint"
+
+
 def save_checkpoint(run_dir: Path, step: int, state: dict[str, Any], keep_last: int) -> Path:
-    """Write `state` atomically as step-`step`.pt, then prune to the newest `keep_last`."""
+    """Write `state` atomically as step-`step`.pt, then prune to the newest `keep_last`.
+
+    Raises CheckpointWriteError (one line, nothing changed on disk) when the state is not finite
+    or the filesystem is full; pruning runs only after the new file is in place.
+    """
     root = checkpoint_dir(run_dir)
     root.mkdir(parents=True, exist_ok=True)
     final = checkpoint_path(run_dir, step)
+    bad = nonfinite_entries(state)
+    if bad:
+        raise CheckpointWriteError(
+            f"checkpoint {final.name} not written: non-finite values in {_names(bad)}; "
+            f"{_kept(run_dir)}"
+        )
     tmp = root / f".{final.name}.tmp-{os.getpid()}"
+    rec: _Recorder | None = None
     try:
         with open(tmp, "wb") as fh:
-            torch.save({"version": CHECKPOINT_VERSION, **state}, fh)
+            rec = _Recorder(fh)
+            torch.save({"version": CHECKPOINT_VERSION, **state}, rec)
             fh.flush()
             os.fsync(fh.fileno())
         os.replace(tmp, final)
         _fsync_dir(root)
+    except Exception as exc:
+        tmp.unlink(missing_ok=True)
+        err = _os_error(exc, rec.error if rec else None)
+        if err is None:
+            raise
+        if err.errno in _DISK_FULL:
+            raise CheckpointWriteError(
+                f"no space left on {run_dir} ({free_bytes(root) / _MIB:.1f} MiB free, checkpoint "
+                f"needs {state_bytes(state) / _MIB:.1f}): {final.name} not written, "
+                f"{_kept(run_dir)}"
+            ) from None
+        raise CheckpointWriteError(
+            f"cannot write {final}: {err.strerror or err}; {_kept(run_dir)}"
+        ) from None
     finally:
         tmp.unlink(missing_ok=True)
     for _, old in list_checkpoints(run_dir)[:-keep_last]:
@@ -77,16 +205,67 @@ def save_checkpoint(run_dir: Path, step: int, state: dict[str, Any], keep_last: 
 
 
 def load_checkpoint(path: Path) -> dict[str, Any]:
-    """Load a checkpoint on CPU; CheckpointError (one line) if unreadable or foreign."""
+    """Load a checkpoint on CPU; CheckpointError (one line) if unreadable, foreign, incomplete
+    or holding non-finite drafter/optimizer state."""
     try:
         state = torch.load(path, map_location="cpu", weights_only=False)
     except FileNotFoundError:
-        raise CheckpointError(f"{path}: no such checkpoint") from None
+        raise CheckpointError(path, "no such checkpoint") from None
     except Exception as exc:
-        raise CheckpointError(f"{path}: cannot load checkpoint: {exc}".splitlines()[0]) from None
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise CheckpointError(path, f"cannot load checkpoint (truncated?): {first}") from None
     if not isinstance(state, dict) or state.get("version") != CHECKPOINT_VERSION:
-        raise CheckpointError(f"{path}: not a dflash checkpoint (version {CHECKPOINT_VERSION})")
+        raise CheckpointError(path, f"not a dflash checkpoint (version {CHECKPOINT_VERSION})")
+    missing = [k for k in REQUIRED_KEYS if k not in state]
+    if missing:
+        raise CheckpointError(path, f"incomplete checkpoint: missing {', '.join(missing)}")
+    bad = nonfinite_entries(state)
+    if bad:
+        raise CheckpointError(path, f"non-finite values in {_names(bad)}")
     return state
+
+
+def reject_checkpoint(path: Path, reason: str) -> Path:
+    """Move an unusable checkpoint to `checkpoints/rejected/` (never deleted), with its reason."""
+    dest_dir = path.parent / REJECTED
+    dest_dir.mkdir(exist_ok=True)
+    dest = dest_dir / path.name
+    n = 1
+    while dest.exists():
+        dest = dest_dir / f"{path.name}.{n}"
+        n += 1
+    os.replace(path, dest)
+    with contextlib.suppress(OSError):  # the move is what matters; a full disk may refuse this
+        dest.with_name(dest.name + ".why").write_text(reason + "\n")
+    return dest
+
+
+@dataclass(frozen=True)
+class Skipped:
+    path: Path
+    reason: str
+
+
+@dataclass(frozen=True)
+class Selection:
+    """The checkpoint to resume from (None: none usable) and the newer ones skipped, with why."""
+
+    path: Path | None
+    state: dict[str, Any] | None
+    skipped: tuple[Skipped, ...]
+
+
+def select_resume(run_dir: Path) -> Selection:
+    """The newest loadable, complete, finite checkpoint in RUN/checkpoints (read-only)."""
+    skipped: list[Skipped] = []
+    for _, path in reversed(list_checkpoints(run_dir)):
+        try:
+            state = load_checkpoint(path)
+        except CheckpointError as exc:
+            skipped.append(Skipped(path, exc.reason))
+            continue
+        return Selection(path, state, tuple(skipped))
+    return Selection(None, None, tuple(skipped))
 
 
 def archive_checkpoints(run_dir: Path) -> Path | None:

@@ -9,7 +9,14 @@ Threads (one process per data-parallel rank):
 
 Any exception in any thread sets the shared stop event (every blocking op polls it), the run
 prints the traceback and one ERROR line, and exits 1. SIGINT/SIGTERM ask the drafter to finish
-its step, write a checkpoint and stop (a second signal stops at once without one).
+its step, write a checkpoint and stop; a second signal stops at once: no more data is waited
+for, and the last completed step is still checkpointed when the drafter is not stuck (what
+happened is recorded in run-state.json as `stop_detail`). Once the stop is recorded, further
+signals are ignored, so a late Ctrl-C cannot turn a completed stop into a signal death.
+
+Resume (`--resume auto`) takes the newest loadable, complete, finite checkpoint; newer ones
+that are not are named (ERROR lines) and moved to `checkpoints/rejected/`. A checkpoint that
+cannot be written (non-finite state, full disk) is one ERROR line and the earlier ones stay.
 """
 
 from __future__ import annotations
@@ -50,9 +57,9 @@ from trainer.pipeline.status import (
     Board,
     RateWindow,
     Reporter,
+    RunStateFile,
     status_line,
     wait_percent,
-    write_run_state,
 )
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
@@ -63,11 +70,19 @@ class NonFiniteLoss(RuntimeError):
     """Too many consecutive non-finite losses: the run is diverging."""
 
 
+class NonFiniteState(RuntimeError):
+    """The drafter's parameters or optimizer state went non-finite: no checkpoint is written."""
+
+
+# Failures the run explains in its ERROR line; a traceback would only bury it.
+EXPLAINED = (NonFiniteLoss, NonFiniteState)
+
+
 @dataclass(frozen=True)
 class RunOptions:
     config: Path
     run_dir: Path
-    resume: str = "auto"  # "auto" | "never" | checkpoint path
+    resume: str = "auto"  # "auto" | "never" | a checkpoint path | a step number
     fresh: bool = False
 
 
@@ -95,6 +110,12 @@ class Run:
         self.faults = FaultPlan()
         self.stop_request = threading.Event()
         self.signal_name: str | None = None
+        self.signals: list[tuple[str, float]] = []  # (name, monotonic time) of each received
+        self.stop_done = False  # the stop is recorded: later signals are ignored
+        self.state_file = RunStateFile(self.run_dir)
+        self.saved_step = 0  # step of the newest checkpoint on disk (0: none yet)
+        self.saving = False
+        self.final_save_failed = False
         self.board = Board()
         self.t0 = time.monotonic()
         self.stopped_by_signal = False
@@ -180,8 +201,28 @@ class Run:
             return getattr(torch, name)
         return torch.bfloat16 if self.drafter_device.type == "cuda" else torch.float32
 
+    def record(self, **fields: Any) -> None:
+        """Update run-state.json (main rank); a corrupted file or a failed write is one line."""
+        if not self.world.is_main:
+            return
+        for problem in self.state_file.update(**fields):
+            self.reporter.error(problem)
+
+    def _explicit_checkpoint(self, value: str) -> Path:
+        """`--resume PATH` or `--resume STEP` (digits: step-STEP.pt in RUN/checkpoints)."""
+        if not value.isdigit():
+            return Path(value)
+        path = checkpoint.checkpoint_path(self.run_dir, int(value))
+        if not path.is_file():
+            have = [s for s, _ in checkpoint.list_checkpoints(self.run_dir)]
+            listed = ", ".join(map(str, have)) if have else "none"
+            raise checkpoint.CheckpointError(
+                path, f"no checkpoint for step {int(value)} (steps here: {listed})"
+            )
+        return path
+
     def _resume(self) -> None:
-        opts, cfg = self.opts, self.cfg
+        opts = self.opts
         found = checkpoint.list_checkpoints(self.run_dir)
         if opts.fresh:
             if self.world.is_main and found:
@@ -196,21 +237,55 @@ class Run:
                     "--resume never was given: pass --fresh to archive them and start over"
                 )
             return
+        skipped: list[checkpoint.Skipped] = []
         if opts.resume == "auto":
             if not found:
                 return
-            path = found[-1][1]
+            sel = checkpoint.select_resume(self.run_dir)
+            skipped = list(sel.skipped)
+            if sel.path is None or sel.state is None:
+                why = "; ".join(f"{k.path.name}: {k.reason}" for k in skipped)
+                raise assets.UserError(
+                    f"{checkpoint.checkpoint_dir(self.run_dir)}: no usable checkpoint ({why}); "
+                    "--resume PATH|STEP picks one, --fresh archives them and starts over"
+                )
+            path, state = sel.path, sel.state
         else:
-            path = Path(opts.resume)
-        state = checkpoint.load_checkpoint(path)
+            path = self._explicit_checkpoint(opts.resume)
+            state = checkpoint.load_checkpoint(path)
+            # Newer checkpoints here belong to the timeline being abandoned: an automatic
+            # resume after a crash must not jump back to them.
+            step = int(state["step"])
+            skipped = [
+                checkpoint.Skipped(p, f"newer than step {step}, resumed by --resume {opts.resume}")
+                for s, p in found
+                if s > step and p.resolve() != path.resolve()
+            ]
+        self._check_compatible(path, state)
+        self._load_state(state)
+        distributed.barrier(self.world)  # every rank has read its checkpoint before any moves
+        for k in skipped:
+            where = ""
+            if self.world.is_main:
+                try:
+                    where = f"; moved to {checkpoint.reject_checkpoint(k.path, k.reason)}"
+                except OSError as exc:
+                    where = f"; could not move it aside: {exc.strerror or exc}"
+            self.reporter.error(f"skipped checkpoint {k.path}: {k.reason}{where}")
+        detail = f"step={self.start_step} path={path}"
+        if skipped:
+            detail += " skipped=" + ",".join(k.path.name for k in skipped)
+        self.reporter.phase("resuming", detail)
+
+    def _check_compatible(self, path: Path, state: dict[str, Any]) -> None:
         try:
             old = TrainConfig.from_dict(state["config"], source=f"{path} (saved config)")
         except ConfigError as exc:
             raise assets.UserError(str(exc)) from None
-        changed = resume_critical_changes(old, cfg)
+        changed = resume_critical_changes(old, self.cfg)
         if changed:
             raise assets.UserError(
-                f"{opts.config}: cannot resume from {path}: changed {', '.join(changed)} "
+                f"{self.opts.config}: cannot resume from {path}: changed {', '.join(changed)} "
                 "(data order or model shape); use --fresh to archive the checkpoints and restart"
             )
         if state["world_size"] != self.world.size:
@@ -224,14 +299,15 @@ class Run:
             self.sampler.load_state_dict(state["sampler"])
         except SamplerError as exc:
             raise assets.UserError(f"{path}: {exc}") from None
+
+    def _load_state(self, state: dict[str, Any]) -> None:
         self.drafter.load_state_dict(state["drafter"], strict=True)
         self.opt.load_state_dict(state["optimizer"])
         checkpoint.set_rng_state(self.gen, state["rng"][self.world.rank])
-        self.start_step = int(state["step"])
+        self.start_step = self.saved_step = int(state["step"])
         self.board.nonfinite = int(state["counters"]["nonfinite"])
         self.board.step = self.start_step
-        self.board.micro = self.start_step * cfg.optimizer.grad_accum
-        self.reporter.phase("resuming", f"step={self.start_step} path={path}")
+        self.board.micro = self.start_step * self.cfg.optimizer.grad_accum
 
     # ------------------------------------------------------------------ stages
     def start_stages(self) -> None:
@@ -305,6 +381,9 @@ class Run:
         every_s = (cfg.checkpoint.every_minutes or math.inf) * 60
         try:
             while step < self.end_step:
+                # The RNGs at the step boundary: a second signal can abandon a step halfway
+                # through its micro-batches and still checkpoint the last completed one.
+                rng_at_step = checkpoint.rng_state(self.gen) if o.grad_accum > 1 else None
                 lr = lr_at(
                     step,
                     total_steps=self.total_steps,
@@ -317,7 +396,11 @@ class Run:
                 sums = torch.zeros(len(METRIC_KEYS), dtype=torch.float64, device=dev)
                 real = 0
                 for _ in range(o.grad_accum):
-                    _, pkt = self.q_hs.get(self.sup.stop, self.dft_clock)
+                    try:
+                        _, pkt = self.q_hs.get(self.sup.stop, self.dft_clock)
+                    except Stopped:
+                        self._stop_at_once(step, rng_at_step)
+                        raise
                     self.faults.tick("drafter")
                     with autocast:
                         res = dflash_objective(
@@ -381,9 +464,13 @@ class Run:
                 every = cfg.checkpoint.every_steps
                 if stop_now:
                     self.announce_stop()  # before its checkpoint line, even if the monitor is asleep
-                if stop_now or due or step == self.end_step or (every and step % every == 0):
-                    self._save(step)
+                final = stop_now or step == self.end_step
+                if final or due or (every and step % every == 0):
+                    saved = self._save(step)
                     last_ckpt = time.monotonic()
+                    if final and not saved:
+                        self.final_save_failed = True
+                        return
                 if stop_now:
                     self.stopped_by_signal = True
                     return
@@ -392,10 +479,21 @@ class Run:
             if metrics_log is not None:
                 metrics_log.close()
 
-    def _save(self, step: int) -> None:
-        rng = distributed.gather_objects(checkpoint.rng_state(self.gen), self.world)
+    def _stop_at_once(self, step: int, rng: dict[str, Any] | None) -> None:
+        """The drafter was told to stop while waiting for data (a second signal): checkpoint
+        the last completed step unless it is on disk already (one rank only: the others may
+        not be at the same boundary, and the save's gather would hang)."""
+        if not self.stop_request.is_set() or self.sup.failure is not None:
+            return  # a failure elsewhere, not a signal: the run reports that
+        self.stopped_by_signal = True
+        if step > self.saved_step and self.world.size == 1 and not self._save(step, rng):
+            self.final_save_failed = True
+
+    def _save(self, step: int, rng_snapshot: dict[str, Any] | None = None) -> bool:
+        """Write the checkpoint of `step`; False (after one ERROR line) if it was not written."""
+        rng = distributed.gather_objects(rng_snapshot or checkpoint.rng_state(self.gen), self.world)
         if not self.world.is_main:
-            return
+            return True
         micro = step * self.cfg.optimizer.grad_accum
         pos = self.plan.locate(micro) if micro < self.plan.total else None
         self.sampler.position = (pos.epoch, pos.index) if pos else (len(self.plan.steps), 0)
@@ -413,9 +511,27 @@ class Run:
             "rng": rng,
             "counters": {"nonfinite": self.board.nonfinite},
         }
-        path = checkpoint.save_checkpoint(self.run_dir, step, state, self.cfg.checkpoint.keep_last)
+        self.saving = True
+        try:
+            path = checkpoint.save_checkpoint(
+                self.run_dir, step, state, self.cfg.checkpoint.keep_last
+            )
+        except checkpoint.CheckpointWriteError as exc:
+            if checkpoint.nonfinite_entries(state):
+                # The weights themselves diverged: every later step is NaN too, so stop here
+                # with the good checkpoints intact rather than train on garbage.
+                raise NonFiniteState(
+                    f"step {step}: {exc}; the run diverged: lower optimizer.lr and resume"
+                ) from None
+            self.reporter.error(str(exc))
+            self.record(checkpoint_error=str(exc))
+            return False
+        finally:
+            self.saving = False
+        self.saved_step = step
         self.reporter.checkpoint(step, path)
-        write_run_state(self.run_dir, last_step=step, last_checkpoint=str(path))
+        self.record(last_step=step, last_checkpoint=str(path), checkpoint_error=None)
+        return True
 
     # ------------------------------------------------------------------ monitor
     def monitor(self) -> None:
@@ -501,8 +617,12 @@ class Run:
 
     def install_signals(self) -> None:
         def handler(signum: int, _frame: Any) -> None:
+            # Only flags here: the main thread may hold the reporter's lock.
+            if self.stop_done:
+                return
+            self.signals.append((signal.Signals(signum).name, time.monotonic()))
             if self.stop_request.is_set():
-                self.sup.stop.set()  # second signal: stop now, no checkpoint
+                self.sup.stop.set()  # second signal: stop now (see _stop_at_once)
                 return
             self.signal_name = signal.Signals(signum).name
             self.stop_request.set()  # the drafter checkpoints after its current step
@@ -510,6 +630,34 @@ class Run:
         if threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGINT, handler)
             signal.signal(signal.SIGTERM, handler)
+
+    def ignore_signals(self) -> None:
+        """The outcome is recorded: a late Ctrl-C must not kill the exiting process (exit 130)."""
+        self.stop_done = True
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+    def stop_detail(self) -> str | None:
+        """One line on how a signalled stop ended, for run-state.json (None: no signal)."""
+        if not self.signals:
+            return None
+        first, t0 = self.signals[0]
+        step, saved = self.board.step, self.saved_step
+        if saved >= step:
+            kept = f"checkpoint step-{saved:08d}.pt holds step {step}"
+        elif saved:
+            kept = f"steps {saved + 1}-{step} lost: last checkpoint step-{saved:08d}.pt"
+        else:
+            kept = f"steps 1-{step} lost: no checkpoint"
+        if len(self.signals) == 1:
+            return f"{first}: finished step {step} and stopped; {kept}"
+        name, t1 = self.signals[1]
+        more = f" (+{len(self.signals) - 2} more)" if len(self.signals) > 2 else ""
+        return (
+            f"second signal {name} {t1 - t0:.1f} s after {first}{more}: stopped at once after "
+            f"step {step}; {kept}"
+        )
 
 
 def run(opts: RunOptions) -> int:
@@ -522,28 +670,49 @@ def run(opts: RunOptions) -> int:
     opts.run_dir.mkdir(parents=True, exist_ok=True)
     world = distributed.init_world(torch.device(cfg.topology.drafter_devices[0]).type)
     r = Run(opts, cfg, world)
-    if world.is_main:
-        write_run_state(
-            opts.run_dir,
-            pid=os.getpid(),
-            config_hash=config_hash(cfg),
-            release=_release(),
-            started_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-            state="starting",
-            exit_status=None,
-            world_size=world.size,
-        )
+    newest = checkpoint.list_checkpoints(opts.run_dir)[-1:]
+    # Every field the trainer owns, written whole (a corrupted file is replaced, not merged).
+    r.record(
+        pid=os.getpid(),
+        config_hash=config_hash(cfg),
+        release=_release(),
+        started_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        state="starting",
+        exit_status=None,
+        world_size=world.size,
+        last_step=newest[0][0] if newest else None,
+        last_checkpoint=str(newest[0][1]) if newest else None,
+        checkpoint_error=None,
+        stop_signal=None,
+        signals=0,
+        stop_detail=None,
+        lost_steps=0,
+    )
     r.install_signals()
     status = EXIT_FAILED
     try:
         status = _run(r)
         return status
     finally:
-        if world.is_main:
-            state = {EXIT_OK: "stopped" if r.stopped_by_signal else "finished"}.get(
-                status, "crashed" if status == EXIT_FAILED else "refused"
-            )
-            write_run_state(opts.run_dir, state=state, exit_status=status)
+        if r.stopped_by_signal and status == EXIT_OK:
+            state = "stopped"
+        elif status == EXIT_OK:
+            state = "finished"
+        elif status == EXIT_USAGE:
+            state = "refused"
+        elif r.signals and r.sup.failure is None:
+            state = "stopped"  # a signalled stop that could not keep every step (see detail)
+        else:
+            state = "crashed"
+        r.record(
+            state=state,
+            exit_status=status,
+            stop_signal=r.signals[0][0] if r.signals else None,
+            signals=len(r.signals),
+            stop_detail=r.stop_detail(),
+            lost_steps=max(0, r.board.step - r.saved_step),
+        )
+        r.ignore_signals()
         r.reporter.close()
         distributed.close_world(world)
 
@@ -556,16 +725,17 @@ def _run(r: Run) -> int:
         return EXIT_USAGE
     r.reporter.phase("starting")
     r.start_stages()
-    if r.world.is_main:
-        write_run_state(
-            r.run_dir,
-            state="running",
-            last_step=r.start_step,
-            total_steps=r.total_steps,
-            end_step=r.end_step,
-            warmup_steps=r.warmup,
-            boundaries=list(r.sampler.boundaries) if r.sampler.num_buckets > 1 else None,
-        )
+    r.record(
+        state="running",
+        last_step=r.start_step,
+        last_checkpoint=(
+            str(checkpoint.checkpoint_path(r.run_dir, r.saved_step)) if r.saved_step else None
+        ),
+        total_steps=r.total_steps,
+        end_step=r.end_step,
+        warmup_steps=r.warmup,
+        boundaries=list(r.sampler.boundaries) if r.sampler.num_buckets > 1 else None,
+    )
     r.reporter.phase("running")
     try:
         r.monitor()
@@ -573,19 +743,41 @@ def _run(r: Run) -> int:
         pass
     except BaseException as exc:
         r.sup.fail("monitor", exc)
-    r.drafter_thread.join(timeout=5 if r.sup.stop.is_set() else None)
+    if len(r.signals) > 1:
+        name = r.signals[1][0]
+        r.reporter.phase("stopping", f"second {name}: stopping at once, no more steps")
+    # A stop waits 5 s for the drafter, but never interrupts a checkpoint being written.
+    deadline = time.monotonic() + 5
+    while r.drafter_thread.is_alive():
+        r.drafter_thread.join(0.1)
+        if r.sup.stop.is_set() and not r.saving and time.monotonic() > deadline:
+            break
     r.sup.stop.set()
     stuck = r.sup.join(timeout=5.0)
     if r.sup.failure is not None:
         stage, exc, tb = r.sup.failure
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-        r.reporter.error(f"stage {stage} failed: {type(exc).__name__}: {first}", tb)
+        explained = isinstance(exc, EXPLAINED)
+        r.reporter.error(
+            f"stage {stage} failed: {type(exc).__name__}: {first}", None if explained else tb
+        )
         return EXIT_FAILED
     if stuck:
         r.reporter.error(f"stages did not stop within 5 s: {', '.join(stuck)}")
-    if r.stopped_by_signal:
+    if r.final_save_failed:
+        lost = r.board.step - r.saved_step
+        kept = f"step-{r.saved_step:08d}.pt" if r.saved_step else "no checkpoint"
+        r.reporter.error(
+            f"stopped at step {r.board.step} without its checkpoint: resuming from {kept} "
+            f"repeats {lost} step(s)"
+        )
+        return EXIT_FAILED
+    if r.stopped_by_signal and r.saved_step >= r.board.step:
         r.reporter.phase("stopping", f"done at step {r.board.step} ({r.signal_name})")
         return EXIT_OK
+    if r.signals and not r.completed:
+        r.reporter.error(f"stopped by {r.signal_name}: {r.stop_detail()}")
+        return EXIT_FAILED
     if not r.completed:
         r.reporter.error("pipeline stopped before the end of the plan")
         return EXIT_FAILED

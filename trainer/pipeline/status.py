@@ -8,6 +8,7 @@ starving stage is visible from the line alone (extra fields w_* and bottleneck).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -39,6 +40,7 @@ class Reporter:
         self._lock = threading.Lock()
         self._status = open(run_dir / "status.log", "a", buffering=1) if enabled else None  # noqa: SIM115
         self._console = open(run_dir / "console.log", "a", buffering=1) if enabled else None  # noqa: SIM115
+        self._failed: set[TextIO] = set()
 
     def line(self, text: str, status_log: bool = True) -> None:
         if not self.enabled:
@@ -46,9 +48,24 @@ class Reporter:
         with self._lock:
             print(text, file=self.stream, flush=True)
             if status_log and self._status:
-                self._status.write(text + "\n")
+                self._append(self._status, text + "\n")
             if self._console:
-                self._console.write(text + "\n")
+                self._append(self._console, text + "\n")
+
+    def _append(self, fh: TextIO, text: str) -> None:
+        """A log write that fails (full disk) must not take a stage down: say so once, go on."""
+        try:
+            fh.write(text)
+        except OSError as exc:
+            if fh not in self._failed:
+                self._failed.add(fh)
+                print(
+                    format_error_line(f"cannot append to {fh.name}: {exc.strerror or exc}"),
+                    file=self.stream,
+                    flush=True,
+                )
+        else:
+            self._failed.discard(fh)
 
     def phase(self, phase: str, detail: str = "") -> None:
         self.line(format_phase_line(phase, detail))
@@ -65,13 +82,14 @@ class Reporter:
             with self._lock:
                 print(tb, file=sys.stderr, end="" if tb.endswith("\n") else "\n", flush=True)
                 if self._console:
-                    self._console.write(tb)
+                    self._append(self._console, tb)
         self.line(format_error_line(message))
 
     def close(self) -> None:
         for fh in (self._status, self._console):
             if fh:
-                fh.close()
+                with contextlib.suppress(OSError):  # a full disk fails the last flush
+                    fh.close()
 
 
 class RateWindow:
@@ -203,15 +221,77 @@ def status_line(
     )
 
 
-def write_run_state(run_dir: Path, **fields: Any) -> None:
-    """Atomically merge `fields` into RUN/run-state.json (read by dflashctl status)."""
-    path = run_dir / "run-state.json"
+RUN_STATE = "run-state.json"
+
+
+def _now() -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+
+
+def _read_state(path: Path) -> tuple[dict[str, Any], str | None]:
+    """The file's object and None, or ({}, why it is unusable) (missing is not a problem)."""
     try:
-        state = json.loads(path.read_text())
-    except (OSError, ValueError):
-        state = {}
-    state.update(fields)
-    state["updated_at"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-    tmp = path.with_name(f".run-state.json.{os.getpid()}")
-    tmp.write_text(json.dumps(state, indent=2, sort_keys=True) + "\n")
-    os.replace(tmp, path)
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        return {}, None
+    except (OSError, UnicodeDecodeError) as exc:
+        return {}, f"unreadable ({getattr(exc, 'strerror', None) or exc})"
+    try:
+        state = json.loads(text)
+    except ValueError as exc:
+        return {}, f"not JSON ({exc})"
+    if not isinstance(state, dict):
+        return {}, f"not a JSON object (a {type(state).__name__})"
+    return state, None
+
+
+def _write_state(path: Path, state: dict[str, Any]) -> None:
+    """Temp file + rename; on a full disk, rewrite in place (the old blocks are reused) rather
+    than leave a stale `running` behind. Raises OSError only when both fail."""
+    blob = json.dumps(state, indent=2, sort_keys=True) + "\n"
+    tmp = path.with_name(f".{path.name}.{os.getpid()}")
+    try:
+        tmp.write_text(blob)
+        os.replace(tmp, path)
+        return
+    except OSError:
+        tmp.unlink(missing_ok=True)
+    with open(path, "w") as fh:  # truncating frees the old blocks for the new text
+        fh.write(blob)
+
+
+class RunStateFile:
+    """RUN/run-state.json as the trainer owns it (read by dflashctl status).
+
+    The trainer keeps every field it owns in memory and writes all of them each time, over
+    what it finds on disk (keys other writers own, e.g. a supervisor's, are kept), so a file
+    that was corrupted or truncated is rewritten whole by the next update. Each update returns
+    the problems met (a corrupted file found, a write that failed) as one-line messages, for
+    the caller to report; it never raises.
+    """
+
+    def __init__(self, run_dir: Path) -> None:
+        self.path = run_dir / RUN_STATE
+        self.owned: dict[str, Any] = {}
+        self._lock = threading.Lock()
+
+    def update(self, **fields: Any) -> list[str]:
+        problems: list[str] = []
+        with self._lock:
+            self.owned.update(fields)
+            on_disk, why = _read_state(self.path)
+            if why:
+                problems.append(f"{self.path}: {why}; rewritten whole")
+            state = {**on_disk, **self.owned, "updated_at": _now()}
+            try:
+                _write_state(self.path, state)
+            except OSError as exc:
+                problems.append(f"{self.path}: cannot write: {exc.strerror or exc}")
+        return problems
+
+
+def write_run_state(run_dir: Path, **fields: Any) -> None:
+    """Merge `fields` into RUN/run-state.json (a one-shot writer; the trainer uses RunStateFile)."""
+    path = run_dir / RUN_STATE
+    state, _ = _read_state(path)
+    _write_state(path, {**state, **fields, "updated_at": _now()})
