@@ -1,4 +1,5 @@
-"""Status-line parser throughput: parse_line, parse_text on an 80-column wrapped capture, format.
+"""Status-line parser throughput: parse_line (plain, raw, ANSI-coloured), parse_text on an
+80-column wrapped capture, format.
 
 Run: .venv/bin/python benchmarks/bench_parser.py   (target: parse_line >= 100k status lines/s)
 """
@@ -88,12 +89,14 @@ def main() -> None:
     lines = _lines(n)
     assert all(_validated(ln) == parse_line(ln) for ln in lines[:1000])
     raw = [f"some library warning number {i}" for i in range(n)]
+    coloured = [f"\x1b[32m{ln}\x1b[0m" for ln in lines[:20_000]]  # capture-pane -e, a pager
     wrapped = "\n".join(ln[i : i + 80] for ln in lines[:20_000] for i in range(0, len(ln), 80))
     evs = [parse_line(ln) for ln in lines[:20_000]]
     cases = {  # name -> (work, lines it handles)
         "parse_line status lines": (lambda: _consume(parse_line, lines), n),
         "validated (for scale)": (lambda: _consume(_validated, lines[:20_000]), 20_000),
         "parse_line raw lines": (lambda: _consume(parse_line, raw), n),
+        "parse_line coloured": (lambda: _consume(parse_line, coloured), 20_000),
         "parse_text 80-col wrap": (lambda: parse_text(wrapped, 80), 20_000),
         "format_status_line": (lambda: _consume(format_status_line, evs), 20_000),
     }

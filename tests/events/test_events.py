@@ -433,3 +433,21 @@ def test_width_free_rejoin_never_swallows_an_unrelated_row() -> None:
     events = parse_text(f"{line}\n | not a key value row\n")
     assert [e.kind for e in events] == ["status", "raw"]
     assert format_line(events[0]) == line
+
+
+_sgr = st.lists(st.integers(0, 255), max_size=3).map(
+    lambda ps: "\x1b[" + ";".join(map(str, ps)) + "m"
+)
+
+
+@given(status_events, st.lists(st.tuples(st.integers(0, 400), _sgr), max_size=4))
+def test_colour_codes_anywhere_in_a_status_line_change_nothing(ev: StatusEvent, cuts: list) -> None:
+    """SGR sequences inserted at any positions (a pager, `capture-pane -e`): the same event."""
+    line = format_status_line(ev)
+    coloured = line
+    for pos, code in sorted(cuts, reverse=True):
+        p = min(pos, len(line))
+        coloured = coloured[:p] + code + coloured[p:]
+    plain = parse_line(line)
+    assert isinstance(plain, StatusEvent)
+    assert parse_line(coloured) == plain
