@@ -267,12 +267,20 @@ def format_plan_table(plan: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+COMPARE_LEGEND = (
+    "pad eff = real / padded tokens; budget = real tokens / (steps x T); "
+    "max padded = largest batch in padded tokens (size x longest sample, never above T)",
+    "pairs/ep = sample pairs sharing a batch in one epoch; repeat = share of one epoch's pairs "
+    "that share a batch again in the next (low = fresh batches each epoch; needs --epochs >= 2)",
+)
+
+
 def format_compare_table(result: dict[str, Any]) -> str:
-    """Readable side-by-side table of `compare` output."""
+    """Readable side-by-side table of `compare` output, with its legend and any warnings."""
     lines = [
         f"T={result['token_budget']:,}  B={result['max_batch']}  samples={result['num_samples']:,}"
         f"  epochs={result['epochs']}  bucket boundaries={result['boundaries']}",
-        f"{'strategy':<10} {'pad eff':>8} {'budget':>8} {'steps/ep':>9} {'max batch':>10} "
+        f"{'strategy':<10} {'pad eff':>8} {'budget':>8} {'steps/ep':>9} {'max padded':>10} "
         f"{'pairs/ep':>11} {'repeat':>8}",
     ]
     for r in result["strategies"]:
@@ -282,8 +290,10 @@ def format_compare_table(result: dict[str, Any]) -> str:
             f"{r['steps_per_epoch']:>9,.0f} {r['largest_padded_batch']:>10,} "
             f"{r['pairs_per_epoch']:>11,} {rep:>8}"
         )
+    lines += COMPARE_LEGEND
     if result.get("predicted_efficiency") is not None:
         lines.append(f"bucketed predicted by the planner: {_pct(result['predicted_efficiency'])}")
+    lines += [f"warning: {w}" for w in result.get("warnings", [])]
     return "\n".join(lines)
 
 
@@ -368,6 +378,7 @@ def _run_compare(args: argparse.Namespace, x: np.ndarray) -> int:
         "boundaries": edges,
         "predicted_efficiency": int(x.sum()) / sum(e.padded for e in predicted),
         "strategies": [r.to_json_dict() for r in reports],
+        "warnings": [w for r in reports for w in r.warnings],
     }
     print(json.dumps(result, indent=1) if args.json else format_compare_table(result))
     return 0

@@ -32,6 +32,7 @@ import hashlib
 import heapq
 import itertools
 import json
+import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -46,6 +47,21 @@ STATE_VERSION = 1
 
 # Stream purposes: each gets an independent Philox stream for a given (seed, epoch).
 _BUCKET_SHUFFLE, _BATCH_ORDER, _SORT_TIES, _RANDOM_PERM, _POOL_PERM = range(5)
+
+
+class SamplerWarning(UserWarning):
+    """A legal configuration that does not do what its name promises (see `BatchSampler.warnings`)."""
+
+
+def pool_sort_warning(num_samples: int, pool_size: int) -> str | None:
+    """The one-line warning for a pool-sort pool that holds the whole data set, else None."""
+    if pool_size < num_samples:
+        return None
+    return (
+        f"pool-sort: pool_size {pool_size:,} >= the {num_samples:,} samples, so each epoch is one "
+        "sorted pool: the 'sorted' strategy with reshuffled ties (the same length neighbours "
+        "share batches every epoch); use a pool well below the sample count (e.g. 3200)"
+    )
 
 
 class SamplerError(ValueError):
@@ -150,6 +166,10 @@ class BatchSampler:
 
     Raises:
         SamplerError: bad argument, or a sample longer than the token budget (named by index).
+
+    Warns:
+        SamplerWarning: legal settings that defeat their purpose (a pool-sort pool holding every
+            sample is the sorted strategy); the same lines are kept in ``warnings``.
     """
 
     def __init__(
@@ -209,6 +229,10 @@ class BatchSampler:
         self.position: tuple[int, int] = (0, 0)
         self._cache: dict[int, tuple[list[list[Batch]], np.ndarray]] = {}
         self._fingerprint_config = self._config()
+        note = pool_sort_warning(len(self.lengths), self.pool_size)
+        self.warnings: tuple[str, ...] = (note,) if strategy == "pool-sort" and note else ()
+        for text in self.warnings:  # reaches the trainer's log (stderr) as well as callers
+            warnings.warn(text, SamplerWarning, stacklevel=2)
 
     # ----- epoch construction -------------------------------------------------------------
     def _ordered(self, epoch: int) -> tuple[np.ndarray, np.ndarray]:

@@ -213,3 +213,43 @@ def test_compare_plans_its_own_boundaries_and_prints_a_table(lengths_file: Path,
     assert list(rows) == ["sorted", "random", "bucketed", "pool-sort"]
     assert all(ln.rstrip().endswith("-") for ln in rows.values())  # no next epoch to compare
     assert "bucketed predicted by the planner" in lines[-1]
+
+
+def test_compare_names_its_columns_and_warns_when_pool_sort_is_just_sorted(
+    lengths_file: Path, capsys
+) -> None:
+    """`max batch` was padded tokens, not samples; a pool >= the data is the sorted strategy."""
+    base = ["compare", "--lengths", str(lengths_file), "--token-budget", "49152"]
+    base += ["--max-batch", "64", "--boundaries", "770,1216,1728,2432,3296"]
+    rc, out, _ = run([*base, "--pool-size", "5000"], capsys)  # the file holds 5,000 samples
+    assert rc == 0
+    header = out.splitlines()[1].split()
+    assert "max" in header and header[header.index("max") + 1] == "padded"
+    assert "max padded = largest batch in padded tokens" in out
+    assert "pairs/ep = sample pairs sharing a batch in one epoch" in out
+    assert "repeat = share of one epoch's pairs that share a batch again in the next" in out
+    warning = [ln for ln in out.splitlines() if ln.startswith("warning: pool-sort")]
+    assert len(warning) == 1 and "5,000 samples" in warning[0] and "'sorted'" in warning[0]
+    _, js, _ = run([*base, "--pool-size", "5000", "--json"], capsys)
+    d = json.loads(js)
+    by = {r["strategy"]: r for r in d["strategies"]}
+    assert d["warnings"] == by["pool-sort"]["warnings"] == [warning[0].removeprefix("warning: ")]
+    assert by["pool-sort"]["pair_repeat"] > 0.1  # the symptom: pairs come back every epoch
+    _, js, _ = run([*base, "--pool-size", "4999", "--json"], capsys)
+    assert json.loads(js)["warnings"] == []
+
+
+def test_the_sampler_warns_about_a_pool_holding_every_sample() -> None:
+    from trainer.sampler import BatchSampler, SamplerWarning
+
+    x = np.arange(100, 200)
+    with pytest.warns(SamplerWarning, match="pool_size 100 >= the 100 samples"):
+        s = BatchSampler(
+            x, strategy="pool-sort", token_budget=4096, max_batch=8, seed=0, pool_size=100
+        )
+    assert len(s.warnings) == 1
+    for strategy, pool in (("pool-sort", 99), ("sorted", 100), ("bucketed", 10_000)):
+        kept = BatchSampler(
+            x, strategy=strategy, token_budget=4096, max_batch=8, seed=0, pool_size=pool
+        )
+        assert kept.warnings == ()

@@ -8,12 +8,13 @@ batch-size group with numpy, so ~15 M pairs per epoch cost a sort, not a Python 
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from trainer.sampler import Batch, BatchSampler
+from trainer.sampler import Batch, BatchSampler, SamplerWarning
 
 
 @dataclass(frozen=True)
@@ -27,6 +28,7 @@ class StrategyReport:
     largest_padded_batch: int
     pair_repeat: float | None  # share of pairs repeating next epoch; None with one epoch
     pairs_per_epoch: int
+    warnings: tuple[str, ...] = ()  # the sampler's (e.g. a pool-sort pool holding every sample)
 
     def to_json_dict(self) -> dict[str, object]:
         return asdict(self)
@@ -96,6 +98,7 @@ def measure(sampler: BatchSampler, epochs: int) -> StrategyReport:
         largest_padded_batch=max(s.largest for s in stats),
         pair_repeat=float(np.mean(repeats)) if repeats else None,
         pairs_per_epoch=int(np.mean(pairs)) if pairs else 0,
+        warnings=sampler.warnings,
     )
 
 
@@ -112,14 +115,16 @@ def compare_strategies(
     """Sorted static, random, bucketed and pool-sort batching on the same lengths."""
     out = []
     for strategy in ("sorted", "random", "bucketed", "pool-sort"):
-        sampler = BatchSampler(
-            lengths,
-            strategy=strategy,  # type: ignore[arg-type]
-            boundaries=boundaries,
-            token_budget=token_budget,
-            max_batch=max_batch,
-            seed=seed,
-            pool_size=pool_size,
-        )
+        with warnings.catch_warnings():  # reported in the table instead (StrategyReport.warnings)
+            warnings.simplefilter("ignore", SamplerWarning)
+            sampler = BatchSampler(
+                lengths,
+                strategy=strategy,  # type: ignore[arg-type]
+                boundaries=boundaries,
+                token_budget=token_budget,
+                max_batch=max_batch,
+                seed=seed,
+                pool_size=pool_size,
+            )
         out.append(measure(sampler, epochs))
     return out
