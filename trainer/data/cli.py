@@ -33,7 +33,9 @@ def build_parser() -> argparse.ArgumentParser:
     imp = sub.add_parser(
         "import", help="tokenise chat JSONL with a local tokenizer's chat template"
     )
-    imp.add_argument("--input", required=True, help="chat JSONL (or .jsonl.gz)")
+    imp.add_argument(
+        "--input", required=True, help="chat JSONL, or one JSON array of rows (either may be .gz)"
+    )
     imp.add_argument("--tokenizer", required=True, help="local Hugging Face tokenizer directory")
     imp.add_argument("--max-length", type=int, required=True, help="truncate rows to N tokens")
     imp.add_argument("--out", required=True, help="store directory to create")
@@ -41,7 +43,14 @@ def build_parser() -> argparse.ArgumentParser:
     imp.add_argument(
         "--template-kwargs",
         default="{}",
-        help="JSON object passed to the template, e.g. '{\"enable_thinking\": false}'",
+        help='JSON object passed to every render, e.g. \'{"reasoning_effort": "high"}\'; '
+        "keywords the template cannot use on a finished conversation are refused by name",
+    )
+    imp.add_argument(
+        "--per-turn",
+        action="store_true",
+        help="one row per assistant turn (the conversation up to it, only that turn trained): "
+        "trains the reasoning templates drop from history turns (Qwen3)",
     )
     imp.add_argument(
         "--workers",
@@ -139,6 +148,7 @@ def _run_import(args: argparse.Namespace) -> Manifest:
         template_kwargs=kwargs,
         workers=args.workers,
         mask_token_id=args.mask_token_id,
+        per_turn=args.per_turn,
         progress=_throttled("import", "lines"),
     )
 
@@ -214,7 +224,9 @@ def _run_show(args: argparse.Namespace) -> int:
     decode = tokenizer_decoder(tok_dir) if tok_dir else id_decoder
     for r in rows:
         tokens, mask = store.row(r)
-        print(f"--- row {r}: {tokens.size} tokens, {int(mask.sum())} supervised")
+        line = store.source_line(r)
+        where = f" (input line {line})" if line is not None else ""
+        print(f"--- row {r}{where}: {tokens.size} tokens, {int(mask.sum())} supervised")
         print(render_row(tokens, mask, decode))
     return 0
 
@@ -228,6 +240,8 @@ def format_summary(m: Manifest, lengths: np.ndarray, path: str | None = None) ->
         f"kind       {m.kind} (format {m.format_version}, created {m.created_at:%Y-%m-%d %H:%M:%SZ})"
     )
     src = f"source     {m.source}"
+    if m.params.get("source_format") == "json-array":
+        src += "  (one JSON array)"
     if m.source_sha256:
         src += f"  sha256 {m.source_sha256[:12]}"
     lines.append(src)
@@ -246,6 +260,9 @@ def format_summary(m: Manifest, lengths: np.ndarray, path: str | None = None) ->
             f"max {int(lengths.max())}  (max_length {m.max_length})"
         )
     lines.append(f"mask       {m.mask_strategy}{_unlocated(m.params)}")
+    reasoning = _reasoning(m.params)
+    if reasoning:
+        lines.append(f"reasoning  {reasoning}")
     if m.truncated.count:
         lines.append(
             f"truncated  {m.truncated.count:,} rows kept after truncation ({_where(m.truncated)})"
@@ -254,6 +271,7 @@ def format_summary(m: Manifest, lengths: np.ndarray, path: str | None = None) ->
         lines.append(f"skipped    {m.num_skipped:,} rows")
         for reason, stat in sorted(m.skipped.items(), key=lambda kv: -kv[1].count):
             lines.append(f"  {reason:<36} {stat.count:>9,}  ({_where(stat)})")
+            lines.extend(f"      {example}" for example in stat.examples)
     if m.reserved_token_ids:
         lines.append(
             f"reserved   never emitted: {_ranges(m.reserved_token_ids)}  mask token {m.mask_token_id}"
@@ -264,6 +282,20 @@ def format_summary(m: Manifest, lengths: np.ndarray, path: str | None = None) ->
 def _unlocated(params: dict[str, Any]) -> str:
     n = params.get("unlocated_turns")
     return f"; {n} assistant turns not found in the rendering (unsupervised)" if n else ""
+
+
+def _reasoning(params: dict[str, Any]) -> str:
+    turns, dropped = params.get("reasoning_turns", 0), params.get("reasoning_dropped", 0)
+    expanded = params.get("expanded_rows", 0)
+    parts = []
+    if turns:
+        parts.append(f"{turns:,} trained assistant turns carry reasoning")
+    if dropped:
+        hint = "" if params.get("per_turn") else "; --per-turn trains them"
+        parts.append(f"the template dropped it from {dropped:,} (history turns{hint})")
+    if expanded:
+        parts.append(f"--per-turn added {expanded:,} rows")
+    return "; ".join(parts)
 
 
 def _where(stat: LineStat) -> str:

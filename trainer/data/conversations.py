@@ -101,8 +101,8 @@ def parse_line(raw: bytes) -> Conversation | Rejected | None:
 
 
 def json_error(exc: json.JSONDecodeError) -> str:
-    """`Expecting ',' delimiter at column 17` (exc.msg alone: str(exc) already says 'at')."""
-    return f"{exc.msg} at column {exc.colno}"
+    """`Expecting ',' delimiter at column 17`; `Unterminated string starting at column 9`."""
+    return f"{exc.msg.removesuffix(' at')} at column {exc.colno}"
 
 
 def normalise_row(row: Any) -> list[Message] | Rejected:
