@@ -5,6 +5,10 @@
                            layer_types, plus the Qwen3 shape keys serving engines read
     DIR/model.safetensors  drafter weights only (fc, hidden_norm, layers.*, norm); the
                            target's embedding and LM head are NOT stored — they are borrowed
+    DIR/dflash.py          self-contained modeling code (torch + transformers only), generated
+                           from the project's drafter by `trainer.model.remote_code`; config's
+                           auto_map points AutoModel at it, so
+                           `AutoModel.from_pretrained(DIR, trust_remote_code=True)` works
 
 `target_layer_ids` is always written explicitly: loaders that fall back to the default rule
 read the wrong layers for most published checkpoints.
@@ -21,6 +25,7 @@ from pydantic import ValidationError
 from safetensors.torch import load_file, save_file
 
 from trainer.model.drafter import DFlashDrafter, DrafterConfig
+from trainer.model.remote_code import AUTO_MAP, MODELING_FILE, write_modeling_file
 from trainer.validation import dotted, one_line
 
 CONFIG = "config.json"
@@ -51,7 +56,10 @@ def drafter_config_json(cfg: DrafterConfig, dtype: torch.dtype) -> dict[str, Any
         "attention_bias": False,
         "tie_word_embeddings": False,
         "initializer_range": cfg.initializer_range,
+        # `dtype` is the current key; `torch_dtype` for loaders older than transformers 4.56.
+        "dtype": str(dtype).removeprefix("torch."),
         "torch_dtype": str(dtype).removeprefix("torch."),
+        "auto_map": dict(AUTO_MAP),
         "block_size": cfg.block_size,
         "num_target_layers": cfg.num_target_layers,
         "layer_types": ["full_attention"] * cfg.num_layers,
@@ -92,7 +100,7 @@ def config_from_json(data: dict[str, Any], source: str = CONFIG) -> DrafterConfi
 
 
 def export_drafter(drafter: DFlashDrafter, out_dir: str | Path) -> Path:
-    """Write `config.json` + `model.safetensors` (trainable weights only) to `out_dir`.
+    """Write `config.json`, `model.safetensors` (trainable weights only) and `dflash.py`.
 
     Files are written under temporary names and renamed, so a crash never leaves a
     half-written export that loads.
@@ -104,8 +112,9 @@ def export_drafter(drafter: DFlashDrafter, out_dir: str | Path) -> Path:
     tmp_w, tmp_c = out / (WEIGHTS + ".tmp"), out / (CONFIG + ".tmp")
     save_file(state, tmp_w, metadata={"format": "pt"})
     tmp_c.write_text(json.dumps(drafter_config_json(drafter.config, dtype), indent=2) + "\n")
+    write_modeling_file(out, MODELING_FILE)
     tmp_w.replace(out / WEIGHTS)
-    tmp_c.replace(out / CONFIG)
+    tmp_c.replace(out / CONFIG)  # last: a directory with a config is a complete export
     return out
 
 

@@ -1,0 +1,116 @@
+"""The drafter as a transformers `PreTrainedModel`: what `AutoModel.from_pretrained(export,
+trust_remote_code=True)` returns (the z-lab README's way of loading a DFlash drafter).
+
+The export writes a self-contained `dflash.py` next to the weights (`trainer.model.remote_code`
+generates it from this module and the drafter's own source, so there is one drafter
+implementation, not a copy to keep in sync); `config.json` points `auto_map.AutoModel` at
+`dflash.DFlashDraftModel`. The config stays a plain Qwen3 config (`model_type=qwen3`), as z-lab's
+and SpecForge's exports are, so serving engines read it unchanged.
+
+`DFlashDraftModel` registers the project drafter's own modules under the z-lab state-dict names
+(`fc`, `hidden_norm`, `layers.N...`, `norm`) and runs the project drafter's forward on them, so
+its outputs are the project's bit for bit. Like the project drafter it borrows the target's
+embedding and LM head: call `bind_target(target.get_input_embeddings(),
+target.get_output_embeddings())` before `forward`/`logits`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from transformers import PreTrainedModel, Qwen3Config
+
+from trainer.model.attention import AttnMask
+from trainer.model.drafter import DFlashDrafter, DrafterCache, DrafterConfig
+from trainer.model.layers import RMSNorm, Rotary
+
+
+def drafter_config_from_hf(config: Any) -> DrafterConfig:
+    """The drafter's config from the export's `config.json` as transformers parsed it."""
+    dflash = getattr(config, "dflash_config", None) or {}
+    rope = getattr(config, "rope_parameters", None) or {}
+    theta = rope.get("rope_theta", getattr(config, "rope_theta", None) or 1_000_000.0)
+    return DrafterConfig(
+        hidden_size=config.hidden_size,
+        intermediate_size=config.intermediate_size,
+        num_layers=config.num_hidden_layers,
+        num_attention_heads=config.num_attention_heads,
+        num_key_value_heads=config.num_key_value_heads,
+        head_dim=getattr(config, "head_dim", None)
+        or config.hidden_size // config.num_attention_heads,
+        vocab_size=config.vocab_size,
+        block_size=config.block_size,
+        mask_token_id=dflash["mask_token_id"],
+        target_layer_ids=list(dflash["target_layer_ids"]),
+        num_target_layers=config.num_target_layers,
+        rms_norm_eps=config.rms_norm_eps,
+        rope_theta=float(theta),
+        max_position_embeddings=config.max_position_embeddings,
+        initializer_range=config.initializer_range,
+    )
+
+
+class DFlashDraftModel(PreTrainedModel):
+    """A DFlash drafter loadable with `AutoModel.from_pretrained(..., trust_remote_code=True)`."""
+
+    config_class = Qwen3Config
+    base_model_prefix = "dflash"
+    main_input_name = "features"
+
+    def __init__(self, config: Qwen3Config) -> None:
+        super().__init__(config)
+        core = DFlashDrafter(drafter_config_from_hf(config))
+        # The same module objects, registered here under the z-lab names; the core itself is
+        # kept out of the module tree so every weight has exactly one state-dict key.
+        self.fc = core.fc
+        self.hidden_norm = core.hidden_norm
+        self.layers = core.layers
+        self.norm = core.norm
+        self.rotary = core.rotary
+        object.__setattr__(self, "_core", core)
+        self.drafter_config = core.config
+        # The attribute names z-lab's DFlashDraftModel exposes.
+        self.block_size = core.config.block_size
+        self.mask_token_id = core.config.mask_token_id
+        self.target_layer_ids = list(core.config.target_layer_ids)
+        self.post_init()
+
+    def _init_weights(self, module: nn.Module) -> None:
+        std = self.drafter_config.initializer_range
+        if isinstance(module, nn.Linear):
+            nn.init.normal_(module.weight, std=std)
+        elif isinstance(module, RMSNorm):
+            nn.init.ones_(module.weight)
+        elif isinstance(module, Rotary):
+            # A non-persistent buffer: recompute it wherever the weights were materialised.
+            head_dim, theta = self.drafter_config.head_dim, self.drafter_config.rope_theta
+            exponents = torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim
+            module.inv_freq = (1.0 / (theta**exponents)).to(module.inv_freq.device)
+
+    def bind_target(self, embed_tokens: nn.Embedding, lm_head: nn.Linear) -> None:
+        """Borrow the target's embedding and LM head (by reference, never copied)."""
+        self._core.bind_target(embed_tokens, lm_head)
+
+    def block_input_ids(self, anchor_ids: Tensor) -> Tensor:
+        return self._core.block_input_ids(anchor_ids)
+
+    def project_context(self, features: Tensor) -> Tensor:
+        return self._core.project_context(features)
+
+    def forward(
+        self,
+        features: Tensor,
+        block_ids: Tensor,
+        block_positions: Tensor,
+        mask: AttnMask = None,
+        context_positions: Tensor | None = None,
+        cache: DrafterCache | None = None,
+    ) -> Tensor:
+        """The project drafter's forward (see `DFlashDrafter.forward`): normed block states."""
+        return self._core(features, block_ids, block_positions, mask, context_positions, cache)
+
+    def logits(self, hidden: Tensor) -> Tensor:
+        """Full-vocabulary logits through the borrowed target LM head."""
+        return self._core.logits(hidden)
