@@ -24,14 +24,63 @@ from pydantic import (
     field_validator,
     model_validator,
 )
+from pydantic_core import PydanticCustomError
 
-from trainer.validation import dotted, one_line
+from trainer.validation import STRICT, NotUtf8Error, dotted, one_line, utf8_text
 
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 ENV_KEY_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 # Remote paths: absolute, no whitespace, quotes, globs or shell/tmux specials. Quoting would make
 # any path safe for the shell, but tmux and humans reading `ps` deserve boring paths too.
 REMOTE_PATH_RE = re.compile(r"^/[A-Za-z0-9_./@+-]*$")
+# workdir gets releases/, current and run/ (checkpoints): never the root, a system directory or
+# anything inside a kernel/tmpfs mount or the system's own files.
+SYSTEM_DIRS = frozenset(
+    {
+        "/bin",
+        "/boot",
+        "/dev",
+        "/etc",
+        "/home",
+        "/lib",
+        "/lib32",
+        "/lib64",
+        "/libx32",
+        "/media",
+        "/mnt",
+        "/opt",
+        "/proc",
+        "/root",
+        "/run",
+        "/sbin",
+        "/srv",
+        "/sys",
+        "/tmp",
+        "/usr",
+        "/var",
+        "/var/cache",
+        "/var/lib",
+        "/var/log",
+        "/var/opt",
+        "/var/spool",
+        "/var/tmp",
+    }
+)
+NOT_INSIDE = {
+    "/proc": "the kernel's proc filesystem",
+    "/sys": "the kernel's sysfs",
+    "/dev": "device files",
+    "/run": "a tmpfs, emptied at every boot",
+    "/etc": "system configuration",
+    "/boot": "the boot files",
+    "/bin": "system programs",
+    "/sbin": "system programs",
+    "/lib": "system libraries",
+    "/lib32": "system libraries",
+    "/lib64": "system libraries",
+    "/libx32": "system libraries",
+    "/usr": "the system's own files",
+}
 DEFAULT_ENV = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
 DEFAULT_INVENTORY = Path("hosts.toml")
 
@@ -40,26 +89,45 @@ class InventoryError(Exception):
     """A user-caused inventory problem; the message is one line naming file, host and key."""
 
 
+def _invalid(reason: str) -> PydanticCustomError:
+    """A validation error whose message is just `reason` (no "Value error, " in front)."""
+    return PydanticCustomError("invalid_value", "{reason}", {"reason": reason})
+
+
 def _check_name(value: str) -> str:
     if not NAME_RE.match(value):
-        raise ValueError(f"{value!r} is not a plain name (allowed: letters, digits, '_', '.', '-')")
+        raise _invalid(f"{value!r} is not a plain name (allowed: letters, digits, '_', '.', '-')")
     return value
 
 
 def _check_remote_path(value: str) -> str:
     if not REMOTE_PATH_RE.match(value) or ".." in PurePosixPath(value).parts:
-        raise ValueError(
+        raise _invalid(
             f"{value!r} must be an absolute path of letters, digits and '_./@+-' without '..'"
         )
     return value.rstrip("/") or "/"
 
 
+def _check_workdir(value: str) -> str:
+    if value == "/" or value in SYSTEM_DIRS:
+        raise _invalid(
+            f"{value!r} is a system directory; give dflashctl a directory of its own "
+            f"(e.g. /opt/dflash)"
+        )
+    for root, what in NOT_INSIDE.items():
+        if value.startswith(root + "/"):
+            raise _invalid(f"{value!r} is inside {root} ({what}); use e.g. /opt/dflash")
+    return value
+
+
 Name = Annotated[str, AfterValidator(_check_name)]
 RemotePath = Annotated[str, AfterValidator(_check_remote_path)]
+Workdir = Annotated[str, AfterValidator(_check_remote_path), AfterValidator(_check_workdir)]
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # No coercion: `port = true`, `ctid = "200"` or `keep_releases = 2.0` are errors, not 1/200/2.
+    model_config = ConfigDict(**STRICT, extra="forbid", frozen=True)
 
 
 class HostSettings(_Strict):
@@ -70,14 +138,15 @@ class HostSettings(_Strict):
     identity_file: str | None = None
     use_agent: bool | None = None
     known_hosts: str | None = None
-    workdir: RemotePath | None = None
+    workdir: Workdir | None = None
     python: RemotePath | None = None
     session: Name | None = None
     run_config: str | None = None
     data_store: RemotePath | None = None
     keep_releases: int | None = Field(default=None, ge=1, le=100)
-    connect_timeout: float | None = Field(default=None, gt=0)
-    command_timeout: float | None = Field(default=None, gt=0)
+    connect_timeout: float | None = Field(default=None, gt=0, le=3600)
+    command_timeout: float | None = Field(default=None, gt=0, le=86400)
+    max_channels: int | None = Field(default=None, ge=1, le=64)
     env: dict[str, str] | None = None
 
     @field_validator("env")
@@ -87,9 +156,9 @@ class HostSettings(_Strict):
             return env
         for key, value in env.items():
             if not ENV_KEY_RE.match(key):
-                raise ValueError(f"env key {key!r} is not a valid variable name")
+                raise _invalid(f"env key {key!r} is not a valid variable name")
             if "\n" in value or "\0" in value:
-                raise ValueError(f"env value of {key} contains a newline or NUL")
+                raise _invalid(f"env value of {key} contains a newline or NUL")
         return env
 
 
@@ -103,7 +172,7 @@ class HostEntry(HostSettings):
     @classmethod
     def _address(cls, value: str) -> str:
         if not re.match(r"^[A-Za-z0-9_.:-]+$", value) or value.startswith("-"):
-            raise ValueError(f"{value!r} is not a host name or IP address")
+            raise _invalid(f"{value!r} is not a host name or IP address")
         return value
 
 
@@ -118,7 +187,7 @@ class HostConfig(_Strict):
     use_agent: bool = True
     known_hosts: Path
     ctid: int
-    workdir: RemotePath = "/opt/dflash"
+    workdir: Workdir = "/opt/dflash"
     python: RemotePath = "/usr/bin/python3"
     session: Name = "dflash"
     run_config: Path | None = None
@@ -126,7 +195,10 @@ class HostConfig(_Strict):
     keep_releases: int = 5
     connect_timeout: float = 10.0
     command_timeout: float = 120.0
+    # SSH channels open at once on the one connection (sshd's MaxSessions is 10 by default).
+    max_channels: int = 8
     env: dict[str, str] = Field(default_factory=lambda: dict(DEFAULT_ENV))
+    inventory: Path | None = None  # the file this host came from (for messages)
 
     @property
     def run_dir(self) -> str:
@@ -137,7 +209,7 @@ class HostConfig(_Strict):
         # '.' and ':' separate window/pane in tmux targets; '=' exact match keeps prefixes safe,
         # but a session name containing them would still be parsed as a pane spec.
         if any(ch in self.session for ch in ".:"):
-            raise ValueError(f"session {self.session!r} must not contain '.' or ':'")
+            raise _invalid(f"session {self.session!r} must not contain '.' or ':'")
         return self
 
 
@@ -211,6 +283,7 @@ def _merge(path: Path, name: str, entry: HostEntry, defaults: HostSettings) -> H
         known_hosts=known,
         identity_file=_resolve_local(base, merged["identity_file"]),
         run_config=_resolve_local(base, merged["run_config"]),
+        inventory=path,
     )
     try:
         return HostConfig(**resolved)
@@ -243,11 +316,13 @@ def load_inventory(path: Path | str | None = None) -> Inventory:
     """Read and validate hosts.toml; every failure is an InventoryError naming the file."""
     p = Path(path) if path is not None else default_inventory_path()
     try:
-        text = p.read_text(encoding="utf-8")
+        text = utf8_text(p.read_bytes())
     except FileNotFoundError:
         raise InventoryError(f"{p}: inventory not found (pass --hosts FILE)") from None
     except OSError as err:
         raise InventoryError(f"{p}: cannot read inventory: {err.strerror}") from None
+    except NotUtf8Error as err:
+        raise InventoryError(f"{p}: {err}; save the inventory as UTF-8") from None
     inv = parse_inventory(text, p)
     if p.stat().st_mode & 0o022:
         # Whoever can write the inventory chooses which host and key dflashctl trusts.

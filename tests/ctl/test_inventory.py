@@ -62,6 +62,27 @@ def test_defaults_merge_and_relative_paths_resolve(tmp_path: Path) -> None:
         ('[hosts.a]\naddress = "h"\nctid = 200\nworkdir = "/opt/../etc"\n', "workdir"),
         ('[hosts.a]\naddress = "h"\nctid = 200\nenv = { "A B" = "1" }\n', "env"),
         ('[hosts."bad name"]\naddress = "h"\nctid = 200\n', "host 'bad name'"),
+        # strict types: TOML's true / "200" / 200.0 are never taken for an integer
+        ('[hosts.a]\naddress = "h"\nctid = true\n', "host 'a': ctid: Input should be a valid"),
+        ('[hosts.a]\naddress = "h"\nctid = "200"\n', "host 'a': ctid:"),
+        ('[hosts.a]\naddress = "h"\nctid = 200.0\n', "host 'a': ctid:"),
+        ('[hosts.a]\naddress = "h"\nctid = 200\nport = true\n', "host 'a': port:"),
+        ("[defaults]\nkeep_releases = 2.0\n", "defaults.keep_releases:"),
+        ("[defaults]\nmax_channels = false\n", "defaults.max_channels:"),
+        ('[defaults]\nuse_agent = "yes"\n', "defaults.use_agent:"),
+        ("[defaults]\nuse_agent = 1\n", "defaults.use_agent:"),
+        ("[defaults]\ncommand_timeout = inf\n", "defaults.command_timeout:"),
+        ("[defaults]\ncommand_timeout = nan\n", "defaults.command_timeout:"),
+        ('[defaults]\ncommand_timeout = "5"\n', "defaults.command_timeout:"),
+        ("[defaults]\nenv = { A = 1 }\n", "defaults.env.A:"),
+        # workdir gets releases, current and checkpoints: never / or a system directory
+        ('[hosts.a]\naddress = "h"\nctid = 200\nworkdir = "/"\n', "workdir: '/' is a system"),
+        ('[hosts.a]\naddress = "h"\nctid = 200\nworkdir = "/run"\n', "workdir: '/run' is a"),
+        ('[defaults]\nworkdir = "/run/dflash"\n', "defaults.workdir: '/run/dflash' is inside /run"),
+        ('[defaults]\nworkdir = "/usr/lib"\n', "defaults.workdir:"),
+        ('[defaults]\nworkdir = "/etc/dflash"\n', "defaults.workdir:"),
+        ('[defaults]\nworkdir = "/proc/1"\n', "defaults.workdir:"),
+        ('[defaults]\nworkdir = "/var/lib"\n', "defaults.workdir:"),
         ("[hosts.a\n", "not valid TOML"),
     ],
 )
@@ -73,6 +94,35 @@ def test_errors_are_one_line_naming_file_host_and_key(
         parse_inventory(snippet, path)
     msg = str(info.value)
     assert msg.startswith(f"{path}: ") and expected in msg and "\n" not in msg
+
+
+def test_error_messages_show_what_was_given(tmp_path: Path) -> None:
+    with pytest.raises(InventoryError) as info:
+        parse_inventory('[hosts.a]\naddress = "h"\nctid = 200\nport = true\n', tmp_path / "h")
+    assert str(info.value).endswith("host 'a': port: Input should be a valid integer, got true")
+
+
+@pytest.mark.parametrize("workdir", ["/opt/dflash", "/srv/dflash", "/var/lib/dflash", "/dflash"])
+def test_ordinary_workdirs_are_accepted(tmp_path: Path, workdir: str) -> None:
+    text = f'[hosts.a]\naddress = "h"\nctid = 200\nworkdir = "{workdir}"\n'
+    assert parse_inventory(text, tmp_path / "hosts.toml").hosts["a"].workdir == workdir
+
+
+def test_timeouts_and_channels_take_ints_and_floats(tmp_path: Path) -> None:
+    text = '[defaults]\ncommand_timeout = 5\nconnect_timeout = 2.5\nmax_channels = 4\n'
+    host = parse_inventory(text + GOOD.split("[defaults]")[1], tmp_path / "hosts.toml")
+    a = host.hosts["pve-a"]
+    assert (a.command_timeout, a.connect_timeout, a.max_channels) == (5.0, 2.5, 4)
+    assert a.inventory == tmp_path / "hosts.toml"
+
+
+def test_a_non_utf8_inventory_names_the_byte_offset(tmp_path: Path) -> None:
+    path = tmp_path / "hosts.toml"
+    path.write_bytes(b'[hosts.a]\naddress = "h\xe9"\nctid = 200\n')
+    with pytest.raises(InventoryError) as info:
+        load_inventory(path)
+    msg = str(info.value)
+    assert msg.startswith(f"{path}: not UTF-8 text at byte 22 (line 2)") and "\n" not in msg
 
 
 def test_missing_file_and_unknown_host(tmp_path: Path) -> None:
