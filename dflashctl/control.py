@@ -316,8 +316,9 @@ class RunControl:
         return f"{self.host.workdir}/{rel}"
 
     async def _run(
-        self, argv: list[str], *, timeout: float = 60, input: bytes | None = None
+        self, argv: list[str], *, timeout: float | None = None, input: bytes | None = None
     ) -> CommandResult:
+        # timeout None: the transport's own default, the host's command_timeout.
         return await self.transport.run(argv, timeout=timeout, input=input)
 
     async def _pane_state(self) -> PaneState | None:

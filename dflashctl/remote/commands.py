@@ -34,6 +34,34 @@ def clean_env(argv: Sequence[str], extra: Mapping[str, str] | None = None) -> li
     return ["env", "-i", *(f"{k}={v}" for k, v in env.items()), *argv]
 
 
+# --- the remote-side bound -----------------------------------------------------------------
+
+# Seconds between the TERM and the KILL that `timeout` sends to a command past its limit.
+KILL_AFTER_S = 3
+
+
+def _seconds(value: float) -> str:
+    """`timeout`'s DURATION: plain digits (never an exponent), at most millisecond precision."""
+    text = f"{max(value, 0.001):.3f}".rstrip("0").rstrip(".")
+    return text or "0.001"
+
+
+def bounded(argv: Sequence[str], seconds: float) -> list[str]:
+    """Run argv on the node under coreutils `timeout`: the node itself ends it past `seconds`.
+
+    Closing an SSH channel does not end the command behind it (sshd keeps the session, and its
+    MaxSessions slot, until the command exits), and sshd refuses `signal` requests without
+    privilege separation, so the bound has to live on the node. `timeout` leads its own process
+    group and signals the whole group, which includes `pct exec`'s `lxc-attach` and the
+    command attached in the container (TERM, then KILL after KILL_AFTER_S). Exit status 124
+    (or 137 after the KILL) then means "timed out".
+    """
+    return ["timeout", "-k", str(KILL_AFTER_S), _seconds(seconds), *argv]
+
+
+TIMED_OUT_RCS = frozenset({124, 137})
+
+
 def pct_exec(ctid: int, argv: Sequence[str]) -> list[str]:
     """`pct exec CTID -- argv` ('--' so pct never parses the inner command's options)."""
     return ["pct", "exec", str(int(ctid)), "--", *argv]
@@ -68,6 +96,17 @@ def _pane_target(session: str) -> str:
     return f"={session}:"
 
 
+def tmux_literal(arg: str) -> str:
+    """An argument tmux passes on unchanged.
+
+    Given as argv, tmux treats an argument *ending* in ';' as the end of a command (the ';' is
+    dropped and the rest starts a new command), and turns a trailing '\\;' into a literal ';'.
+    So a trailing ';' gets a backslash before it; nothing else in an argv element is special
+    to tmux (`-e` values and multi-argument commands are not format-expanded).
+    """
+    return arg[:-1] + "\\;" if arg.endswith(";") else arg
+
+
 def tmux(*args: str) -> list[str]:
     return ["tmux", "-L", TMUX_SOCKET, *args]
 
@@ -89,13 +128,12 @@ def tmux_new_session(
 
     Options are set in the same tmux command sequence before the session exists, so a trainer
     that dies at once still leaves a dead pane with its exit status (remain-on-exit), and the
-    pane's scrollback is large enough to keep a traceback.
+    pane's scrollback is large enough to keep a traceback. Every value (names, paths, env
+    values, the command's arguments) goes through `tmux_literal`, so none can end the command.
     """
-    if any(a == ";" for a in command):
-        raise ValueError("a standalone ';' would split the tmux command sequence")
     env_args: list[str] = []
     for key, value in env.items():
-        env_args += ["-e", f"{key}={value}"]
+        env_args += ["-e", tmux_literal(f"{key}={value}")]
     return tmux(
         "start-server",
         ";",
@@ -112,15 +150,15 @@ def tmux_new_session(
         "new-session",
         "-d",
         "-s",
-        session,
+        tmux_literal(session),
         "-x",
         str(width),
         "-y",
         str(height),
         "-c",
-        cwd,
+        tmux_literal(cwd),
         *env_args,
-        *command,
+        *(tmux_literal(a) for a in command),
     )
 
 
@@ -238,3 +276,48 @@ def guarded(argv: Sequence[str]) -> list[str]:
     `logs -f` leaves no `tail -F` behind in the container.
     """
     return ["sh", "-c", GUARD_SCRIPT, "dflash-guard", *argv]
+
+
+# --- what a command is, in words (for timeout and link-loss messages) -----------------------
+
+# `sh -c SCRIPT dflash-NAME ...`: the $0 names dflashctl gives its scripts.
+SCRIPT_WORDS = {
+    "dflash-status": "status",
+    "dflash-pane": "the tmux pane query",
+    "dflash-stop": "waiting for the trainer to stop",
+    "dflash-write": "writing {1}",
+    "dflash-lock": "the deploy lock and preflight",
+    "dflash-unlock": "releasing the deploy lock",
+    "dflash-unpack": "unpacking the release",
+    "dflash-switch": "switching to the release",
+    "dflash-guard": "the log stream",
+    "dflash-term": "attach",
+}
+_FILE_WORDS = {"cat": "reading {}", "tail": "reading {}", "wc": "counting the lines of {}"}
+
+
+def describe(argv: Sequence[str]) -> str:
+    """The operation an argv performs, in a few words: `status`, `reading /srv/x/run/a.log`."""
+    args = [str(a) for a in argv]
+    if args[:1] == ["timeout"] and len(args) > 4:
+        args = args[4:]
+    if not args:
+        return "a command"
+    prog = args[0].rsplit("/", 1)[-1]
+    if prog == "sh" and len(args) >= 4 and args[1] == "-c":
+        words = SCRIPT_WORDS.get(args[3])
+        if words is not None:
+            return words.format(*args[3:], *([""] * 2))
+        return f"the {args[3]} script"
+    if prog == "tmux":
+        sub = [a for a in args[1:] if a.endswith("-session") or a in {"send-keys", "capture-pane"}]
+        return f"tmux {sub[-1]}" if sub else "tmux"
+    if prog == "pct" and len(args) >= 3:
+        return f"pct {args[1]} {args[2]}"
+    if prog in _FILE_WORDS and args[-1].startswith("/"):
+        return _FILE_WORDS[prog].format(args[-1])
+    if prog.startswith("python") and args[1:2] == ["-c"] and len(args) > 2:
+        from dflashctl.preflight import PROBE_SCRIPT
+
+        return "preflight" if args[2] == PROBE_SCRIPT else f"the {prog} script"
+    return prog

@@ -15,6 +15,8 @@ from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
+from dflashctl.remote.commands import describe
+
 
 class TransportError(Exception):
     """A remote operation failed for transport reasons (one-line message naming the host)."""
@@ -29,7 +31,12 @@ class HostKeyError(HostUnreachable):
 
 
 class CommandTimeout(TransportError):
-    """A remote command ran past its timeout; it was killed."""
+    """A command ran past its timeout. The message says what, where, and whether it was ended."""
+
+
+def timeout_message(what: str, label: str, seconds: float, outcome: str) -> str:
+    """`status on host pve-a: no answer within 5 s; the remote command was stopped`."""
+    return f"{what} on host {label}: no answer within {seconds:g} s; {outcome}"
 
 
 @dataclass(frozen=True)
@@ -97,8 +104,15 @@ class LocalTransport:
     the local command that started it.
     """
 
-    def __init__(self, *, env: Mapping[str, str] | None = None, label: str = "local") -> None:
+    def __init__(
+        self,
+        *,
+        env: Mapping[str, str] | None = None,
+        label: str = "local",
+        command_timeout: float | None = 120.0,
+    ) -> None:
         self.label = label
+        self.command_timeout = command_timeout
         self._env = {**os.environ, **(env or {})}
         self._procs: set[asyncio.subprocess.Process] = set()
 
@@ -117,12 +131,14 @@ class LocalTransport:
         except FileNotFoundError:
             return CommandResult(127, "", f"{argv[0]}: command not found")
         self._procs.add(proc)
+        limit = timeout if timeout is not None else self.command_timeout
         try:
-            out, err = await asyncio.wait_for(proc.communicate(input), timeout)
+            out, err = await asyncio.wait_for(proc.communicate(input), limit)
         except TimeoutError:
             await _kill_group(proc)
+            assert limit is not None
             raise CommandTimeout(
-                f"{self.label}: {argv[0]} did not finish within {timeout:g}s; killed"
+                timeout_message(describe(argv), self.label, limit, "the command was killed")
             ) from None
         except BaseException:
             await _kill_group(proc)

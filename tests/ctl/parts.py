@@ -57,18 +57,22 @@ class Sshd:
 
 
 @contextlib.contextmanager
-def sshd(base: Path) -> Iterator[Sshd]:
-    """OpenSSH sshd on 127.0.0.1:<free port>, root login by a temp key, pct shim on PATH."""
+def sshd(base: Path, *, host_key_type: str = "ed25519") -> Iterator[Sshd]:
+    """OpenSSH sshd on 127.0.0.1:<free port>, root login by a temp key, pct shim on PATH.
+
+    `host_key_type` is the node's only host key type (say "rsa", for a node that has no
+    ed25519 key).
+    """
     base.mkdir(parents=True, exist_ok=True)
     shim_dir = base / "bin"
     shim_dir.mkdir(exist_ok=True)
     shutil.copy(SHIM, shim_dir / "pct")
     (shim_dir / "pct").chmod(0o755)
-    host_key = base / "ssh_host_ed25519_key"
+    host_key = base / f"ssh_host_{host_key_type}_key"
     client_key = base / "client_ed25519"
-    for key in (host_key, client_key):
+    for key, kind in ((host_key, host_key_type), (client_key, "ed25519")):
         if not key.exists():
-            r = _run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(key)])
+            r = _run(["ssh-keygen", "-q", "-t", kind, "-N", "", "-f", str(key)])
             if r.returncode:
                 raise RuntimeError(f"ssh-keygen failed: {r.stderr.strip()}")
     auth = base / "authorized_keys"
@@ -114,7 +118,7 @@ def sshd(base: Path) -> Iterator[Sshd]:
             if time.monotonic() > deadline:
                 raise RuntimeError("sshd did not listen within 10 s")
             time.sleep(0.05)
-        yield Sshd(port, client_key, base / "ssh_host_ed25519_key.pub", base, map_file)
+        yield Sshd(port, client_key, host_key.with_name(host_key.name + ".pub"), base, map_file)
     finally:
         proc.terminate()
         try:
@@ -250,3 +254,20 @@ def bump_buckets(text: str) -> str:
     m = re.search(r"(?m)^num_buckets = (\d+)", text)
     assert m, "the tiny config has no `num_buckets = ...` line"
     return text[: m.start()] + f"num_buckets = {int(m.group(1)) + 1}" + text[m.end() :]
+
+
+@contextlib.contextmanager
+def hanging_pct(sd: Sshd, seconds: int) -> Iterator[None]:
+    """Every `pct` call through this sshd first hangs `seconds` (the shim runs `sleep N`)."""
+    hang = Path(f"{sd.map_file}.hang")
+    hang.write_text(f"{seconds}\n")
+    try:
+        yield
+    finally:
+        hang.unlink(missing_ok=True)
+
+
+def node_processes(pattern: str) -> list[str]:
+    """`pid args` of the processes on this machine (the "node") whose command line matches."""
+    r = _run(["pgrep", "-a", "-f", pattern])
+    return [ln for ln in r.stdout.splitlines() if ln.strip()]

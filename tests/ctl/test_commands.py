@@ -64,9 +64,41 @@ def test_new_session_sets_options_before_the_session_exists() -> None:
     assert argv[-3:] == ["python", "-m", "trainer"]  # multi-arg form: exec'd without a shell
 
 
-def test_new_session_refuses_a_standalone_semicolon() -> None:
-    with pytest.raises(ValueError, match="';'"):
-        C.tmux_new_session("run", ["python", ";", "rm"], cwd="/w", env={})
+def test_no_value_can_end_the_tmux_command() -> None:
+    """tmux ends a command at an argument ending in ';' ("a;" -> "a", then a new command) and
+    reads a trailing '\\;' as a literal ';': every value is escaped that way, nothing else."""
+    assert C.tmux_literal("a;") == "a\\;"
+    assert C.tmux_literal(";") == "\\;"
+    assert C.tmux_literal("a\\;") == "a\\\\;"  # tmux turns it back into a\\;
+    assert C.tmux_literal("a;b") == "a;b"  # only a trailing ';' is special
+    argv = C.tmux_new_session("run", ["python", ";", "x;"], cwd="/w", env={"A": "v;"})
+    assert argv[-2:] == ["\\;", "x\\;"] and "A=v\\;" in argv
+    separators = [i for i, a in enumerate(argv) if a.endswith(";") and not a.endswith("\\;")]
+    assert [argv[i + 1] for i in separators] == ["set-option", "set-option", "new-session"]
+
+
+def test_every_command_is_bounded_on_the_node() -> None:
+    argv = C.bounded(["pct", "exec", "200", "--", "true"], 5)
+    assert argv == ["timeout", "-k", str(C.KILL_AFTER_S), "5", "pct", "exec", "200", "--", "true"]
+    assert C.bounded(["x"], 0.25)[3] == "0.25"
+    assert C.bounded(["x"], 1e6)[3] == "1000000"  # never an exponent `timeout` cannot read
+
+
+@pytest.mark.parametrize(
+    ("argv", "words"),
+    [
+        (["sh", "-c", "...", "dflash-status", "/w", "s"], "status"),
+        (C.write_file_atomic("/w/run/config.toml"), "writing /w/run/config.toml"),
+        (C.tmux_new_session("s", ["x"], cwd="/w", env={}), "tmux new-session"),
+        (C.tmux_settled_pane_state("s"), "the tmux pane query"),
+        (["cat", "--", "/w/run/config.toml"], "reading /w/run/config.toml"),
+        (C.pct_status(200), "pct status 200"),
+        (C.bounded(C.pct_status(200), 3), "pct status 200"),
+        (["nvidia-smi", "--query-gpu=x"], "nvidia-smi"),
+    ],
+)
+def test_commands_are_described_in_words(argv: list[str], words: str) -> None:
+    assert C.describe(argv) == words
 
 
 def test_capture_uses_negative_start_and_joins_wrapped_lines() -> None:

@@ -39,8 +39,21 @@ class FakePve:
     tail_starts: list[int] = field(default_factory=list)
     closed: list[str] = field(default_factory=list)
 
-    def container_argv(self, command: str) -> list[str]:
+    bounds: list[float] = field(default_factory=list)
+
+    def node_argv(self, command: str) -> list[str]:
+        """The command without its node-side bound (`timeout -k K SECONDS`), which is noted.
+
+        Commands are bounded on the node; streams (`tail -F` under the guard) are not.
+        """
         argv = shlex.split(command)
+        if argv[:2] != ["timeout", "-k"]:
+            return argv
+        self.bounds.append(float(argv[3]))
+        return argv[4:]
+
+    def container_argv(self, command: str) -> list[str]:
+        argv = self.node_argv(command)
         assert argv[:2] == ["pct", "exec"] and argv[3] == "--", argv
         rest = argv[4:]
         assert rest[:2] == ["env", "-i"], rest
@@ -51,7 +64,7 @@ class FakePve:
 
     async def handle(self, process: asyncssh.SSHServerProcess) -> None:
         self.commands.append(process.command or "")
-        if shlex.split(process.command or "")[:2] == ["pct", "status"]:
+        if self.node_argv(process.command or "")[:2] == ["pct", "status"]:
             process.stdout.write(b"status: running\n")
             process.exit(0)
             return
@@ -76,11 +89,16 @@ class FakePve:
             elif argv[0] == "argv-echo":
                 process.stdout.write(json.dumps(argv[1:]).encode())
             elif argv[0] == "slow":
-                try:
-                    await asyncio.wait_for(process.channel.wait_closed(), self.slow_s)
+                try:  # the node's `timeout` ends it at its bound: exit 124, as coreutils does
+                    limit = min(self.slow_s, self.bounds[-1])
+                    await asyncio.wait_for(process.channel.wait_closed(), limit)
                     self.closed.append("slow")
                     return
                 except TimeoutError:
+                    if limit < self.slow_s:
+                        self.closed.append("slow")
+                        process.exit(124)
+                        return
                     process.stdout.write(b"late\n")
             process.exit(0)
         except (asyncssh.Error, OSError, asyncio.CancelledError):
@@ -202,8 +220,11 @@ async def test_slow_peer_times_out_and_the_remote_command_is_closed(
     host = host_for(tmp_path, server)
     pin_host_key(host, server.host_key.convert_to_public())
     transport = SshTransport(host)
-    with pytest.raises(CommandTimeout, match=r"fake: slow did not finish within 0.5s"):
+    with pytest.raises(
+        CommandTimeout, match=r"^slow on host fake: no answer within 0.5 s; the remote command"
+    ):
         await transport.run(["slow"], timeout=0.5)
+    assert 0 < server.pve.bounds[-1] <= 0.5  # the node bounds it to what is left of 0.5 s
     await asyncio.sleep(0.2)
     assert server.pve.closed == ["slow"]
     # the connection is still usable afterwards
@@ -234,7 +255,7 @@ async def test_hostile_values_arrive_as_exactly_one_argv(server: Server, tmp_pat
     await transport.close()
     assert json.loads(res.stdout) == hostile
     # and the environment is explicit: nothing but BASE_ENV crosses into the container
-    sent = shlex.split(server.pve.commands[-1])
+    sent = server.pve.node_argv(server.pve.commands[-1])
     assert [a for a in sent[6 : 6 + len(BASE_ENV)]] == [f"{k}={v}" for k, v in BASE_ENV.items()]
 
 

@@ -109,7 +109,7 @@ def test_ordinary_workdirs_are_accepted(tmp_path: Path, workdir: str) -> None:
 
 
 def test_timeouts_and_channels_take_ints_and_floats(tmp_path: Path) -> None:
-    text = '[defaults]\ncommand_timeout = 5\nconnect_timeout = 2.5\nmax_channels = 4\n'
+    text = "[defaults]\ncommand_timeout = 5\nconnect_timeout = 2.5\nmax_channels = 4\n"
     host = parse_inventory(text + GOOD.split("[defaults]")[1], tmp_path / "hosts.toml")
     a = host.hosts["pve-a"]
     assert (a.command_timeout, a.connect_timeout, a.max_channels) == (5.0, 2.5, 4)
