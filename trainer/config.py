@@ -60,7 +60,8 @@ def _tuple(value: Any) -> Any:
 
 # TOML (and a checkpoint's JSON dump of the config) has arrays, never tuples; strict mode would
 # refuse a list for a tuple field, so arrays are turned into tuples first (items stay strict).
-FloatPair = Annotated[tuple[float, float], BeforeValidator(_tuple)]
+Beta = Annotated[float, Field(ge=0, lt=1)]
+Betas = Annotated[tuple[Beta, Beta], BeforeValidator(_tuple)]
 
 
 class SyntheticData(BaseModel):
@@ -167,7 +168,7 @@ class OptimizerConfig(BaseModel):
     model_config = _SECTION
 
     lr: float = Field(default=6e-4, gt=0)
-    betas: FloatPair = (0.9, 0.95)
+    betas: Betas = Field(default=(0.9, 0.95), description="AdamW betas, each in [0, 1)")
     eps: float = Field(default=1e-8, gt=0)
     weight_decay: float = Field(default=0.0, ge=0)
     clip: float = Field(default=1.0, ge=0, description="max grad norm; 0 disables clipping")

@@ -197,3 +197,21 @@ def test_nonfinite_losses_are_skipped_then_stop_the_run(
     last = _events(tmp_path / "run")[-1]
     assert isinstance(last, ErrorEvent)
     assert "NonFiniteLoss: 3 non-finite losses in a row (step 12)" in last.message
+
+
+@pytest.mark.timeout(60)
+def test_non_utf8_config_is_one_line_with_the_byte_offset_and_exit_2(
+    tmp_path: Path, run_cli: RunCli
+) -> None:
+    """A config saved in Latin-1 names the file and the first bad byte; no traceback."""
+    bad = tmp_path / "latin1.toml"
+    text = (REPO / "configs" / "tiny-cpu.toml").read_bytes()
+    bad.write_bytes(text + b"# r\xe9sum\xe9\n")
+    out = run_cli(bad, tmp_path / "run")
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    line = text.count(b"\n") + 1
+    assert out.stdout.strip().splitlines() == [
+        f"ERROR: {bad}: not UTF-8 text at byte {len(text) + 3} (line {line}): "
+        "invalid continuation byte 0xe9"
+    ]
+    assert not (tmp_path / "run").exists()  # refused before anything was created

@@ -185,6 +185,7 @@ def test_seed_topology_is_one_config_line() -> None:
         ("[optimizer]\nlr = inf\n", "optimizer.lr: Input should be a finite number, got inf"),
         ("[optimizer]\nlr = nan\n", "optimizer.lr: Input should be a finite number, got nan"),
         ("[optimizer]\nbetas = [0.9, inf]\n", "optimizer.betas.1: Input should be a finite"),
+        ("[optimizer]\nbetas = [1.0, 0.9]\n", "optimizer.betas.0: Input should be less than 1"),
         ("[model.drafter]\nnum_layers = 1\n[status]\ninterval_s = -inf\n", "status.interval_s: "),
         ("[schedule]\nmin_lr = nan\n", "schedule.min_lr: Input should be a finite number"),
         ("[checkpoint]\nevery_minutes = inf\n", "checkpoint.every_minutes: Input should be a fin"),
@@ -217,9 +218,9 @@ def test_integers_are_strict_booleans_strings_and_floats_are_refused(
 
 def test_floats_take_integers_but_never_booleans_or_strings(tmp_path: Path) -> None:
     """`lr = 1` and `interval_s = 2` are natural TOML for floats; `true` or "1e-3" are not."""
-    cfg = TrainConfig.load(_write(tmp_path, MINIMAL + "[optimizer]\nlr = 1\nbetas = [1, 0.5]\n"))
+    cfg = TrainConfig.load(_write(tmp_path, MINIMAL + "[optimizer]\nlr = 1\nbetas = [0, 0.5]\n"))
     assert cfg.optimizer.lr == 1.0 and isinstance(cfg.optimizer.lr, float)
-    assert cfg.optimizer.betas == (1.0, 0.5)
+    assert cfg.optimizer.betas == (0.0, 0.5) and isinstance(cfg.optimizer.betas[0], float)
     for bad, shown in (("true", "true"), ('"1e-3"', '"1e-3"')):
         with pytest.raises(ConfigError, match=rf"optimizer.lr: .*valid number, got {shown}$"):
             TrainConfig.load(_write(tmp_path, MINIMAL + f"[optimizer]\nlr = {bad}\n"))

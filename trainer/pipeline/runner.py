@@ -392,7 +392,7 @@ class Run:
                     floor=cfg.schedule.min_lr,
                 )
                 for group in self.opt.param_groups:
-                    group["lr"] = lr
+                    group["lr"] = math.inf if self.faults.inf_lr_at(step) else lr
                 sums = torch.zeros(len(METRIC_KEYS), dtype=torch.float64, device=dev)
                 real = 0
                 for _ in range(o.grad_accum):
