@@ -56,7 +56,8 @@ _TURN_SENTINEL_RE = re.compile("\ue004dflash-turn-(\\d+)\ue005")
 THINK_OPEN = "<think>"
 THINK_CLOSE = "</think>"
 _THINK_OPEN_BEFORE = re.compile(r"<think>[ \t\r\n]*\Z")  # searched with endpos = span start
-_EMPTY_THINK = re.compile(r"<think>[ \t\r\n]*</think>[ \t\r\n]*")
+# After `</think>` only newlines: Qwen3 writes "\n\n" and strips the content's leading ones.
+_EMPTY_THINK = re.compile(r"<think>[ \t\r\n]*</think>\n*")
 _THINK_LOOKBACK = 32
 
 Span = tuple[int, int]
@@ -337,13 +338,12 @@ def apply_think_rule(text: str, spans: list[Span]) -> list[Span]:
     out: list[Span] = []
     floor = 0
     for a, b in spans:
+        opening = _THINK_OPEN_BEFORE.search(text, max(floor, a - _THINK_LOOKBACK), a)
+        if opening is not None:
+            a = opening.start()
         empty = _EMPTY_THINK.match(text, a)
         if empty is not None and empty.end() < b:
             a = empty.end()
-        else:
-            opening = _THINK_OPEN_BEFORE.search(text, max(floor, a - _THINK_LOOKBACK), a)
-            if opening is not None:
-                a = opening.start()
         out.append((a, b))
         floor = b
     return out

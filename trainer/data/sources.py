@@ -142,6 +142,8 @@ class ChatSource:
                     raise _Broken(MALFORMED_JSON, " ".join(str(exc).split())[:120]) from None
                 if end == len(buf) and not eof and more():
                     continue  # a number may continue in the next chunk
+                if not elements and not isinstance(value, dict):
+                    raise _NotAnArray  # '[1, 2' opening a JSONL file is a bad row, not a format
                 self.lines = line
                 elements += 1
                 yield line, normalise_conversation(value)
