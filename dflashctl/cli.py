@@ -25,7 +25,10 @@ class UsageError(Exception):
 
 
 def _print_err(msg: str) -> None:
-    print(f"dflashctl: {msg}", file=sys.stderr)
+    """Every error line goes out here; remote text in it (stderr lines) is made safe to print."""
+    from trainer.events import sanitize_for_terminal
+
+    print(f"dflashctl: {sanitize_for_terminal(msg)}", file=sys.stderr)
 
 
 def make_transport(host: HostConfig) -> Any:
@@ -80,6 +83,8 @@ async def cmd_hosts(args: argparse.Namespace) -> int:
         )
     if not rows:
         print(f"(no hosts in {inv.path})")
+    if rows and not args.no_check and all(state.startswith("UNREACHABLE") for _, state in rows):
+        return EXIT_UNREACHABLE
     return EXIT_OK
 
 
@@ -122,7 +127,15 @@ async def cmd_deploy(args: argparse.Namespace) -> int:
 
     async def go(t: Any) -> int:
         release = build_release(Path(args.tree)) if args.tree else None
-        res = await deploy(t, host, config=config, progress=print, release=release)
+        res = await deploy(
+            t,
+            host,
+            config=config,
+            progress=print,
+            release=release,
+            fresh=args.fresh,
+            break_stale_lock=args.break_lock,
+        )
         print(res.summary())
         for rel in res.pruned:
             print(f"{host.name}: pruned release {rel}")
@@ -136,18 +149,49 @@ async def cmd_start(args: argparse.Namespace) -> int:
 
     host = _host(args)
 
+    resume = _resume_choice(args)
+
     async def go(t: Any) -> int:
-        res = await RunControl(t, host).start(fresh=args.fresh)
+        res = await RunControl(t, host).start(
+            fresh=args.fresh, resume=resume, wait_s=args.wait_s, progress=print
+        )
+        for note in res.notes:
+            print(f"{host.name}: note: {note}")
         if res.started:
             print(
                 f"{host.name}: started release {res.release} in tmux session {host.session!r} "
                 f"(pid {res.pane_pid}): {shlex.join(res.argv)}"
             )
+            print(_readiness(host.name, res))
         else:
             print(f"{host.name}: already running (release {res.release or '?'})")
         return EXIT_OK
 
     return await _with_transport(host, go)
+
+
+def _resume_choice(args: argparse.Namespace) -> str:
+    from dflashctl.resume import ResumeChoiceError, validate_resume_choice
+
+    if args.resume is None:
+        return "auto"
+    if args.fresh:
+        raise UsageError("--fresh and --resume exclude each other (--fresh starts over)")
+    try:
+        return validate_resume_choice(args.resume)
+    except ResumeChoiceError as err:
+        raise UsageError(str(err)) from None
+
+
+def _readiness(name: str, res: Any) -> str:
+    if res.ready is None:
+        return f"{name}: not waited for (see `dflashctl status {name}`)"
+    if res.ready:
+        return f"{name}: the trainer is past its setup after {res.waited_s:.0f} s"
+    return (
+        f"{name}: still setting up after {res.waited_s:.0f} s (no phase line yet); "
+        f"`dflashctl status {name}` or `logs -f` shows how it goes"
+    )
 
 
 async def cmd_stop(args: argparse.Namespace) -> int:
@@ -171,6 +215,7 @@ async def cmd_restart(args: argparse.Namespace) -> int:
 
     host = _host(args)
     config = Path(args.config) if args.config else None
+    resume = _resume_choice(args)
 
     async def go(t: Any) -> int:
         release = build_release(Path(args.tree)) if args.tree else None
@@ -180,6 +225,8 @@ async def cmd_restart(args: argparse.Namespace) -> int:
             stop_timeout=args.timeout,
             progress=print,
             release=release,
+            resume=resume,
+            wait_s=args.wait_s,
         )
         if res.config_diff:
             print(res.config_diff, end="" if res.config_diff.endswith("\n") else "\n")
@@ -195,6 +242,7 @@ async def cmd_restart(args: argparse.Namespace) -> int:
             f"{res.old_config_hash or '-'} -> {res.new_config_hash or '-'}"
             f"{' (fresh: old checkpoints archived)' if args.fresh else ''}"
         )
+        print(_readiness(host.name, res.start))
         return EXIT_OK
 
     return await _with_transport(host, go)
@@ -207,15 +255,26 @@ def format_run_status(st: Any) -> str:
     parts = [f"{st.host}: {'finished' if st.finished else st.state}"]
     if st.exit_status is not None:
         parts.append(f"exit={st.exit_status}")
+    if st.signal:
+        parts.append(f"(killed by {st.signal})")
+    elif st.stop_signal:
+        parts.append(f"(on {st.stop_signal})")
     parts.append(f"release={st.release or '-'}")
     if st.run_release and st.run_release != st.release:
         parts.append(f"(running {st.run_release})")
     parts.append(f"config={st.config_hash or '-'}")
-    if st.deployed_config_hash and st.deployed_config_hash != st.config_hash:
+    if st.deployed_config_hash and st.config_hash and st.deployed_config_hash != st.config_hash:
         parts.append(f"(deployed {st.deployed_config_hash}: restart to apply)")
     lines = [" ".join(parts)]
     if st.message:
         lines.append(f"  {st.message}")
+    if st.run_state_error:
+        lines.append(
+            f"  {st.run_state_error}: pid, config hash and run state unknown "
+            f"(the trainer rewrites it whole at its next start)"
+        )
+    if st.switch_note:
+        lines.append(f"  note: {st.switch_note}")
     if st.last_event is not None:
         lines.append("  " + format_status_line(st.last_event))
     if st.last_checkpoint is not None:
@@ -273,15 +332,21 @@ async def cmd_logs(args: argparse.Namespace) -> int:
             raise HostUnreachable(st.message or host.name)
         start = max(0, st.log_lines - args.lines)
         if not args.follow:
-            res = await t.run(["tail", "-n", f"+{start + 1}", f"{host.run_dir}/status.log"])
-            for line in res.stdout.splitlines():
+            for line in await ctl.log_tail(start):
                 _print_line(line, args.json)
             return EXIT_OK
+        lost = False
 
         def link(state: str) -> None:
+            nonlocal lost
             if state == LOG_RESTARTED:
                 print(f"dflashctl: {host.name}: {state}", file=sys.stderr, flush=True)
-            elif state != "connected":
+            elif state == "connected":
+                if lost:
+                    print(f"dflashctl: {host.name}: reconnected", file=sys.stderr, flush=True)
+                lost = False
+            else:
+                lost = True
                 print(f"dflashctl: {state}; reconnecting", file=sys.stderr, flush=True)
 
         async for line in ctl.follow(start, on_link=link):
@@ -360,7 +425,9 @@ async def cmd_buckets(args: argparse.Namespace) -> int:
         if args.json:
             argv.append("--json")
         res = await t.run(argv, timeout=600)
-        sys.stdout.write(res.stdout)
+        from trainer.events import sanitize_for_terminal
+
+        sys.stdout.write(sanitize_for_terminal(res.stdout))  # the planner's table: remote text
         if not res.ok:
             _print_err(f"{host.name}: planner failed: {res.error_line()}")
             return EXIT_FAILED
@@ -386,6 +453,24 @@ async def cmd_secret(args: argparse.Namespace) -> int:
 
 
 # --- parser and dispatch -------------------------------------------------------------------
+
+
+def _add_run_flags(sp: argparse.ArgumentParser) -> None:
+    from dflashctl.control import DEFAULT_START_WAIT_S
+
+    sp.add_argument(
+        "--resume",
+        metavar="PATH|STEP",
+        help="resume from this checkpoint (a path, or a step of run/checkpoints) instead of "
+        "the newest usable one",
+    )
+    sp.add_argument(
+        "--wait-s",
+        type=float,
+        default=DEFAULT_START_WAIT_S,
+        help="seconds to wait for the trainer to finish its setup or exit "
+        f"(default {DEFAULT_START_WAIT_S:g}; 0: do not wait)",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -417,8 +502,19 @@ def build_parser() -> argparse.ArgumentParser:
     sp = add("deploy", cmd_deploy, "deploy the trainer (and run config) to a host")
     sp.add_argument("--config", help="run config to push (default: run_config in hosts.toml)")
     sp.add_argument("--tree", help="directory holding the trainer/ to ship (default: installed)")
+    sp.add_argument(
+        "--fresh",
+        action="store_true",
+        help="push a config that cannot resume the checkpoints (start --fresh next)",
+    )
+    sp.add_argument(
+        "--break-lock",
+        action="store_true",
+        help="remove a deploy lock left by a dead deploy (refused while that deploy runs)",
+    )
     sp = add("start", cmd_start, "start the trainer in tmux")
     sp.add_argument("--fresh", action="store_true", help="archive checkpoints, start from step 0")
+    _add_run_flags(sp)
     sp = add("stop", cmd_stop, "SIGINT the trainer, wait for its checkpoint, end the session")
     sp.add_argument("--timeout", type=float, default=120.0, help="seconds to wait (default 120)")
     sp = add("restart", cmd_restart, "push config, deploy if changed, stop, start")
@@ -426,6 +522,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--config", help="run config to push (default: run_config in hosts.toml)")
     sp.add_argument("--timeout", type=float, default=120.0, help="stop timeout in seconds")
     sp.add_argument("--tree", help="directory holding the trainer/ to ship (default: installed)")
+    _add_run_flags(sp)
     sp = sub.add_parser("status", help="run state, release, config hash, latest status line")
     sp.add_argument("host", nargs="*")
     sp.add_argument("--json", action="store_true")
@@ -467,6 +564,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from dflashctl.deploy import DeployError
     from dflashctl.release import ReleaseError
     from dflashctl.remote.transport import HostUnreachable, TransportError
+    from dflashctl.resume import ResumeRefused
     from dflashctl.runconfig import RunConfigError
 
     args_in = list(sys.argv[1:] if argv is None else argv)
@@ -488,6 +586,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _run_delegate("tui", args_in)
     try:
         return asyncio.run(args.func(args))
+    except BrokenPipeError:
+        # `dflashctl status | head -1`: the reader left; say nothing more, like any filter.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 128 + 13  # as if killed by SIGPIPE
     except KeyboardInterrupt:
         _print_err("interrupted")
         return 130
@@ -497,7 +600,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except HostUnreachable as err:
         _print_err(str(err))
         return EXIT_UNREACHABLE
-    except (DeployError, TransportError, ControlError) as err:
+    except (DeployError, TransportError, ControlError, ResumeRefused) as err:
         for line in str(err).splitlines():
             _print_err(line)
         return EXIT_FAILED

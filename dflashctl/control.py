@@ -10,13 +10,24 @@ prunes it).
 from __future__ import annotations
 
 import asyncio
+import json
 import random
+import re
+import signal
 from collections.abc import AsyncIterator, Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dflashctl.deploy import RUNNING_RELEASE_FILE, DeployResult, deploy, push_config_file
+from dflashctl.deploy import (
+    RUNNING_RELEASE_FILE,
+    SWITCH_MARKER,
+    DeployResult,
+    acknowledge_switch,
+    deploy,
+    push_config_file,
+    switch_note,
+)
 from dflashctl.inventory import NAME_RE, HostConfig
 from dflashctl.release import Release
 from dflashctl.remote.commands import (
@@ -41,15 +52,31 @@ from dflashctl.remote.transport import (
     Transport,
     TransportError,
 )
-from trainer.events import CheckpointEvent, ErrorEvent, Event, StatusEvent, parse_line
+from trainer.events import (
+    PHASE_TEXTS,
+    CheckpointEvent,
+    ErrorEvent,
+    Event,
+    PhaseEvent,
+    StatusEvent,
+    parse_line,
+    sanitize_for_terminal,
+)
 
 MARK = "@@dflash@@:"
 LOG_RESTARTED = "restarted: status.log started over; reading it from its first line"
 GPU_QUERY = "index,name,utilization.gpu,memory.used,memory.total,temperature.gpu,power.draw"
+DEFAULT_START_WAIT_S = 120.0
+"""How long start/restart wait for the trainer's setup to finish (or for it to exit)."""
+RUN_STATE_FILE = "run/run-state.json"
 
 
 class ControlError(Exception):
     """A run-control operation failed (one line naming the host)."""
+
+
+class StartFailed(ControlError):
+    """The trainer exited right after it was started (exit status and its last error line)."""
 
 
 @dataclass(frozen=True)
@@ -79,6 +106,10 @@ class RunStatus:
     run_state: dict[str, Any] = field(default_factory=dict)
     pane_tail: list[str] = field(default_factory=list)
     message: str | None = None
+    signal: str | None = None  # the signal that ended the pane's process ("SIGKILL")
+    stop_signal: str | None = None  # the signal the trainer stopped on (run-state.json)
+    run_state_error: str | None = None  # run-state.json exists but cannot be read
+    switch_note: str | None = None  # a deploy switched `current` and never reported back
 
     @property
     def step(self) -> int | None:
@@ -110,6 +141,9 @@ class StartResult:
     release: str
     pane_pid: int | None
     argv: list[str]
+    ready: bool | None = None  # past setup (a phase line); False: still starting after wait_s
+    waited_s: float = 0.0
+    notes: list[str] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -156,6 +190,7 @@ STATUS_SCRIPT = (
     'echo "${m}log"; tail -n 400 run/status.log 2>/dev/null; echo\n'
     'echo "${m}config"; cat run/config.toml 2>/dev/null; echo\n'
     'echo "${m}capture"; tmux -L dflash capture-pane -p -J -t "=$2:" -S -60 2>/dev/null\n'
+    'echo "${m}switched"; cat ' + SWITCH_MARKER + " 2>/dev/null\n"
     "exit 0\n"
 )
 
@@ -180,15 +215,93 @@ def _events(text: str) -> list[Event]:
     return [parse_line(line) for line in text.splitlines() if line.strip()]
 
 
-def parse_status(host: str, stdout: str, hash_text: Callable[[str], str | None]) -> RunStatus:
-    """Build a RunStatus from the status script's output (pure apart from `hash_text`)."""
-    import json
+def current_run_start(events: list[Event]) -> int:
+    """Index of the first event of the last run in a status.log (the trainer appends across runs).
 
-    s = split_sections(stdout)
-    if "noworkdir" in s:
+    A run begins with its "loading" phase line, or with "starting" when no "loading" line of a
+    run still in its setup opened it (trainers that skip that phase; an ERROR ends a setup);
+    errors before that index belong to earlier runs.
+    """
+    begin, in_setup = 0, False
+    for i, e in enumerate(events):
+        if isinstance(e, ErrorEvent):
+            in_setup = False
+        elif isinstance(e, PhaseEvent):
+            if e.phase == "loading":
+                begin, in_setup = i, True
+            elif e.phase == "starting":
+                if not in_setup:
+                    begin = i
+                in_setup = False
+    return begin
+
+
+def signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"
+
+
+def _pane_signal(pane_text: str) -> int | None:
+    """The #{pane_dead_signal} field of a PANE_FORMAT line, when the pane died by a signal."""
+    line = pane_text.strip().splitlines()[-1] if pane_text.strip() else ""
+    parts = line.split("|")
+    return int(parts[2]) if len(parts) == 4 and parts[2].isdigit() else None
+
+
+def _clean(value: Any) -> Any:
+    """JSON from the host with every string made safe to print (see sanitize_for_terminal)."""
+    if isinstance(value, str):
+        return sanitize_for_terminal(value)
+    if isinstance(value, list):
+        return [_clean(v) for v in value]
+    if isinstance(value, dict):
+        return {sanitize_for_terminal(str(k)): _clean(v) for k, v in value.items()}
+    return value
+
+
+def parse_run_state(text: str) -> tuple[dict[str, Any], str | None]:
+    """run-state.json -> (fields, None); a corrupted file -> ({}, why), never silently {}."""
+    if not text.strip():
+        return {}, None
+    try:
+        raw = json.loads(text)
+    except json.JSONDecodeError as err:
+        return {}, f"{RUN_STATE_FILE} is corrupted: {err.msg} (byte {err.pos})"
+    if not isinstance(raw, dict):
+        return {}, f"{RUN_STATE_FILE} is corrupted: a JSON {type(raw).__name__}, not an object"
+    return _clean(raw), None
+
+
+def trainer_completed_stop(run_state: dict[str, Any], pane: PaneState) -> bool:
+    """The pane's process wrote a clean stopped/finished record before it ended.
+
+    Whatever signal the pane reports last (a second Ctrl-C during the checkpoint), the trainer's
+    own record is the truth when it is this process's (same pid).
+    """
+    return (
+        pane.pid is not None
+        and run_state.get("pid") == pane.pid
+        and run_state.get("state") in {"stopped", "finished"}
+        and run_state.get("exit_status") == 0
+    )
+
+
+def parse_status(host: str, stdout: str, hash_text: Callable[[str], str | None]) -> RunStatus:
+    """Build a RunStatus from the status script's output (pure apart from `hash_text`).
+
+    The one reader of status output: every section shown to people passes through
+    `sanitize_for_terminal` here (the config is only hashed, so it stays byte-exact).
+    """
+    raw = split_sections(stdout)
+    if "noworkdir" in raw:
         return RunStatus(host=host, state="stopped", message="nothing deployed yet")
+    s = {k: v if k == "config" else sanitize_for_terminal(v) for k, v in raw.items()}
     pane = parse_pane_state(s.get("pane", "")) if s.get("session") == "yes" else None
     capture = s.get("capture", "")
+    run_state, run_state_error = parse_run_state(s.get("run_state", ""))
+    sig: int | None = None
     if pane is None:
         state, exit_status = "stopped", None
     elif not pane.dead:
@@ -196,12 +309,10 @@ def parse_status(host: str, stdout: str, hash_text: Callable[[str], str | None])
     else:
         exit_status = pane.exit_status
         state = "stopped" if exit_status == 0 else "crashed"
-    try:
-        run_state = json.loads(s.get("run_state") or "{}")
-        if not isinstance(run_state, dict):
-            run_state = {}
-    except json.JSONDecodeError:
-        run_state = {}
+        if state == "crashed" and trainer_completed_stop(run_state, pane):
+            state, exit_status = "stopped", 0
+        else:
+            sig = _pane_signal(s.get("pane", ""))
     log_events = _events(s.get("log", ""))
     last_status = next((e for e in reversed(log_events) if isinstance(e, StatusEvent)), None)
     last_ckpt = next((e for e in reversed(log_events) if isinstance(e, CheckpointEvent)), None)
@@ -212,10 +323,13 @@ def parse_status(host: str, stdout: str, hash_text: Callable[[str], str | None])
         last_status = next((e for e in reversed(pane_events) if isinstance(e, StatusEvent)), None)
     if last_ckpt is None:
         last_ckpt = next((e for e in reversed(pane_events) if isinstance(e, CheckpointEvent)), None)
-    errors = [e for e in [*log_events, *pane_events] if isinstance(e, ErrorEvent)]
+    # Errors of the current run only: status.log keeps every run's lines, the pane only this one.
+    this_run = log_events[current_run_start(log_events) :]
+    errors = [e for e in [*this_run, *pane_events] if isinstance(e, ErrorEvent)]
     config_text = s.get("config", "")
     lines = s.get("log_lines", "0").strip()
     current = s.get("current", "").strip()
+    stop_signal = run_state.get("stop_signal")
     return RunStatus(
         host=host,
         state=state,
@@ -230,12 +344,75 @@ def parse_status(host: str, stdout: str, hash_text: Callable[[str], str | None])
         log_lines=int(lines) if lines.isdigit() else 0,
         run_state=run_state,
         pane_tail=capture.splitlines()[-20:] if state == "crashed" else [],
+        signal=signal_name(sig) if sig is not None else None,
+        stop_signal=stop_signal if isinstance(stop_signal, str) and stop_signal else None,
+        run_state_error=run_state_error,
+        switch_note=switch_note(s.get("switched", ""), current),
     )
 
 
-def trainer_argv(python: str, fresh: bool) -> list[str]:
+def trainer_argv(python: str, fresh: bool, resume: str = "auto") -> list[str]:
+    """The trainer's argv; `resume` is passed as given (auto | never | STEP | PATH)."""
     argv = [python, "-m", "trainer", "--config", "run/config.toml", "--run-dir", "run"]
-    return [*argv, "--fresh"] if fresh else [*argv, "--resume", "auto"]
+    return [*argv, "--fresh"] if fresh else [*argv, "--resume", resume]
+
+
+# A line that shows the trainer got past its setup (device, data, target, checkpoint loaded).
+READY_PATTERN = (
+    "^("
+    + "|".join(re.escape(PHASE_TEXTS[p]) for p in ("starting", "running"))
+    + r"|\[[0-9]+m\] step=)"
+)
+
+# $1 workdir $2 session $3 first status.log line to scan (1-based) $4 max ticks of 0.2 s
+# $5 READY_PATTERN. Prints exited | ready | waiting.
+START_WAIT_SCRIPT = r"""cd "$1"
+i=0
+while :; do
+  dead=$(tmux -L dflash display-message -p -t "=$2:" '#{pane_dead}' 2>/dev/null || echo gone)
+  if [ "$dead" != 0 ]; then echo "exited"; break; fi
+  from=$3; n=$(wc -l < run/status.log 2>/dev/null || echo 0)
+  [ "$n" -ge $((from - 1)) ] || from=1
+  if tail -n +"$from" run/status.log 2>/dev/null | grep -q -E "$5"; then echo "ready"; break; fi
+  i=$((i + 1))
+  if [ "$i" -ge "$4" ]; then echo "waiting"; break; fi
+  sleep 0.2
+done
+"""
+
+
+def start_wait_argv(workdir: str, session: str, from_line: int, wait_s: float) -> list[str]:
+    ticks = max(1, int(wait_s / 0.2))
+    return [
+        "sh",
+        "-c",
+        START_WAIT_SCRIPT,
+        "dflash-start-wait",
+        workdir,
+        session,
+        str(from_line + 1),
+        str(ticks),
+        READY_PATTERN,
+    ]
+
+
+def last_error_line(log_text: str, capture: str) -> str | None:
+    """The run's own ERROR line (status.log, else the pane), else the pane's last line."""
+    for text in (log_text, capture):
+        errors = [e for e in _events(text) if isinstance(e, ErrorEvent)]
+        if errors:
+            return errors[-1].message
+    rows = [ln.strip() for ln in capture.splitlines() if ln.strip()]
+    return rows[-1] if rows else None
+
+
+def describe_exit(exit_status: int | None, sig: int | None) -> str:
+    if sig is not None:
+        return f"was killed by {signal_name(sig)} (exit status {128 + sig})"
+    if exit_status is None:
+        return "exited (no exit status)"
+    what = {1: " (failed)", 2: " (refused: a user error)"}.get(exit_status, "")
+    return f"exited with status {exit_status}{what}"
 
 
 # $1 workdir $2 session $3 first status.log line to scan (1-based) $4 max ticks of 0.2 s.
@@ -360,11 +537,24 @@ class RunControl:
             raise ControlError(f"{self.host.name}: writing {path}: {res.error_line()}")
         return path
 
-    async def start(self, *, fresh: bool = False) -> StartResult:
+    async def start(
+        self,
+        *,
+        fresh: bool = False,
+        resume: str = "auto",
+        wait_s: float = DEFAULT_START_WAIT_S,
+        progress: Callable[[str], None] | None = None,
+    ) -> StartResult:
+        """Start the trainer and wait (up to `wait_s`) until it is past its setup or has exited.
+
+        A trainer that exits in that time (bad device, a store that is not a store, a refused
+        resume) raises StartFailed with its exit status and last error line: "started" must
+        never be said of a run that is already dead. `wait_s=0` skips the wait.
+        """
         st = await self.status()
         if st.state == "unreachable":
             raise HostUnreachable(st.message or f"{self.host.name}: unreachable")
-        argv = trainer_argv(self.host.python, fresh)
+        argv = trainer_argv(self.host.python, fresh, resume)
         if st.state == "running":
             return StartResult(self.host.name, False, st.run_release or "", None, argv)
         if st.release is None:
@@ -391,11 +581,48 @@ class RunControl:
             "PYTHONPATH": self._path(f"releases/{release}"),
             "DFLASH_RELEASE": release,
         }
+        notes = [st.switch_note] if st.switch_note else []
+        if st.switch_note:
+            await self._run(acknowledge_switch(self.host.workdir))
         res = await self.new_session(argv, env)
         if not res.ok:
             raise ControlError(f"{self.host.name}: tmux new-session: {res.error_line()}")
         state = await self._pane_state()
-        return StartResult(self.host.name, True, release, state.pid if state else None, argv)
+        pid = state.pid if state else None
+        if wait_s <= 0:
+            return StartResult(self.host.name, True, release, pid, argv, notes=notes)
+        if progress:
+            progress(f"{self.host.name}: waiting up to {wait_s:g} s for the trainer's setup")
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        waited = await self._run(
+            start_wait_argv(self.host.workdir, self.host.session, st.log_lines, wait_s),
+            timeout=wait_s + 60,
+        )
+        outcome = (waited.stdout.strip().splitlines() or ["waiting"])[-1]
+        took = loop.time() - t0
+        if outcome == "exited":
+            raise await self._start_failure(st.log_lines, took)
+        return StartResult(
+            self.host.name, True, release, pid, argv, outcome == "ready", took, notes
+        )
+
+    async def _start_failure(self, mark: int, took: float) -> StartFailed:
+        """What a trainer that exited during its start said: exit status and last error."""
+        pane = await self._run(tmux_settled_pane_state(self.host.session))
+        state = parse_pane_state(pane.stdout) if pane.ok else None
+        sig = _pane_signal(pane.stdout) if pane.ok else None
+        log = await self._run(["tail", "-n", f"+{mark + 1}", self._path("run/status.log")])
+        cap = await self._run(tmux_capture(self.host.session, 300))
+        error = last_error_line(
+            sanitize_for_terminal(log.stdout if log.ok else ""),
+            sanitize_for_terminal(cap.stdout if cap.ok else ""),
+        )
+        how = describe_exit(state.exit_status if state else None, sig)
+        return StartFailed(
+            f"{self.host.name}: the trainer {how} {took:.0f} s after it was started: "
+            f"{error or 'it printed nothing'}"
+        )
 
     async def new_session(self, argv: list[str], env: dict[str, str]) -> CommandResult:
         """`tmux new-session` for the host's session running argv in the workdir.
@@ -460,17 +687,21 @@ class RunControl:
         stop_timeout: float = 120.0,
         progress: Callable[[str], None] | None = None,
         release: Release | None = None,
+        resume: str = "auto",
+        wait_s: float = DEFAULT_START_WAIT_S,
     ) -> RestartResult:
         """Push config, deploy if the tree changed, stop, start.
 
-        Refuses (ControlError) when the config change makes resuming impossible and `fresh` is
-        not set: silently training from scratch, or crashing on resume, both waste GPU hours.
+        Refuses (ResumeRefused) when the config cannot resume the checkpoint a resume would load
+        and `fresh` is not set: silently training from scratch, or crashing on resume, both waste
+        GPU hours. The check is the one `deploy --config` makes (dflashctl.resume).
         """
+        from dflashctl.resume import check_config_push
         from dflashctl.runconfig import (
             config_diff,
             config_hash_of_file,
             config_hash_of_text,
-            resume_breaking_changes,
+            read_config_text,
         )
 
         path = config or self.host.run_config
@@ -478,22 +709,27 @@ class RunControl:
         diff = ""
         new_hash = config_hash_of_text(old_text) if old_text else None
         if path is not None:
-            new_text = path.read_text(encoding="utf-8")
+            new_text = read_config_text(path)
             diff = config_diff(
                 old_text, new_text, old_name=f"{self.host.name}:run/config.toml", new_name=str(path)
             )
-            breaking = resume_breaking_changes(old_text, path) if old_text else []
-            if breaking and not fresh:
-                raise ControlError(
-                    f"{self.host.name}: {path} changes {', '.join(breaking)}, which makes resuming "
-                    f"impossible; restart with --fresh (checkpoints are archived, not deleted)"
-                )
+            check = await check_config_push(
+                self.transport, self.host, path, fresh=fresh, resume=resume
+            )
+            for note in check.notes:
+                if progress:
+                    progress(note)
             new_hash = config_hash_of_file(path)
         dep = await deploy(
-            self.transport, self.host, config=path, progress=progress, release=release
+            self.transport,
+            self.host,
+            config=path,
+            progress=progress,
+            release=release,
+            resume_checked=True,
         )
         stopped = await self.stop(stop_timeout)
-        started = await self.start(fresh=fresh)
+        started = await self.start(fresh=fresh, resume=resume, wait_s=wait_s, progress=progress)
         return RestartResult(
             self.host.name,
             dep,
@@ -503,6 +739,12 @@ class RunControl:
             config_hash_of_text(old_text) if old_text else None,
             new_hash,
         )
+
+    async def checkpoint_config(self, resume: str = "auto") -> Any:
+        """The config saved in the checkpoint a resume would load (a CheckpointConfig or None)."""
+        from dflashctl.resume import read_checkpoint_config
+
+        return await read_checkpoint_config(self.transport, self.host, resume)
 
     async def gpus(self) -> list[GpuSample]:
         """GPU samples from nvidia-smi in the container ([] when it has none)."""
@@ -514,6 +756,13 @@ class RunControl:
         if not res.ok:
             raise ControlError(f"{self.host.name}: nvidia-smi: {res.error_line()}")
         return parse_gpu_csv(res.stdout)
+
+    async def log_tail(self, from_line: int) -> list[str]:
+        """run/status.log from 0-based `from_line`, made safe to print."""
+        res = await self._run(["tail", "-n", f"+{from_line + 1}", self._path("run/status.log")])
+        if not res.ok and "No such file" not in res.stderr:
+            raise ControlError(f"{self.host.name}: reading run/status.log: {res.error_line()}")
+        return sanitize_for_terminal(res.stdout).splitlines()
 
     async def _log_started_over(self, lines_read: int) -> bool:
         """Is run/status.log now shorter than the lines already read from it (or gone)?"""
@@ -562,7 +811,7 @@ class RunControl:
                 ):
                     next_line += 1
                     attempt = 0
-                    yield line
+                    yield sanitize_for_terminal(line)  # the one reader of the live log
                 reason = "stream ended"
             except HostKeyError:
                 raise  # retrying cannot fix an unknown or changed host key

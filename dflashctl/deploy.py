@@ -6,14 +6,21 @@ Order of operations (each a single remote round trip):
      verify the unpacked tree hash, write .complete, rename to releases/<id>
   -> write run/config.toml, switch `current` (symlink to a temp name + mv -T: never a moment
      without a link), prune old releases (never `current` nor the one the running trainer
-     uses), unlock.
+     uses), unlock -> acknowledge the switch.
 A failure anywhere before the switch leaves `current` untouched.
+
+The switch leaves WORKDIR/.deploy-switched (owner, previous, new) until the client that made it
+has read the result and removes it: a client killed while the switch ran cannot leave `current`
+changed without anyone saying so (status, start and the next deploy report it). A lock whose
+owner provably died (same machine, pid gone or reused) is taken over with a message; any other
+lock is broken only by `deploy --break-lock`, never while its deploy is provably alive.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import re
 import socket
 import time
 from collections.abc import Callable
@@ -35,6 +42,8 @@ from dflashctl.remote.transport import Transport, TransportError
 Progress = Callable[[str], None]
 LOCK_NAME = ".deploy.lock"
 RUNNING_RELEASE_FILE = "run/.release"
+SWITCH_MARKER = ".deploy-switched"
+OWNER_RE = re.compile(r"(?P<host>\S+) pid (?P<pid>\d+)(?: start (?P<start>\d+))? at (?P<at>\S+)")
 
 
 class DeployError(Exception):
@@ -43,6 +52,127 @@ class DeployError(Exception):
 
 class LockHeld(DeployError):
     """Another deploy holds the lock (it is theirs: we must not remove it)."""
+
+    def __init__(self, message: str, owner: str = "") -> None:
+        super().__init__(message)
+        self.owner = owner
+
+
+# --- the lock's owner ----------------------------------------------------------------------
+
+
+def _proc_start(pid: int) -> str | None:
+    """Start time of `pid` in clock ticks since boot (/proc/PID/stat field 22), if readable."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = stat[stat.rfind(")") + 2 :].split()
+    return fields[19] if len(fields) > 19 else None
+
+
+def lock_owner(pid: int | None = None) -> str:
+    """`HOST pid N start T at TIME`: enough to tell later whether that process still runs."""
+    pid = os.getpid() if pid is None else pid
+    start = _proc_start(pid)
+    tag = f" start {start}" if start else ""
+    return f"{socket.gethostname()} pid {pid}{tag} at {time.strftime('%Y-%m-%dT%H:%M:%S')}"
+
+
+def owner_alive(owner: str) -> bool | None:
+    """Is the deploy that wrote `owner` still running? None: cannot tell (another machine).
+
+    Dead means: same machine and the pid is gone, or it now belongs to another process (its
+    start time differs, or, for owners without one, it is not a dflashctl process).
+    """
+    m = OWNER_RE.fullmatch(owner.strip())
+    if m is None or m["host"] != socket.gethostname():
+        return None
+    pid = int(m["pid"])
+    if not Path("/proc/self/stat").exists():  # no /proc (macOS): only "is the pid there"
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        return True
+    start = _proc_start(pid)
+    if start is None:
+        return False
+    if m["start"]:
+        return start == m["start"]
+    if pid == os.getpid():
+        return True
+    try:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False
+    return b"dflashctl" in cmdline
+
+
+def take_over_argv(workdir: str, owner: str) -> list[str]:
+    """Remove the lock only if `owner` still holds it (atomic rename: one taker wins)."""
+    script = (
+        'l="$1/' + LOCK_NAME + '"; [ "$(cat "$l/owner" 2>/dev/null)" = "$2" ] || exit 75; '
+        'mv "$l" "$l.stale.$$" 2>/dev/null || exit 75; rm -rf "$l.stale.$$"'
+    )
+    return ["sh", "-c", script, "dflash-takeover", workdir, owner]
+
+
+# $1 workdir. Refuses (76) while an unpack or switch for this workdir runs in the container.
+BREAK_LOCK_SCRIPT = r"""l="$1/.deploy.lock"
+[ -d "$l" ] || { echo "no lock"; exit 0; }
+for f in /proc/[0-9]*/cmdline; do
+  c=$(tr '\0' ' ' < "$f" 2>/dev/null) || continue
+  case "$c" in
+    *"dflash-unpack $1 "*|*"dflash-switch $1 "*) p=${f#/proc/}; echo "busy: pid ${p%/cmdline}"; exit 76;;
+  esac
+done
+echo "broke: $(cat "$l/owner" 2>/dev/null)"
+rm -rf "$l"
+"""
+
+
+def break_lock_argv(workdir: str) -> list[str]:
+    return ["sh", "-c", BREAK_LOCK_SCRIPT, "dflash-break-lock", workdir]
+
+
+def read_lock_owner_argv(workdir: str) -> list[str]:
+    return [
+        "sh",
+        "-c",
+        'cat "$1/' + LOCK_NAME + '/owner" 2>/dev/null; exit 0',
+        "dflash-owner",
+        workdir,
+    ]
+
+
+# --- the switch marker ---------------------------------------------------------------------
+
+
+def switch_note(marker: str, current: str) -> str | None:
+    """A line for people from WORKDIR/.deploy-switched (None when there is none)."""
+    parts = marker.strip().split("\t")
+    if len(parts) < 3:
+        return None
+    owner, previous, new = parts[0], parts[1] or "None", parts[2]
+    now = current.rsplit("/", 1)[-1] if current else "None"
+    done = "it is switched" if now == new else f"current is {now}"
+    return (
+        f"a deploy switched current {previous.rsplit('/', 1)[-1]} -> {new} and never reported "
+        f"back ({owner}); {done}"
+    )
+
+
+def acknowledge_switch(workdir: str, owner: str | None = None) -> list[str]:
+    """Remove the switch marker (only if `owner` wrote it, when given): it has been reported."""
+    script = (
+        'm="$1/' + SWITCH_MARKER + '"; '
+        'if [ -z "$2" ] || [ "$(head -n 1 "$m" 2>/dev/null | cut -f 1)" = "$2" ]; then '
+        'rm -f "$m"; fi'
+    )
+    return ["sh", "-c", script, "dflash-ack", workdir, owner or ""]
 
 
 @dataclass(frozen=True)
@@ -122,8 +252,9 @@ def unpack_argv(workdir: str, release: str, python: str) -> list[str]:
     return ["sh", "-c", UNPACK_SCRIPT, "dflash-unpack", workdir, release, python, VERIFY_SCRIPT]
 
 
-# $1 workdir, $2 release id, $3 releases to keep, $4 "config" when the run config comes on stdin.
-# Writes the config (temp + rename), switches `current`, prunes, and releases the deploy lock
+# $1 workdir, $2 release id, $3 releases to keep, $4 "config" when the run config comes on stdin,
+# $5 owner. Writes the config (temp + rename), records the switch in .deploy-switched (an older,
+# unreported one is printed first), switches `current`, prunes, and releases the deploy lock
 # last; `set -e` leaves the lock for the caller's cleanup if anything fails.
 SWITCH_SCRIPT = r"""set -e
 cd "$1"
@@ -133,6 +264,8 @@ if [ "$4" = config ]; then
   cat > "run/.config.toml.tmp.$$"
   mv -f "run/.config.toml.tmp.$$" run/config.toml
 fi
+if [ -s .deploy-switched ]; then printf 'unreported: %s\n' "$(cat .deploy-switched)"; fi
+printf '%s\t%s\t%s\n' "$5" "$(readlink current 2>/dev/null || true)" "$2" > .deploy-switched
 ln -s "releases/$2" ".current.tmp.$$"
 mv -T ".current.tmp.$$" current
 keep="$2 $(cat run/.release 2>/dev/null || true)"
@@ -147,9 +280,11 @@ rm -rf .deploy.lock
 """
 
 
-def switch_argv(workdir: str, release: str, keep: int, *, with_config: bool = False) -> list[str]:
+def switch_argv(
+    workdir: str, release: str, keep: int, *, with_config: bool = False, owner: str = "-"
+) -> list[str]:
     flag = "config" if with_config else "-"
-    return ["sh", "-c", SWITCH_SCRIPT, "dflash-switch", workdir, release, str(keep), flag]
+    return ["sh", "-c", SWITCH_SCRIPT, "dflash-switch", workdir, release, str(keep), flag, owner]
 
 
 def _emit(progress: Progress | None, msg: str) -> None:
@@ -180,9 +315,12 @@ async def run_preflight(
         argv = locked_argv(host.workdir, owner, argv)
     res = await transport.run(argv, timeout=180)
     if owner is not None and res.rc == 75:
+        held = res.stdout.strip().removeprefix("held by:").strip()
         raise LockHeld(
             f"{host.name}: another deploy holds {host.workdir}/{LOCK_NAME} "
-            f"({res.stdout.strip()}); remove it only if no deploy is running"
+            f"(held by: {held or 'unknown owner'}); if no deploy is running there: "
+            f"dflashctl deploy {host.name} --break-lock",
+            held,
         )
     if res.rc == 74:
         raise DeployError(f"{host.name}: cannot create {host.workdir}: {res.error_line()}")
@@ -209,6 +347,62 @@ async def push_config_file(transport: Transport, host: HostConfig, path: Path) -
         raise DeployError(f"{host.name}: writing {host.run_dir}/config.toml: {res.error_line()}")
 
 
+async def _take_lock_and_probe(
+    transport: Transport,
+    host: HostConfig,
+    rel: Release,
+    owner: str,
+    *,
+    min_free: int,
+    import_check: bool,
+    progress: Progress | None,
+) -> Preflight:
+    """The locked preflight; a lock whose owner provably died is taken over (once)."""
+    for attempt in range(2):
+        try:
+            return await run_preflight(
+                transport,
+                host,
+                rel.id,
+                min_free_bytes=min_free,
+                import_check=import_check,
+                owner=owner,
+            )
+        except LockHeld as held:
+            if attempt or not held.owner or owner_alive(held.owner) is not False:
+                raise
+            _emit(
+                progress,
+                f"{host.name}: taking over a stale deploy lock: its owner ({held.owner}) is no "
+                f"longer running",
+            )
+            await transport.run(take_over_argv(host.workdir, held.owner), timeout=60)
+    raise AssertionError("unreachable")
+
+
+async def break_lock(transport: Transport, host: HostConfig, progress: Progress | None) -> None:
+    """`deploy --break-lock`: remove the lock unless its deploy is provably alive."""
+    res = await transport.run(read_lock_owner_argv(host.workdir), timeout=60)
+    owner = res.stdout.strip()
+    if owner and owner_alive(owner):
+        raise DeployError(
+            f"{host.name}: not breaking {host.workdir}/{LOCK_NAME}: its deploy is still running "
+            f"({owner})"
+        )
+    res = await transport.run(break_lock_argv(host.workdir), timeout=60)
+    if res.rc == 76:
+        raise DeployError(
+            f"{host.name}: not breaking {host.workdir}/{LOCK_NAME}: a deploy step is running in "
+            f"container {host.ctid} ({res.stdout.strip().removeprefix('busy: ')})"
+        )
+    if not res.ok:
+        raise DeployError(f"{host.name}: breaking the deploy lock: {res.error_line()}")
+    out = res.stdout.strip()
+    if out.startswith("broke:"):
+        who = out.removeprefix("broke:").strip() or "unknown owner"
+        _emit(progress, f"{host.name}: broke the deploy lock held by: {who}")
+
+
 async def deploy(
     transport: Transport,
     host: HostConfig,
@@ -218,9 +412,14 @@ async def deploy(
     release: Release | None = None,
     min_free_bytes: int = GIB,
     import_check: bool = True,
+    fresh: bool = False,
+    resume_checked: bool = False,
+    break_stale_lock: bool = False,
 ) -> DeployResult:
     """Deploy the trainer tree (default: the installed `trainer` package) to `host`.
 
+    A pushed config goes through the resume check (dflashctl.resume) unless the caller already
+    made it (`resume_checked`, restart) or the run is meant to start over (`fresh`).
     `import_check=False` reads module versions from metadata instead of importing them (fast;
     for tests and benchmarks that deploy repeatedly). The CLI always imports.
     """
@@ -231,19 +430,34 @@ async def deploy(
     rel = release or build_release()
     _emit(progress, f"{host.name}: release {rel.id} ({rel.files} files, {len(rel.tar)} bytes)")
     await check_container(transport, host)
-    owner = f"{socket.gethostname()} pid {os.getpid()} at {time.strftime('%Y-%m-%dT%H:%M:%S')}"
+    if config is not None and not resume_checked:
+        from dflashctl.resume import check_config_push
+
+        check = await check_config_push(
+            transport,
+            host,
+            config,
+            fresh=fresh,
+            fresh_hint=f"`dflashctl deploy {host.name} --fresh` then `start --fresh`",
+        )
+        for note in check.notes:
+            _emit(progress, note)
+    if break_stale_lock:
+        await break_lock(transport, host, progress)
+    owner = lock_owner()
     holding = False
     try:
         min_free = max(min_free_bytes, 4 * len(rel.tar))
         holding = True  # from here on the lock may be ours; unlock checks its owner line
         try:
-            pre = await run_preflight(
+            pre = await _take_lock_and_probe(
                 transport,
                 host,
-                rel.id,
-                min_free_bytes=min_free,
+                rel,
+                owner,
+                min_free=min_free,
                 import_check=import_check,
-                owner=owner,
+                progress=progress,
             )
         except LockHeld:
             holding = False
@@ -263,13 +477,26 @@ async def deploy(
                 raise DeployError(f"{host.name}: unpacking release {rel.id}: {res.error_line()}")
             sent = len(rel.tar)
         res = await transport.run(
-            switch_argv(host.workdir, rel.id, host.keep_releases, with_config=config is not None),
+            switch_argv(
+                host.workdir,
+                rel.id,
+                host.keep_releases,
+                with_config=config is not None,
+                owner=owner,
+            ),
             input=config.read_bytes() if config is not None else None,
             timeout=60,
         )
         if not res.ok:
             raise DeployError(f"{host.name}: switching current to {rel.id}: {res.error_line()}")
         holding = False  # the switch script released it
+        for line in res.stdout.splitlines():
+            if line.startswith("unreported: "):
+                note = switch_note(line.removeprefix("unreported: "), pre.current or "")
+                _emit(progress, f"{host.name}: note: {note}")
+        # We have the result: the switch is reported (to our caller) from here on.
+        with contextlib.suppress(TransportError):
+            await transport.run(acknowledge_switch(host.workdir, owner), timeout=60)
         if config is not None:
             _emit(progress, f"{host.name}: pushed {config} -> {host.run_dir}/config.toml")
         pruned = [ln.split()[1] for ln in res.stdout.splitlines() if ln.startswith("pruned ")]

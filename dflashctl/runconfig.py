@@ -16,10 +16,29 @@ class RunConfigError(Exception):
     """The run config is invalid (message names the file and key)."""
 
 
+def read_config_text(path: Path) -> str:
+    """The config file's text; RunConfigError (one line, file and byte offset) if not UTF-8."""
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        raise RunConfigError(f"{path}: run config not found") from None
+    except OSError as err:
+        raise RunConfigError(f"{path}: cannot read: {err.strerror or err}") from None
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        line = data[: err.start].count(b"\n") + 1
+        raise RunConfigError(
+            f"{path}: not UTF-8 text at byte {err.start} (line {line}): "
+            f"invalid byte 0x{data[err.start]:02x}"
+        ) from None
+
+
 def validate_config(path: Path) -> object:
     """Load `path` with TrainConfig.load; RunConfigError on any problem."""
     if not path.is_file():
         raise RunConfigError(f"{path}: run config not found")
+    read_config_text(path)  # a non-UTF-8 file is named with its byte offset, whatever the loader
     try:
         from trainer.config import ConfigError, TrainConfig
     except ImportError as err:

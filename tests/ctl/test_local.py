@@ -15,12 +15,13 @@ from pathlib import Path
 
 import pytest
 
-from dflashctl.control import ControlError, RunControl
+from dflashctl.control import ControlError, RunControl, StartFailed
 from dflashctl.deploy import DeployError, deploy
 from dflashctl.inventory import HostConfig, local_host
 from dflashctl.release import Release, build_release
 from dflashctl.remote import CommandTimeout, LocalTransport
 from dflashctl.remote.commands import PaneState, parse_pane_state, tmux_settled_pane_state
+from dflashctl.resume import ResumeRefused
 from tests.conftest import require_part
 from tests.ctl.parts import bump_buckets, halve_lr
 
@@ -199,12 +200,9 @@ async def test_crash_leaves_exit_status_and_tail(ctl: RunControl, tmp_path: Path
     )
     Path(host.run_dir).mkdir(parents=True, exist_ok=True)
     (Path(host.run_dir) / "config.toml").write_text("crash = true\n")
-    await ctl.start()
-
-    async def dead() -> bool:
-        return (await ctl.status()).state != "running"
-
-    await wait_for(dead)
+    # start waits for the trainer's setup: one that dies at once is a failed start, not "started"
+    with pytest.raises(StartFailed, match=r"exited with status 3 .*: config asked for a crash$"):
+        await ctl.start()
     st = await ctl.status()
     assert st.state == "crashed" and st.exit_status == 3
     assert st.last_error == "config asked for a crash"
@@ -238,19 +236,97 @@ async def test_secret_goes_through_stdin_into_a_0600_file(ctl: RunControl) -> No
 TINY = Path(__file__).resolve().parents[2] / "configs" / "tiny-cpu.toml"
 
 
-async def test_restart_refuses_resume_breaking_change_without_fresh(
+def write_checkpoint(run: Path, step: int, config_text: str) -> Path:
+    """A checkpoint as the trainer writes it (its own writer), saving `config_text`'s config."""
+    pytest.importorskip("torch")
+    import torch
+
+    from trainer.config import TrainConfig
+    from trainer.pipeline.checkpoint import save_checkpoint
+
+    src = run / f".ckpt-config-{step}.toml"
+    src.write_text(config_text)
+    cfg = TrainConfig.load(src)
+    src.unlink()
+    state = {
+        "step": step,
+        "drafter": {"fc.weight": torch.zeros(4, 4)},
+        "optimizer": {"state": {}, "param_groups": [{"lr": 1e-3}]},
+        "rng": [{"anchor": torch.Generator().get_state()}],
+        "config": cfg.model_dump(mode="json"),
+        "world_size": 1,
+    }
+    return save_checkpoint(run, step, state, keep_last=10)
+
+
+async def test_restart_refuses_a_change_the_checkpoint_cannot_resume(
     ctl: RunControl, tmp_path: Path
 ) -> None:
     require_part(TINY.is_file(), "configs/tiny-cpu.toml not in this checkout")
     run = Path(ctl.host.run_dir)
     run.mkdir(parents=True)
     (run / "config.toml").write_text(TINY.read_text())
+    ckpt = write_checkpoint(run, 12, TINY.read_text())
     new = tmp_path / "new.toml"
     new.write_text(bump_buckets(TINY.read_text()))
-    with pytest.raises(ControlError, match=r"batching\.num_buckets.*--fresh"):
+    with pytest.raises(
+        ResumeRefused, match=r"batching\.num_buckets against .*step-00000012\.pt.*--fresh"
+    ):
         await ctl.restart(config=new)
     assert (run / "config.toml").read_text() == TINY.read_text()  # nothing pushed
     assert not (Path(ctl.host.workdir) / "releases").exists()  # nothing deployed
+    # --resume STEP names the checkpoint compared against; --fresh skips the comparison
+    found = await ctl.checkpoint_config("12")
+    assert found is not None and found.step == 12 and found.path.endswith(ckpt.name)
+
+
+async def test_one_resume_rule_for_deploy_and_restart_against_the_checkpoint(
+    ctl: RunControl, tmp_path: Path
+) -> None:
+    """The fault: `deploy --config B` (breaking) went through unchecked, after which going back
+    to A (the checkpoint's own config) was refused by restart with advice to use --fresh."""
+    require_part(TINY.is_file(), "configs/tiny-cpu.toml not in this checkout")
+    rel = build_release(standin_copy(tmp_path))
+    a = tmp_path / "a.toml"
+    a.write_text(TINY.read_text())
+    b = tmp_path / "b.toml"
+    b.write_text(bump_buckets(TINY.read_text()))
+    kw = {"release": rel, "min_free_bytes": 0, "import_check": False}
+    await deploy(ctl.transport, ctl.host, config=a, **kw)
+    run = Path(ctl.host.run_dir)
+    write_checkpoint(run, 7, a.read_text())
+    with pytest.raises(ResumeRefused, match=r"num_buckets .*step-00000007\.pt"):
+        await deploy(ctl.transport, ctl.host, config=b, **kw)
+    assert (run / "config.toml").read_text() == a.read_text()  # B was not pushed
+    await deploy(ctl.transport, ctl.host, config=b, fresh=True, **kw)  # meant for a fresh start
+    assert (run / "config.toml").read_text() == b.read_text()
+    # back to A: it matches the checkpoint, so it resumes (the deployed B is not the reference)
+    res = await ctl.restart(config=a, release=rel, stop_timeout=20)
+    assert res.start.started and res.start.ready
+    assert (run / "config.toml").read_text() == a.read_text()
+    await ctl.stop(timeout=20)
+
+
+async def test_checkpoint_config_skips_an_unreadable_newest_checkpoint(
+    ctl: RunControl, tmp_path: Path
+) -> None:
+    require_part(TINY.is_file(), "configs/tiny-cpu.toml not in this checkout")
+    run = Path(ctl.host.run_dir)
+    run.mkdir(parents=True)
+    write_checkpoint(run, 5, TINY.read_text())
+    newest = write_checkpoint(run, 9, bump_buckets(TINY.read_text()))
+    newest.write_bytes(newest.read_bytes()[:300])  # truncated, as a full disk leaves it
+    found = await ctl.checkpoint_config()
+    assert found is not None and found.step == 5 and found.count == 2
+    assert [p for p, _ in found.skipped] == ["run/checkpoints/step-00000009.pt"]
+    # so the tiny config resumes step 5 and is not refused for what step 9 had
+    new = tmp_path / "same.toml"
+    new.write_text(TINY.read_text())
+    from dflashctl.resume import check_config_push
+
+    check = await check_config_push(ctl.transport, ctl.host, new, fresh=False)
+    assert check.checkpoint is not None and check.checkpoint.step == 5
+    assert any("step-00000009.pt unreadable" in n for n in check.notes)
 
 
 async def test_restart_pushes_config_redeploys_and_resumes(ctl: RunControl, tmp_path: Path) -> None:
@@ -425,3 +501,239 @@ async def test_settled_pane_query_on_real_tmux(ctl: RunControl) -> None:
     await asyncio.sleep(0.6)
     dead = await query()
     assert dead is not None and dead.dead and dead.exit_status == 5
+
+
+KILLED_CLIENT = """
+import asyncio, sys
+from pathlib import Path
+from dflashctl.deploy import deploy
+from dflashctl.inventory import local_host
+from dflashctl.release import build_release
+from dflashctl.remote import LocalTransport
+
+host = local_host("loc", Path(sys.argv[1]), python=sys.executable, session="t")
+asyncio.run(deploy(LocalTransport(), host, release=build_release(Path(sys.argv[2]))))
+"""
+
+
+async def test_a_lock_left_by_a_killed_deploy_is_taken_over(local, tmp_path: Path) -> None:
+    """A client SIGKILLed during preflight leaves .deploy.lock naming a pid that is gone."""
+    import signal
+    import subprocess
+
+    transport, host = local
+    tree = standin_copy(tmp_path)
+    lock = Path(host.workdir) / ".deploy.lock"
+    client = subprocess.Popen(
+        [sys.executable, "-c", KILLED_CLIENT, host.workdir, str(tree)],
+        cwd=Path(__file__).resolve().parents[2],
+    )
+    try:
+        for _ in range(600):
+            if (lock / "owner").is_file() and (lock / "owner").read_text().strip():
+                break
+            await asyncio.sleep(0.05)
+        assert (lock / "owner").is_file(), "the client never took the lock"
+        client.send_signal(signal.SIGKILL)  # during its (importing) preflight
+    finally:
+        client.wait()
+    stale = (lock / "owner").read_text().strip()
+    assert f"pid {client.pid} " in stale
+    said: list[str] = []
+    res = await deploy(
+        transport,
+        host,
+        release=build_release(tree),
+        min_free_bytes=0,
+        import_check=False,
+        progress=said.append,
+    )
+    assert res.switched and not lock.exists()
+    assert any(f"taking over a stale deploy lock: its owner ({stale})" in m for m in said)
+
+
+async def test_break_lock_removes_a_foreign_lock_but_not_a_live_one(local, tmp_path: Path) -> None:
+    from dflashctl.deploy import lock_owner
+
+    transport, host = local
+    rel = build_release(standin_copy(tmp_path))
+    lock = Path(host.workdir) / ".deploy.lock"
+    lock.mkdir(parents=True)
+    (lock / "owner").write_text("laptop-b pid 4242 at 2026-01-01T00:00:00\n")  # cannot be judged
+    kw = {"release": rel, "min_free_bytes": 0, "import_check": False}
+    with pytest.raises(DeployError, match=r"held by: laptop-b pid 4242 .*--break-lock"):
+        await deploy(transport, host, **kw)
+    said: list[str] = []
+    res = await deploy(transport, host, break_stale_lock=True, progress=said.append, **kw)
+    assert res.switched and not lock.exists()
+    assert any("broke the deploy lock held by: laptop-b pid 4242" in m for m in said)
+    # a lock whose owner provably runs (this very process) is neither taken over nor broken
+    lock.mkdir()
+    (lock / "owner").write_text(lock_owner() + "\n")
+    with pytest.raises(DeployError, match="another deploy holds"):
+        await deploy(transport, host, **kw)
+    with pytest.raises(DeployError, match=r"not breaking .*its deploy is still running"):
+        await deploy(transport, host, break_stale_lock=True, **kw)
+    assert lock.exists()
+
+
+async def test_a_switch_nobody_reported_is_reported_by_the_next_command(
+    ctl: RunControl, tmp_path: Path
+) -> None:
+    """A client killed while its switch ran: `current` moved and the client never said so. The
+    switch it sent is run here exactly as the dead client's last command ran."""
+    from dflashctl.deploy import switch_argv
+
+    tree = standin_copy(tmp_path)
+    first = build_release(tree)
+    kw = {"min_free_bytes": 0, "import_check": False}
+    await deploy(ctl.transport, ctl.host, release=first, **kw)
+    assert not (Path(ctl.host.workdir) / ".deploy-switched").exists()  # reported: acknowledged
+    (tree / "trainer" / "v.py").write_text("v = 2\n")
+    second = build_release(tree)
+    await deploy(ctl.transport, ctl.host, release=second, **kw)
+    owner = "laptop pid 999999 at 2026-12-01T07:00:00"
+    res = await ctl.transport.run(switch_argv(ctl.host.workdir, first.id, 5, owner=owner))
+    assert res.ok, res.stderr
+    st = await ctl.status()
+    assert st.switch_note == (
+        f"a deploy switched current {second.id} -> {first.id} and never reported back "
+        f"({owner}); it is switched"
+    )
+    from dflashctl.cli import format_run_status
+
+    assert f"note: {st.switch_note}" in format_run_status(st)
+    run = Path(ctl.host.run_dir)
+    run.mkdir(parents=True, exist_ok=True)
+    (run / "config.toml").write_text("[run]\n")
+    started = await ctl.start()
+    assert started.notes == [st.switch_note]  # start says it once, then it is acknowledged
+    assert (await ctl.status()).switch_note is None
+    await ctl.stop(timeout=20)
+
+
+HOSTILE_LOG = (
+    "Starting pipeline...\n"
+    "\x1b]0;PWNED-TITLE\x07\x1b]52;c;cm0gLXJmIH4=\x07\x1b[31mERROR: red alert\x1b[0m\n"
+    "\x1b[32m[0m] step=1 loss=2.0000 acc=0.500 streak=1.0 lr=6.00e-04 noise=0.1000 | "
+    "tgt=1.00b/s dft=1.00b/s (2.0Ktok/s) | q_pre=[1] q_hs=[1] | epoch~0.01 ETA=17m\x1b[0m\n"
+    "\x1b[2Jcleared?\r\n"
+)
+
+
+async def test_remote_text_is_sanitised_where_it_enters(ctl: RunControl) -> None:
+    """OSC title / OSC 52 clipboard / colour / clear-screen bytes in status.log never reach the
+    terminal: status, the log tail and the live follow all hand out clean text."""
+    run = Path(ctl.host.run_dir)
+    run.mkdir(parents=True)
+    (run / "status.log").write_text(HOSTILE_LOG)
+    (run / "run-state.json").write_text('{"release": "\\u001b]0;PWNED\\u0007abc"}')
+    st = await ctl.status()
+    assert st.last_error == "red alert" and st.step == 1
+    assert st.run_release == "abc"
+    tail = await ctl.log_tail(0)
+    followed = []
+    async for line in ctl.follow(0):
+        followed.append(line)
+        if len(followed) == 4:
+            break
+    for lines in (tail, followed):
+        assert lines[1] == "ERROR: red alert"
+        assert lines[2].startswith("[0m] step=1 ") and lines[2].endswith("ETA=17m")
+        assert lines[3] == "cleared?\\x0d"  # a CR is shown, not obeyed
+        assert not any("\x1b" in ln or "\x07" in ln for ln in lines)
+
+
+async def test_status_shows_only_the_current_runs_errors(ctl: RunControl, tmp_path: Path) -> None:
+    run = Path(ctl.host.run_dir)
+    run.mkdir(parents=True)
+    (run / "status.log").write_text("Loading target and data...\nERROR: an earlier run's failure\n")
+    (run / "config.toml").write_text("[run]\n")
+    await deploy(
+        ctl.transport,
+        ctl.host,
+        release=build_release(standin_copy(tmp_path)),
+        min_free_bytes=0,
+        import_check=False,
+    )
+    await ctl.start()
+    st = await ctl.status()
+    assert st.state == "running" and st.last_error is None
+    await ctl.stop(timeout=20)
+
+
+async def test_corrupted_run_state_is_reported_not_taken_as_a_config_change(
+    ctl: RunControl,
+) -> None:
+    from dflashctl.cli import format_run_status
+
+    run = Path(ctl.host.run_dir)
+    run.mkdir(parents=True)
+    (run / "config.toml").write_text(TINY.read_text() if TINY.is_file() else "[run]\n")
+    (run / "run-state.json").write_text('{"pid": 12, "config_ha')
+    st = await ctl.status()
+    assert st.run_state_error == (
+        "run/run-state.json is corrupted: Unterminated string starting at (byte 12)"
+    )
+    text = format_run_status(st)
+    assert "restart to apply" not in text
+    assert "run/run-state.json is corrupted" in text and "config hash and run state unknown" in text
+
+
+async def test_a_stop_the_trainer_completed_is_stopped_whatever_the_last_signal(
+    ctl: RunControl,
+) -> None:
+    """Two Ctrl-C: the trainer checkpoints, writes run-state stopped/0, and the pane's process
+    then dies of the second SIGINT (pane status 130). That run was stopped, not crashed."""
+    Path(ctl.host.run_dir).mkdir(parents=True)
+    script = (
+        "import json, os, signal; "
+        "open('run/run-state.json', 'w').write(json.dumps({'pid': os.getpid(), "
+        "'state': 'stopped', 'exit_status': 0, 'stop_signal': 'SIGINT'})); "
+        "signal.signal(signal.SIGINT, signal.SIG_DFL); os.kill(os.getpid(), signal.SIGINT)"
+    )
+    assert (await ctl.new_session([sys.executable, "-c", script], {})).ok
+
+    async def dead() -> bool:
+        return (await ctl.status()).state != "running"
+
+    await wait_for(dead)
+    st = await ctl.status()
+    assert (st.state, st.exit_status, st.stop_signal, st.signal) == ("stopped", 0, "SIGINT", None)
+
+
+async def test_a_signal_exit_names_the_signal(ctl: RunControl) -> None:
+    from dflashctl.cli import format_run_status
+
+    Path(ctl.host.run_dir).mkdir(parents=True)
+    script = "import os, signal, time; time.sleep(0.2); os.kill(os.getpid(), signal.SIGKILL)"
+    assert (await ctl.new_session([sys.executable, "-c", script], {})).ok
+
+    async def dead() -> bool:
+        return (await ctl.status()).state != "running"
+
+    await wait_for(dead)
+    st = await ctl.status()
+    assert (st.state, st.exit_status, st.signal) == ("crashed", 137, "SIGKILL")
+    assert "crashed exit=137 (killed by SIGKILL)" in format_run_status(st)
+
+
+async def test_start_passes_resume_and_reports_readiness(ctl: RunControl, tmp_path: Path) -> None:
+    await deploy(
+        ctl.transport,
+        ctl.host,
+        release=build_release(standin_copy(tmp_path)),
+        min_free_bytes=0,
+        import_check=False,
+    )
+    run = Path(ctl.host.run_dir)
+    run.mkdir(parents=True, exist_ok=True)
+    (run / "config.toml").write_text("[run]\n")
+    started = await ctl.start(resume="run/checkpoints/step-00000004.pt")
+    assert started.argv[-2:] == ["--resume", "run/checkpoints/step-00000004.pt"]
+    assert started.ready is True  # the stand-in printed its phase line
+    res = await ctl.transport.run(
+        ["tmux", "-L", "dflash", "display-message", "-p", "-t", "=t:", "#{pane_start_command}"]
+    )
+    assert "--resume run/checkpoints/step-00000004.pt" in res.stdout
+    await ctl.stop(timeout=20)
