@@ -1,17 +1,26 @@
 """Acceptance evaluation: real greedy speculative decoding with a trained drafter.
 
-    python -m trainer.eval --target DIR --drafter DIR --prompts FILE [--max-new-tokens N]
-        [--tokenizer DIR] [--eos-id ID] [--device cpu|cuda] [--json OUT]
+    python -m trainer.eval --target DIR --drafter DIR --prompts FILE [FILE ...]
+        [--max-new-tokens N] [--tokenizer DIR] [--template-kwargs JSON] [--raw-text]
+        [--eos-id ID ...] [--ignore-eos] [--protocol exact|zlab] [--device cpu|cuda] [--json OUT]
 
-Prompts file: JSONL, one prompt per line, either a JSON list of token ids, an object with
-"input_ids" (list of ids), or an object with "text" (then --tokenizer DIR is required; the
-text is tokenised as is, apply the chat template beforehand). Blank lines are skipped.
+Prompt files are JSONL prompt sets in the forms people have: MT-Bench `question.jsonl` as it is
+(multi-turn: the model's own answer to turn 1 joins the conversation before turn 2), gsm8k
+(`question`), OpenAI `messages`, `{"prompt"}`, `{"text"}`, or token ids (see
+`trainer.eval_prompts`). Text goes through the tokenizer's chat template (`--template-kwargs
+'{"enable_thinking": false}'` reaches it); token ids are used as they are. The tokenizer
+defaults to the target directory, and generation stops at the tokenizer's and the target's
+`generation_config.json` EOS ids (`<|im_end|>` for Qwen3), as serving does. Every prompt is read,
+rendered and checked against the target's vocabulary before any model loads.
 
-For every prompt it runs the speculative loop (`trainer.model.speculative`) and plain greedy
-decoding of the target, and reports tau = mean tokens committed per verify step (accepted
-drafts + the bonus token; max = block size), the tokens generated, and whether the output
-equals greedy decoding. The overall tau is the mean of per-prompt taus (z-lab's protocol).
-Exit status: 0 all outputs match greedy, 1 a mismatch (a bug), 2 a usage or input error.
+For every prompt (every turn of a multi-turn prompt) it runs the speculative loop
+(`trainer.model.speculative`) and plain greedy decoding of the target, and reports tau = mean
+tokens committed per verify step (accepted drafts + the bonus token; max = block size), per
+prompt set and over all sets; tau is the mean of per-turn taus (z-lab's averaging), pooled is
+total committed / total verify steps. `--protocol zlab` counts verify steps as z-lab's
+benchmark does (one more when the committed tokens land exactly on the limit); every figure
+printed names its protocol. Exit status: 0 all outputs match greedy, 1 a mismatch (a bug),
+2 a usage or input error.
 """
 
 from __future__ import annotations
@@ -20,25 +29,42 @@ import argparse
 import json
 import sys
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from trainer.eval_prompts import (
+    PromptError,
+    PromptSet,
+    Renderer,
+    parse_template_kwargs,
+    read_prompt_set,
+    run_turns,
+)
 from trainer.model.drafter import DFlashDrafter
 from trainer.model.export import ExportError, load_drafter, read_drafter_config
-from trainer.model.speculative import greedy_generate, speculative_generate
+from trainer.model.speculative import (
+    PROTOCOLS,
+    Protocol,
+    greedy_generate,
+    speculative_generate,
+)
 from trainer.model.target import TargetError, TargetModel
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
-class EvalInputError(ValueError):
-    """A prompts file or argument the evaluation cannot use (names the file and line)."""
+# Kept for callers of the old API: a prompts-file error is a PromptError.
+EvalInputError = PromptError
 
 
 @dataclass(frozen=True)
 class PromptResult:
     index: int
+    set: str
+    line: int
+    turn: int
     prompt_tokens: int
     new_tokens: int
     verify_steps: int
@@ -46,12 +72,15 @@ class PromptResult:
     matches_greedy: bool
     spec_seconds: float
     greedy_seconds: float
+    tokens: list[int] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
 class EvalSummary:
-    prompts: int
-    tau: float  # mean of per-prompt tau
+    name: str  # a prompt set's file name, or "all"
+    protocol: str
+    prompts: int  # evaluated turns (an MT-Bench question counts once per turn)
+    tau: float  # mean of per-turn tau
     tau_pooled: float  # total committed tokens / total verify steps
     new_tokens: int
     verify_steps: int
@@ -61,111 +90,143 @@ class EvalSummary:
     greedy_seconds: float
 
 
-def load_prompts(path: Path, vocab_size: int, tokenizer_dir: Path | None = None) -> list[list[int]]:
-    """Read the JSONL prompts file; every error names the file and line."""
-    try:
-        lines = path.read_text(encoding="utf-8").splitlines()
-    except OSError as err:
-        raise EvalInputError(f"{path}: cannot read prompts: {err.strerror}") from None
-    tokenizer = None
-    prompts: list[list[int]] = []
-    for lineno, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        where = f"{path}:{lineno}"
-        try:
-            item = json.loads(line)
-        except json.JSONDecodeError as err:
-            raise EvalInputError(f"{where}: invalid JSON ({err.msg})") from None
-        if isinstance(item, dict) and "text" in item:
-            if tokenizer_dir is None:
-                raise EvalInputError(f"{where}: a text prompt needs --tokenizer DIR")
-            if tokenizer is None:
-                tokenizer = _load_tokenizer(tokenizer_dir)
-            ids = tokenizer(str(item["text"]), add_special_tokens=False)["input_ids"]
-        else:
-            ids = item.get("input_ids") if isinstance(item, dict) else item
-        if not isinstance(ids, list) or not ids or not all(isinstance(i, int) for i in ids):
-            raise EvalInputError(
-                f'{where}: expected a non-empty list of token ids, {{"input_ids": [...]}} '
-                'or {"text": "..."}'
-            )
-        bad = [i for i in ids if not 0 <= i < vocab_size]
-        if bad:
-            raise EvalInputError(
-                f"{where}: token id {bad[0]} outside the target vocabulary 0..{vocab_size - 1}"
-            )
-        prompts.append(ids)
-    if not prompts:
-        raise EvalInputError(f"{path}: no prompts")
-    return prompts
-
-
-def _load_tokenizer(path: Path) -> Any:
-    from transformers import AutoTokenizer
-
-    try:
-        return AutoTokenizer.from_pretrained(path, local_files_only=True)
-    except (OSError, ValueError) as err:
-        raise EvalInputError(f"{path}: cannot load tokenizer: {str(err).splitlines()[0]}") from None
+def summarize(
+    results: Sequence[PromptResult], name: str, protocol: str, block_size: int
+) -> EvalSummary:
+    steps = sum(r.verify_steps for r in results)
+    committed = sum(r.tau * r.verify_steps for r in results)
+    return EvalSummary(
+        name=name,
+        protocol=protocol,
+        prompts=len(results),
+        tau=sum(r.tau for r in results) / len(results) if results else 0.0,
+        tau_pooled=committed / steps if steps else 0.0,
+        new_tokens=sum(r.new_tokens for r in results),
+        verify_steps=steps,
+        matches=sum(r.matches_greedy for r in results),
+        block_size=block_size,
+        spec_seconds=sum(r.spec_seconds for r in results),
+        greedy_seconds=sum(r.greedy_seconds for r in results),
+    )
 
 
 def evaluate(
     target: TargetModel,
     drafter: DFlashDrafter,
-    prompts: Sequence[list[int]],
+    prompt_sets: Sequence[PromptSet],
+    renderer: Renderer,
     *,
     max_new_tokens: int,
-    eos_id: int | None = None,
+    eos_id: int | Sequence[int] | None = None,
     check_greedy: bool = True,
-) -> tuple[list[PromptResult], EvalSummary]:
-    """Run speculative decoding (and greedy, for the equality check) on every prompt."""
+    protocol: Protocol = "exact",
+) -> tuple[list[PromptResult], list[EvalSummary]]:
+    """Run speculative decoding (and greedy, for the equality check) on every turn.
+
+    Returns the per-turn results and one summary per prompt set followed by the overall one.
+    """
     results: list[PromptResult] = []
-    committed = 0
-    for i, prompt in enumerate(prompts):
-        spec = speculative_generate(target, drafter, prompt, max_new_tokens, eos_id)
-        greedy = greedy_generate(target, prompt, max_new_tokens, eos_id) if check_greedy else None
-        committed += sum(spec.accept_lengths)
-        results.append(
-            PromptResult(
-                index=i,
-                prompt_tokens=len(prompt),
-                new_tokens=len(spec.tokens),
-                verify_steps=len(spec.accept_lengths),
-                tau=spec.tau,
-                matches_greedy=greedy is None or greedy.tokens == spec.tokens,
-                spec_seconds=spec.seconds,
-                greedy_seconds=greedy.seconds if greedy else 0.0,
-            )
-        )
-    steps = sum(r.verify_steps for r in results)
-    summary = EvalSummary(
-        prompts=len(results),
-        tau=sum(r.tau for r in results) / len(results),
-        tau_pooled=committed / steps if steps else 0.0,
-        new_tokens=sum(r.new_tokens for r in results),
-        verify_steps=steps,
-        matches=sum(r.matches_greedy for r in results),
-        block_size=drafter.config.block_size,
-        spec_seconds=sum(r.spec_seconds for r in results),
-        greedy_seconds=sum(r.greedy_seconds for r in results),
-    )
-    return results, summary
+    summaries: list[EvalSummary] = []
+    block = drafter.config.block_size
+    for pset in prompt_sets:
+        first = len(results)
+        for prompt in pset.prompts:
+            where = f"{pset.path}:{prompt.line}"
+
+            def generate(
+                ids: list[int], line: int = prompt.line, name: str = pset.name, since: int = first
+            ) -> list[int]:
+                spec = speculative_generate(
+                    target, drafter, ids, max_new_tokens, eos_id, protocol=protocol
+                )
+                greedy = (
+                    greedy_generate(target, ids, max_new_tokens, eos_id) if check_greedy else None
+                )
+                results.append(
+                    PromptResult(
+                        index=len(results),
+                        set=name,
+                        line=line,
+                        turn=sum(1 for r in results[since:] if r.line == line) + 1,
+                        prompt_tokens=len(ids),
+                        new_tokens=len(spec.tokens),
+                        verify_steps=len(spec.accept_lengths),
+                        tau=spec.tau,
+                        matches_greedy=greedy is None or greedy.tokens == spec.tokens,
+                        spec_seconds=spec.seconds,
+                        greedy_seconds=greedy.seconds if greedy else 0.0,
+                        tokens=spec.tokens,
+                    )
+                )
+                return spec.tokens
+
+            run_turns(prompt, renderer, where, generate)
+        summaries.append(summarize(results[first:], pset.name, protocol, block))
+    summaries.append(summarize(results, "all", protocol, block))
+    return results, summaries
 
 
 def format_result(r: PromptResult) -> str:
     return (
-        f"prompt {r.index}: tau={r.tau:.2f} steps={r.verify_steps} new_tokens={r.new_tokens} "
-        f"greedy_match={'yes' if r.matches_greedy else 'NO'}"
+        f"prompt {r.set}:{r.line} turn {r.turn}: tau={r.tau:.2f} steps={r.verify_steps} "
+        f"new_tokens={r.new_tokens} greedy_match={'yes' if r.matches_greedy else 'NO'}"
     )
 
 
 def format_summary(s: EvalSummary) -> str:
+    label = "all sets" if s.name == "all" else f"set {s.name}"
     return (
-        f"tau={s.tau:.3f} (pooled {s.tau_pooled:.3f}, block {s.block_size}) prompts={s.prompts} "
-        f"new_tokens={s.new_tokens} verify_steps={s.verify_steps} "
-        f"greedy_match={s.matches}/{s.prompts} spec={s.spec_seconds:.1f}s greedy={s.greedy_seconds:.1f}s"
+        f"{label}: tau={s.tau:.3f} (protocol {s.protocol}, pooled {s.tau_pooled:.3f}, "
+        f"block {s.block_size}) prompts={s.prompts} new_tokens={s.new_tokens} "
+        f"verify_steps={s.verify_steps} greedy_match={s.matches}/{s.prompts} "
+        f"spec={s.spec_seconds:.1f}s greedy={s.greedy_seconds:.1f}s"
     )
+
+
+def target_vocab_size(target_dir: Path) -> int:
+    """Embedding rows of the target, from its config.json (no weights are read)."""
+    path = target_dir / "config.json"
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise TargetError(f"{target_dir}: not a model directory (no config.json)") from None
+    except (OSError, json.JSONDecodeError) as err:
+        raise TargetError(f"{path}: cannot read: {err}") from None
+    vocab = data.get("vocab_size") or (data.get("text_config") or {}).get("vocab_size")
+    if not isinstance(vocab, int) or vocab < 1:
+        raise TargetError(f"{path}: no vocab_size")
+    return vocab
+
+
+def load_tokenizer(path: Path, *, required: bool) -> Any:
+    """The tokenizer in `path`; None when it has none and nothing needs one."""
+    if not required and not any((path / name).is_file() for name in TOKENIZER_FILES):
+        return None
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except (OSError, ValueError, TypeError) as err:
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise PromptError(f"{path}: cannot load tokenizer: {first}") from None
+
+
+def default_stop_ids(tokenizer: Any, target_dir: Path) -> list[int]:
+    """EOS ids serving stops at: the tokenizer's EOS plus the target's generation_config ones."""
+    ids: list[int] = []
+    eos = getattr(tokenizer, "eos_token_id", None) if tokenizer is not None else None
+    if isinstance(eos, int):
+        ids.append(eos)
+    gen = target_dir / "generation_config.json"
+    if gen.is_file():
+        try:
+            value = json.loads(gen.read_text()).get("eos_token_id")
+        except (OSError, json.JSONDecodeError, AttributeError) as err:
+            raise TargetError(f"{gen}: cannot read: {err}") from None
+        for i in value if isinstance(value, list) else [value]:
+            if isinstance(i, int) and i not in ids:
+                ids.append(i)
+    return ids
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -175,14 +236,85 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--target", required=True, type=Path, help="target model directory (HF)")
     p.add_argument("--drafter", required=True, type=Path, help="exported drafter directory")
-    p.add_argument("--prompts", required=True, type=Path, help="JSONL prompts (token ids or text)")
+    p.add_argument(
+        "--prompts",
+        required=True,
+        type=Path,
+        nargs="+",
+        help="JSONL prompt sets: MT-Bench question.jsonl, gsm8k, OpenAI messages, text, ids",
+    )
     p.add_argument("--max-new-tokens", type=int, default=256)
-    p.add_argument("--tokenizer", type=Path, default=None, help="tokenizer dir for text prompts")
-    p.add_argument("--eos-id", type=int, default=None, help="stop at this token (default: none)")
+    p.add_argument(
+        "--tokenizer", type=Path, default=None, help="tokenizer directory (default: --target)"
+    )
+    p.add_argument(
+        "--template-kwargs",
+        default=None,
+        metavar="JSON",
+        help="chat template variables, e.g. '{\"enable_thinking\": false}'",
+    )
+    p.add_argument(
+        "--raw-text", action="store_true", help='tokenise {"text"} rows as is (no chat template)'
+    )
+    p.add_argument(
+        "--eos-id",
+        type=int,
+        action="append",
+        default=None,
+        help="stop at this token id (repeatable; default: the tokenizer's and "
+        "generation_config.json's EOS)",
+    )
+    p.add_argument("--ignore-eos", action="store_true", help="always generate --max-new-tokens")
+    p.add_argument(
+        "--protocol",
+        choices=PROTOCOLS,
+        default="exact",
+        help="verify-step counting: exact, or zlab (z-lab's benchmark, to compare with "
+        "published tau)",
+    )
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--no-greedy-check", action="store_true", help="skip the greedy reference run")
     p.add_argument("--json", type=Path, default=None, help="also write results as JSON here")
     return p
+
+
+@dataclass
+class Inputs:
+    prompt_sets: list[PromptSet]
+    renderer: Renderer
+    stop_ids: list[int]
+
+
+def prepare_inputs(args: argparse.Namespace) -> Inputs:
+    """Everything that can be checked without a model: prompts, tokenizer, ids, stop ids."""
+    template_kwargs = parse_template_kwargs(args.template_kwargs)
+    sets = [read_prompt_set(path, raw_text=args.raw_text) for path in args.prompts]
+    vocab = target_vocab_size(args.target)
+    tok_dir = args.tokenizer or args.target
+    needed = any(s.needs_tokenizer for s in sets)
+    tokenizer = load_tokenizer(tok_dir, required=needed or args.tokenizer is not None)
+    renderer = Renderer(tokenizer, vocab, template_kwargs)
+    for pset in sets:
+        for prompt in pset.prompts:
+            renderer.first_ids(prompt, f"{pset.path}:{prompt.line}")
+    if args.ignore_eos:
+        stops: list[int] = []
+    elif args.eos_id:
+        stops = list(dict.fromkeys(args.eos_id))
+    else:
+        stops = default_stop_ids(tokenizer, args.target)
+    for i in stops:
+        if not 0 <= i < vocab:
+            raise PromptError(f"--eos-id {i} is outside the target vocabulary 0..{vocab - 1}")
+    return Inputs(sets, renderer, stops)
+
+
+def _stop_names(stops: Sequence[int], tokenizer: Any) -> str:
+    if not stops:
+        return "none"
+    if tokenizer is None:
+        return ", ".join(str(i) for i in stops)
+    return ", ".join(f"{i} {tokenizer.convert_ids_to_tokens(i)!s}" for i in stops)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -197,29 +329,44 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         drafter_cfg = read_drafter_config(args.drafter)
+        inputs = prepare_inputs(args)  # before any model loads: a bad prompt fails in seconds
         target = TargetModel.load(args.target, drafter_cfg.target_layer_ids, device=args.device)
         drafter = load_drafter(args.drafter, target=target, device=args.device, dtype=target.dtype)
-        prompts = load_prompts(args.prompts, target.vocab_size, args.tokenizer)
-    except (EvalInputError, ExportError, TargetError) as err:
+        forms = ", ".join(
+            f"{s.name}: {', '.join(f'{n} {k}' for k, n in s.forms.items())}"
+            for s in inputs.prompt_sets
+        )
+        print(f"prompts {forms}; stop at {_stop_names(inputs.stop_ids, inputs.renderer.tokenizer)}")
+        results, summaries = evaluate(
+            target,
+            drafter,
+            inputs.prompt_sets,
+            inputs.renderer,
+            max_new_tokens=args.max_new_tokens,
+            eos_id=inputs.stop_ids,
+            check_greedy=not args.no_greedy_check,
+            protocol=args.protocol,
+        )
+    except (PromptError, ExportError, TargetError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    results, summary = evaluate(
-        target,
-        drafter,
-        prompts,
-        max_new_tokens=args.max_new_tokens,
-        eos_id=args.eos_id,
-        check_greedy=not args.no_greedy_check,
-    )
     for r in results:
         print(format_result(r))
-    print(format_summary(summary))
+    for s in summaries:
+        print(format_summary(s))
+    overall = summaries[-1]
     if args.json is not None:
-        payload = {"summary": asdict(summary), "prompts": [asdict(r) for r in results]}
+        payload = {
+            "protocol": args.protocol,
+            "stop_ids": inputs.stop_ids,
+            "summary": asdict(overall),
+            "sets": [asdict(s) for s in summaries[:-1]],
+            "prompts": [asdict(r) for r in results],
+        }
         args.json.write_text(json.dumps(payload, indent=2) + "\n")
-    if summary.matches != summary.prompts:
+    if overall.matches != overall.prompts:
         print(
-            f"error: {summary.prompts - summary.matches} prompt(s) differ from greedy decoding",
+            f"error: {overall.prompts - overall.matches} prompt(s) differ from greedy decoding",
             file=sys.stderr,
         )
         return 1

@@ -11,12 +11,17 @@ MASK_ID = 511  # the tiny target's top row; the test data draws ids below 500
 
 
 def make_drafter(
-    target: TargetModel, *, block_size: int = 4, num_layers: int = 2, seed: int = 0
+    target: TargetModel,
+    *,
+    block_size: int = 4,
+    num_layers: int = 2,
+    seed: int = 0,
+    mask_token_id: int = MASK_ID,
 ) -> DFlashDrafter:
     torch.manual_seed(seed)
     cfg = DrafterConfig.from_target(
         target,
-        mask_token_id=MASK_ID,
+        mask_token_id=mask_token_id,
         num_layers=num_layers,
         block_size=block_size,
         initializer_range=0.1,

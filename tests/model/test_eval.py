@@ -1,103 +1,332 @@
-"""The eval CLI's input handling: prompt formats and one-line errors naming file and line."""
+"""The eval CLI on real prompt sets: formats, the real Qwen3 chat template, multi-turn MT-Bench,
+default EOS, fail-fast validation before any model loads, and the z-lab counting protocol."""
 
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
 
+from tests.model.conftest import QWEN3_EOS, QWEN3_VOCAB
 from tests.model.helpers import make_drafter
 from trainer import eval as eval_cli
+from trainer.eval_prompts import (
+    ChatPrompt,
+    PromptError,
+    Renderer,
+    TokenPrompt,
+    read_prompt_set,
+    run_turns,
+)
 from trainer.model.export import export_drafter
+from trainer.model.speculative import speculative_generate
 from trainer.model.target import TargetModel
 
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "eval-prompts"
+MT_BENCH = FIXTURES / "mt_bench_question.jsonl"
+GSM8K = FIXTURES / "gsm8k_test.jsonl"
+OPENAI = FIXTURES / "openai_messages.jsonl"
+QWEN3_MASK = QWEN3_VOCAB - 1  # a padding row past the tokenizer's ids, never emitted
 
-def test_prompts_accept_id_lists_and_input_ids_objects(tmp_path: Path) -> None:
+
+def _tokenizer(path: Path):  # type: ignore[no-untyped-def]
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path, local_files_only=True)
+
+
+# --- reading prompt sets (no tokenizer, no model) ---------------------------------------------
+
+
+def test_published_prompt_formats_parse_as_conversations() -> None:
+    """MT-Bench turns, gsm8k questions and OpenAI messages (reference answer dropped, text parts
+    joined, tools kept) each become a chat prompt."""
+    mt = read_prompt_set(MT_BENCH)
+    assert mt.forms == {"mt-bench": 3} and mt.turns == 6
+    first = mt.prompts[0]
+    assert isinstance(first, ChatPrompt) and first.history == [] and len(first.turns) == 2
+    assert first.turns[1].startswith("Rewrite your note")
+
+    gsm = read_prompt_set(GSM8K)
+    assert gsm.forms == {"gsm8k": 2}
+    assert gsm.prompts[0].turns == [json.loads(GSM8K.read_text().splitlines()[0])["question"]]
+
+    oa = read_prompt_set(OPENAI)
+    sys_row, tool_row = oa.prompts
+    assert isinstance(sys_row, ChatPrompt) and isinstance(tool_row, ChatPrompt)
+    assert sys_row.history == [{"role": "system", "content": "You are a terse assistant."}]
+    assert sys_row.turns == ["Name a prime number between 20 and 30."]  # not the answer "23"
+    assert tool_row.turns == ["What is the weather in Oslo right now?"]
+    assert tool_row.tools is not None and tool_row.tools[0]["function"]["name"] == "get_weather"
+
+
+def test_token_id_rows_stay_token_ids(tmp_path: Path) -> None:
     path = tmp_path / "p.jsonl"
     path.write_text('[1, 2, 3]\n\n{"input_ids": [4, 5]}\n')
-    assert eval_cli.load_prompts(path, 512) == [[1, 2, 3], [4, 5]]
+    pset = read_prompt_set(path)
+    assert pset.prompts == [TokenPrompt(1, [1, 2, 3]), TokenPrompt(3, [4, 5])]
+    assert not pset.needs_tokenizer
 
 
 @pytest.mark.parametrize(
     ("content", "fragment"),
     [
         ("[1, 2\n", "p.jsonl:1: invalid JSON"),
-        ("[1]\n[]\n", "p.jsonl:2: expected a non-empty list"),
-        ("[1, 600]\n", "p.jsonl:1: token id 600 outside"),
-        ('{"text": "hi"}\n', "p.jsonl:1: a text prompt needs --tokenizer"),
+        ("[1]\n[]\n", "p.jsonl:2: expected a non-empty list of token ids"),
+        ('[1]\n{"instruction": "x", "output": "y"}\n', "p.jsonl:2: no prompt in this row"),
+        ('{"turns": []}\n', "p.jsonl:1: 'turns' must be a non-empty string"),
+        ('{"messages": [{"role": "bot", "content": "x"}]}\n', "p.jsonl:1: messages[0]: role 'bot'"),
+        ('{"messages": [{"role": "assistant", "content": "x"}]}\n', "no user message"),
+        ('[{"text": "a"},\n {"text": "b"}]\n', "p.jsonl: one JSON array, not JSONL"),
         ("\n", "p.jsonl: no prompts"),
     ],
 )
-def test_bad_prompts_name_file_and_line(tmp_path: Path, content: str, fragment: str) -> None:
+def test_bad_prompt_rows_name_file_and_line(tmp_path: Path, content: str, fragment: str) -> None:
     path = tmp_path / "p.jsonl"
     path.write_text(content)
-    with pytest.raises(eval_cli.EvalInputError) as info:
-        eval_cli.load_prompts(path, 512)
+    with pytest.raises(PromptError) as info:
+        read_prompt_set(path)
     assert fragment in str(info.value)
+    assert "\n" not in str(info.value)
 
 
-def test_cli_exits_2_with_one_line_on_bad_input(
-    target: TargetModel, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+# --- rendering with the real Qwen3 tokenizer and template --------------------------------------
+
+
+def test_chat_template_and_template_kwargs_reach_the_prompt(qwen3_tokenizer_dir: Path) -> None:
+    """The first MT-Bench turn is rendered by Qwen3's own template; enable_thinking=false adds
+    the empty think block Qwen3 expects in non-thinking mode."""
+    tok = _tokenizer(qwen3_tokenizer_dir)
+    prompt = read_prompt_set(MT_BENCH).prompts[1]
+    question = prompt.turns[0]
+    default = Renderer(tok, QWEN3_VOCAB).first_ids(prompt, "q:2")
+    assert tok.decode(default) == (
+        f"<|im_start|>user\n{question}<|im_end|>\n<|im_start|>assistant\n"
+    )
+    no_think = Renderer(tok, QWEN3_VOCAB, {"enable_thinking": False}).first_ids(prompt, "q:2")
+    assert tok.decode(no_think).endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+
+
+def test_openai_rows_render_system_and_tools(qwen3_tokenizer_dir: Path) -> None:
+    tok = _tokenizer(qwen3_tokenizer_dir)
+    renderer = Renderer(tok, QWEN3_VOCAB)
+    sys_row, tool_row = read_prompt_set(OPENAI).prompts
+    text = tok.decode(renderer.first_ids(sys_row, "o:1"))
+    assert text.startswith("<|im_start|>system\nYou are a terse assistant.<|im_end|>")
+    assert "23" not in text
+    tools_text = tok.decode(renderer.first_ids(tool_row, "o:2"))
+    assert "<tools>" in tools_text and '"name": "get_weather"' in tools_text
+
+
+def test_mt_bench_feeds_the_models_own_first_answer_back(qwen3_tokenizer_dir: Path) -> None:
+    """Turn 2 is rendered after turn 1's answer joined the conversation, decoded without
+    special tokens (what z-lab's benchmark and FastChat do)."""
+    tok = _tokenizer(qwen3_tokenizer_dir)
+    renderer = Renderer(tok, QWEN3_VOCAB)
+    prompt = read_prompt_set(MT_BENCH).prompts[0]
+    answers = [tok("Lisbon: sardines, and the view from the castle.")["input_ids"] + [151645]]
+    answers.append(tok("Lovely Lisbon.")["input_ids"] + [151645])
+    seen: list[list[int]] = []
+
+    def generate(ids: list[int]) -> list[int]:
+        seen.append(ids)
+        return answers[len(seen) - 1]
+
+    turn_ids = run_turns(prompt, renderer, "q:1", generate)
+    assert turn_ids == seen and len(seen) == 2
+    second = tok.decode(seen[1])
+    assert second == (
+        f"<|im_start|>user\n{prompt.turns[0]}<|im_end|>\n"
+        "<|im_start|>assistant\nLisbon: sardines, and the view from the castle.<|im_end|>\n"
+        f"<|im_start|>user\n{prompt.turns[1]}<|im_end|>\n<|im_start|>assistant\n"
+    )
+
+
+def test_token_ids_outside_the_target_vocabulary_are_refused(qwen3_tokenizer_dir: Path) -> None:
+    tok = _tokenizer(qwen3_tokenizer_dir)
+    prompt = read_prompt_set(MT_BENCH).prompts[0]
+    with pytest.raises(PromptError, match=r"q:1: token id \d+ outside the target vocabulary"):
+        Renderer(tok, 512).first_ids(prompt, "q:1")
+
+
+# --- the CLI ----------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def qwen3_export(qwen3_target: TargetModel, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    drafter = make_drafter(qwen3_target, block_size=4, mask_token_id=QWEN3_MASK)
+    return export_drafter(drafter, tmp_path_factory.mktemp("qwen3-drafter"))
+
+
+def test_cli_runs_mt_bench_question_jsonl_as_it_is(
+    qwen3_target_dir: Path, qwen3_export: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """Missing drafter export and malformed prompts: exit 2, a single stderr line."""
-    prompts = tmp_path / "p.jsonl"
-    prompts.write_text("not json\n")
-    drafter_dir = export_drafter(make_drafter(target), tmp_path / "d")
-    base = [
-        "--target",
-        str(target.model.name_or_path),
-        "--device",
-        "cpu",
-        "--prompts",
-        str(prompts),
-    ]
-    assert eval_cli.main([*base, "--drafter", str(tmp_path / "missing")]) == 2
-    err = capsys.readouterr().err.strip()
-    assert err.count("\n") == 0 and "not a drafter export" in err
-    assert eval_cli.main([*base, "--drafter", str(drafter_dir)]) == 2
-    assert "p.jsonl:1: invalid JSON" in capsys.readouterr().err
-
-
-def test_cli_writes_json_results(target: TargetModel, tmp_path: Path) -> None:
-    """--json records the summary and per-prompt results, including the greedy check."""
-    prompts = tmp_path / "p.jsonl"
-    prompts.write_text("[5, 6, 7]\n[8, 9]\n")
+    """MT-Bench + gsm8k through the real Qwen3 tokenizer found in the target directory, EOS
+    from the tokenizer and generation_config, tau per prompt set, protocol on every figure."""
     out = tmp_path / "r.json"
     rc = eval_cli.main(
         [
             "--target",
-            str(target.model.name_or_path),
+            str(qwen3_target_dir),
             "--drafter",
-            str(export_drafter(make_drafter(target), tmp_path / "d")),
+            str(qwen3_export),
             "--prompts",
-            str(prompts),
+            str(MT_BENCH),
+            str(GSM8K),
+            "--template-kwargs",
+            '{"enable_thinking": false}',
             "--max-new-tokens",
-            "6",
+            "5",
             "--device",
             "cpu",
             "--json",
             str(out),
         ]
     )
+    text = capsys.readouterr().out
+    assert rc == 0, text
+    assert "stop at 151645 <|im_end|>, 151643 <|endoftext|>" in text
+    assert "set mt_bench_question.jsonl: tau=" in text and "set gsm8k_test.jsonl: tau=" in text
+    summary_lines = [line for line in text.splitlines() if "tau=" in line and "prompt " not in line]
+    assert len(summary_lines) == 3 and all("(protocol exact," in line for line in summary_lines)
+    data = json.loads(out.read_text())
+    assert data["protocol"] == "exact" and data["stop_ids"] == QWEN3_EOS
+    assert [s["name"] for s in data["sets"]] == ["mt_bench_question.jsonl", "gsm8k_test.jsonl"]
+    assert [s["prompts"] for s in data["sets"]] == [6, 2]  # 3 questions x 2 turns, 2 questions
+    mt = [p for p in data["prompts"] if p["set"] == "mt_bench_question.jsonl"]
+    assert [(p["line"], p["turn"]) for p in mt] == [(1, 1), (1, 2), (2, 1), (2, 2), (3, 1), (3, 2)]
+    for t1, t2 in zip(mt[::2], mt[1::2], strict=True):
+        assert t2["prompt_tokens"] > t1["prompt_tokens"]  # turn 1 and its answer came first
+    assert data["summary"]["matches"] == data["summary"]["prompts"] == 8
+
+
+def _corrupt_target(qwen3_target_dir: Path, dest: Path) -> Path:
+    """The Qwen3-vocab target's config + tokenizer, but weights that cannot load."""
+    dest.mkdir()
+    for name in (
+        "config.json",
+        "generation_config.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+    ):
+        shutil.copyfile(qwen3_target_dir / name, dest / name)
+    (dest / "model.safetensors").write_bytes(b"not a safetensors file")
+    return dest
+
+
+def test_bad_prompts_fail_before_any_model_loads(
+    qwen3_target_dir: Path, qwen3_export: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """With a target whose weights cannot load, prompt errors still come first: they were found
+    before the model was touched, in one line naming file and line."""
+    target = _corrupt_target(qwen3_target_dir, tmp_path / "target")
+    base = ["--target", str(target), "--drafter", str(qwen3_export), "--device", "cpu"]
+    cases = [
+        ('{"turns": ["fine"]}\n{"turns": "oops"', "p.jsonl:2: invalid JSON"),
+        ('{"turns": ["fine"]}\n{"answer": "7"}\n', "p.jsonl:2: no prompt in this row"),
+        (f"[5, 6]\n[{QWEN3_VOCAB}]\n", f"p.jsonl:2: token id {QWEN3_VOCAB} outside"),
+    ]
+    for content, fragment in cases:
+        prompts = tmp_path / "p.jsonl"
+        prompts.write_text(content)
+        assert eval_cli.main([*base, "--prompts", str(prompts)]) == 2
+        err = capsys.readouterr().err.strip()
+        assert fragment in err and err.count("\n") == 0, err
+    bad_kwargs = [*base, "--prompts", str(MT_BENCH), "--template-kwargs", "[1]"]
+    assert eval_cli.main(bad_kwargs) == 2
+    assert "--template-kwargs: expected a JSON object" in capsys.readouterr().err
+    # Good prompts reach the model load, which fails: the cases above never got that far.
+    assert eval_cli.main([*base, "--prompts", str(MT_BENCH)]) == 2
+    assert "cannot load target model" in capsys.readouterr().err
+
+
+def test_cli_exits_2_with_one_line_on_a_missing_export(
+    target: TargetModel, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("[1, 2]\n")
+    argv = ["--target", str(target.model.name_or_path), "--prompts", str(prompts)]
+    assert eval_cli.main([*argv, "--drafter", str(tmp_path / "missing"), "--device", "cpu"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "not a drafter export" in err
+
+
+def test_cli_writes_json_results_for_token_id_prompts(target: TargetModel, tmp_path: Path) -> None:
+    """Token-id prompts need no tokenizer (the tiny target has none): no EOS, full length."""
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("[5, 6, 7]\n[8, 9]\n")
+    out = tmp_path / "r.json"
+    argv = ["--target", str(target.model.name_or_path), "--prompts", str(prompts)]
+    drafter = export_drafter(make_drafter(target), tmp_path / "d")
+    rc = eval_cli.main(
+        [*argv, "--drafter", str(drafter), "--max-new-tokens", "6", "--json", str(out)]
+    )
     data = json.loads(out.read_text())
     assert rc == 0
+    assert data["stop_ids"] == []
     assert data["summary"]["prompts"] == 2 and data["summary"]["matches"] == 2
     assert [p["new_tokens"] for p in data["prompts"]] == [6, 6]
     assert data["summary"]["tau"] >= 1.0
 
 
-def test_text_prompts_go_through_the_given_tokenizer(tmp_path: Path) -> None:
-    """{"text": ...} lines are tokenised with --tokenizer DIR (a local word-level tokenizer)."""
+def test_raw_text_rows_skip_the_template(tmp_path: Path) -> None:
+    """--raw-text: {"text"} is tokenised as is (a word-level tokenizer without a template)."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     vocab = {"[UNK]": 0, "hello": 1, "tiny": 2, "world": 3}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]").save_pretrained(
-        tmp_path / "tok"
-    )
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]")
     path = tmp_path / "p.jsonl"
     path.write_text('{"text": "hello tiny world"}\n[7]\n')
-    assert eval_cli.load_prompts(path, 512, tmp_path / "tok") == [[1, 2, 3], [7]]
+    renderer = Renderer(fast, 512)
+    raw = read_prompt_set(path, raw_text=True)
+    assert [renderer.first_ids(p, "p") for p in raw.prompts] == [[1, 2, 3], [7]]
+    templated = read_prompt_set(path).prompts[0]
+    with pytest.raises(PromptError, match="no chat template"):
+        renderer.first_ids(templated, "p:1")
+
+
+# --- counting protocols -----------------------------------------------------------------------
+
+
+def test_zlab_protocol_counts_one_more_step_when_tokens_land_on_the_limit(
+    target: TargetModel,
+) -> None:
+    """Same tokens; z-lab's loop verifies once more when the committed count equals the limit
+    (and once after a first token that is already EOS), so its tau is lower there."""
+    drafter = make_drafter(target, block_size=4)
+    prompt = [5, 17, 42, 99, 3]
+    free = speculative_generate(target, drafter, prompt, 30)
+    # 1 prefill token + the first k steps: a limit the committed tokens land on exactly.
+    k = 3
+    limit = 1 + sum(free.accept_lengths[:k])
+    exact = speculative_generate(target, drafter, prompt, limit)
+    zlab = speculative_generate(target, drafter, prompt, limit, protocol="zlab")
+    assert exact.tokens == zlab.tokens == free.tokens[:limit]
+    assert exact.accept_lengths == free.accept_lengths[:k]
+    assert zlab.accept_lengths == free.accept_lengths[: k + 1]
+
+    eos = free.tokens[0]
+    assert speculative_generate(target, drafter, prompt, 30, eos).accept_lengths == []
+    first_eos = speculative_generate(target, drafter, prompt, 30, eos, protocol="zlab")
+    assert first_eos.tokens == [eos] and len(first_eos.accept_lengths) == 1
+
+
+def test_cli_protocol_zlab_is_named_on_every_figure(
+    target: TargetModel, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("[5, 6, 7]\n")
+    drafter = export_drafter(make_drafter(target), tmp_path / "d")
+    argv = ["--target", str(target.model.name_or_path), "--drafter", str(drafter)]
+    out = tmp_path / "r.json"
+    argv += ["--prompts", str(prompts), "--max-new-tokens", "4", "--json", str(out)]
+    assert eval_cli.main([*argv, "--protocol", "zlab"]) == 0
+    lines = [line for line in capsys.readouterr().out.splitlines() if "set" in line]
+    assert lines and all("(protocol zlab," in line for line in lines)
+    data = json.loads(out.read_text())
+    assert data["protocol"] == data["summary"]["protocol"] == "zlab"

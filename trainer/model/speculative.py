@@ -11,12 +11,21 @@ a bug (or a numerics tie), which `trainer.eval` reports.
 The drafter keeps a per-layer K/V cache of committed context positions (`DrafterCache`) and
 only projects the features committed since its last draft; the block's own K/V are never
 cached, so nothing needs cropping on the drafter side.
+
+Counting protocols (they change `accept_lengths`, never the tokens):
+- "exact": stop as soon as `max_new_tokens` are committed or a stop token is.
+- "zlab": z-lab's `dflash_generate` loop (`while start < max_length`, stop checked after each
+  verify step), which runs ONE more verify step when the committed tokens land exactly on the
+  limit (and one step after a first token that is already a stop token), so its tau is a little
+  lower on short limits. Use it to compare with published figures.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Collection
 from dataclasses import dataclass, field
+from typing import Literal
 
 import torch
 from torch import Tensor
@@ -46,18 +55,37 @@ def _as_prompt(prompt: list[int] | Tensor, device: torch.device) -> Tensor:
     return ids
 
 
-def _finish(tokens: list[int], max_new_tokens: int, eos_id: int | None) -> list[int]:
+Protocol = Literal["exact", "zlab"]
+PROTOCOLS: tuple[Protocol, ...] = ("exact", "zlab")
+StopIds = int | Collection[int] | None
+
+
+def stop_set(eos_id: StopIds) -> frozenset[int]:
+    """One stop id, several (a generation config's list) or none."""
+    if eos_id is None:
+        return frozenset()
+    if isinstance(eos_id, int):
+        return frozenset((eos_id,))
+    return frozenset(int(i) for i in eos_id)
+
+
+def _finish(tokens: list[int], max_new_tokens: int, stops: frozenset[int]) -> list[int]:
     tokens = tokens[:max_new_tokens]
-    if eos_id is not None and eos_id in tokens:
-        tokens = tokens[: tokens.index(eos_id) + 1]
+    for i, tok in enumerate(tokens):
+        if tok in stops:
+            return tokens[: i + 1]
     return tokens
 
 
 @torch.no_grad()
 def greedy_generate(
-    target: TargetModel, prompt: list[int] | Tensor, max_new_tokens: int, eos_id: int | None = None
+    target: TargetModel, prompt: list[int] | Tensor, max_new_tokens: int, eos_id: StopIds = None
 ) -> SpecOutput:
-    """Plain greedy decoding with a KV cache, one target forward per token (the reference)."""
+    """Plain greedy decoding with a KV cache, one target forward per token (the reference).
+
+    `eos_id`: one stop token id, several, or None (generate `max_new_tokens`).
+    """
+    stops = stop_set(eos_id)
     ids = _as_prompt(prompt, target.device)
     start = time.perf_counter()
     cache = target.new_cache()
@@ -66,11 +94,11 @@ def greedy_generate(
     while True:
         tok = int(logits[0, -1].argmax())
         out.append(tok)
-        if len(out) >= max_new_tokens or tok == eos_id:
+        if len(out) >= max_new_tokens or tok in stops:
             break
         nxt = torch.tensor([[tok]], device=target.device)
         logits = target.logits(nxt, cache)
-    return SpecOutput(_finish(out, max_new_tokens, eos_id), seconds=time.perf_counter() - start)
+    return SpecOutput(_finish(out, max_new_tokens, stops), seconds=time.perf_counter() - start)
 
 
 @torch.no_grad()
@@ -79,15 +107,23 @@ def speculative_generate(
     drafter: DFlashDrafter,
     prompt: list[int] | Tensor,
     max_new_tokens: int,
-    eos_id: int | None = None,
+    eos_id: StopIds = None,
     *,
     drafter_cache: bool = True,
+    protocol: Protocol = "exact",
 ) -> SpecOutput:
     """Greedy speculative decoding; `accept_lengths` has one entry per verify forward.
 
-    `drafter_cache=False` re-projects the whole context every step (the reference the
-    cached path is tested against).
+    `eos_id`: one stop token id, several, or None. `protocol`: how verify steps are counted
+    (module docstring); the tokens are the same under both. `drafter_cache=False`
+    re-projects the whole context every step (the reference the cached path is tested
+    against).
     """
+    if protocol not in PROTOCOLS:
+        raise ValueError(f"protocol must be one of {', '.join(PROTOCOLS)}, got {protocol!r}")
+    stops = stop_set(eos_id)
+    # z-lab loops while start < num_input + max_new, start = the anchor's position.
+    limit = max_new_tokens + 1 if protocol == "zlab" else max_new_tokens
     if list(target.layer_ids) != list(drafter.config.target_layer_ids):
         raise ValueError(
             f"drafter reads layers {drafter.config.target_layer_ids}, target captures "
@@ -106,7 +142,9 @@ def speculative_generate(
     out = [anchor]
     accept: list[int] = []
     offsets = torch.arange(bsz, device=device)
-    while len(out) < max_new_tokens and anchor != eos_id:
+    # "exact" never verifies after a stop token; z-lab checks only after a verify step.
+    stopped = protocol == "exact" and anchor in stops
+    while len(out) < limit and not stopped:
         pos = committed_len  # the anchor's position: everything before it is committed
         block = torch.full((1, bsz), mask_id, dtype=torch.long, device=device)
         block[0, 0] = anchor
@@ -127,6 +165,5 @@ def speculative_generate(
         out.extend(committed)
         accept.append(accepted + 1)
         anchor = committed[-1]
-        if eos_id is not None and eos_id in committed:
-            break
-    return SpecOutput(_finish(out, max_new_tokens, eos_id), accept, time.perf_counter() - start)
+        stopped = any(t in stops for t in committed) or out[0] in stops
+    return SpecOutput(_finish(out, max_new_tokens, stops), accept, time.perf_counter() - start)

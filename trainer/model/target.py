@@ -143,7 +143,7 @@ class TargetModel:
             model = AutoModelForCausalLM.from_pretrained(
                 path, dtype=dtype, local_files_only=True, attn_implementation="sdpa"
             )
-        except (OSError, ValueError) as err:
+        except Exception as err:  # safetensors, torch and HF raise their own types
             first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
             raise TargetError(f"{path}: cannot load target model: {first}") from err
         model.to(device)
