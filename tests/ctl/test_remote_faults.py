@@ -1,0 +1,303 @@
+"""Remote faults on the real parts: a hanging `pct`, hung container commands, the node's
+session limit, hostile env values through real tmux, unusable local SSH setup, a node whose
+host key type changed, a frozen container.
+
+The "node" is this machine behind the loopback sshd, so `ps` here is `ps` on the node.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from dflashctl.cli import main as cli_main
+from dflashctl.control import RunControl
+from dflashctl.deploy import deploy
+from dflashctl.inventory import HostConfig, load_inventory
+from dflashctl.release import Release
+from dflashctl.remote import CommandTimeout, HostKeyError
+from dflashctl.remote.ssh import SshTransport
+from tests.ctl import parts as P
+
+pytestmark = [pytest.mark.parts, pytest.mark.timeout(180)]
+
+
+def in_container(parts: P.Parts, *argv: str) -> str:
+    return subprocess.run(
+        ["lxc-attach", "-n", parts.container.name, "--", *argv],
+        capture_output=True,
+        text=True,
+        check=False,
+    ).stdout
+
+
+async def settle(probe: callable, what: str) -> None:  # type: ignore[valid-type]
+    """Wait (bounded) until `probe()` is empty: a killed process takes a moment to be reaped."""
+    for _ in range(50):
+        if not probe():
+            return
+        await asyncio.sleep(0.1)
+    raise AssertionError(f"{what}: {probe()}")
+
+
+def inventory_with(parts: P.Parts, d: Path, *extra: str) -> Path:
+    """hosts.toml for the real parts (key pinned), with extra lines in the host's table."""
+    known = d / "known_hosts"
+    pub = parts.sshd.host_pub.read_text().split()
+    known.write_text(f"[127.0.0.1]:{parts.sshd.port} {pub[0]} {pub[1]}\n")
+    inv = d / "hosts.toml"
+    inv.write_text(P.hosts_toml(parts, known_hosts=known) + "".join(f"{x}\n" for x in extra))
+    return inv
+
+
+# --- item 6: timed-out commands leave nothing behind ----------------------------------------
+
+
+async def test_a_hanging_pct_leaves_nothing_running_on_the_node(
+    real_parts: P.Parts, tmp_path: Path
+) -> None:
+    """Status under a `pct` that hangs: every call gives up at the inventory's command_timeout
+    (not a hard-coded 60 s), says so in words, and no pct or its child survives on the node."""
+    host = load_inventory(inventory_with(real_parts, tmp_path, "command_timeout = 1.5")).get("ct")
+    shim = str(real_parts.sshd.dir / "bin" / "pct")
+    transport = SshTransport(host)
+    ctl = RunControl(transport, host)
+    try:
+        with P.hanging_pct(real_parts.sshd, 7771):
+            for _ in range(3):
+                st = await ctl.status()
+                assert st.state == "unreachable"
+                assert st.message == (
+                    "status on host ct: no answer within 1.5 s; the remote command was stopped"
+                )
+            results = await asyncio.gather(
+                transport.container_state(),  # first in line for a channel
+                *(ctl.status() for _ in range(12)),
+                return_exceptions=True,
+            )
+            pct_status, statuses = results[0], results[1:]
+            # 8 channels at once (max_channels); the others wait for one and give up in time
+            for st in statuses:
+                assert st.message in {
+                    "status on host ct: no answer within 1.5 s; the remote command was stopped",
+                    "status on host ct: not started within 1.5 s: all 8 SSH channels to "
+                    "127.0.0.1 are in use (max_channels) by commands still running there",
+                }, st.message
+            assert isinstance(pct_status, CommandTimeout)
+            assert str(pct_status).startswith("pct status 4242 on host ct: no answer within 1.5 s")
+            await settle(lambda: P.node_processes("sleep 7771"), "hung pct children left")
+            await settle(lambda: P.node_processes(shim), "pct processes left on the node")
+        assert (await ctl.status()).state == "stopped"  # the same connection still works
+    finally:
+        await transport.close()
+
+
+async def test_a_hung_container_command_is_stopped_inside_the_container(
+    real_parts: P.Parts, ssh_host: HostConfig
+) -> None:
+    transport = SshTransport(ssh_host)
+    try:
+        for _ in range(3):
+            with pytest.raises(CommandTimeout) as info:
+                await transport.run(["sleep", "7772"], timeout=1)
+            assert str(info.value) == (
+                "sleep on host ct: no answer within 1 s; the remote command was stopped"
+            )
+        await settle(
+            lambda: [
+                p for p in in_container(real_parts, "ps", "-eo", "args").split("\n") if "7772" in p
+            ],
+            "sleep left in the container",
+        )
+        await settle(lambda: P.node_processes("lxc-attach.*sleep 7772"), "lxc-attach left")
+    finally:
+        await transport.close()
+
+
+async def test_timed_out_commands_never_use_up_the_sessions_of_the_live_log_stream(
+    real_parts: P.Parts, ssh_host: HostConfig, clean_workdir: Path
+) -> None:
+    """One connection carries a `logs -f` stream and rounds of 12 concurrent commands that time
+    out (sshd allows 10 sessions per connection): no command is refused a channel, the stream
+    never drops, and every line arrives once, in order."""
+    log = clean_workdir / "run" / "status.log"
+    log.parent.mkdir()
+    log.write_text("")
+    transport = SshTransport(ssh_host)
+    ctl = RunControl(transport, ssh_host)
+    links: list[str] = []
+    got: list[str] = []
+    arrived = asyncio.Event()
+
+    async def follow() -> None:
+        async for line in ctl.follow(0, on_link=links.append, delay=lambda a: 0.05):
+            got.append(line)
+            arrived.set()
+
+    async def lines_up_to(n: int) -> None:
+        with log.open("a") as f:
+            f.writelines(f"line {i}\n" for i in range(len(got), n))
+        while len(got) < n:
+            arrived.clear()
+            await asyncio.wait_for(arrived.wait(), 30)
+
+    follower = asyncio.create_task(follow())
+    try:
+        await lines_up_to(3)
+        for round_ in range(3):
+            results = await asyncio.gather(
+                *(transport.run(["sleep", "7773"], timeout=1) for _ in range(12)),
+                return_exceptions=True,
+            )
+            assert all(isinstance(r, CommandTimeout) for r in results), results
+            stopped = [r for r in results if "the remote command was stopped" in str(r)]
+            queued = [r for r in results if "SSH channels to 127.0.0.1 are in use" in str(r)]
+            assert len(stopped) + len(queued) == 12 and len(stopped) >= 7  # 8 minus the stream
+            await lines_up_to(3 * (round_ + 2))
+        assert (await transport.run(["echo", "ok"])).stdout == "ok\n"
+        assert got == [f"line {i}" for i in range(12)]
+        assert links == ["connected"]  # the stream was never lost
+    finally:
+        follower.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await follower
+        await transport.close()
+
+
+# --- item 11: env values with tmux or shell syntax -------------------------------------------
+
+HOSTILE_ENV = {
+    "DFLASH_T_SEMI": "a;",
+    "DFLASH_T_ALONE": ";",
+    "DFLASH_T_ESCAPED": "x \\; y\\;",
+    "DFLASH_T_SHELL": "$(touch /tmp/pwned) `id` 'q' \"dq\" & | > <",
+    "DFLASH_T_TMUX": "#{session_name} #(id) {a} -e X=1 ; kill-server",
+}
+
+
+async def test_start_passes_env_values_with_tmux_and_shell_syntax_verbatim(
+    real_parts: P.Parts,
+    standin_release: Release,
+    clean_workdir: Path,
+    tmp_path: Path,
+) -> None:
+    """A run started through sshd, pct, LXC and real tmux gets every env value unchanged:
+    nothing in the inventory can end the tmux command or reach a shell."""
+    table = ", ".join(f"{k} = {json.dumps(v)}" for k, v in HOSTILE_ENV.items())
+    host = load_inventory(inventory_with(real_parts, tmp_path, f"env = {{ {table} }}")).get("ct")
+    assert {k: host.env[k] for k in HOSTILE_ENV} == HOSTILE_ENV
+    transport = SshTransport(host)
+    ctl = RunControl(transport, host)
+    try:
+        await deploy(transport, host, release=standin_release, import_check=False)
+        (clean_workdir / "run").mkdir(exist_ok=True)
+        (clean_workdir / "run" / "config.toml").write_text("[run]\nname = 'standin'\n")
+        started = await ctl.start()
+        assert started.started and started.pane_pid
+        environ = in_container(real_parts, "cat", f"/proc/{started.pane_pid}/environ")
+        env = dict(e.split("=", 1) for e in environ.split("\0") if "=" in e)
+        assert {k: env.get(k) for k in HOSTILE_ENV} == HOSTILE_ENV
+        sessions = in_container(real_parts, "tmux", "-L", "dflash", "list-sessions", "-F", "#S")
+        assert sessions.split() == [host.session]
+        assert not (clean_workdir / "pwned").exists() and "pwned" not in in_container(
+            real_parts, "ls", "/tmp"
+        )
+        await ctl.stop(timeout=30)
+    finally:
+        await transport.close()
+
+
+# --- item 11: local SSH setup problems are config errors (exit 2) ----------------------------
+
+
+def test_missing_identity_file_names_the_inventory_and_exits_2(
+    real_parts: P.Parts, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    inv = inventory_with(real_parts, tmp_path)
+    text = inv.read_text().replace(str(real_parts.sshd.client_key), str(tmp_path / "no-such-key"))
+    inv.write_text(text)
+    expected = f"{inv}: host 'ct': identity_file: {tmp_path / 'no-such-key'} does not exist"
+    assert cli_main(["--hosts", str(inv), "deploy", "ct"]) == 2
+    assert capsys.readouterr().err.strip() == f"dflashctl: {expected}"
+    cli_main(["--hosts", str(inv), "status", "ct"])  # a per-host state there: the same line
+    assert expected in capsys.readouterr().out
+
+
+def test_non_utf8_known_hosts_and_inventory_are_one_line_errors_exit_2(
+    real_parts: P.Parts, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    inv = inventory_with(real_parts, tmp_path)
+    known = tmp_path / "known_hosts"
+    known.write_bytes(known.read_bytes()[:12] + b"\xff\xfe" + known.read_bytes()[12:])
+    for command in (["deploy", "ct"], ["trust", "ct", "--yes"]):
+        assert cli_main(["--hosts", str(inv), *command]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith(
+            f"dflashctl: {known}: not UTF-8 text at byte 12 (line 1)"
+        ), err
+    assert cli_main(["--hosts", str(inv), "status", "ct"]) != 0
+    assert f"{known}: not UTF-8 text at byte 12" in capsys.readouterr().out
+    inv.write_bytes(b"[hosts.ct]\naddress = '\xc3('\n")
+    assert cli_main(["--hosts", str(inv), "status"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [
+        f"dflashctl: {inv}: not UTF-8 text at byte 22 (line 2): invalid continuation byte 0xc3; "
+        "save the inventory as UTF-8"
+    ]
+
+
+# --- item 11: a node that now has only another type of host key ------------------------------
+
+
+@pytest.fixture
+def rsa_only_sshd(real_parts: P.Parts, tmp_path: Path) -> Iterator[P.Sshd]:
+    with P.sshd(tmp_path / "rsa-sshd", host_key_type="rsa") as sd:
+        sd.map_file.write_text(f"{real_parts.container.ctid} {real_parts.container.name}\n")
+        yield sd
+
+
+async def test_rsa_only_node_with_an_ed25519_key_pinned_is_a_key_change(
+    rsa_only_sshd: P.Sshd, ssh_host: HostConfig, tmp_path: Path, real_parts: P.Parts
+) -> None:
+    """asyncssh offers only the pinned key type; a node without it drops the handshake, which
+    used to read "Connection lost". It is the host key check failing, and is said so."""
+    known = tmp_path / "known_hosts"
+    pub = real_parts.sshd.host_pub.read_text().split()  # an ed25519 key, not this node's
+    known.write_text(f"[127.0.0.1]:{rsa_only_sshd.port} {pub[0]} {pub[1]}\n")
+    host = ssh_host.model_copy(update={"port": rsa_only_sshd.port, "known_hosts": known})
+    transport = SshTransport(host)
+    try:
+        with pytest.raises(HostKeyError) as info:
+            await transport.run(["true"])
+    finally:
+        await transport.close()
+    msg = str(info.value)
+    assert msg.startswith(f"ct: host key of 127.0.0.1:{rsa_only_sshd.port} CHANGED")
+    assert "it now presents a ssh-rsa key SHA256:" in msg and "pinned: ssh-ed25519" in msg
+
+
+# --- item 11: the pct stand-in and a frozen container ----------------------------------------
+
+
+async def test_frozen_container_is_reported_as_frozen_not_stopped(
+    real_parts: P.Parts, ssh_host: HostConfig
+) -> None:
+    name = real_parts.container.name
+    transport = SshTransport(ssh_host)
+    ctl = RunControl(transport, ssh_host)
+    subprocess.run(["lxc-freeze", "-n", name], check=True)
+    try:
+        frozen = subprocess.run(["lxc-info", "-n", name, "-sH"], capture_output=True, text=True)
+        assert frozen.stdout.strip() == "FROZEN"
+        st = await ctl.status()
+        assert st.state == "unreachable"
+        assert st.message == "ct: container '4242' is frozen/paused (resume it: pct resume 4242)"
+        assert await transport.container_state() == "running"  # as PVE reports a frozen CT
+    finally:
+        subprocess.run(["lxc-unfreeze", "-n", name], check=True)
+        await transport.close()
