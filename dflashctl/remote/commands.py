@@ -278,6 +278,23 @@ def guarded(argv: Sequence[str]) -> list[str]:
     return ["sh", "-c", GUARD_SCRIPT, "dflash-guard", *argv]
 
 
+# The node-side counterpart for streams, which cannot be bounded in time: the command keeps the
+# channel as its stdin (the container-side guard needs it), and a watcher on the same stdin
+# signals `timeout 0` (no time limit, but it leads its own process group and passes a TERM on
+# to all of it) once the channel closes. So a `pct` that hangs before it attaches dies with the
+# channel too, not only the helper in the container.
+NODE_GUARD_SCRIPT = (
+    'exec 3<&0; "$@" <&3 & p=$!; '
+    '{ cat <&3 >/dev/null; kill "$p" 2>/dev/null; } >/dev/null 2>&1 3<&3 & '
+    'wait "$p"'
+)
+
+
+def node_guarded(node_argv: Sequence[str]) -> list[str]:
+    """Run a long-lived node command (a `pct exec` stream) that ends when the channel closes."""
+    return ["sh", "-c", NODE_GUARD_SCRIPT, "dflash-node-guard", "timeout", "0", *node_argv]
+
+
 # --- what a command is, in words (for timeout and link-loss messages) -----------------------
 
 # `sh -c SCRIPT dflash-NAME ...`: the $0 names dflashctl gives its scripts.
@@ -299,6 +316,10 @@ _FILE_WORDS = {"cat": "reading {}", "tail": "reading {}", "wc": "counting the li
 def describe(argv: Sequence[str]) -> str:
     """The operation an argv performs, in a few words: `status`, `reading /srv/x/run/a.log`."""
     args = [str(a) for a in argv]
+    if args[:4] == ["sh", "-c", NODE_GUARD_SCRIPT, "dflash-node-guard"]:
+        args = args[4:]
+    if args[:2] == ["timeout", "0"]:
+        args = args[2:]
     if args[:1] == ["timeout"] and len(args) > 4:
         args = args[4:]
     if not args:

@@ -29,6 +29,7 @@ from dflashctl.remote.commands import (
     bounded,
     clean_env,
     describe,
+    node_guarded,
     parse_pct_status,
     pct_exec,
     pct_status,
@@ -258,8 +259,8 @@ class SshTransport:
             self._conn = None
 
     def wrap(self, argv: Sequence[str]) -> str:
-        """The exact command string sent to the node's shell (without the node-side bound)."""
-        return shell_join(pct_exec(self.host.ctid, clean_env(argv)))
+        """The exact command string sent to the node's shell for a stream (see node_guarded)."""
+        return shell_join(node_guarded(pct_exec(self.host.ctid, clean_env(argv))))
 
     async def run_host(
         self, argv: Sequence[str], *, input: bytes | None = None, timeout: float | None = None

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import shlex
 import subprocess
+import time
 
 import pytest
 from hypothesis import given
@@ -94,6 +95,7 @@ def test_every_command_is_bounded_on_the_node() -> None:
         (["cat", "--", "/w/run/config.toml"], "reading /w/run/config.toml"),
         (C.pct_status(200), "pct status 200"),
         (C.bounded(C.pct_status(200), 3), "pct status 200"),
+        (C.node_guarded(C.pct_exec(200, ["tail", "-F", "/w/a"])), "pct exec 200"),
         (["nvidia-smi", "--query-gpu=x"], "nvidia-smi"),
     ],
 )
@@ -143,6 +145,25 @@ def test_guard_kills_helper_when_stdin_closes() -> None:
     assert proc.stdin is not None
     proc.stdin.close()
     assert proc.wait(timeout=10) != 0  # the sleep was killed, not waited out
+
+
+def test_node_guard_ends_the_whole_command_group_when_stdin_closes(tmp_path) -> None:
+    """The stream's node command keeps the channel as its stdin (the container guard inside
+    reads it) and dies, children included, once it closes."""
+    script = tmp_path / "hang.sh"
+    script.write_text("cat >/dev/null & sleep 7781; wait\n")
+    proc = subprocess.Popen(
+        C.node_guarded(["sh", str(script)]), stdin=subprocess.PIPE, stdout=subprocess.PIPE
+    )
+    assert proc.stdin is not None
+    proc.stdin.close()
+    assert proc.wait(timeout=10) != 0
+    for _ in range(50):  # the group got its TERM; give the sleep a moment to be reaped
+        left = subprocess.run(["pgrep", "-f", "sleep 7781"], capture_output=True, text=True)
+        if not left.stdout:
+            break
+        time.sleep(0.1)
+    assert left.stdout == ""
 
 
 def test_write_file_atomic_writes_stdin_with_mode(tmp_path) -> None:

@@ -44,11 +44,12 @@ class FakePve:
     def node_argv(self, command: str) -> list[str]:
         """The command without its node-side bound (`timeout -k K SECONDS`), which is noted.
 
-        Commands are bounded on the node; streams (`tail -F` under the guard) are not.
+        Commands are bounded on the node; streams run under the node guard instead.
         """
         argv = shlex.split(command)
-        if argv[:2] != ["timeout", "-k"]:
-            return argv
+        if argv[:2] == ["sh", "-c"] and argv[3:6] == ["dflash-node-guard", "timeout", "0"]:
+            return argv[6:]
+        assert argv[:2] == ["timeout", "-k"], argv
         self.bounds.append(float(argv[3]))
         return argv[4:]
 

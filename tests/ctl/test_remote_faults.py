@@ -97,6 +97,28 @@ async def test_a_hanging_pct_leaves_nothing_running_on_the_node(
         await transport.close()
 
 
+async def test_a_log_stream_under_a_hanging_pct_ends_with_its_channel(
+    real_parts: P.Parts, ssh_host: HostConfig
+) -> None:
+    """A stream has no time bound; closing its channel must still end the pct that never got
+    as far as attaching (the container-side guard alone cannot: it never started)."""
+    shim = str(real_parts.sshd.dir / "bin" / "pct")
+    transport = SshTransport(ssh_host)
+    try:
+        with P.hanging_pct(real_parts.sshd, 7774):
+            stream = RunControl(transport, ssh_host).follow(0)
+            waiting = asyncio.ensure_future(anext(stream))
+            await settle(lambda: not P.node_processes("sleep 7774"), "the stream's pct never ran")
+            waiting.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await waiting
+            await stream.aclose()
+            await settle(lambda: P.node_processes("sleep 7774"), "hung pct children left")
+            await settle(lambda: P.node_processes(shim), "pct processes left on the node")
+    finally:
+        await transport.close()
+
+
 async def test_a_hung_container_command_is_stopped_inside_the_container(
     real_parts: P.Parts, ssh_host: HostConfig
 ) -> None:
