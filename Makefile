@@ -11,7 +11,7 @@ STAMP := $(VENV)/.installed-$(shell cat pyproject.toml requirements.lock 2>/dev/
 SYSTEM_PACKAGES := tmux openssh-server openssh-client lxc lxc-templates
 PYTEST_ARGS ?=
 
-.PHONY: venv demo test lint fmt bench lock system-deps clean
+.PHONY: venv demo test test-lowest lint fmt bench lock system-deps clean
 
 venv: $(STAMP)
 
@@ -48,6 +48,27 @@ demo: system-deps venv
 test: system-deps venv
 	@$(PY) -m ruff check .
 	@$(PY) -m pytest $(PYTEST_ARGS)
+	@$(MAKE) --no-print-directory test-lowest
+
+# pyproject.toml declares transformers>=$(TRANSFORMERS_FLOOR): prove it. The floor (with the
+# tokenizers/huggingface-hub it requires, pinned) is installed --no-deps into its own directory
+# and put first on PYTHONPATH, so the same venv runs the model and eval tests on it.
+# tests/model/test_dependency_floor.py keeps this number equal to pyproject's.
+TRANSFORMERS_FLOOR := 4.56.0
+LOWEST := $(VENV)/lowest-transformers
+LOWEST_PINS := transformers==$(TRANSFORMERS_FLOOR) huggingface-hub==0.36.0 tokenizers==0.22.1 \
+	requests==2.34.2 urllib3==2.8.0 idna==3.20 certifi==2026.10.19.post1 charset-normalizer==3.5.3
+LOWEST_STAMP := $(LOWEST)/.installed-$(shell echo '$(LOWEST_PINS)' | sha256sum | cut -c1-12)
+
+$(LOWEST_STAMP): | $(STAMP)
+	@rm -rf $(LOWEST)
+	@echo "installing the declared transformers floor ($(TRANSFORMERS_FLOOR)) into $(LOWEST)"
+	@$(PY) -m pip install -q --no-deps --target $(LOWEST) $(LOWEST_PINS)
+	@touch $@
+
+test-lowest: venv $(LOWEST_STAMP)
+	@PYTHONPATH=$(LOWEST) $(PY) -c 'import transformers as t; assert t.__version__ == "$(TRANSFORMERS_FLOOR)", t.__version__; print("== model + eval tests on transformers", t.__version__, "(the declared floor)")'
+	@PYTHONPATH=$(LOWEST) $(PY) -m pytest -q -p no:cacheprovider tests/model
 
 lint: venv
 	@$(PY) -m ruff check .
