@@ -254,11 +254,11 @@ def test_a_full_disk_fails_the_checkpoint_in_one_line_and_loses_nothing(
         assert _run_state(run_dir)["state"] == "finished" and _steps(run_dir)[-1] == 20
 
 
-def _start(cfg: Path, run_dir: Path) -> subprocess.Popen[str]:
+def _start(cfg: Path, run_dir: Path, **env: str) -> subprocess.Popen[str]:
     return subprocess.Popen(
         trainer_argv(cfg, run_dir),
         cwd=REPO,
-        env=cli_env(),
+        env=cli_env(**env),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -308,6 +308,17 @@ def test_two_sigints_half_a_second_apart_end_stopped_with_a_checkpoint(
     last = _last_metric_step(run_dir)
     assert state["last_step"] == last and _steps(run_dir)[-1] == last
     assert state["last_checkpoint"] == str(run_dir / "checkpoints" / f"step-{last:08d}.pt")
+    kept = f"checkpoint step-{last:08d}.pt holds step {last}"
+    assert state["stop_detail"] in (
+        f"SIGINT: finished step {last} and stopped; {kept}",  # the second one came too late
+        *[  # the second one came before the stop was recorded
+            f"SIGINT: finished step {last} and stopped; {kept}; SIGINT {dt / 10:.1f} s later "
+            "came after that checkpoint and changed nothing"
+            for dt in range(3, 30)
+        ],
+    ) or re.fullmatch(
+        rf"second signal SIGINT \d\.\d s after SIGINT: .*; {kept}", state["stop_detail"]
+    )
     assert any(
         m.startswith(f"{run_dir / 'run-state.json'}: not JSON") and m.endswith("rewritten whole")
         for m in _errors(run_dir)
@@ -318,15 +329,17 @@ def test_two_sigints_half_a_second_apart_end_stopped_with_a_checkpoint(
 def test_two_sigints_at_once_keep_the_last_step_and_say_so(
     tmp_path: Path, tiny_assets: dict[str, Any]
 ) -> None:
-    """Two SIGINTs back to back lost the steps since the last checkpoint and showed as a crash
-    (exit 1) with no word of the signal: now the last completed step is checkpointed, the
-    process exits 0 and run-state names both signals and what the second one did."""
+    """Two SIGINTs 50 ms apart while the drafter waits for a slow target lost the steps since
+    the last checkpoint and showed as a crash (exit 1) with no word of the signal: now the last
+    completed step is checkpointed, the exit is 0 and run-state says what the second one did.
+    (Two signals sent with no gap at all can merge into one in the kernel.)"""
     run_dir = tmp_path / "run"
     cfg = write_config(tmp_path / "run.toml", tiny_assets)
-    proc = _start(cfg, run_dir)
+    proc = _start(cfg, run_dir, DFLASH_STAGE_DELAY="target:1.0")
     try:
-        _wait_for_step(proc, run_dir, 5)
+        _wait_for_step(proc, run_dir, 2)
         os.kill(proc.pid, signal.SIGINT)
+        time.sleep(0.05)
         os.kill(proc.pid, signal.SIGINT)
         _, err = proc.communicate(timeout=60)
     finally:
@@ -336,17 +349,21 @@ def test_two_sigints_at_once_keep_the_last_step_and_say_so(
     last = _last_metric_step(run_dir)
     assert state["state"] == "stopped" and state["stop_signal"] == "SIGINT"
     assert state["signals"] == 2 and state["lost_steps"] == 0 and state["last_step"] == last
+    kept = rf"checkpoint step-{last:08d}\.pt holds step {last}"
     assert re.fullmatch(
-        rf"second signal SIGINT \d+\.\d s after SIGINT: stopped at once after step {last}; "
-        rf"checkpoint step-{last:08d}\.pt holds step {last}",
+        rf"second signal SIGINT 0\.\d s after SIGINT: stopped at once after step {last}; {kept}"
+        # (rarely, the step in flight completes and checkpoints between the two signals)
+        rf"|SIGINT: finished step {last} and stopped; {kept}; SIGINT 0\.\d s later came after "
+        "that checkpoint and changed nothing",
         state["stop_detail"],
     ), state["stop_detail"]
     events = _events(run_dir)
     ckpts = [e for e in events if isinstance(e, CheckpointEvent)]
     assert ckpts[-1].step == last and load_checkpoint(Path(ckpts[-1].path))["step"] == last
     details = [e.detail for e in events if isinstance(e, PhaseEvent) and e.phase == "stopping"]
-    assert details[0] == "(SIGINT)" and "second SIGINT: stopping at once, no more steps" in details
-    assert details[-1] == f"done at step {last} (SIGINT)"
+    assert details[0] == "(SIGINT)" and details[-1] == f"done at step {last} (SIGINT)"
+    if state["stop_detail"].startswith("second"):
+        assert "second SIGINT: stopping at once, no more steps" in details
 
 
 @pytest.mark.timeout(180)

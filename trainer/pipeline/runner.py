@@ -110,7 +110,8 @@ class Run:
         self.faults = FaultPlan()
         self.stop_request = threading.Event()
         self.signal_name: str | None = None
-        self.signals: list[tuple[str, float]] = []  # (name, monotonic time) of each received
+        # (name, monotonic time, whether the stop's checkpoint was already written) per signal
+        self.signals: list[tuple[str, float, bool]] = []
         self.stop_done = False  # the stop is recorded: later signals are ignored
         self.state_file = RunStateFile(self.run_dir)
         self.saved_step = 0  # step of the newest checkpoint on disk (0: none yet)
@@ -486,6 +487,7 @@ class Run:
         if not self.stop_request.is_set() or self.sup.failure is not None:
             return  # a failure elsewhere, not a signal: the run reports that
         self.stopped_by_signal = True
+        self.announce_stop()  # before the checkpoint line, as for a first-signal stop
         if step > self.saved_step and self.world.size == 1 and not self._save(step, rng):
             self.final_save_failed = True
 
@@ -620,9 +622,11 @@ class Run:
             # Only flags here: the main thread may hold the reporter's lock.
             if self.stop_done:
                 return
-            self.signals.append((signal.Signals(signum).name, time.monotonic()))
+            late = self.stopped_by_signal  # the first stop already checkpointed and returned
+            self.signals.append((signal.Signals(signum).name, time.monotonic(), late))
             if self.stop_request.is_set():
-                self.sup.stop.set()  # second signal: stop now (see _stop_at_once)
+                if not late:
+                    self.sup.stop.set()  # second signal: stop now (see _stop_at_once)
                 return
             self.signal_name = signal.Signals(signum).name
             self.stop_request.set()  # the drafter checkpoints after its current step
@@ -642,7 +646,7 @@ class Run:
         """One line on how a signalled stop ended, for run-state.json (None: no signal)."""
         if not self.signals:
             return None
-        first, t0 = self.signals[0]
+        first, t0, _ = self.signals[0]
         step, saved = self.board.step, self.saved_step
         if saved >= step:
             kept = f"checkpoint step-{saved:08d}.pt holds step {step}"
@@ -652,8 +656,13 @@ class Run:
             kept = f"steps 1-{step} lost: no checkpoint"
         if len(self.signals) == 1:
             return f"{first}: finished step {step} and stopped; {kept}"
-        name, t1 = self.signals[1]
+        name, t1, late = self.signals[1]
         more = f" (+{len(self.signals) - 2} more)" if len(self.signals) > 2 else ""
+        if late:
+            return (
+                f"{first}: finished step {step} and stopped; {kept}; {name} {t1 - t0:.1f} s "
+                f"later{more} came after that checkpoint and changed nothing"
+            )
         return (
             f"second signal {name} {t1 - t0:.1f} s after {first}{more}: stopped at once after "
             f"step {step}; {kept}"
@@ -743,14 +752,18 @@ def _run(r: Run) -> int:
         pass
     except BaseException as exc:
         r.sup.fail("monitor", exc)
-    if len(r.signals) > 1:
+    if r.stop_request.is_set():
+        r.announce_stop()  # both signals may land within one monitor poll
+    if len(r.signals) > 1 and not r.signals[1][2]:
         name = r.signals[1][0]
         r.reporter.phase("stopping", f"second {name}: stopping at once, no more steps")
-    # A stop waits 5 s for the drafter, but never interrupts a checkpoint being written.
+    # A stop waits 5 s for the drafter, but does not interrupt a checkpoint being written
+    # unless a third signal insists (a hung filesystem).
     deadline = time.monotonic() + 5
     while r.drafter_thread.is_alive():
         r.drafter_thread.join(0.1)
-        if r.sup.stop.is_set() and not r.saving and time.monotonic() > deadline:
+        insist = len(r.signals) > 2 or not r.saving
+        if r.sup.stop.is_set() and insist and time.monotonic() > deadline:
             break
     r.sup.stop.set()
     stuck = r.sup.join(timeout=5.0)
