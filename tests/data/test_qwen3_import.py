@@ -461,3 +461,15 @@ def test_old_stores_without_source_lines_still_open(
     assert store.lines is None and store.source_line(0) is None
     assert main(["show", str(out), "--rows", "0"]) == 0
     assert "--- row 0: " in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("tagged", [False, True], ids=["sentinel-diff", "generation-tags"])
+def test_a_malformed_row_from_any_caller_is_rejected_alone(
+    qwen3_tokenizer_dir: Path, tagged_dir: Path, tagged: bool
+) -> None:
+    encoder = _encoder(tagged_dir if tagged else qwen3_tokenizer_dir)
+    good = normalise_conversation(json.loads(MIXED.read_text().splitlines()[1]))
+    assert isinstance(good, Conversation)
+    odd = Conversation([{"role": "user", "content": 5}, {"role": "assistant", "content": "x"}])
+    results = encoder.encode_batch([good, odd, good])
+    assert [type(r).__name__ for r in results] == ["Encoded", "Rejected", "Encoded"]

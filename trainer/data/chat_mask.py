@@ -45,6 +45,7 @@ GENERATION_TAGS = "generation-tags"
 SENTINEL_DIFF = "sentinel-diff"
 TEMPLATE_ERROR = "template_error"
 TOKENIZER_ERROR = "tokenizer_error"
+ENCODE_ERROR = "encode_error"
 CONTROL_TOKEN_IN_CONTENT = "control_token_in_content"
 
 _GENERATION_RE = re.compile(r"\{%-?\s*generation\s*-?%\}")
@@ -129,7 +130,11 @@ class ChatEncoder:
         results: list[Encoded | Rejected | None] = [None] * len(rows)
         groups: dict[str, list[int]] = {}  # rows sharing a tools list render in one call
         for i, row in enumerate(rows):
-            hit = self._control_token(row)
+            try:
+                hit = self._control_token(row)
+            except Exception as exc:  # content that is not text, from a caller but the parser
+                results[i] = Rejected(ENCODE_ERROR, _one_line(exc))
+                continue
             if hit is not None:
                 results[i] = Rejected(CONTROL_TOKEN_IN_CONTENT, f"content contains {hit!r}")
             else:
@@ -151,16 +156,23 @@ class ChatEncoder:
             if isinstance(encoding, Rejected):
                 results[i] = encoding
                 continue
-            ids, offsets = encoding
-            results[i] = Encoded(
-                np.asarray(ids, dtype=np.int32),
-                mask_from_spans(offsets, apply_think_rule(plan.text, plan.spans)),
-                unlocated_turns=plan.unlocated,
-                reasoning_turns=sum(map(has_reasoning, _trained(rows[i]))),
-                reasoning_dropped=reasoning_dropped(rows[i], plan.text),
-            )
+            try:
+                results[i] = self._encoded(rows[i], plan, encoding)
+            except Exception as exc:  # never let one row's oddity escape the batch
+                results[i] = Rejected(ENCODE_ERROR, _one_line(exc))
         assert all(r is not None for r in results)
         return [r for r in results if r is not None]
+
+    @staticmethod
+    def _encoded(row: Conversation, plan: _Plan, encoding: tuple[Any, Any]) -> Encoded:
+        ids, offsets = encoding
+        return Encoded(
+            np.asarray(ids, dtype=np.int32),
+            mask_from_spans(offsets, apply_think_rule(plan.text, plan.spans)),
+            unlocated_turns=plan.unlocated,
+            reasoning_turns=sum(map(has_reasoning, _trained(row))),
+            reasoning_dropped=reasoning_dropped(row, plan.text),
+        )
 
     def render(self, conversation: Conversation | list[Message]) -> str:
         """The template's own rendering of one conversation (what the store's tokens spell)."""

@@ -34,6 +34,7 @@ from trainer.data.store import sha256_file
 
 Parsed = Conversation | Rejected | None  # None: a blank line (ignored)
 CHUNK_CHARS = 1 << 20
+PARSE_ERROR = "parse_error"
 MAX_ELEMENT_CHARS = 1 << 28  # one row past 256 Mi characters is a broken array, not a row
 _WS = re.compile(r"[ \t\n\r]*")
 
@@ -80,11 +81,11 @@ class ChatSource:
     def _jsonl(self, first: bytes, fh: IO[bytes]) -> Iterator[tuple[int, Parsed]]:
         if first:
             self.lines = 1
-            yield 1, parse_line(first.rstrip(b"\r\n"))
+            yield 1, _parse(first)
         for number, raw in enumerate(fh, start=2):
             self.digest.update(raw)
             self.lines = number
-            yield number, parse_line(raw.rstrip(b"\r\n"))
+            yield number, _parse(raw)
 
     def _array(self, first: bytes, fh: IO[bytes]) -> Iterator[tuple[int, Parsed]]:
         decoder = codecs.getincrementaldecoder("utf-8")("strict")
@@ -146,7 +147,7 @@ class ChatSource:
                     raise _NotAnArray  # '[1, 2' opening a JSONL file is a bad row, not a format
                 self.lines = line
                 elements += 1
-                yield line, normalise_conversation(value)
+                yield line, _normalise(value)
                 line += buf.count("\n", pos, end)
                 pos = end
                 expect_value = False
@@ -163,6 +164,20 @@ class ChatSource:
             return
         while more():  # hash the rest (trailing whitespace)
             pass
+
+
+def _parse(raw: bytes) -> Parsed:
+    try:
+        return parse_line(raw.rstrip(b"\r\n"))
+    except Exception as exc:  # a parser bug must cost one row, not the import
+        return Rejected(PARSE_ERROR, " ".join(f"{type(exc).__name__}: {exc}".split())[:200])
+
+
+def _normalise(value: Any) -> Parsed:
+    try:
+        return normalise_conversation(value)
+    except Exception as exc:  # as in _parse
+        return Rejected(PARSE_ERROR, " ".join(f"{type(exc).__name__}: {exc}".split())[:200])
 
 
 class _Broken(Exception):
