@@ -8,9 +8,12 @@ and checks itself by running the sampler for one epoch. numpy only; importable w
 
 CLI:
     python -m trainer.buckets plan --lengths PATH --buckets K --token-budget T --max-batch B
-        [--min-share F] [--json]
+        [--min-share F] [--candidates N] [--json]
     python -m trainer.buckets compare --lengths PATH --token-budget T --max-batch B
-        [--buckets K | --boundaries a,b,c] [--epochs 2] [--json]
+        [--buckets K | --boundaries a,b,c] [--epochs 2] [--candidates N] [--json]
+
+--candidates N (default 2048): up to N - 1 distinct lengths every one is a candidate cut and the
+plan is the exact optimum; with more, a grid refined around the cuts (the output says so).
 
 PATH is a `.npy` array of lengths or a token-store directory. Bad input exits 2 with one line.
 """
@@ -28,12 +31,19 @@ from typing import Any
 
 import numpy as np
 
-from trainer.bucketing.dp import make_grid, optimal_segmentations, segment_costs
+from trainer.bucketing.dp import (
+    DEFAULT_CANDIDATES,
+    Grid,
+    make_grid,
+    optimal_segmentations,
+    segment_costs,
+)
 from trainer.bucketing.estimate import BucketEstimate, estimate_bucket, histogram
 from trainer.data.lengths import LengthsError, as_lengths, load_lengths
 from trainer.sampler import BatchSampler, SamplerError
 
 DEFAULT_K_MAX = 16
+REFINE_PASSES = 4  # grid search: re-solve around the cuts until they stop moving (1-2 in practice)
 
 
 class PlanError(ValueError):
@@ -60,6 +70,33 @@ class BucketInfo:
     predicted_efficiency: float
 
 
+@dataclass(frozen=True)
+class SearchInfo:
+    """Which cuts the DP could choose: every distinct length (exact) or a refined grid."""
+
+    exact: bool  # every distinct length was a candidate: the plan is the exact optimum
+    distinct_lengths: int
+    candidates: int  # candidate edges of the final DP (including the two outer edges)
+    max_candidates: int  # the budget: exact when distinct_lengths + 1 <= it
+    grid_step: int | None  # grid only: spacing of the coarse candidate edges, in tokens
+    refine_window: int | None  # grid only: every distinct length within this of a cut was tried
+    grid_efficiency: float | None  # grid only: the coarse grid's optimum before refinement
+
+    def describe(self) -> str:
+        """One line for the table: what was searched and, for a grid, what it cannot promise."""
+        if self.exact:
+            return (
+                f"search: exact, every one of the {self.distinct_lengths:,} distinct lengths "
+                f"was a candidate cut ({self.candidates:,} edges)"
+            )
+        return (
+            f"search: GRID, not proven optimal: {self.candidates:,} candidate edges (every "
+            f"{self.grid_step} tokens, plus every distinct length within {self.refine_window} "
+            f"tokens of each cut) of {self.distinct_lengths:,} distinct lengths; cuts are exact "
+            f"to within their window only; exact search: --candidates {self.distinct_lengths + 1}"
+        )
+
+
 @dataclass
 class BucketPlan:
     """Boundaries (K+1 edges, bucket k = [edge k, edge k+1)) and what they are predicted to do."""
@@ -75,6 +112,7 @@ class BucketPlan:
     total_tokens: int
     predicted_steps: float
     predicted_budget_use: float
+    search: SearchInfo
     simulated_efficiency: float | None = None
     simulated_steps: int | None = None
     simulated_budget_use: float | None = None
@@ -95,6 +133,7 @@ class BucketPlan:
         d["k"] = self.k
         d["co_batch_probability"] = self.co_batch_probability
         d["efficiency_by_k"] = {str(k): v for k, v in self.efficiency_by_k.items()}
+        d["search"]["description"] = self.search.describe()
         return d
 
 
@@ -141,9 +180,14 @@ def plan_buckets(
     k_max: int | None = None,
     simulate: bool = True,
     seed: int = 0,
-    max_candidates: int = 128,
+    max_candidates: int = DEFAULT_CANDIDATES,
 ) -> BucketPlan:
     """Optimal K-bucket boundaries for greedy token-budget packing, with the efficiency-vs-K curve.
+
+    With at most `max_candidates - 1` distinct lengths every distinct length is a candidate cut
+    and the plan is the exact optimum of the model. Beyond that the DP runs on a power-of-two grid
+    of at most `max_candidates` edges, then again with every distinct length within one grid step
+    of each chosen cut added, until the cuts stop moving; `plan.search` says which happened.
 
     Args:
         lengths: tokens per sample.
@@ -153,23 +197,25 @@ def plan_buckets(
         k_max: largest K of `efficiency_by_k` (default max(k, 16)).
         simulate: also run the sampler for one epoch and report the measured efficiency.
         seed: the simulation's sampler seed.
-        max_candidates: candidate-edge budget of the DP (every distinct length below it).
+        max_candidates: candidate-edge budget of the DP (exact when the distinct lengths fit).
 
     Raises:
-        PlanError: bad lengths, budget below the longest sample, K or min_share out of range.
+        PlanError: bad lengths, budget below the longest sample, K, min_share or the candidate
+            budget out of range.
     """
     x = _check_inputs(np.asarray(lengths), token_budget, max_batch)
     if k < 1:
         raise PlanError(f"number of buckets must be >= 1, got {k}", "--buckets")
     if not 0.0 <= min_share < 1.0:
         raise PlanError(f"min share must be in [0, 1), got {min_share}", "--min-share")
+    if max_candidates < 2:
+        raise PlanError(f"must be >= 2 (edges), got {max_candidates}", "--candidates")
     n = len(x)
     t0 = time.perf_counter()
-    grid = make_grid(x, max_candidates=max_candidates)
     min_count = max(1, int(np.ceil(min_share * n - 1e-9)))
-    cost, _ = segment_costs(grid, token_budget, max_batch, min_count)
-    t1 = time.perf_counter()
-    solutions = optimal_segmentations(cost, max(k, k_max or DEFAULT_K_MAX))
+    k_top = max(k, k_max or DEFAULT_K_MAX)
+    grid = make_grid(x, max_candidates=max_candidates)
+    solutions = _solve(grid, token_budget, max_batch, min_count, k_top)
     if k not in solutions:
         most = max(solutions) if solutions else 0
         extra = f" with at least {min_count} samples each (min share {min_share})" * (min_share > 0)
@@ -178,9 +224,30 @@ def plan_buckets(
             "--buckets",
         )
     total = int(x.sum())
+    coarse = grid
+    grid_eff = total / solutions[k][0]
+    if not grid.exact:
+        near = np.zeros(0, dtype=np.int64)  # windows only grow, so each pass is no worse
+        for _ in range(REFINE_PASSES):
+            cuts = grid.edges[solutions[k][1]][1:-1]
+            near = np.unique(np.concatenate([near, *(_near(coarse, int(c)) for c in cuts)]))
+            refined = make_grid(x, max_candidates=max_candidates, extra_edges=near)
+            if np.array_equal(refined.edges, grid.edges):
+                break  # every cut's window was already searched
+            grid = refined
+            solutions = _solve(grid, token_budget, max_batch, min_count, k_top)
+    search = SearchInfo(
+        exact=grid.exact,
+        distinct_lengths=grid.num_distinct,
+        candidates=len(grid.edges),
+        max_candidates=max_candidates,
+        grid_step=None if grid.exact else coarse.step,
+        refine_window=None if grid.exact else coarse.step,
+        grid_efficiency=None if grid.exact else grid_eff,
+    )
     by_k = {kk: total / padded for kk, (padded, _) in sorted(solutions.items())}
     edges = [int(e) for e in grid.edges[solutions[k][1]]]
-    t2 = time.perf_counter()
+    t1 = time.perf_counter()
     ests = evaluate_boundaries(x, edges, token_budget, max_batch)
     padded = sum(e.padded for e in ests)
     steps = sum(e.batches for e in ests)
@@ -199,6 +266,9 @@ def plan_buckets(
         )
         for lo, hi, e in zip(edges[:-1], edges[1:], ests, strict=True)
     ]
+    # The curve's entry for K is the headline itself (the DP's value for these edges equals the
+    # full re-score up to float rounding; one number is printed, not two).
+    by_k[k] = total / padded
     plan = BucketPlan(
         boundaries=edges,
         padding_efficiency=total / padded,
@@ -211,13 +281,27 @@ def plan_buckets(
         total_tokens=total,
         predicted_steps=steps,
         predicted_budget_use=total / (steps * token_budget),
+        search=search,
     )
     t3 = time.perf_counter()
-    plan.timings = {"segment_costs_s": t1 - t0, "dp_s": t2 - t1, "rescore_s": t3 - t2}
+    plan.timings = {"search_s": t1 - t0, "rescore_s": t3 - t1}
     if simulate:
         simulate_plan(plan, x, seed=seed)
         plan.timings["simulate_s"] = time.perf_counter() - t3
     return plan
+
+
+def _solve(
+    grid: Grid, token_budget: int, max_batch: int, min_count: int, k_max: int
+) -> dict[int, tuple[float, list[int]]]:
+    cost, _ = segment_costs(grid, token_budget, max_batch, min_count)
+    return optimal_segmentations(cost, k_max)
+
+
+def _near(grid: Grid, cut: int) -> np.ndarray:
+    """Every distinct length within one grid step of `cut` (its refinement window)."""
+    d = grid.rep.astype(np.int64)
+    return d[(d > cut - grid.step) & (d < cut + grid.step)]
 
 
 def simulate_plan(plan: BucketPlan, lengths: np.ndarray, seed: int = 0) -> None:
@@ -248,6 +332,7 @@ def format_plan_table(plan: dict[str, Any]) -> str:
         f"samples={plan['num_samples']:,}  tokens={plan['total_tokens']:,}"
         + (f"  min share={plan['min_share']:.1%}" if plan.get("min_share") else ""),
         f"boundaries: {plan['boundaries']}",
+        plan["search"]["description"],
         f"padding efficiency: predicted {_pct(plan['padding_efficiency'])}, "
         f"simulated {_pct(plan.get('simulated_efficiency'))}   "
         f"steps/epoch ~{plan['predicted_steps']:,.0f}   "
@@ -264,6 +349,12 @@ def format_plan_table(plan: dict[str, Any]) -> str:
         )
     curve = "  ".join(f"{k}:{100 * v:.1f}" for k, v in plan["efficiency_by_k"].items())
     lines += ["", f"efficiency by K (%): {curve}"]
+    gap = plan["search"].get("grid_efficiency")
+    if gap is not None:
+        lines.append(
+            f"grid alone: {_pct(gap)}; refining around the cuts gained "
+            f"{100 * (plan['padding_efficiency'] - gap):+.3f} pp"
+        )
     return "\n".join(lines)
 
 
@@ -291,6 +382,7 @@ def format_compare_table(result: dict[str, Any]) -> str:
             f"{r['pairs_per_epoch']:>11,} {rep:>8}"
         )
     lines += COMPARE_LEGEND
+    lines += [f"bucket boundaries: {result['search']}"] if result.get("search") else []
     if result.get("predicted_efficiency") is not None:
         lines.append(f"bucketed predicted by the planner: {_pct(result['predicted_efficiency'])}")
     lines += [f"warning: {w}" for w in result.get("warnings", [])]
@@ -310,6 +402,13 @@ def _parser() -> argparse.ArgumentParser:
     common.add_argument("--token-budget", type=int, required=True, help="padded tokens per batch")
     common.add_argument("--max-batch", type=int, required=True, help="samples per batch")
     common.add_argument("--json", action="store_true", help="print one JSON object")
+    common.add_argument(
+        "--candidates",
+        type=int,
+        default=DEFAULT_CANDIDATES,
+        help=f"candidate cut budget of the DP (default {DEFAULT_CANDIDATES}): every distinct "
+        "length when they fit (exact optimum), else a refined grid (said in the output)",
+    )
     plan = sub.add_parser("plan", parents=[common], help="optimal boundaries for K buckets")
     plan.add_argument("--buckets", type=int, required=True, help="number of buckets K")
     plan.add_argument("--min-share", type=float, default=0.0, help="min share of samples/bucket")
@@ -341,7 +440,13 @@ def parse_boundaries(text: str, lengths: np.ndarray) -> list[int]:
 
 def _run_plan(args: argparse.Namespace, x: np.ndarray) -> int:
     plan = plan_buckets(
-        x, args.buckets, args.token_budget, args.max_batch, args.min_share, seed=args.seed
+        x,
+        args.buckets,
+        args.token_budget,
+        args.max_batch,
+        args.min_share,
+        seed=args.seed,
+        max_candidates=args.candidates,
     )
     d = plan.to_json_dict()
     print(json.dumps(d, indent=1) if args.json else format_plan_table(d))
@@ -354,12 +459,19 @@ def _run_compare(args: argparse.Namespace, x: np.ndarray) -> int:
     if args.epochs < 1:
         raise PlanError(f"must be >= 1, got {args.epochs}", "--epochs")
     _check_inputs(x, args.token_budget, args.max_batch)
+    search = None
     if args.boundaries:
         edges = parse_boundaries(args.boundaries, x)
     else:
-        edges = plan_buckets(
-            x, args.buckets or 6, args.token_budget, args.max_batch, simulate=False
-        ).boundaries
+        plan = plan_buckets(
+            x,
+            args.buckets or 6,
+            args.token_budget,
+            args.max_batch,
+            simulate=False,
+            max_candidates=args.candidates,
+        )
+        edges, search = plan.boundaries, plan.search.describe()
     predicted = evaluate_boundaries(x, edges, args.token_budget, args.max_batch)
     reports = compare_strategies(
         x,
@@ -376,6 +488,7 @@ def _run_compare(args: argparse.Namespace, x: np.ndarray) -> int:
         "num_samples": len(x),
         "epochs": args.epochs,
         "boundaries": edges,
+        "search": search,
         "predicted_efficiency": int(x.sum()) / sum(e.padded for e in predicted),
         "strategies": [r.to_json_dict() for r in reports],
         "warnings": [w for r in reports for w in r.warnings],

@@ -1,64 +1,84 @@
 """Globally optimal bucket boundaries: a segmentation DP over candidate edges.
 
 A bucket's expected padding depends only on the lengths inside it, so the total for K buckets is a
-sum of segment costs and the optimum over all boundary sets on a candidate grid is an O(K C^2)
-dynamic program once the C^2 / 2 segment costs are known (no local search, no restarts). With few
-distinct lengths every distinct length is a candidate (the exact continuous optimum); otherwise the
-candidates are a regular grid and segment costs use a histogram of `resolution`-token bins (each bin
-represented by its mean length, real tokens exact). The chosen boundaries are then re-scored at full
-resolution by the caller. Per-bucket constraints (minimum share of samples) are infinite costs,
-so the DP stays exact under them.
+sum of segment costs and the optimum over all boundary sets on a candidate set is an O(K C^2)
+dynamic program once the C^2 / 2 segment costs are known (no local search, no restarts). Segments
+are always scored on the exact length histogram (one support point per distinct length). When the
+data has at most `max_candidates` distinct lengths every one is a candidate edge, so the DP's
+optimum is the exact optimum over all boundary sets. Otherwise the candidates are a power-of-two
+grid (the caller refines around the chosen cuts, `trainer.buckets`). Per-bucket constraints
+(minimum share of samples) are infinite costs, so the DP stays exact under them.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import numpy as np
 
 from trainer.bucketing.estimate import estimate_bucket
 
-EXACT_CANDIDATES = 192  # up to this many distinct lengths, every one is a candidate edge
+_BAND = 16  # segments processed together have smallest classes within this many sizes
+
+# Every distinct length is a candidate edge up to this many (benchmarks/bench_buckets.py: the exact
+# search over 2,048 distinct lengths takes ~N s on one core; real stores have a few thousand).
+DEFAULT_CANDIDATES = 2048
+# Above that, the coarse grid's edge count (16-token steps over lengths up to 8,192), refined
+# around the chosen cuts by the caller.
+GRID_CANDIDATES = 512
 
 
 @dataclass(frozen=True)
 class Grid:
-    """Candidate edges and the binned histogram the DP scores segments on."""
+    """Candidate edges and the length histogram the DP scores segments on."""
 
     edges: np.ndarray  # int64 candidate boundaries, edges[0] = min length, edges[-1] = max + 1
-    bin_of_edge: np.ndarray  # first bin index at or above each edge
-    rep: np.ndarray  # float64 bin representative (mean length)
-    count: np.ndarray  # int64 samples per bin
-    tokens: np.ndarray  # int64 real tokens per bin
-    top: np.ndarray  # int64 longest sample per bin
+    bin_of_edge: np.ndarray  # first histogram bin at or above each edge
+    rep: np.ndarray  # float64 distinct lengths (support points)
+    count: np.ndarray  # int64 samples per distinct length
+    tokens: np.ndarray  # int64 real tokens per distinct length
+    top: np.ndarray  # int64 longest sample per bin (= the length)
+    exact: bool  # every distinct length is a candidate edge
+    step: int  # grid spacing in tokens (1 when exact)
+
+    @property
+    def num_distinct(self) -> int:
+        return len(self.rep)
 
 
-def make_grid(lengths: np.ndarray, max_candidates: int = 128, resolution: int = 16) -> Grid:
-    """Candidate edges: every distinct length when there are few, else a power-of-two grid."""
+def make_grid(
+    lengths: np.ndarray,
+    max_candidates: int = DEFAULT_CANDIDATES,
+    extra_edges: Iterable[int] = (),
+) -> Grid:
+    """Candidate edges: every distinct length when they fit in `max_candidates` edges, else a
+    power-of-two grid of at most min(max_candidates, GRID_CANDIDATES) edges, plus `extra_edges`
+    (the refinement windows around chosen cuts)."""
     x = np.asarray(lengths, dtype=np.int64)
-    lo, hi = int(x.min()), int(x.max()) + 1
-    distinct = np.unique(x)
-    if len(distinct) <= max(max_candidates, EXACT_CANDIDATES):
+    distinct, count = np.unique(x, return_counts=True)
+    lo, hi = int(distinct[0]), int(distinct[-1]) + 1
+    exact = len(distinct) + 1 <= max(max_candidates, 2)
+    step = 1
+    if exact:
         edges = np.append(distinct, hi)
-        bins = edges
     else:
-        step = 1
-        while (hi - lo) / step > max_candidates:
+        while (hi - lo) / step + 1 > max(min(max_candidates, GRID_CANDIDATES), 2):
             step *= 2
         edges = _edges(lo, hi, step)
-        bins = _edges(lo, hi, max(1, min(resolution, step)))
-    idx = np.searchsorted(bins, x, side="right") - 1
-    nb = len(bins) - 1
-    count = np.bincount(idx, minlength=nb).astype(np.int64)
-    tokens = np.bincount(idx, weights=x, minlength=nb).astype(np.int64)
-    top = np.zeros(nb, dtype=np.int64)
-    last = np.searchsorted(distinct, bins[1:], side="left") - 1  # largest distinct < bin end
-    top[count > 0] = distinct[last[count > 0]]
-    keep = count > 0
-    bin_start = np.cumsum(np.r_[0, keep.astype(np.int64)])  # bins kept before each bin edge
-    bin_of_edge = bin_start[np.searchsorted(bins, edges)]
-    rep = tokens[keep] / count[keep]
-    return Grid(edges, bin_of_edge, rep, count[keep], tokens[keep], top[keep])
+    extra = np.asarray(list(extra_edges), dtype=np.int64)
+    if len(extra):
+        edges = np.union1d(edges, extra[(extra > lo) & (extra < hi)])
+    return Grid(
+        edges=edges.astype(np.int64),
+        bin_of_edge=np.searchsorted(distinct, edges, side="left"),
+        rep=distinct.astype(np.float64),
+        count=count.astype(np.int64),
+        tokens=(distinct * count).astype(np.int64),
+        top=distinct.astype(np.int64),
+        exact=exact,
+        step=step,
+    )
 
 
 def _edges(lo: int, hi: int, step: int) -> np.ndarray:
@@ -73,7 +93,7 @@ def segment_costs(
 
     Returns (cost, count) as (C+1, C+1) float64 / int64 matrices (upper triangle used). A segment
     with fewer than `min_count` samples (at least 1: no empty buckets) is forbidden. Costs for all
-    ends j of one start i are computed together (`_costs_from`): ~1 s CPU for C = 128.
+    ends j of one start i are computed together (`_costs_from`); runtime in docs/benchmarks.md.
     """
     n_e = len(grid.edges)
     bins = np.concatenate(([0], np.cumsum(grid.count)))[grid.bin_of_edge]
@@ -134,107 +154,195 @@ def _costs_from(
 ) -> np.ndarray:
     """Expected padded tokens of segments [edge i, edge j) for every j > i at once.
 
-    Same model as `estimate_bucket`, but every quantity that depends on the segment end j only
-    through the normalizer n_j is shared: sum_{l<k} gap_l F_j(l)^e = n_j^-e * W[e, k] with
-    W = sum gap_l cc_l^e accumulated once in log space (cc = counts from edge i up), and the
-    per-class sums of Z likewise. Per segment only an (M x S) gather and an S x S solve remain.
+    Same model as `estimate_bucket` (module doc of `trainer.bucketing.estimate`), restructured so
+    no (segment x size x class) array is ever built:
+    * every sum over batch sizes m <= c (a class) is a cumulative sum over m, gathered per class;
+    * the per-class averages of Z (the first sample's share of the max) are one matrix product
+      (segments x sizes) @ (sizes x classes) on cumulative sums of the histogram;
+    * the stationary class law comes from an O(S) recurrence (`stationary_min_kernel`), not an
+      S x S solve, because the transition kernel depends on (c0, c1) only through min(c0, c1);
+    * quantities like F_j(v)^(m-1) = (cc_v / n_j)^(m-1) are computed as (cc_v / N)^(m-1) times
+      (N / n_j)^(m-1) with one reference N per piece of segments whose n_j lie within a factor
+      rho of it, so neither factor overflows (underflow only drops terms below 1e-65);
+    * rows m below a segment's smallest class add exactly 1 to E[size] and nothing else, so
+      segments are processed in pieces whose smallest classes are within 16 of each other.
     """
     T, B = int(token_budget), int(max_batch)
     a = int(grid.bin_of_edge[i])
-    u, cnt = grid.rep[a:], grid.count[a:]
     n_e = len(grid.edges)
     out = np.full(n_e, np.inf)
-    if len(u) == 0:
+    if a >= len(grid.rep):
         return out
-    R_j = grid.bin_of_edge[i + 1 :] - a  # bins in each segment
-    cc = np.cumsum(cnt)
-    CC = np.concatenate(([0], cc))
-    n_j = np.where(R_j > 0, CC[R_j], 0)
-    valid = (R_j > 0) & (n_j >= max(1, min_count))
+    cnt_all = grid.count[a:]
+    CC_all = np.concatenate(([0], np.cumsum(cnt_all)))
+    R_all = grid.bin_of_edge[i + 1 :] - a
+    n_all = np.where(R_all > 0, CC_all[np.maximum(R_all, 0)], 0)
+    valid = (R_all > 0) & (n_all >= max(1, min_count))
     if not valid.any():
         return out
-    R_j, n_j = R_j[valid], n_j[valid].astype(np.float64)
-    log_n = np.log(n_j)
+    R_j = R_all[valid]
+    n_j = n_all[valid].astype(np.float64)
+    r_max = int(R_j[-1])
+    u = grid.rep[a : a + r_max]
+    cnt = cnt_all[:r_max].astype(np.float64)
+    CC = CC_all[: r_max + 1]
     cls = np.minimum(B, (T // np.ceil(u)).astype(np.int64))
-    c_lo, c_max = int(cls[-1]), int(cls[0])
-    m = np.arange(c_lo, c_max + 1, dtype=np.int64)
-    e = (m - 1).astype(np.float64)
-    log_cc = np.log(cc.astype(np.float64))
-    gaps = np.diff(u)
-    # logW[e, k] = log sum_{l<k} gap_l cc_l^e ; logV[e, k] = log sum_{l<k} cnt_l W[e, l]
-    with np.errstate(divide="ignore"):
-        terms = np.log(gaps)[None, :] + e[:, None] * log_cc[None, :-1]
-        logW = np.full((len(m), len(u)), -np.inf)
-        if len(u) > 1:
-            logW[:, 1:] = np.logaddexp.accumulate(terms, axis=1)
-        logV = np.full((len(m), len(u) + 1), -np.inf)
-        logV[:, 1:] = np.logaddexp.accumulate(np.log(cnt.astype(np.float64)) + logW, axis=1)
+    new_cls = np.r_[True, cls[1:] != cls[:-1]]
+    cls_of_bin = np.cumsum(new_cls) - 1
+    starts = np.flatnonzero(new_cls)
+    ends = np.r_[starts[1:], len(u)]
+    cvals = cls[starts]
+    log_cc = np.log(CC[1:].astype(np.float64))
+    log_n = np.log(n_j)
+    c_max = int(cls[0])
+    log_rho = 560.0 / max(c_max - 1.0, 1.0)  # (N_ref / n_j)^(m-1) stays below e^560
+    c_end = cls[R_j - 1]  # each segment's smallest class: rows m below it are trivial
+    res = np.empty(len(R_j))
+    hi = len(R_j)
+    while hi > 0:
+        # one piece: n_j within a factor rho of the largest, smallest classes within _BAND of it
+        ref = log_n[hi - 1]
+        lo = int(np.searchsorted(log_n, ref - log_rho, side="left"))
+        lo = max(lo, int(np.searchsorted(-c_end, -(c_end[hi - 1] + _BAND), side="right")))
+        c_lo = int(c_end[hi - 1])
+        s_n = int(np.searchsorted(-cvals, -c_lo, side="right"))  # classes with value >= c_lo
+        m = np.arange(c_lo, c_max + 1, dtype=np.int64)
+        sl = slice(lo, hi)
+        res[sl] = _chunk(
+            u,
+            cnt,
+            CC,
+            log_cc,
+            R_j[sl],
+            n_j[sl],
+            log_n[sl],
+            ref,
+            m,
+            m - 1.0,
+            B,
+            T,
+            cls_of_bin,
+            starts[:s_n],
+            ends[:s_n],
+            cvals[:s_n],
+        )
+        hi = lo
+    full = np.full(len(valid), np.inf)
+    full[valid] = res
+    out[i + 1 :] = full
+    return out
+
+
+def _chunk(
+    u: np.ndarray,
+    cnt: np.ndarray,
+    CC: np.ndarray,
+    log_cc: np.ndarray,
+    R_j: np.ndarray,
+    n_j: np.ndarray,
+    log_n: np.ndarray,
+    ref: float,
+    m: np.ndarray,
+    e: np.ndarray,
+    B: int,
+    T: int,
+    cls_of_bin: np.ndarray,
+    starts: np.ndarray,
+    ends: np.ndarray,
+    cvals: np.ndarray,
+) -> np.ndarray:
+    """Padded tokens of the segments ending at bins R_j (n_j within a factor rho of exp(ref))."""
+    r = int(R_j[-1])
+    u, cnt, log_cc = u[:r], cnt[:r], log_cc[:r]
+    M, J = len(m), len(R_j)
+    mf = e + 1.0
+    c_lo = int(m[0])
+    # Scaled sums: P~ = (cc / N_ref)^e, W~[k] = sum_{l<k} gap_l P~_l, V~[k] = sum_{l<k} cnt_l W~_l.
+    Pt = np.exp(e[:, None] * (log_cc[None, :] - ref))  # (M, r); underflow is harmless
+    Wt = np.zeros((M, r))
+    if r > 1:
+        np.cumsum(Pt[:, :-1] * np.diff(u)[None, :], axis=1, out=Wt[:, 1:])
+    Vt = np.zeros((M, r + 1))
+    np.cumsum(cnt[None, :] * Wt, axis=1, out=Vt[:, 1:])
+    scale = np.exp((ref - log_n)[:, None] * e[None, :])  # (J, M): (N_ref / n_j)^e
+    rows = np.arange(M)[None, :]
+    top = u[R_j - 1]
 
     def trunc(thr: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Per (m, j): F(a)^(m-1), a' F(a')^(m-1) - Z(a'), and F(a) for thresholds a (per m)."""
-        idx0 = np.searchsorted(u, thr.astype(np.float64), side="right") - 1
-        ok = (idx0 >= 0)[:, None]
-        idx = np.clip(np.minimum(idx0[:, None], R_j[None, :] - 1), 0, None)  # (M, J)
-        ap = np.minimum(thr[:, None].astype(np.float64), u[R_j - 1][None, :])
-        logF = log_cc[idx] - log_n[None, :]
-        f_e = np.where(ok, np.exp(e[:, None] * logF), 0.0)
-        z = np.exp(logW[np.arange(len(m))[:, None], idx] - e[:, None] * log_n[None, :])
+        """Per (j, m): F(a)^(m-1), a' F(a')^(m-1) - Z(a'), F(a), thresholds a = thr[m]."""
+        idx0 = np.searchsorted(u, thr.astype(np.float64), side="right") - 1  # (M,)
+        ok = (idx0 >= 0)[None, :]
+        idx = np.clip(np.minimum(idx0[None, :], R_j[:, None] - 1), 0, None)  # (J, M)
+        ap = np.minimum(thr[None, :].astype(np.float64), top[:, None])
+        f_e = np.where(ok, Pt[rows, idx] * scale, 0.0)
+        z = Wt[rows, idx] * scale
         t = np.where(ok, ap * f_e - (z + (ap - u[idx]) * f_e), 0.0)
-        return f_e, t, np.where(ok, np.exp(logF), 0.0)
+        return f_e, t, np.where(ok, CC[idx + 1] / n_j[:, None], 0.0)
 
-    is_last = (m == B)[:, None]
+    is_last = (m == B)[None, :]
     f1, t1, _ = trunc(T // m)
     f2, t2, F_a2 = trunc(T // (m + 1))
     f2 = np.where(is_last, 0.0, f2)
     F_a2 = np.where(is_last, 0.0, F_a2)
-
-    starts = np.flatnonzero(np.r_[True, cls[1:] != cls[:-1]])
-    ends = np.r_[starts[1:], len(u)]
-    cvals = cls[starts]
-    hi = np.minimum(ends[None, :], R_j[:, None])  # (J, S) class range end inside segment
-    lo = np.minimum(starts[None, :], hi)
-    ccount = (CC[hi] - CC[lo]).astype(np.float64)  # samples per class per segment
+    S = len(cvals)
+    ci = cvals - c_lo
+    zeros = np.zeros((J, 1))
+    g = np.cumsum(f1, axis=1)[:, ci]  # sum_{m <= c} f1: P(size >= m) summed
+    phi = np.concatenate([zeros, np.cumsum(f2, axis=1)], axis=1)[:, ci]  # sum_{m < c} f2
+    A = np.cumsum(mf * t1, axis=1)[:, ci]
+    A -= np.concatenate([zeros, np.cumsum(mf * F_a2 * t2, axis=1)], axis=1)[:, ci]
+    hi = np.minimum(ends[None, :], R_j[:, None])
+    ccount = (CC[hi] - CC[np.minimum(starts[None, :], hi)]).astype(np.float64)
     present = ccount > 0
-    Pc = ccount / n_j[:, None]  # (J, S)
-    shift = e[None, :, None] * log_n[:, None, None]  # (J, M, 1)
-    sumz = np.exp(logV[:, hi].transpose(1, 0, 2) - shift)  # (J, M, S)
-    sumz -= np.exp(logV[:, lo].transpose(1, 0, 2) - shift)
-    EZ = np.where(present[:, None, :], sumz / np.where(present, ccount, 1.0)[:, None, :], 0.0)
-
-    le1 = (m[:, None] <= cvals[None, :]).astype(np.float64)  # (M, S)
-    le2 = ((m[:, None] + 1) <= cvals[None, :]).astype(np.float64) * (~is_last)
-    f1t, f2t, t1t, t2t, Fa2t = (v.T[:, :, None] for v in (f1, f2, t1, t2, F_a2))  # (J, M, 1)
-    G = le1[None] * f1t
-    H = le2[None] * f2t
-    EM1 = le1[None] * (t1t + EZ)
-    EM2 = le2[None] * (t2t + EZ)
-    reward = (m[None, :, None] * (EM1 - Fa2t * EM2)).sum(axis=1)  # (J, S)
-    esize = G.sum(axis=1) + (c_lo - 1)
-    cumH = np.concatenate([np.zeros((len(R_j), 1, len(cvals))), np.cumsum(H, axis=1)], axis=1)
-    k_idx = np.clip(cvals - c_lo, 0, len(m))
-    K = (G.sum(axis=1)[:, :, None] - cumH[:, k_idx, :].transpose(0, 2, 1)) * Pc[:, None, :]
-    pi = _stationary_batch(K, present)
-    padded = n_j * (pi * reward).sum(axis=1) / (pi * esize).sum(axis=1)
-    res = np.full(len(valid), np.inf)
-    res[valid] = padded
-    out[i + 1 :] = res
-    return out
+    # E[Z] part of the reward: sum_{m < c} beta_m EZ[m, c] + c EZ[c, c], beta = m (1 - F(a_(m+1)))
+    bs = mf[None, :] * (1.0 - F_a2) * scale
+    ez = np.zeros((J, S))
+    s_f = int(np.searchsorted(ends, r, side="right"))  # classes some segment holds whole
+    if s_f:
+        D = Vt[:, ends[:s_f]] - Vt[:, starts[:s_f]]  # (M, S_f), times N_ref^-e
+        P = bs @ (D * (m[:, None] < cvals[None, :s_f]))
+        P += cvals[None, :s_f] * scale[:, ci[:s_f]] * D[ci[:s_f], np.arange(s_f)][None, :]
+        ez[:, :s_f] = np.where(ends[None, :s_f] <= R_j[:, None], P, 0.0)
+    sp = cls_of_bin[R_j - 1]  # the class the segment end cuts
+    part = np.flatnonzero(ends[sp] > R_j)
+    if len(part):
+        cs = cvals[sp[part]]
+        d = (Vt[:, R_j[part]] - Vt[:, starts[sp[part]]]).T  # (Jp, M), times N_ref^-e
+        val = (bs[part] * d * (m[None, :] < cs[:, None])).sum(axis=1)
+        k = np.arange(len(part)), cs - c_lo
+        ez[part, sp[part]] = val + cs * scale[part][k] * d[k]
+    ez = np.where(present, ez / np.where(present, ccount, 1.0), 0.0)
+    pc = ccount / n_j[:, None]
+    pi = stationary_min_kernel(g, phi, pc)
+    return n_j * (pi * (A + ez)).sum(axis=1) / (pi * (g + (c_lo - 1))).sum(axis=1)
 
 
-def _stationary_batch(K: np.ndarray, present: np.ndarray) -> np.ndarray:
-    """Stationary distributions of a batch of row-stochastic matrices (absent states get 0)."""
-    j, s, _ = K.shape
-    rows = K.sum(axis=2, keepdims=True)
-    K = np.where(rows > 0, K / np.where(rows > 0, rows, 1.0), 0.0)
-    # pi (K - I) = 0 with sum(pi) = 1 replacing the first state's equation (the first class is
-    # always present); absent states have zero in-flow, so their equations force pi = 0.
-    A = np.transpose(K, (0, 2, 1)) - np.eye(s)[None]
-    A[:, 0, :] = 1.0
-    b = np.zeros((j, s, 1))
-    b[:, 0] = 1.0
-    try:
-        pi = np.linalg.solve(A, b)[:, :, 0]
-    except np.linalg.LinAlgError:
-        pi = np.stack([np.linalg.lstsq(A[t], b[t, :, 0], rcond=None)[0] for t in range(j)])
-    pi = np.clip(np.where(present, pi, 0.0), 0.0, None)
+def stationary_min_kernel(g: np.ndarray, phi: np.ndarray, pc: np.ndarray) -> np.ndarray:
+    """Stationary law of K[s0, s1] = pc[s1] (g[s0] - phi[max(s0, s1)]) / r[s0], one per row.
+
+    Classes are indexed by descending value, so max(s0, s1) is the smaller class: the transition
+    of the greedy packer (a batch opened by class c0 overflows on a sample of class c1; phi sums
+    P(first m fit under a_(m+1)) over m < min(c0, c1)). With q = pi / pc, differences of
+    consecutive balance equations give q[s+1] = q[s] - (phi[s+1] - phi[s]) L[s], where
+    L[s] = sum_{t <= s} pi[t] / r[t]: a homogeneous recurrence, so start at q[0] = 1 and
+    normalize. q only grows (phi falls with s), so there is no cancellation. Absent classes
+    (pc = 0) get 0. Tested against a dense solve.
+    """
+    J, S = pc.shape
+    tot = pc.sum(axis=1, keepdims=True)
+    cum_pc = np.cumsum(pc, axis=1)
+    tail = np.zeros((J, S))
+    if S > 1:
+        tail[:, :-1] = np.cumsum((pc * phi)[:, :0:-1], axis=1)[:, ::-1]
+    r = g * tot - phi * cum_pc - tail
+    w = pc / np.where(r > 0, r, 1.0)
+    dphi = np.diff(phi, axis=1)
+    q = np.empty((S, J))
+    qt, wt, dt = q, w.T.copy(), dphi.T.copy()
+    qt[0] = 1.0
+    L = wt[0].copy()
+    for s in range(1, S):
+        qt[s] = qt[s - 1] - dt[s - 1] * L
+        L += wt[s] * qt[s]
+    pi = pc * q.T
     return pi / pi.sum(axis=1, keepdims=True)
