@@ -42,6 +42,7 @@ from trainer.eval_prompts import (
     parse_template_kwargs,
     read_prompt_set,
     run_turns,
+    unread_template_kwargs,
 )
 from trainer.model.drafter import DFlashDrafter
 from trainer.model.export import ExportError, load_drafter, read_drafter_config
@@ -200,13 +201,18 @@ def target_vocab_size(target_dir: Path) -> int:
 
 def load_tokenizer(path: Path, *, required: bool) -> Any:
     """The tokenizer in `path`; None when it has none and nothing needs one."""
-    if not required and not any((path / name).is_file() for name in TOKENIZER_FILES):
-        return None
+    if not any((path / name).is_file() for name in TOKENIZER_FILES):
+        if not required:
+            return None
+        raise PromptError(
+            f"{path}: no tokenizer here ({', '.join(TOKENIZER_FILES)}); text prompts need one: "
+            "pass --tokenizer DIR"
+        )
     from transformers import AutoTokenizer
 
     try:
         return AutoTokenizer.from_pretrained(path, local_files_only=True)
-    except (OSError, ValueError, TypeError) as err:
+    except Exception as err:  # tokenizers/HF raise many types for a directory without one
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise PromptError(f"{path}: cannot load tokenizer: {first}") from None
 
@@ -293,6 +299,12 @@ def prepare_inputs(args: argparse.Namespace) -> Inputs:
     tok_dir = args.tokenizer or args.target
     needed = any(s.needs_tokenizer for s in sets)
     tokenizer = load_tokenizer(tok_dir, required=needed or args.tokenizer is not None)
+    unread = unread_template_kwargs(tokenizer, template_kwargs)
+    if unread:
+        names = ", ".join(repr(k) for k in unread)
+        raise PromptError(
+            f"--template-kwargs: {names} never read by the chat template of {tok_dir}"
+        )
     renderer = Renderer(tokenizer, vocab, template_kwargs)
     for pset in sets:
         for prompt in pset.prompts:

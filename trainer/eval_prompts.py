@@ -217,6 +217,23 @@ def parse_template_kwargs(text: str | None) -> dict[str, Any]:
     return value
 
 
+def unread_template_kwargs(tokenizer: Any, kwargs: Mapping[str, Any]) -> list[str]:
+    """The kwargs the tokenizer's chat template never reads (typos: Jinja ignores them
+    silently, so `enable_thinkng` would change nothing while the user believes it worked)."""
+    template = getattr(tokenizer, "chat_template", None)
+    if not kwargs or not isinstance(template, str):
+        return []
+    import jinja2
+    from jinja2 import meta
+
+    env = jinja2.Environment(extensions=["jinja2.ext.loopcontrols", "jinja2.ext.do"])
+    try:
+        names = meta.find_undeclared_variables(env.parse(template))
+    except jinja2.TemplateSyntaxError:  # a transformers-only tag: cannot tell, do not guess
+        return []
+    return [key for key in kwargs if key not in names]
+
+
 class Renderer:
     """Prompt -> token ids through a tokenizer and its chat template; checks the id range."""
 

@@ -237,12 +237,15 @@ def test_bad_prompts_fail_before_any_model_loads(
     bad_kwargs = [*base, "--prompts", str(MT_BENCH), "--template-kwargs", "[1]"]
     assert eval_cli.main(bad_kwargs) == 2
     assert "--template-kwargs: expected a JSON object" in capsys.readouterr().err
+    typo = [*base, "--prompts", str(MT_BENCH), "--template-kwargs", '{"enable_thinkng": false}']
+    assert eval_cli.main(typo) == 2
+    assert "'enable_thinkng' never read by the chat template" in capsys.readouterr().err
     # Good prompts reach the model load, which fails: the cases above never got that far.
     assert eval_cli.main([*base, "--prompts", str(MT_BENCH)]) == 2
     assert "cannot load target model" in capsys.readouterr().err
 
 
-def test_cli_exits_2_with_one_line_on_a_missing_export(
+def test_cli_exits_2_with_one_line_on_a_missing_export_or_tokenizer(
     target: TargetModel, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     prompts = tmp_path / "p.jsonl"
@@ -251,6 +254,12 @@ def test_cli_exits_2_with_one_line_on_a_missing_export(
     assert eval_cli.main([*argv, "--drafter", str(tmp_path / "missing"), "--device", "cpu"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "not a drafter export" in err
+    # Text prompts, and the target directory (the default tokenizer) has no tokenizer.
+    prompts.write_text('{"question": "2 + 2?"}\n')
+    drafter = export_drafter(make_drafter(target), tmp_path / "d")
+    assert eval_cli.main([*argv, "--drafter", str(drafter), "--device", "cpu"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "no tokenizer here" in err and "--tokenizer" in err, err
 
 
 def test_cli_writes_json_results_for_token_id_prompts(target: TargetModel, tmp_path: Path) -> None:
