@@ -275,11 +275,11 @@ class SshTransport:
         node_argv = pct_exec(self.host.ctid, clean_env(argv))
         return await self._run_command(node_argv, input, timeout, describe(argv))
 
-    async def _slot(self, what: str, limit: float) -> asyncio.Semaphore:
-        """Take one of the connection's channel slots within `limit` seconds."""
+    async def _slot(self, what: str, limit: float, left: float | None = None) -> asyncio.Semaphore:
+        """Take one of the connection's channel slots within `left` (default `limit`) seconds."""
         slots = self._slots
         try:
-            await asyncio.wait_for(slots.acquire(), limit)
+            await asyncio.wait_for(slots.acquire(), limit if left is None else max(0.0, left))
         except TimeoutError:
             raise CommandTimeout(
                 f"{what} on host {self.host.name}: not started within {limit:g} s: all "
@@ -321,7 +321,7 @@ class SshTransport:
         loop = asyncio.get_running_loop()
         started = loop.time()
         conn = await self._connection()
-        slots = await self._slot(what, limit)
+        slots = await self._slot(what, limit, started + limit - loop.time())
         # The node ends the command at the limit (KILL KILL_AFTER_S later); its answer gets
         # REPLY_GRACE_S more to arrive. Past that, the link is what is stuck.
         remote_limit = max(0.1, started + limit - loop.time())
