@@ -2,11 +2,12 @@
 
     python -m trainer.eval --target DIR --drafter DIR --prompts FILE [FILE ...]
         [--max-new-tokens N] [--tokenizer DIR] [--template-kwargs JSON] [--raw-text]
+        [--question-suffix TEXT|zlab]
         [--eos-id ID ...] [--ignore-eos] [--protocol exact|zlab] [--device cpu|cuda] [--json OUT]
 
 Prompt files are JSONL prompt sets in the forms people have: MT-Bench `question.jsonl` as it is
 (multi-turn: the model's own answer to turn 1 joins the conversation before turn 2), gsm8k
-(`question`), OpenAI `messages`, `{"prompt"}`, `{"text"}`, or token ids (see
+(`question`), MATH-500 (`problem`), OpenAI `messages`, `{"prompt"}`, `{"text"}`, or token ids (see
 `trainer.eval_prompts`). Text goes through the tokenizer's chat template (`--template-kwargs
 '{"enable_thinking": false}'` reaches it); token ids are used as they are. The tokenizer
 defaults to the target directory, and generation stops at the tokenizer's and the target's
@@ -36,6 +37,7 @@ from typing import Any
 import torch
 
 from trainer.eval_prompts import (
+    ZLAB_MATH_SUFFIX,
     PromptError,
     PromptSet,
     Renderer,
@@ -249,7 +251,9 @@ def build_parser() -> argparse.ArgumentParser:
         nargs="+",
         help="JSONL prompt sets: MT-Bench question.jsonl, gsm8k, OpenAI messages, text, ids",
     )
-    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument(
+        "--max-new-tokens", type=int, default=256, help="per turn (z-lab's benchmark uses 2048)"
+    )
     p.add_argument(
         "--tokenizer", type=Path, default=None, help="tokenizer directory (default: --target)"
     )
@@ -261,6 +265,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--raw-text", action="store_true", help='tokenise {"text"} rows as is (no chat template)'
+    )
+    p.add_argument(
+        "--question-suffix",
+        default="",
+        metavar="TEXT",
+        help="appended to gsm8k/MATH-500 questions; 'zlab' = z-lab's benchmark suffix "
+        f"{ZLAB_MATH_SUFFIX!r}",
     )
     p.add_argument(
         "--eos-id",
@@ -294,7 +305,11 @@ class Inputs:
 def prepare_inputs(args: argparse.Namespace) -> Inputs:
     """Everything that can be checked without a model: prompts, tokenizer, ids, stop ids."""
     template_kwargs = parse_template_kwargs(args.template_kwargs)
-    sets = [read_prompt_set(path, raw_text=args.raw_text) for path in args.prompts]
+    suffix = ZLAB_MATH_SUFFIX if args.question_suffix == "zlab" else args.question_suffix
+    sets = [
+        read_prompt_set(path, raw_text=args.raw_text, question_suffix=suffix)
+        for path in args.prompts
+    ]
     vocab = target_vocab_size(args.target)
     tok_dir = args.tokenizer or args.target
     needed = any(s.needs_tokenizer for s in sets)

@@ -7,7 +7,8 @@ One JSON value per line (blank lines skipped); every error names the file and li
                                             ...): multi-turn, each turn sent after the model's
                                             own answer to the previous one
     {"prompt": "q" | ["q1", ...]}           HF prompt sets (mt_bench_prompts, mbpp, humaneval)
-    {"question": "q", ...}                  gsm8k
+    {"question": "q", ...}                  gsm8k (`question_suffix` is appended: z-lab adds
+    {"problem": "q", ...}                   ZLAB_MATH_SUFFIX to gsm8k and MATH-500 questions)
     {"messages": [{"role", "content"}...]}  OpenAI chat; trailing assistant messages (reference
                                             answers) are dropped; row-level "tools" are passed
     {"text": "..."}                         one user message (or the raw text with --raw-text)
@@ -27,9 +28,11 @@ from pathlib import Path
 from typing import Any
 
 ROLES = ("system", "user", "assistant", "tool")
+# What z-lab's benchmark appends to gsm8k and MATH-500 questions (`--question-suffix zlab`).
+ZLAB_MATH_SUFFIX = "\nPlease reason step by step, and put your final answer within \\boxed{}."
 FORMS = (
     'token ids, {"input_ids"}, {"turns"} (MT-Bench), {"messages"} (OpenAI), '
-    '{"prompt"}, {"question"} (gsm8k) or {"text"}'
+    '{"prompt"}, {"question"} (gsm8k), {"problem"} (MATH-500) or {"text"}'
 )
 
 
@@ -133,7 +136,9 @@ def _messages_prompt(row: Mapping[str, Any], where: str, line: int) -> ChatPromp
     return ChatPrompt(line, "messages", clean[:-1], [clean[-1]["content"]], tools or None)
 
 
-def parse_row(item: Any, where: str, line: int, *, raw_text: bool = False) -> Prompt:
+def parse_row(
+    item: Any, where: str, line: int, *, raw_text: bool = False, question_suffix: str = ""
+) -> Prompt:
     """One parsed JSON line -> a prompt; raises PromptError naming `where`."""
     if isinstance(item, list):
         ids: Any = item
@@ -147,12 +152,18 @@ def parse_row(item: Any, where: str, line: int, *, raw_text: bool = False) -> Pr
         return TokenPrompt(line, list(ids))
     if not isinstance(item, Mapping):
         raise PromptError(f"{where}: a {type(item).__name__} is not a prompt; expected {FORMS}")
-    for key, form in (("turns", "mt-bench"), ("prompt", "prompt"), ("question", "gsm8k")):
+    for key, form in (("turns", "mt-bench"), ("prompt", "prompt")):
         if key in item:
             turns = _strings(item[key])
             if turns is None:
                 raise PromptError(f"{where}: {key!r} must be a non-empty string or list of them")
             return ChatPrompt(line, form, [], turns)
+    for key, form in (("question", "gsm8k"), ("problem", "math")):
+        if key in item:
+            question = item[key]
+            if not isinstance(question, str) or not question:
+                raise PromptError(f"{where}: {key!r} must be a non-empty string")
+            return ChatPrompt(line, form, [], [question + question_suffix])
     if "messages" in item:
         return _messages_prompt(item, where, line)
     if "text" in item:
@@ -164,7 +175,7 @@ def parse_row(item: Any, where: str, line: int, *, raw_text: bool = False) -> Pr
     raise PromptError(f"{where}: no prompt in this row (keys {keys}); expected {FORMS}")
 
 
-def read_prompt_set(path: Path, *, raw_text: bool = False) -> PromptSet:
+def read_prompt_set(path: Path, *, raw_text: bool = False, question_suffix: str = "") -> PromptSet:
     """Parse and check the structure of every row of a JSONL prompt set (no tokenizer)."""
     try:
         text = path.read_text(encoding="utf-8")
@@ -187,7 +198,7 @@ def read_prompt_set(path: Path, *, raw_text: bool = False) -> PromptSet:
                     f"`jq -c '.[]' {path} > {path.stem}.jsonl`"
                 ) from None
             raise PromptError(f"{where}: invalid JSON ({err.msg})") from None
-        prompt = parse_row(item, where, lineno, raw_text=raw_text)
+        prompt = parse_row(item, where, lineno, raw_text=raw_text, question_suffix=question_suffix)
         prompts.append(prompt)
         forms["token-ids" if isinstance(prompt, TokenPrompt) else prompt.form] += 1
     if not prompts:

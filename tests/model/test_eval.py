@@ -13,6 +13,7 @@ from tests.model.conftest import QWEN3_EOS, QWEN3_VOCAB
 from tests.model.helpers import make_drafter
 from trainer import eval as eval_cli
 from trainer.eval_prompts import (
+    ZLAB_MATH_SUFFIX,
     ChatPrompt,
     PromptError,
     Renderer,
@@ -60,6 +61,19 @@ def test_published_prompt_formats_parse_as_conversations() -> None:
     assert sys_row.turns == ["Name a prime number between 20 and 30."]  # not the answer "23"
     assert tool_row.turns == ["What is the weather in Oslo right now?"]
     assert tool_row.tools is not None and tool_row.tools[0]["function"]["name"] == "get_weather"
+
+
+def test_question_suffix_reaches_gsm8k_and_math_questions(tmp_path: Path) -> None:
+    """z-lab appends its "reason step by step ... \\boxed{}" suffix to gsm8k and MATH-500."""
+    path = tmp_path / "p.jsonl"
+    path.write_text('{"problem": "1 + 1?", "answer": "2"}\n{"turns": ["hi"]}\n')
+    math, chat = read_prompt_set(path, question_suffix=ZLAB_MATH_SUFFIX).prompts
+    assert math.turns == [
+        "1 + 1?\nPlease reason step by step, and put your final answer within \\boxed{}."
+    ]
+    assert chat.turns == ["hi"]  # MT-Bench-style turns are sent as they are
+    gsm = read_prompt_set(GSM8K, question_suffix=" Answer briefly.").prompts[0]
+    assert gsm.turns[0].endswith("left? Answer briefly.")
 
 
 def test_token_id_rows_stay_token_ids(tmp_path: Path) -> None:
