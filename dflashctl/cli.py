@@ -275,6 +275,11 @@ def format_run_status(st: Any) -> str:
         )
     if st.switch_note:
         lines.append(f"  note: {st.switch_note}")
+    detail, ck_error = st.run_state.get("stop_detail"), st.run_state.get("checkpoint_error")
+    if st.state != "running" and isinstance(detail, str) and detail:
+        lines.append(f"  stop: {detail}")
+    if isinstance(ck_error, str) and ck_error:
+        lines.append(f"  checkpoint error: {ck_error}")
     if st.last_event is not None:
         lines.append("  " + format_status_line(st.last_event))
     if st.last_checkpoint is not None:

@@ -275,16 +275,16 @@ def parse_run_state(text: str) -> tuple[dict[str, Any], str | None]:
 
 
 def trainer_completed_stop(run_state: dict[str, Any], pane: PaneState) -> bool:
-    """The pane's process wrote a clean stopped/finished record before it ended.
+    """The pane's process recorded a stop (or the end of its plan) before it ended.
 
     Whatever signal the pane reports last (a second Ctrl-C during the checkpoint), the trainer's
-    own record is the truth when it is this process's (same pid).
+    own record is the truth when it is this process's (same pid); its `stop_detail` says what
+    the stop kept.
     """
     return (
         pane.pid is not None
         and run_state.get("pid") == pane.pid
         and run_state.get("state") in {"stopped", "finished"}
-        and run_state.get("exit_status") == 0
     )
 
 
@@ -310,7 +310,9 @@ def parse_status(host: str, stdout: str, hash_text: Callable[[str], str | None])
         exit_status = pane.exit_status
         state = "stopped" if exit_status == 0 else "crashed"
         if state == "crashed" and trainer_completed_stop(run_state, pane):
-            state, exit_status = "stopped", 0
+            recorded = run_state.get("exit_status")
+            state = "stopped"
+            exit_status = recorded if isinstance(recorded, int) else exit_status
         else:
             sig = _pane_signal(s.get("pane", ""))
     log_events = _events(s.get("log", ""))
@@ -516,7 +518,9 @@ class RunControl:
             if "not running" in msg:
                 msg = f"container {self.host.ctid} is not running (pct start {self.host.ctid})"
             return RunStatus(
-                host=self.host.name, state="unreachable", message=f"{self.host.name}: {msg}"
+                host=self.host.name,
+                state="unreachable",
+                message=sanitize_for_terminal(f"{self.host.name}: {msg}"),
             )
         return parse_status(self.host.name, res.stdout, config_hash_of_text)
 

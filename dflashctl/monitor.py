@@ -109,11 +109,17 @@ def apply_event(state: RunState, event: Event, now: float, line: str | None = No
             q_hs_hist=_push(state.q_hs_hist, tuple(event.q_hs)),
         )
     if isinstance(event, PhaseEvent):
-        return replace(base, phase=event.phase)
+        # A new run's first phase line: an earlier run's error is not this run's (the rule
+        # dflashctl.control.current_run_start applies to status).
+        new_run = event.phase == "loading" or (
+            event.phase == "starting" and state.phase not in {"loading", "resuming"}
+        )
+        return replace(base, phase=event.phase, last_error=None if new_run else state.last_error)
     if isinstance(event, CheckpointEvent):
         return replace(base, checkpoint=(event.step, event.path))
     if isinstance(event, ErrorEvent):
-        return replace(base, last_error=event.message)
+        # an error ends a run's setup: a "starting" line after it opens the next run
+        return replace(base, last_error=event.message, phase=None)
     return base
 
 
@@ -373,24 +379,32 @@ class RestartPlan:
         return "resume from the latest checkpoint (no resume-critical key changed)"
 
 
-def plan_restart(deployed: str, local_path: Path) -> RestartPlan:
-    """Decide resume vs. fresh with the same rules `RunControl.restart` enforces.
+_NOT_ASKED: Any = object()
 
-    Goes through `dflashctl.runconfig` (which defers to `trainer.config.resume_critical_changes`)
-    so the modal's verdict and the service's refusal can never disagree. An invalid local config
-    refuses the restart and names the problem.
+
+def plan_restart(deployed: str, local_path: Path, checkpoint: Any = _NOT_ASKED) -> RestartPlan:
+    """Decide resume vs. fresh with the same rule `RunControl.restart` enforces.
+
+    `checkpoint` is what `RunControl.checkpoint_config()` found (a CheckpointConfig, or None:
+    nothing to resume): the new config is compared with the config saved in the checkpoint a
+    resume would load, through `dflashctl.resume` (which defers to
+    `trainer.config.resume_critical_changes`), so the modal's verdict and the service's refusal
+    can never disagree. Without it (a control that cannot tell), the deployed config stands in.
+    An invalid local config refuses the restart and names the problem.
     """
+    from dflashctl.resume import breaking_keys
     from dflashctl.runconfig import (
         RunConfigError,
         config_diff,
+        read_config_text,
         resume_breaking_changes,
         validate_config,
     )
 
     try:
-        local = local_path.read_text(encoding="utf-8")
-    except OSError as exc:
-        return RestartPlan(diff="", fresh=False, error=f"{local_path}: {exc.strerror}")
+        local = read_config_text(local_path)
+    except RunConfigError as exc:
+        return RestartPlan(diff="", fresh=False, error=str(exc))
     diff = config_diff(
         deployed, local, old_name="deployed: run/config.toml", new_name=f"local: {local_path}"
     )
@@ -398,7 +412,15 @@ def plan_restart(deployed: str, local_path: Path) -> RestartPlan:
         validate_config(local_path)
     except RunConfigError as exc:
         return RestartPlan(diff=diff, fresh=False, error=str(exc).replace("\n", " "))
-    keys = tuple(resume_breaking_changes(deployed, local_path)) if deployed else ()
+    if checkpoint is _NOT_ASKED:
+        keys = tuple(resume_breaking_changes(deployed, local_path)) if deployed else ()
+    elif checkpoint is None or getattr(checkpoint, "config", None) is None:
+        keys = ()  # no readable checkpoint: there is nothing a fresh start would set aside
+    else:
+        try:
+            keys = tuple(breaking_keys(checkpoint.config, local_path))
+        except RunConfigError as exc:
+            return RestartPlan(diff=diff, fresh=False, error=str(exc).replace("\n", " "))
     return RestartPlan(diff=diff, fresh=bool(keys), critical_keys=keys)
 
 
@@ -494,6 +516,22 @@ class HostFollower:
         if reachable and isinstance(log_lines, int) and 0 <= log_lines < self.state.lines_seen:
             self.reset_stream()  # status.log shrank: a fresh run started it over
 
+    async def _skip_to_what_is_shown(self) -> None:
+        """Start the first follow LOG_TAIL lines before the end of status.log, not at line 1.
+
+        The panes keep at most LOG_TAIL lines (and HISTORY <= LOG_TAIL points), so replaying a
+        days-long log from its first line costs a full transfer and parse for nothing.
+        """
+        if self.state.lines_seen:
+            return
+        try:  # only the line count; the status poller publishes what it finds
+            status = await asyncio.wait_for(self.control.status(), self.call_timeout)
+        except Exception:  # an unreachable host: the follow and the poller will say so
+            return
+        total = getattr(status, "log_lines", None)
+        if isinstance(total, int) and total > LOG_TAIL and not self.state.lines_seen:
+            self._set(replace(self.state, lines_seen=total - LOG_TAIL))
+
     async def poll_gpus(self) -> None:
         with contextlib.suppress(Exception):
             gpus = await asyncio.wait_for(self.control.gpus(), self.call_timeout)
@@ -532,6 +570,7 @@ class HostFollower:
         """Follow forever (until cancelled). A stream that fails outright (not a dropped link,
         which `follow` handles) is retried here with the same backoff."""
         me = asyncio.current_task()
+        await self._skip_to_what_is_shown()
         pollers = [
             asyncio.create_task(self._poll_loop(self.status_every, self.poll_status)),
             asyncio.create_task(self._poll_loop(self.gpu_every, self.poll_gpus)),

@@ -37,6 +37,7 @@ from dflashctl.monitor import (
     plan_restart,
     shape_from_config,
 )
+from dflashctl.runconfig import read_config_text
 from dflashctl.tui.screens.confirm import ConfirmScreen
 from dflashctl.tui.screens.fleet import FleetScreen
 from dflashctl.tui.screens.help import QUIT_KEEPS_RUNS, HelpScreen
@@ -207,7 +208,7 @@ class DflashApp(App[None]):
         if settled and binding.shape.boundaries is not None:
             return
         try:
-            local = path.read_text()
+            local = read_config_text(path)
             deployed = await binding.control.deployed_config() if refetch else cached[0]  # type: ignore[index]
         except Exception as exc:  # unreachable host or unreadable file: say so, keep going
             follower.mark_config(False, f"{path}: {exc}")
@@ -267,7 +268,11 @@ class DflashApp(App[None]):
                 diff="", fresh=False, error=f"{host}: no run_config in the inventory"
             )
         deployed = await binding.control.deployed_config()
-        return await asyncio.to_thread(plan_restart, deployed, binding.config_path)
+        read_checkpoint = getattr(binding.control, "checkpoint_config", None)
+        if read_checkpoint is None:  # a control that cannot read checkpoints
+            return await asyncio.to_thread(plan_restart, deployed, binding.config_path)
+        checkpoint = await read_checkpoint()
+        return await asyncio.to_thread(plan_restart, deployed, binding.config_path, checkpoint)
 
     @work(exclusive=True, exit_on_error=False, group="restart-plan")
     async def _open_restart(self, host: str) -> None:

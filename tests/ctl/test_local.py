@@ -477,6 +477,11 @@ async def test_exit_status_of_a_pane_tmux_failed_to_reap(ctl: RunControl) -> Non
         started = await ctl.new_session(["sh", "-c", "exit 3"], {})
         assert started.ok, started.stderr
         st = await ctl.status()
+        for _ in range(100):  # under load the pane's sh may not have exited yet
+            if st.state != "running":
+                break
+            await asyncio.sleep(0.05)
+            st = await ctl.status()
         assert (st.state, st.exit_status) == ("crashed", 3)
         stop = await ctl.stop()
         assert (stop.outcome, stop.exit_status) == ("dead", 3)  # and the session is gone

@@ -104,6 +104,7 @@ class ReplayControl:
     calls: list[tuple[str, Any]] = field(default_factory=list)
     hold_open: bool = True
     fail_follow: int = 0
+    checkpoint_text: str | None = None
 
     async def status(self) -> Status:
         self.calls.append(("status", None))
@@ -137,6 +138,18 @@ class ReplayControl:
     async def deployed_config(self) -> str:
         self.calls.append(("deployed_config", None))
         return self.deployed
+
+    async def checkpoint_config(self, resume: str = "auto") -> Any:
+        """The checkpoint a resume would load: saved under `checkpoint_text` (default: the
+        deployed config, the usual case), None when there is no checkpoint text at all."""
+        self.calls.append(("checkpoint_config", resume))
+        text = self.deployed if self.checkpoint_text is None else self.checkpoint_text
+        if not text:
+            return None
+        from dflashctl.runconfig import _load_text
+
+        saved = _load_text(text, "saved.toml").model_dump(mode="json")  # type: ignore[attr-defined]
+        return SimpleNamespace(path="run/checkpoints/step-00001200.pt", step=1200, config=saved)
 
     async def restart(
         self,

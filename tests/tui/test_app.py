@@ -258,6 +258,26 @@ async def test_restart_with_a_resume_critical_change_starts_fresh_naming_the_key
     assert state.lines_seen == 5  # status.log keeps growing: the follow position carries on
 
 
+async def test_restart_verdict_compares_with_the_checkpoint_not_the_last_push(
+    tmp_path: Path,
+) -> None:
+    """A breaking config was pushed (deployed) by mistake; the local one matches the checkpoint:
+    the modal must offer a resume, not a fresh start that would set the progress aside."""
+    checkpoint_text = REPO_CONFIG.read_text()
+    deployed = checkpoint_text.replace("num_buckets = 4", "num_buckets = 3")
+    local = tmp_path / "kpro6.toml"
+    local.write_text(checkpoint_text.replace("interval_s = 2", "interval_s = 1"))
+    control = ReplayControl(lines=run_lines(2), deployed=deployed, checkpoint_text=checkpoint_text)
+    app = DflashApp([HostBinding("kpro6", control, config_path=local)], clock=lambda: FIXED_NOW)
+    plan = await app.build_restart_plan("kpro6")
+    assert not plan.fresh and plan.critical_keys == ()
+    assert "resume from the latest checkpoint" in plan.verdict
+    assert "-num_buckets = 3" in plan.diff  # the diff still shows what the push changes
+    control.checkpoint_text = deployed  # now the checkpoint itself has 3 buckets
+    plan = await app.build_restart_plan("kpro6")
+    assert plan.fresh and plan.critical_keys == ("batching.num_buckets",)
+
+
 async def test_invalid_local_config_refuses_restart_naming_file_and_key(tmp_path: Path) -> None:
     deployed, local = _configs(tmp_path, "num_buckets = 4", "num_buckets = 0")
     control = ReplayControl(lines=run_lines(2), deployed=deployed)
@@ -366,3 +386,43 @@ async def test_help_says_what_quit_does_in_this_app() -> None:
     console = Console(record=True, width=120)
     console.print(keymap_table())
     assert "quit (the runs keep going)" in console.export_text()
+
+
+async def test_hostile_bytes_in_status_log_never_reach_the_screen(tmp_path: Path) -> None:
+    """OSC title, OSC 52 clipboard and colour codes in a real status.log, read by a real
+    RunControl over LocalTransport: the header, the log pane and the fleet row show clean text
+    (escape bytes would leave stale cells in the header and retitle the terminal)."""
+    import shutil
+    import sys
+
+    from dflashctl.control import RunControl
+    from dflashctl.inventory import local_host
+    from dflashctl.remote import LocalTransport
+    from tests.conftest import require_part
+
+    require_part(shutil.which("tmux") is not None, "tmux not installed")
+    (tmp_path / "tmux").mkdir()
+    transport = LocalTransport(env={"TMUX_TMPDIR": str(tmp_path / "tmux")})
+    host = local_host("evil", tmp_path / "wd", python=sys.executable, session="t")
+    run = tmp_path / "wd" / "run"
+    run.mkdir(parents=True)
+    line = status_line(3)
+    (run / "status.log").write_text(
+        "Starting pipeline...\n"
+        "\x1b]0;PWNED-TITLE\x07\x1b]52;c;cm0gLXJmIH4=\x07\x1b[31mERROR: red alert\x1b[0m\n"
+        f"\x1b[32m{line}\x1b[0m\x1b[2K\n"
+    )
+    app = DflashApp([HostBinding("evil", RunControl(transport, host), close=transport.close)])
+    async with app.run_test(size=SIZE) as pilot:
+        await _until(pilot, lambda: app.states["evil"].lines_seen == 3, 15)
+        await pilot.press("enter")
+        await _until(pilot, lambda: isinstance(app.screen, HostScreen))
+        screen = app.screen
+        await pilot.pause(0.3)
+        header = screen.query_one("#host-header", Static).content
+        text = header.plain if isinstance(header, Text) else str(header)
+        assert "error: red alert" in text and app.states["evil"].status.step == 90  # type: ignore[union-attr]
+        shown = [*screen.query_one("#host-log", Log).lines, text]
+        assert screen.query_one("#host-log", Log).lines[-1] == line
+        assert not any(ch in s for s in shown for ch in "\x1b\x07\x9b\x9d")
+        assert "PWNED" not in " ".join(shown) and "cm0gLXJmIH4" not in " ".join(shown)

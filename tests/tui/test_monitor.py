@@ -328,3 +328,38 @@ def test_planned_boundaries_match_the_trainers_planner_on_a_local_store(tmp_path
     # a store that is not here (a remote host's path): no guess, the labels fall back
     config.write_text(text.replace(str(store), str(tmp_path / "elsewhere")))
     assert shape_from_config(config).boundaries is None
+
+
+async def test_first_follow_starts_where_the_panes_need_it_not_at_line_one() -> None:
+    """A days-long status.log is not replayed from line 1: the first follow starts LOG_TAIL
+    lines before the end (the panes keep no more), so what is shown is the same."""
+    lines = run_lines(LOG_TAIL + 600)
+    control = ReplayControl(lines=lines)
+    control.status_value = replace(control.status_value, log_lines=len(lines))  # type: ignore[call-arg]
+    follower = HostFollower("h", control, lambda s: None, clock=lambda: FIXED_NOW)
+    task = asyncio.create_task(follower.run())
+    try:
+        await _until(lambda: follower.state.lines_seen == len(lines))
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+    follows = [arg for name, arg in control.calls if name == "follow"]
+    assert follows == [len(lines) - LOG_TAIL]
+    replayed = apply_lines(RunState(host="h"), lines, FIXED_NOW)
+    assert follower.state.log_tail == replayed.log_tail
+    assert follower.state.loss_hist == replayed.loss_hist  # HISTORY <= LOG_TAIL points
+    assert follower.state.status == replayed.status
+
+
+def test_an_earlier_runs_error_is_not_the_current_runs() -> None:
+    lines = [
+        "Loading target and data...",
+        "ERROR: store /data/x is not a token store",
+        *run_lines(2),  # a later run (a trainer without the loading phase line)
+    ]
+    state = apply_lines(RunState(host="h"), lines, FIXED_NOW)
+    assert state.last_error is None
+    state = apply_lines(state, ["ERROR: stage drafter failed: boom"], FIXED_NOW)
+    assert state.last_error == "stage drafter failed: boom"
+    state = apply_lines(state, ["Loading target and data..."], FIXED_NOW)  # the next run
+    assert state.last_error is None
