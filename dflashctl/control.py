@@ -706,14 +706,17 @@ class RunControl:
             config_hash_of_file,
             config_hash_of_text,
             read_config_text,
+            validate_config,
         )
 
         path = config or self.host.run_config
+        if path is not None:  # a bad local config fails before anything touches the host
+            new_text = read_config_text(path)
+            validate_config(path)
         old_text = await self.deployed_config()
         diff = ""
         new_hash = config_hash_of_text(old_text) if old_text else None
         if path is not None:
-            new_text = read_config_text(path)
             diff = config_diff(
                 old_text, new_text, old_name=f"{self.host.name}:run/config.toml", new_name=str(path)
             )

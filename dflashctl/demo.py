@@ -87,6 +87,9 @@ def demo_host(demo_dir: Path, config: Path, session: str) -> Any:
     return host.model_copy(update={"run_config": config})
 
 
+DEMO_START_WAIT_S = 30.0
+
+
 async def bring_up(control: Any, transport: Any, host: Any, *, fresh: bool, say: Any) -> None:
     """Deploy the trainer tree and the config, then start the run unless it already runs."""
     from dflashctl.deploy import deploy
@@ -96,9 +99,10 @@ async def bring_up(control: Any, transport: Any, host: Any, *, fresh: bool, say:
         say(f"demo run already running in tmux session {host.session}; following it")
         return
     say("deploying the trainer release locally ...")
-    await deploy(transport, host, config=host.run_config, progress=say)
+    await deploy(transport, host, config=host.run_config, progress=say, fresh=fresh)
     say("starting the trainer under tmux (first start builds the tiny store and target) ...")
-    await control.start(fresh=fresh)
+    # a trainer that dies at once is reported here; a slow first build just goes on in the TUI
+    await control.start(fresh=fresh, wait_s=DEMO_START_WAIT_S, progress=say)
 
 
 async def headless(control: Any, duration: float, say: Any) -> int:
@@ -169,6 +173,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from dflashctl.control import ControlError
     from dflashctl.deploy import DeployError
     from dflashctl.remote.transport import TransportError
+    from dflashctl.resume import ResumeRefused
     from dflashctl.runconfig import RunConfigError
 
     args = parse_args(sys.argv[1:] if argv is None else argv)
@@ -179,7 +184,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         return run_tui(args)
     except KeyboardInterrupt:
         return 130
-    except (DemoError, ControlError, DeployError, TransportError, RunConfigError) as exc:
+    except (
+        DemoError,
+        ControlError,
+        DeployError,
+        TransportError,
+        RunConfigError,
+        ResumeRefused,
+    ) as exc:
         print(f"dflashctl demo: {exc}", file=sys.stderr)
         return 1
 

@@ -93,3 +93,78 @@ def test_attach_falls_back_to_a_terminal_the_container_knows(term: str, seen: st
         argv, env={"PATH": os.defpath, "TERM": term}, capture_output=True, text=True
     )
     assert out.stdout.strip() == seen
+
+
+def _unreachable_inv(tmp: Path, *names: str) -> str:
+    """Hosts on a loopback port nobody listens on (connections are refused at once)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    (tmp / "kh").write_text("")
+    body = "".join(
+        f'[hosts.{n}]\naddress = "127.0.0.1"\nport = {port}\nctid = 200\n'
+        f'known_hosts = "{tmp}/kh"\nconnect_timeout = 2\n'
+        for n in names
+    )
+    return write_inv(tmp, body)
+
+
+def test_non_utf8_run_config_is_one_line_naming_the_byte_exit_2(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    bad = tmp_path / "run.toml"
+    bad.write_bytes(b"seed = 1\n# caf\xe9\n")
+    inv = _unreachable_inv(tmp_path, "a")
+    for cmd in (["deploy", "a", "--config", str(bad)], ["restart", "a", "--config", str(bad)]):
+        assert main(["--hosts", inv, *cmd]) == 2
+        err = capsys.readouterr().err
+        assert err == f"dflashctl: {bad}: not UTF-8 text at byte 14 (line 2): invalid byte 0xe9\n"
+
+
+def test_hosts_is_exit_3_when_every_host_is_unreachable(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    inv = _unreachable_inv(tmp_path, "a", "b")
+    assert main(["--hosts", inv, "hosts"]) == 3
+    out = capsys.readouterr().out
+    assert out.count("UNREACHABLE") == 2
+    assert main(["--hosts", inv, "hosts", "--no-check"]) == 0  # nothing was asked
+
+
+def test_status_into_a_closed_pipe_exits_quietly(tmp_path: Path) -> None:
+    """`dflashctl status | head -1`: the reader is gone before status prints; no traceback."""
+    import sys
+
+    inv = _unreachable_inv(tmp_path, "a", "b")
+    read, write = os.pipe()
+    os.close(read)  # head has already exited
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-m", "dflashctl.cli", "--hosts", inv, "status"],
+            stdout=write,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=60,
+            cwd=Path(__file__).resolve().parents[2],
+        )
+    finally:
+        os.close(write)
+    assert proc.returncode == 141 and proc.stderr == ""
+
+
+@pytest.mark.parametrize(
+    ("args", "said"),
+    [
+        (["--fresh", "--resume", "12"], "--fresh and --resume exclude each other"),
+        (["--resume", "-3"], "--resume '-3': expected auto, never, a checkpoint step or a"),
+    ],
+)
+def test_bad_resume_choices_are_exit_2(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], args: list[str], said: str
+) -> None:
+    inv = _unreachable_inv(tmp_path, "a")
+    for cmd in ("start", "restart"):
+        assert main(["--hosts", inv, cmd, "a", *args]) == 2
+        assert said in capsys.readouterr().err

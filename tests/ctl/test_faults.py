@@ -361,3 +361,41 @@ async def test_follow_does_not_retry_a_host_key_failure(server: Server, tmp_path
         async for _ in RunControl(transport, host).follow(0, delay=lambda a: 0.01):
             pass
     assert server.pve.commands == []
+
+
+async def test_logs_follow_says_on_stderr_when_it_reconnects(
+    server: Server, tmp_path: Path
+) -> None:
+    """`dflashctl logs -f` (the real CLI, in its own process) across two dropped links: stdout
+    has every line once, stderr says when the link went and when it came back."""
+    import sys
+
+    host = host_for(tmp_path, server)
+    pin_host_key(host, server.host_key.convert_to_public())
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "dflashctl.cli",
+        "--hosts",
+        str(tmp_path / "hosts.toml"),
+        "logs",
+        "fake",
+        "-f",
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+        cwd=Path(__file__).resolve().parents[2],
+    )
+    assert proc.stdout is not None and proc.stderr is not None
+    got: list[str] = []
+    try:
+        async with asyncio.timeout(40):
+            while len(got) < 20:
+                got.append((await proc.stdout.readline()).decode().rstrip("\n"))
+    finally:
+        proc.terminate()
+        err = (await proc.stderr.read()).decode()
+        await proc.wait()
+    assert got == [f"line {i}" for i in range(20)]
+    lost = [ln for ln in err.splitlines() if "; reconnecting" in ln]
+    back = [ln for ln in err.splitlines() if ln == "dflashctl: fake: reconnected"]
+    assert len(lost) == 2 and len(back) == 2, err
