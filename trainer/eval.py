@@ -29,7 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -58,9 +58,6 @@ from trainer.model.target import TargetError, TargetModel
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
-# Kept for callers of the old API: a prompts-file error is a PromptError.
-EvalInputError = PromptError
-
 
 @dataclass(frozen=True)
 class PromptResult:
@@ -83,7 +80,7 @@ class EvalSummary:
     name: str  # a prompt set's file name, or "all"
     protocol: str
     prompts: int  # evaluated turns (an MT-Bench question counts once per turn)
-    tau: float  # mean of per-turn tau
+    tau: float  # mean of per-turn tau (turns with a verify step)
     tau_pooled: float  # total committed tokens / total verify steps
     new_tokens: int
     verify_steps: int
@@ -98,11 +95,13 @@ def summarize(
 ) -> EvalSummary:
     steps = sum(r.verify_steps for r in results)
     committed = sum(r.tau * r.verify_steps for r in results)
+    # A turn whose first token is already EOS has no verify step, hence no tau ("exact").
+    measured = [r.tau for r in results if r.verify_steps]
     return EvalSummary(
         name=name,
         protocol=protocol,
         prompts=len(results),
-        tau=sum(r.tau for r in results) / len(results) if results else 0.0,
+        tau=sum(measured) / len(measured) if measured else 0.0,
         tau_pooled=committed / steps if steps else 0.0,
         new_tokens=sum(r.new_tokens for r in results),
         verify_steps=steps,
@@ -123,9 +122,11 @@ def evaluate(
     eos_id: int | Sequence[int] | None = None,
     check_greedy: bool = True,
     protocol: Protocol = "exact",
+    on_result: Callable[[PromptResult], None] | None = None,
 ) -> tuple[list[PromptResult], list[EvalSummary]]:
     """Run speculative decoding (and greedy, for the equality check) on every turn.
 
+    `on_result` sees each turn's result as soon as it is measured (progress on long sets).
     Returns the per-turn results and one summary per prompt set followed by the overall one.
     """
     results: list[PromptResult] = []
@@ -161,6 +162,8 @@ def evaluate(
                         tokens=spec.tokens,
                     )
                 )
+                if on_result is not None:
+                    on_result(results[-1])
                 return spec.tokens
 
             run_turns(prompt, renderer, where, generate)
@@ -373,12 +376,11 @@ def main(argv: list[str] | None = None) -> int:
             eos_id=inputs.stop_ids,
             check_greedy=not args.no_greedy_check,
             protocol=args.protocol,
+            on_result=lambda r: print(format_result(r), flush=True),
         )
     except (PromptError, ExportError, TargetError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    for r in results:
-        print(format_result(r))
     for s in summaries:
         print(format_summary(s))
     overall = summaries[-1]

@@ -353,3 +353,14 @@ def test_cli_protocol_zlab_is_named_on_every_figure(
     assert lines and all("(protocol zlab," in line for line in lines)
     data = json.loads(out.read_text())
     assert data["protocol"] == data["summary"]["protocol"] == "zlab"
+
+
+def test_a_turn_without_verify_steps_has_no_tau_to_average() -> None:
+    """A first token that is already EOS ("exact" protocol) is not a tau of 0."""
+
+    def result(tau: float, steps: int) -> eval_cli.PromptResult:
+        return eval_cli.PromptResult(0, "s", 1, 1, 3, 1 + int(tau * steps), steps, tau, True, 0, 0)
+
+    summary = eval_cli.summarize([result(3.0, 2), result(0.0, 0), result(1.0, 4)], "s", "exact", 4)
+    assert summary.tau == 2.0 and summary.prompts == 3
+    assert summary.tau_pooled == (6 + 4) / 6
