@@ -7,6 +7,7 @@ header, user, system or tool text.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import unicodedata
 from pathlib import Path
@@ -202,7 +203,7 @@ def test_row_tools_reach_the_template_and_stay_unsupervised(
         "100 USD is about 92.50 EUR." + END,
     ]
     without = tokens.size - len(
-        qwen3.apply_chat_template(_rows(ARRAY)[2].messages, tokenize=True)["input_ids"]
+        qwen3.apply_chat_template(_rows(ARRAY)[2].messages, return_dict=True)["input_ids"]
     )
     assert without > 100  # the tools block is in the context the drafter trains on
     assert "# Tools" not in qwen3.decode(store.row(1)[0].tolist())  # "tools": "[]"
@@ -341,6 +342,15 @@ def test_a_json_array_file_is_read_as_rows_with_their_lines(
     assert cut.num_rows == 2
     assert cut.skipped["malformed_json"].first_lines == [starts[2]]
     assert "unreadable from here" in cut.skipped["malformed_json"].examples[0]
+    assert cut.source_sha256 == hashlib.sha256(truncated.read_bytes()).hexdigest()
+    # a break mid-file: same rows kept, and the rest of the file is still hashed
+    text = pretty.read_text()
+    broken = tmp_path / "broken.json"
+    broken.write_text(text[: text.rindex("{")] + "{oops" + text[text.rindex("{") + 1 :])
+    mid = ChatSource(broken)
+    assert [line for line, p in mid if isinstance(p, Conversation)] == starts[:2]
+    assert mid.file_sha256() == hashlib.sha256(broken.read_bytes()).hexdigest()
+    assert stores["pretty.json"].source_sha256 == hashlib.sha256(pretty.read_bytes()).hexdigest()
     assert main(["show", str(tmp_path / "s-pretty.json"), "--rows", "1"]) == 0
     assert f"--- row 1 (input line {starts[1]}):" in capsys.readouterr().out
 

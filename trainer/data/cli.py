@@ -43,8 +43,9 @@ def build_parser() -> argparse.ArgumentParser:
     imp.add_argument(
         "--template-kwargs",
         default="{}",
-        help='JSON object passed to every render, e.g. \'{"reasoning_effort": "high"}\'; '
-        "keywords the template cannot use on a finished conversation are refused by name",
+        help="JSON object passed to every render of the chat template; keywords it cannot use "
+        "on a finished conversation (never read, or read only for a generation prompt, such as "
+        "Qwen3's enable_thinking) are refused by name",
     )
     imp.add_argument(
         "--per-turn",

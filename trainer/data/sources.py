@@ -161,9 +161,10 @@ class ChatSource:
                 line,
                 Rejected(broken.reason, f"{broken.detail}; the array is unreadable from here"),
             )
-            return
-        while more():  # hash the rest (trailing whitespace)
-            pass
+        while not eof:  # hash the rest (trailing whitespace, or what follows a break)
+            data = fh.read(self.chunk_chars)
+            self.digest.update(data)
+            eof = not data
 
 
 def _parse(raw: bytes) -> Parsed:
