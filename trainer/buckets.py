@@ -90,10 +90,10 @@ class SearchInfo:
                 f"was a candidate cut ({self.candidates:,} edges)"
             )
         return (
-            f"search: GRID, not proven optimal: {self.candidates:,} candidate edges (every "
-            f"{self.grid_step} tokens, plus every distinct length within {self.refine_window} "
-            f"tokens of each cut) of {self.distinct_lengths:,} distinct lengths; cuts are exact "
-            f"to within their window only; exact search: --candidates {self.distinct_lengths + 1}"
+            f"search: GRID, not proven optimal: {self.candidates:,} candidate edges of "
+            f"{self.distinct_lengths:,} distinct lengths (every {self.grid_step} tokens, refined "
+            f"to every length within {self.refine_window} of each cut); exact search: "
+            f"--candidates {self.distinct_lengths + 1}"
         )
 
 

@@ -253,3 +253,22 @@ def test_the_sampler_warns_about_a_pool_holding_every_sample() -> None:
             x, strategy=strategy, token_budget=4096, max_batch=8, seed=0, pool_size=pool
         )
         assert kept.warnings == ()
+
+
+def test_the_candidate_count_is_a_flag_and_the_output_says_which_search_ran(
+    lengths_file: Path, capsys
+) -> None:
+    """--candidates N: exact when every distinct length fits, else a labelled refined grid."""
+    base = ["plan", "--lengths", str(lengths_file), "--token-budget", "49152", "--max-batch", "64"]
+    base += ["--buckets", "3"]
+    distinct = len(np.unique(np.load(lengths_file)))
+    _, out, _ = run(base, capsys)
+    assert f"search: exact, every one of the {distinct} distinct lengths" in out
+    _, js, _ = run([*base, "--json"], capsys)
+    search = json.loads(js)["search"]
+    assert search["exact"] and search["candidates"] == distinct + 1
+    _, out, _ = run([*base, "--candidates", "8"], capsys)
+    assert "search: GRID, not proven optimal" in out
+    assert f"exact search: --candidates {distinct + 1}" in out and "grid alone:" in out
+    rc, _, err = run([*base, "--candidates", "1"], capsys)
+    assert rc == 2 and err.startswith("error: --candidates: must be >= 2")
