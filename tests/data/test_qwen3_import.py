@@ -483,3 +483,27 @@ def test_a_malformed_row_from_any_caller_is_rejected_alone(
     odd = Conversation([{"role": "user", "content": 5}, {"role": "assistant", "content": "x"}])
     results = encoder.encode_batch([good, odd, good])
     assert [type(r).__name__ for r in results] == ["Encoded", "Rejected", "Encoded"]
+
+
+def test_array_and_jsonl_edges_around_the_first_line(
+    tmp_path: Path, qwen3_tokenizer_dir: Path
+) -> None:
+    row = json.loads(MIXED.read_text().splitlines()[0])
+    long_row = dict(row, padding="x" * 100_000)  # first line past the format probe
+    one_line = tmp_path / "one-line.json"
+    one_line.write_text(json.dumps([long_row, row, row]))
+    got = [(line, type(p).__name__) for line, p in ChatSource(one_line)]
+    assert got == [(1, "Conversation")] * 3
+    jsonl = write_jsonl(tmp_path / "long.jsonl", [long_row, row])
+    assert [(line, type(p).__name__) for line, p in ChatSource(jsonl)] == [
+        (1, "Conversation"),
+        (2, "Conversation"),
+    ]
+    # a JSONL file whose first row is an array of objects: read as an array, and the rows
+    # after its ']' are reported, not silently dropped
+    odd = write_jsonl(tmp_path / "odd.jsonl", [[row], row, row])
+    source = ChatSource(odd)
+    parsed = list(source)
+    assert [line for line, _ in parsed] == [1, 2]
+    assert isinstance(parsed[1][1], Rejected) and "after the array" in parsed[1][1].detail
+    assert source.file_sha256() == hashlib.sha256(odd.read_bytes()).hexdigest()

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 # Skip reasons, in the order rows are checked; these keys appear in the manifest.
@@ -79,7 +79,6 @@ class Conversation:
     messages: list[Message]
     tools: list[dict[str, Any]] | None = None
     last_turn_only: bool = False
-    reasoning_turns: int = field(default=0, compare=False)
 
 
 def parse_line(raw: bytes) -> Conversation | Rejected | None:
@@ -143,8 +142,7 @@ def normalise_conversation(row: Any) -> Conversation | Rejected:
         return Rejected(INVALID_UNICODE, bad)
     if not any(m["role"] == "assistant" for m in messages):
         return Rejected(NO_ASSISTANT_TURN, "no assistant message to supervise")
-    reasoning = sum(1 for m in messages if has_reasoning(m))
-    return Conversation(messages, tools, reasoning_turns=reasoning)
+    return Conversation(messages, tools)
 
 
 def has_reasoning(message: Message) -> bool:
@@ -164,12 +162,7 @@ def expand_turns(conversation: Conversation) -> list[Conversation]:
     if len(ends) <= 1:
         return [conversation]
     return [
-        Conversation(
-            conversation.messages[: i + 1],
-            conversation.tools,
-            last_turn_only=True,
-            reasoning_turns=int(has_reasoning(conversation.messages[i])),
-        )
+        Conversation(conversation.messages[: i + 1], conversation.tools, last_turn_only=True)
         for i in ends
     ]
 

@@ -35,6 +35,7 @@ from trainer.data.store import sha256_file
 Parsed = Conversation | Rejected | None  # None: a blank line (ignored)
 CHUNK_CHARS = 1 << 20
 PARSE_ERROR = "parse_error"
+PROBE_BYTES = 1 << 16
 MAX_ELEMENT_CHARS = 1 << 28  # one row past 256 Mi characters is a broken array, not a row
 _WS = re.compile(r"[ \t\n\r]*")
 
@@ -56,7 +57,7 @@ class ChatSource:
     def __iter__(self) -> Iterator[tuple[int, Parsed]]:
         try:
             with self._open() as fh:
-                first = fh.readline()
+                first = fh.readline(PROBE_BYTES)  # bounded: a one-line array may be GBs
                 self.digest.update(first)
                 if _is_array_start(first):
                     try:
@@ -68,8 +69,12 @@ class ChatSource:
                     self.format = "jsonl"
                     self.digest = hashlib.sha256()
                     fh.seek(0)
-                    first = fh.readline()
+                    first = fh.readline(PROBE_BYTES)
                     self.digest.update(first)
+                if first and not first.endswith(b"\n"):
+                    rest = fh.readline()
+                    self.digest.update(rest)
+                    first += rest
                 yield from self._jsonl(first, fh)
         except (OSError, EOFError) as exc:  # unreadable, or a truncated .gz
             raise InputError(f"{self.path}: read failed: {' '.join(str(exc).split())}") from None
@@ -161,6 +166,22 @@ class ChatSource:
                 line,
                 Rejected(broken.reason, f"{broken.detail}; the array is unreadable from here"),
             )
+        else:  # closed: anything but whitespace after the ']' is reported, never dropped unseen
+            pos += 1
+            while True:
+                skip = _WS.match(buf, pos).end()
+                line += buf.count("\n", pos, skip)
+                pos = skip
+                if pos < len(buf):
+                    yield line, Rejected(MALFORMED_JSON, "data after the array's closing ']'")
+                    break
+                buf, pos = "", 0
+                try:
+                    if eof or not more():
+                        break
+                except _Broken as broken:
+                    yield line, Rejected(broken.reason, f"{broken.detail} after the array")
+                    break
         while not eof:  # hash the rest (trailing whitespace, or what follows a break)
             data = fh.read(self.chunk_chars)
             self.digest.update(data)
@@ -196,17 +217,6 @@ def _col(buf: str, pos: int) -> int:
 
 
 def _is_array_start(first: bytes) -> bool:
-    """True when the file is one JSON array of rows, not JSONL whose first row is bad.
-
-    A first line that is a complete JSON value is a JSONL row, except a one-line array whose
-    items are all objects (a compact array file); anything else starting with '[' opens a
-    multi-line array.
-    """
-    text = first.lstrip(b"\xef\xbb\xbf").strip()
-    if not text.startswith(b"["):
-        return False
-    try:
-        value: Any = json.loads(text)
-    except (ValueError, RecursionError):
-        return True
-    return isinstance(value, list) and bool(value) and all(isinstance(v, dict) for v in value)
+    """The file opens with '[': try it as one array (falls back to JSONL if its first value is
+    not an object, e.g. a JSONL file whose first row is the bad row `[1, 2, 3]`)."""
+    return first.removeprefix(b"\xef\xbb\xbf").lstrip().startswith(b"[")
