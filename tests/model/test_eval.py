@@ -22,6 +22,7 @@ from trainer.eval_prompts import (
     run_turns,
 )
 from trainer.model.export import export_drafter
+from trainer.model.fit import fit, greedy_continuations
 from trainer.model.speculative import speculative_generate
 from trainer.model.target import TargetModel
 
@@ -364,3 +365,69 @@ def test_a_turn_without_verify_steps_has_no_tau_to_average() -> None:
     summary = eval_cli.summarize([result(3.0, 2), result(0.0, 0), result(1.0, 4)], "s", "exact", 4)
     assert summary.tau == 2.0 and summary.prompts == 3
     assert summary.tau_pooled == (6 + 4) / 6
+
+
+def _zlab_loop_accept_lengths(
+    target: TargetModel, drafter: object, prompt: list[int], max_new: int, stops: list[int]
+) -> tuple[list[int], list[int]]:
+    """z-lab's `dflash_generate` bookkeeping (@ bb48ef9) written out with this project's
+    target and drafter: an output buffer pre-filled with the mask id, `while start <
+    max_length`, the stop check on the whole output after every verify step, then the output
+    cut at max_length and after the first stop token."""
+    import torch
+
+    bsz = drafter.config.block_size  # type: ignore[attr-defined]
+    mask_id = drafter.config.mask_token_id  # type: ignore[attr-defined]
+    num_in = len(prompt)
+    max_length = num_in + max_new
+    output = torch.full((1, max_length + bsz), mask_id, dtype=torch.long)
+    output[0, :num_in] = torch.tensor(prompt)
+    cache = target.new_cache()
+    logits, context = target.forward_with_capture(output[:, :num_in], cache=cache)
+    output[0, num_in] = logits[0, -1].argmax()
+    start, accept = num_in, []
+    while start < max_length:
+        block = output[:, start : start + bsz].clone()
+        positions = torch.arange(start, start + bsz)[None]
+        hidden = drafter(context, block, positions)  # type: ignore[operator]
+        block[:, 1:] = drafter.logits(hidden[:, 1:]).argmax(-1)  # type: ignore[attr-defined]
+        vlogits, vfeats = target.forward_with_capture(block, cache=cache)
+        posterior = vlogits.argmax(-1)
+        acc = int((block[:, 1:] == posterior[:, :-1]).cumprod(dim=1).sum())
+        output[:, start : start + acc + 1] = block[:, : acc + 1]
+        output[0, start + acc + 1] = posterior[0, acc]
+        accept.append(acc + 1)
+        start += acc + 1
+        target.crop_cache(cache, start)
+        context = torch.cat([context, vfeats[:, : acc + 1]], dim=1)
+        if any(s in output[0, num_in:].tolist() for s in stops):
+            break
+    tokens = output[0, num_in:max_length].tolist()
+    tokens = [t for t in tokens if t != mask_id]
+    for i, t in enumerate(tokens):
+        if t in stops:
+            tokens = tokens[: i + 1]
+            break
+    return tokens, accept
+
+
+def test_zlab_protocol_matches_zlabs_loop_step_for_step(target: TargetModel) -> None:
+    """For every limit from 1 to 24, without and with stop tokens, `protocol="zlab"` gives
+    z-lab's tokens and acceptance lengths exactly. The drafter is briefly fitted to the
+    target's text so blocks are partly accepted: limits are both hit exactly and overshot."""
+    import torch
+
+    prompt = torch.randint(0, 500, (1, 8), generator=torch.Generator().manual_seed(11))
+    rows = greedy_continuations(target, prompt, 40)
+    drafter = make_drafter(target, block_size=4)
+    fit(drafter, target, rows, steps=60, lr=1e-2, batch_size=1, num_anchors=32)
+    ids = rows[0].ids[:8]
+    free = speculative_generate(target, drafter, ids, 40)
+    assert len(set(free.accept_lengths)) > 1  # a mix of partial and full blocks
+    for stops in ([], [free.tokens[0]], [free.tokens[9]]):
+        for limit in range(1, 25):
+            want = _zlab_loop_accept_lengths(target, drafter, ids, limit, stops)
+            got = speculative_generate(target, drafter, ids, limit, stops, protocol="zlab")
+            assert (got.tokens, got.accept_lengths) == want, (stops, limit)
+            exact = speculative_generate(target, drafter, ids, limit, stops)
+            assert exact.tokens == got.tokens
