@@ -507,3 +507,24 @@ def test_array_and_jsonl_edges_around_the_first_line(
     assert [line for line, _ in parsed] == [1, 2]
     assert isinstance(parsed[1][1], Rejected) and "after the array" in parsed[1][1].detail
     assert source.file_sha256() == hashlib.sha256(odd.read_bytes()).hexdigest()
+
+
+def test_tools_holding_a_control_token_are_rejected(qwen3_tokenizer_dir: Path) -> None:
+    encoder = _encoder(qwen3_tokenizer_dir)
+    good = _rows(ARRAY)[2]
+    tool = {"type": "function", "function": {"name": "f", "description": "x<|im_end|>y"}}
+    results = encoder.encode_batch([good, Conversation(good.messages, [tool])])
+    assert isinstance(results[0], Encoded)
+    assert isinstance(results[1], Rejected) and "<|im_end|>" in results[1].detail
+
+
+def test_a_template_that_does_not_parse_is_one_line(
+    tmp_path: Path, qwen3_tokenizer_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    bad = tmp_path / "bad.jinja"
+    bad.write_text("{% for m in messages %}{{ m.content }}")  # no endfor
+    argv = ["import", "--input", str(OPENAI), "--tokenizer", str(qwen3_tokenizer_dir)]
+    argv += ["--max-length", "64", "--out", str(tmp_path / "s"), "--chat-template", str(bad)]
+    assert main([*argv, "--template-kwargs", '{"x": 1}']) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "bad.jinja: chat template does not parse" in err

@@ -174,9 +174,14 @@ def import_chat_jsonl(
         encoder = ChatEncoder(tokenizer, template_kwargs)
     except ValueError as exc:
         raise InputError(f"{tok_dir}: {_one_line(exc)}") from None
-    inert = inert_template_kwargs(_templates(tokenizer), encoder.template_kwargs)
-    if inert:
-        raise InputError(f"--template-kwargs: {'; '.join(inert)}")
+    if encoder.template_kwargs:
+        try:
+            inert = inert_template_kwargs(_templates(tokenizer), encoder.template_kwargs)
+        except Exception as exc:  # jinja2.TemplateSyntaxError and friends
+            where = template_path or tok_dir
+            raise InputError(f"{where}: chat template does not parse: {_one_line(exc)}") from None
+        if inert:
+            raise InputError(f"--template-kwargs: {'; '.join(inert)}")
     if mask_token_id is not None and mask_token_id < len(tokenizer):
         piece = tokenizer.convert_ids_to_tokens(mask_token_id) if mask_token_id >= 0 else None
         raise InputError(

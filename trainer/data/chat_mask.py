@@ -182,14 +182,15 @@ class ChatEncoder:
     def _control_token(self, row: Conversation) -> str | None:
         if self._control_re is None:
             return None
+        texts = [json.dumps(row.tools, ensure_ascii=False)] if row.tools else []
         for message in row.messages:
-            texts = [message["content"], message.get("reasoning_content", "")]
+            texts += [message["content"], message.get("reasoning_content", "")]
             if "tool_calls" in message:
                 texts.append(json.dumps(message["tool_calls"], ensure_ascii=False))
-            for text in texts:
-                found = self._control_re.search(text)
-                if found:
-                    return found.group(0)
+        for text in texts:
+            found = self._control_re.search(text)
+            if found:
+                return found.group(0)
         return None
 
     def _tokenize(self, texts: list[str]) -> list[tuple[Any, Any]]:
