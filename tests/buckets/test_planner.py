@@ -203,11 +203,13 @@ def test_batched_segment_costs_equal_the_one_segment_estimator(problem, min_coun
     np.testing.assert_allclose(fast[ok], slow[ok], rtol=1e-9)
 
 
-def test_batched_segment_costs_on_a_binned_grid() -> None:
-    """Same equality on the coarse grid path (bins represented by their mean length)."""
+@pytest.mark.parametrize(("budget", "max_batch"), [(T, B), (200_000, 256)])
+def test_batched_segment_costs_on_a_grid(budget: int, max_batch: int) -> None:
+    """Same equality on the grid path, with 20,000 samples (normalizers split into pieces)."""
     grid = make_grid(seed_shaped_lengths(20_000), max_candidates=24)
-    fast, _ = segment_costs(grid, T, B)
-    slow = reference_segment_costs(grid, T, B)
+    assert not grid.exact and grid.num_distinct > 1_000  # scored on every distinct length
+    fast, _ = segment_costs(grid, budget, max_batch)
+    slow = reference_segment_costs(grid, budget, max_batch)
     ok = np.isfinite(slow)
     assert np.array_equal(np.isfinite(fast), ok)
     np.testing.assert_allclose(fast[ok], slow[ok], rtol=1e-9)
