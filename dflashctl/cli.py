@@ -153,7 +153,7 @@ async def cmd_start(args: argparse.Namespace) -> int:
 
     async def go(t: Any) -> int:
         res = await RunControl(t, host).start(
-            fresh=args.fresh, resume=resume, wait_s=args.wait_s, progress=print
+            fresh=args.fresh, resume=resume, wait_s=_wait_s(args, host), progress=print
         )
         for note in res.notes:
             print(f"{host.name}: note: {note}")
@@ -181,6 +181,14 @@ def _resume_choice(args: argparse.Namespace) -> str:
         return validate_resume_choice(args.resume)
     except ResumeChoiceError as err:
         raise UsageError(str(err)) from None
+
+
+def _wait_s(args: argparse.Namespace, host: HostConfig) -> float:
+    if args.wait_s is None:
+        return float(host.start_wait)
+    if args.wait_s < 0:
+        raise UsageError(f"--wait-s {args.wait_s:g}: must be 0 (do not wait) or more")
+    return float(args.wait_s)
 
 
 def _readiness(name: str, res: Any) -> str:
@@ -226,7 +234,7 @@ async def cmd_restart(args: argparse.Namespace) -> int:
             progress=print,
             release=release,
             resume=resume,
-            wait_s=args.wait_s,
+            wait_s=_wait_s(args, host),
         )
         if res.config_diff:
             print(res.config_diff, end="" if res.config_diff.endswith("\n") else "\n")
@@ -472,9 +480,9 @@ def _add_run_flags(sp: argparse.ArgumentParser) -> None:
     sp.add_argument(
         "--wait-s",
         type=float,
-        default=DEFAULT_START_WAIT_S,
-        help="seconds to wait for the trainer to finish its setup or exit "
-        f"(default {DEFAULT_START_WAIT_S:g}; 0: do not wait)",
+        default=None,
+        help="seconds to wait for the trainer to finish its setup or exit (default: start_wait "
+        f"in hosts.toml, {DEFAULT_START_WAIT_S:g}; 0: do not wait)",
     )
 
 

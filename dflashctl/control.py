@@ -67,7 +67,7 @@ MARK = "@@dflash@@:"
 LOG_RESTARTED = "restarted: status.log started over; reading it from its first line"
 GPU_QUERY = "index,name,utilization.gpu,memory.used,memory.total,temperature.gpu,power.draw"
 DEFAULT_START_WAIT_S = 120.0
-"""How long start/restart wait for the trainer's setup to finish (or for it to exit)."""
+"""How long start/restart wait for the trainer's setup (or its exit); hosts.toml start_wait."""
 RUN_STATE_FILE = "run/run-state.json"
 
 

@@ -147,6 +147,7 @@ class HostSettings(_Strict):
     connect_timeout: float | None = Field(default=None, gt=0, le=3600)
     command_timeout: float | None = Field(default=None, gt=0, le=86400)
     max_channels: int | None = Field(default=None, ge=1, le=64)
+    start_wait: float | None = Field(default=None, ge=0, le=86400)
     env: dict[str, str] | None = None
 
     @field_validator("env")
@@ -197,6 +198,8 @@ class HostConfig(_Strict):
     command_timeout: float = 120.0
     # SSH channels open at once on the one connection (sshd's MaxSessions is 10 by default).
     max_channels: int = 8
+    # seconds start/restart wait for the trainer's setup (or its exit); 0: do not wait
+    start_wait: float = 120.0
     env: dict[str, str] = Field(default_factory=lambda: dict(DEFAULT_ENV))
     inventory: Path | None = None  # the file this host came from (for messages)
 

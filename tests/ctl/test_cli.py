@@ -168,3 +168,20 @@ def test_bad_resume_choices_are_exit_2(
     for cmd in ("start", "restart"):
         assert main(["--hosts", inv, cmd, "a", *args]) == 2
         assert said in capsys.readouterr().err
+
+
+def test_start_wait_comes_from_the_inventory_and_is_checked(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import argparse
+
+    from dflashctl.cli import _wait_s
+
+    inv = write_inv(
+        tmp_path, '[defaults]\nstart_wait = 7.5\n[hosts.a]\naddress = "h"\nctid = 200\n'
+    )
+    host = load_inventory(Path(inv)).get("a")
+    assert _wait_s(argparse.Namespace(wait_s=None), host) == 7.5
+    assert _wait_s(argparse.Namespace(wait_s=0.0), host) == 0.0
+    assert main(["--hosts", inv, "start", "a", "--wait-s", "-1"]) == 2
+    assert "--wait-s -1: must be 0 (do not wait) or more" in capsys.readouterr().err

@@ -8,6 +8,7 @@ status shows the new config hash -> stop leaves a checkpoint -> redeploy transfe
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import time
 from pathlib import Path
@@ -123,3 +124,156 @@ def test_operator_loop_end_to_end(
 
     assert cli_main([*inv, "deploy", "ct", "--tree", str(tree)]) == 0
     assert "already present, nothing sent" in capsys.readouterr().out
+
+
+def pinned_inventory(parts: P.Parts, tmp_path: Path, run_config: Path | None = None) -> list[str]:
+    """`--hosts FILE` for the real parts with the sshd key already pinned."""
+    known = tmp_path / "known_hosts"
+    pub = parts.sshd.host_pub.read_text().split()
+    known.write_text(f"[127.0.0.1]:{parts.sshd.port} {pub[0]} {pub[1]}\n")
+    inv = tmp_path / "hosts.toml"
+    inv.write_text(
+        P.hosts_toml(parts, known_hosts=known, run_config=run_config)
+        + 'env = { OMP_NUM_THREADS = "1" }\n'
+    )
+    return ["--hosts", str(inv)]
+
+
+def frozen_tree(tmp_path: Path) -> Path:
+    tree = tmp_path / "tree"
+    shutil.copytree(
+        REPO / "trainer", tree / "trainer", ignore=shutil.ignore_patterns("__pycache__")
+    )
+    return tree
+
+
+def test_a_trainer_that_dies_at_once_is_a_failed_start(
+    real_parts: P.Parts,
+    clean_workdir: Path,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """The real trainer over sshd + pct + LXC + tmux: a device that does not exist and a store
+    that is not a store used to be reported as "started" (exit 0) while the run was dead."""
+    require_part((REPO / "configs" / "tiny-cpu.toml").is_file(), "configs/tiny-cpu.toml missing")
+    tiny = (REPO / "configs" / "tiny-cpu.toml").read_text()
+    bad_device = tmp_path / "bad-device.toml"
+    bad_device.write_text(
+        tiny.replace('drafter_devices = ["cpu"]', 'drafter_devices = ["cuda:99"]')
+    )
+    (clean_workdir / "empty-store").mkdir()
+    no_store = tmp_path / "no-store.toml"
+    no_synthetic = re.sub(r"(?ms)^\[data\.synthetic\]\n.*?(?=^\[)", "", tiny)  # never build one
+    no_store.write_text(
+        no_synthetic.replace(
+            'store = ".cache/tiny-store"', f'store = "{P.CONTAINER_WORKDIR}/empty-store"'
+        )
+    )
+    inv = pinned_inventory(real_parts, tmp_path)
+    tree = frozen_tree(tmp_path)
+    for cfg, said in (
+        (bad_device, r"exited with status 2 .*: topology: device .cuda:99. requested"),
+        (no_store, r"exited with status 2 \(refused: a user error\) .*data\.store: "),
+    ):
+        assert cli_main([*inv, "deploy", "ct", "--config", str(cfg), "--tree", str(tree)]) == 0
+        capsys.readouterr()
+        assert cli_main([*inv, "start", "ct", "--wait-s", "120"]) == 1
+        captured = capsys.readouterr()
+        err = captured.err.strip().splitlines()
+        assert len(err) == 1 and "ct: the trainer " in err[0], captured
+        assert re.search(said, err[0]), err[0]
+        assert "started release" not in captured.out
+        assert status_json(inv, capsys)["state"] == "crashed"
+
+
+def test_deploy_config_is_checked_against_the_checkpoint_over_ssh(
+    real_parts: P.Parts,
+    clean_workdir: Path,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """The checkpoint's config is read in the container (its python, no torch import)."""
+    require_part((REPO / "configs" / "tiny-cpu.toml").is_file(), "configs/tiny-cpu.toml missing")
+    from tests.ctl.test_local import write_checkpoint
+
+    tiny = (REPO / "configs" / "tiny-cpu.toml").read_text()
+    run = clean_workdir / "run"
+    run.mkdir()
+    write_checkpoint(run, 40, tiny)
+    bumped = tmp_path / "bumped.toml"
+    bumped.write_text(P.bump_buckets(tiny))
+    inv = pinned_inventory(real_parts, tmp_path)
+    tree = frozen_tree(tmp_path)
+    capsys.readouterr()
+    assert cli_main([*inv, "deploy", "ct", "--config", str(bumped), "--tree", str(tree)]) == 1
+    err = capsys.readouterr().err
+    assert (
+        "batching.num_buckets against the config saved in run/checkpoints/step-00000040.pt" in err
+    )
+    assert "dflashctl deploy ct --fresh" in err and not (run / "config.toml").exists()
+    same = tmp_path / "same.toml"
+    same.write_text(P.halve_lr(tiny)[0])  # lr may change across a resume
+    assert cli_main([*inv, "deploy", "ct", "--config", str(same), "--tree", str(tree)]) == 0
+    assert (run / "config.toml").read_text() == same.read_text()
+
+
+def test_a_deploy_killed_during_preflight_leaves_a_lock_the_next_one_takes_over(
+    real_parts: P.Parts,
+    clean_workdir: Path,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    import signal
+    import subprocess
+    import sys
+
+    inv = pinned_inventory(real_parts, tmp_path)
+    tree = frozen_tree(tmp_path)
+    lock = clean_workdir / ".deploy.lock"
+    client = subprocess.Popen(
+        [sys.executable, "-m", "dflashctl.cli", *inv, "deploy", "ct", "--tree", str(tree)],
+        cwd=REPO,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        end = time.monotonic() + 60
+        while not ((lock / "owner").is_file() and (lock / "owner").read_text().strip()):
+            assert client.poll() is None, "the deploy finished before it could be killed"
+            assert time.monotonic() < end, "the deploy never took its lock"
+            time.sleep(0.02)
+        client.send_signal(signal.SIGKILL)  # the preflight (importing torch) is under way
+    finally:
+        client.wait()
+    stale = (lock / "owner").read_text().strip()
+    capsys.readouterr()
+    assert cli_main([*inv, "deploy", "ct", "--tree", str(tree)]) == 0
+    out = capsys.readouterr().out
+    assert f"taking over a stale deploy lock: its owner ({stale}) is no longer running" in out
+    assert "current None -> " in out and not lock.exists()
+
+
+def test_hostile_status_log_reaches_logs_and_status_clean(
+    real_parts: P.Parts,
+    clean_workdir: Path,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    run = clean_workdir / "run"
+    run.mkdir()
+    (run / "status.log").write_bytes(
+        b"Starting pipeline...\n"
+        b"\x1b]0;PWNED-TITLE\x07\x1b]52;c;cm0gLXJmIH4=\x07\x1b[31mERROR: red alert\x1b[0m\n"
+        b"\x1b[32m[0m] step=4 loss=2.0000 acc=0.500 streak=1.0 lr=6.00e-04 noise=0.1000 | "
+        b"tgt=1.00b/s dft=1.00b/s (2.0Ktok/s) | q_pre=[1] q_hs=[1] | epoch~0.01 ETA=17m\x1b[0m\n"
+    )
+    inv = pinned_inventory(real_parts, tmp_path)
+    capsys.readouterr()
+    assert cli_main([*inv, "logs", "ct", "-n", "5"]) == 0
+    logs = capsys.readouterr().out
+    assert cli_main([*inv, "status", "ct"]) == 0
+    status = capsys.readouterr().out
+    for text in (logs, status):
+        assert "\x1b" not in text and "\x07" not in text and "PWNED" not in text
+    assert logs.splitlines()[1] == "ERROR: red alert"
+    assert "  error: red alert" in status and "step=4 " in status
