@@ -219,6 +219,8 @@ def plan_buckets(
     if k not in solutions:
         most = max(solutions) if solutions else 0
         extra = f" with at least {min_count} samples each (min share {min_share})" * (min_share > 0)
+        if not grid.exact:
+            extra += f" on a grid of {len(grid.edges)} candidate edges (raise --candidates)"
         raise PlanError(
             f"{k} buckets do not fit these lengths: at most {most} non-empty buckets{extra}",
             "--buckets",

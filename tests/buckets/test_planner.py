@@ -181,6 +181,8 @@ def test_dp_handles_the_grid_path_and_min_share_masks() -> None:
         ({"k": 5, "token_budget": 10}, "smaller than the longest sample"),
         ({"k": 50}, "do not fit"),
         ({"k": 2, "min_share": 1.5}, "min share"),
+        ({"k": 5, "max_candidates": 4}, "on a grid of 3 candidate edges \\(raise --candidates\\)"),
+        ({"k": 2, "max_candidates": 1}, "must be >= 2"),
     ],
 )
 def test_bad_plan_arguments_are_named(args: dict, needle: str) -> None:
