@@ -216,10 +216,12 @@ class ChatEncoder:
         plans = []
         for row, text, spans in zip(batch, texts, indices, strict=True):
             found = sorted((int(a), int(b)) for a, b in spans if b > a)
+            unlocated = 0
             if row.last_turn_only:
                 start = self._last_turn_start(row, text)
+                unlocated = int(start is None)
                 found = [] if start is None else [s for s in found if s[1] > start]
-            plans.append(_Plan(str(text), found))
+            plans.append(_Plan(str(text), found, unlocated))
         return plans
 
     def _last_turn_start(self, row: Conversation, full: str) -> int | None:
