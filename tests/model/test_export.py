@@ -17,6 +17,7 @@ from safetensors.torch import load_file
 from tests.model.helpers import MASK_ID, make_batch, make_drafter
 from trainer.model.export import ExportError, export_drafter, load_drafter
 from trainer.model.remote_code import PIECES, modeling_source
+from trainer.model.speculative import speculative_generate
 from trainer.model.target import TargetModel
 
 REPO = Path(__file__).resolve().parents[2]
@@ -104,7 +105,7 @@ class _Block(importlib.abc.MetaPathFinder):
 sys.meta_path.insert(0, _Block())
 import torch
 from torch import nn
-from transformers import AutoModel
+from transformers import AutoModel, AutoModelForCausalLM
 
 torch.set_num_threads(1)
 model = AutoModel.from_pretrained(".", trust_remote_code=True).eval()
@@ -117,10 +118,17 @@ model.bind_target(embed, head)
 with torch.no_grad():
     hidden = model(io["features"], io["block"], io["positions"])
     logits = model.logits(hidden)
+# The z-lab README's next step: generate with the target, loaded the usual way.
+target = AutoModelForCausalLM.from_pretrained(sys.argv[4]).eval()
+generated = model.spec_generate(
+    input_ids=io["prompt"], max_new_tokens=12, temperature=0.0, target=target,
+    stop_token_ids=io["stops"],
+)
 torch.save(
     {
         "class": type(model).__name__,
         "logits": logits,
+        "generated": generated,
         "block_size": model.block_size,
         "mask_token_id": model.mask_token_id,
         "target_layer_ids": model.target_layer_ids,
@@ -136,7 +144,8 @@ def test_automodel_with_remote_code_returns_the_drafter_from_the_export_alone(
     target: TargetModel, tmp_path: Path
 ) -> None:
     """`AutoModel.from_pretrained(export, trust_remote_code=True)` (the z-lab README's call)
-    gives the trained drafter: same weights, identical logits, z-lab attributes."""
+    gives the trained drafter: same weights, identical logits, z-lab attributes, and its
+    `spec_generate(..., target=...)` gives the project loop's tokens."""
     drafter = make_drafter(target, block_size=4)
     with torch.no_grad():
         for p in drafter.parameters():
@@ -148,6 +157,9 @@ def test_automodel_with_remote_code_returns_the_drafter_from_the_export_alone(
     pos = torch.arange(10, 14)[None]
     with torch.no_grad():
         want = drafter.logits(drafter(feats[:, :10], block, pos))
+    prompt = [5, 17, 42, 99, 3, 250]
+    stops = [speculative_generate(target, drafter, prompt, 12).tokens[9]]
+    want_tokens = speculative_generate(target, drafter, prompt, 12, stops).tokens
     io = tmp_path / "io.pt"
     torch.save(
         {
@@ -156,6 +168,8 @@ def test_automodel_with_remote_code_returns_the_drafter_from_the_export_alone(
             "positions": pos,
             "embed": target.embed_tokens.weight.detach(),
             "head": target.lm_head.weight.detach(),
+            "prompt": torch.tensor([prompt]),
+            "stops": stops,
         },
         io,
     )
@@ -166,7 +180,15 @@ def test_automodel_with_remote_code_returns_the_drafter_from_the_export_alone(
     env["PYTHONPATH"] = os.pathsep.join(keep)
     env["HF_HOME"] = str(tmp_path / "hf-home")  # the remote-code module cache
     proc = subprocess.run(
-        [sys.executable, "-c", _LOAD_WITH_AUTOMODEL, str(REPO), str(io), str(result)],
+        [
+            sys.executable,
+            "-c",
+            _LOAD_WITH_AUTOMODEL,
+            str(REPO),
+            str(io),
+            str(result),
+            str(target.model.name_or_path),
+        ],
         cwd=out,
         env=env,
         capture_output=True,
@@ -179,6 +201,7 @@ def test_automodel_with_remote_code_returns_the_drafter_from_the_export_alone(
     assert got["class"] == "DFlashDraftModel"
     assert got["trainer_modules"] == []
     assert torch.equal(got["logits"], want)
+    assert got["generated"][0].tolist() == prompt + want_tokens
     assert got["state_keys"] == sorted(drafter.state_dict())
     assert (got["block_size"], got["mask_token_id"], got["target_layer_ids"]) == (
         4,

@@ -11,7 +11,8 @@ and SpecForge's exports are, so serving engines read it unchanged.
 (`fc`, `hidden_norm`, `layers.N...`, `norm`) and runs the project drafter's forward on them, so
 its outputs are the project's bit for bit. Like the project drafter it borrows the target's
 embedding and LM head: call `bind_target(target.get_input_embeddings(),
-target.get_output_embeddings())` before `forward`/`logits`.
+target.get_output_embeddings())` before `forward`/`logits`, or let `spec_generate` do it (the
+z-lab README's next call: greedy speculative decoding with the project's own loop).
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ from transformers import PreTrainedModel, Qwen3Config
 from trainer.model.attention import AttnMask
 from trainer.model.drafter import DFlashDrafter, DrafterCache, DrafterConfig
 from trainer.model.layers import RMSNorm, Rotary
+from trainer.model.speculative import speculative_generate
+from trainer.model.target import TargetModel
 
 
 def drafter_config_from_hf(config: Any) -> DrafterConfig:
@@ -114,3 +117,38 @@ class DFlashDraftModel(PreTrainedModel):
     def logits(self, hidden: Tensor) -> Tensor:
         """Full-vocabulary logits through the borrowed target LM head."""
         return self._core.logits(hidden)
+
+    @torch.no_grad()
+    def spec_generate(
+        self,
+        input_ids: Tensor,
+        max_new_tokens: int,
+        temperature: float = 0.0,
+        target: nn.Module | None = None,
+        stop_token_ids: list[int] | None = None,
+        mask_token_id: int | None = None,
+    ) -> Tensor:
+        """z-lab's README call: greedy speculative decoding of `input_ids` [1, P] with `target`
+        (the Hugging Face causal LM this drafter was trained on). Returns [1, P + new] ids;
+        the new ids are exactly the target's greedy output."""
+        if target is None:
+            raise ValueError("spec_generate needs target= (the causal LM the drafter serves)")
+        if temperature != 0.0:
+            raise ValueError("only greedy decoding (temperature=0.0) is implemented")
+        if input_ids.ndim != 2 or input_ids.shape[0] != 1:
+            raise ValueError(f"input_ids must be [1, P], got {list(input_ids.shape)}")
+        if mask_token_id is not None and mask_token_id != self.mask_token_id:
+            raise ValueError(
+                f"mask_token_id {mask_token_id} differs from the trained one ({self.mask_token_id})"
+            )
+        # One capture wrapper per target (its forward hooks stay registered, idle when unused).
+        wrapped = self.__dict__.get("_spec_target")
+        if wrapped is None or wrapped.model is not target:
+            wrapped = TargetModel(target, self.target_layer_ids)
+            self.__dict__["_spec_target"] = wrapped
+        self.bind_target(wrapped.embed_tokens, wrapped.lm_head)
+        out = speculative_generate(
+            wrapped, self._core, input_ids[0].tolist(), max_new_tokens, stop_token_ids
+        )
+        new = torch.tensor([out.tokens], dtype=input_ids.dtype, device=input_ids.device)
+        return torch.cat([input_ids, new], dim=1)
