@@ -107,6 +107,10 @@ def test_mixed_real_formats_import_and_every_bad_row_is_named(
         for example in examples:
             assert example in printed
     assert "at at" not in printed
+    # the same with worker processes (conversations with tools cross the process boundary)
+    two = tmp_path / "two"
+    assert main([*argv, "--max-length", "4096", "--out", str(two), "--workers", "2"]) == 0
+    assert TokenStore.open(two).manifest.files == store.manifest.files
 
 
 def test_unknown_roles_list_their_distinct_values(
