@@ -4,7 +4,7 @@ A bucket's expected padding depends only on the lengths inside it, so the total 
 sum of segment costs and the optimum over all boundary sets on a candidate set is an O(K C^2)
 dynamic program once the C^2 / 2 segment costs are known (no local search, no restarts). Segments
 are always scored on the exact length histogram (one support point per distinct length). When the
-data has at most `max_candidates` distinct lengths every one is a candidate edge, so the DP's
+data has fewer than `max_candidates` distinct lengths every one is a candidate edge, so the DP's
 optimum is the exact optimum over all boundary sets. Otherwise the candidates are a power-of-two
 grid (the caller refines around the chosen cuts, `trainer.buckets`). Per-bucket constraints
 (minimum share of samples) are infinite costs, so the DP stays exact under them.
@@ -21,8 +21,9 @@ from trainer.bucketing.estimate import estimate_bucket
 
 _BAND = 16  # segments processed together have smallest classes within this many sizes
 
-# Every distinct length is a candidate edge up to this many (benchmarks/bench_buckets.py: the exact
-# search over 2,048 distinct lengths takes ~N s on one core; real stores have a few thousand).
+# Candidate-edge budget: every distinct length is a candidate while they fit (the exact search;
+# ~9 s CPU for K = 6 on 2,048 distinct lengths, grows as their square: docs/benchmarks.md). Real
+# stores have a few thousand distinct lengths at most.
 DEFAULT_CANDIDATES = 2048
 # Above that, the coarse grid's edge count (16-token steps over lengths up to 8,192), refined
 # around the chosen cuts by the caller.
