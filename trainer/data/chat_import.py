@@ -77,10 +77,10 @@ class ImportStats:
 
 
 def describe(stat: LineStat) -> str:
-    """`lines 1, 4, 8, ...: line 1: role 'function_call'; line 4: role 'observation'`."""
+    """`lines 1, 4, 8, ...; line 1: role 'function_call'; line 4: role 'observation'`."""
     more = ", ..." if stat.count > len(stat.first_lines) else ""
     text = "lines " + ", ".join(map(str, stat.first_lines)) + more
-    return f"{text}: {'; '.join(stat.examples)}" if stat.examples else text
+    return "; ".join([text, *stat.examples])
 
 
 def has_supervised_pair(mask: np.ndarray) -> bool:
