@@ -6,9 +6,10 @@ One JSON value per line (blank lines skipped); every error names the file and li
     {"turns": ["q1", "q2", ...]}            MT-Bench `question.jsonl` (question_id, category,
                                             ...): multi-turn, each turn sent after the model's
                                             own answer to the previous one
-    {"prompt": "q" | ["q1", ...]}           HF prompt sets (mt_bench_prompts, mbpp, humaneval)
-    {"question": "q", ...}                  gsm8k (`question_suffix` is appended: z-lab adds
-    {"problem": "q", ...}                   ZLAB_MATH_SUFFIX to gsm8k and MATH-500 questions)
+    {"prompt": "q" | ["q1", ...]}           HF prompt sets (mt_bench_prompts, mbpp sanitized)
+    {"question": "q", ...}                  gsm8k
+    {"problem": "q", ...}                   MATH-500 (these two get `question_suffix` appended;
+                                            z-lab's benchmark appends ZLAB_MATH_SUFFIX)
     {"messages": [{"role", "content"}...]}  OpenAI chat; trailing assistant messages (reference
                                             answers) are dropped; row-level "tools" are passed
     {"text": "..."}                         one user message (or the raw text with --raw-text)
