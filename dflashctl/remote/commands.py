@@ -46,7 +46,7 @@ def _seconds(value: float) -> str:
     return text or "0.001"
 
 
-def bounded(argv: Sequence[str], seconds: float) -> list[str]:
+def bounded(argv: Sequence[str], seconds: float, *, watch_channel: bool = False) -> list[str]:
     """Run argv on the node under coreutils `timeout`: the node itself ends it past `seconds`.
 
     Closing an SSH channel does not end the command behind it (sshd keeps the session, and its
@@ -55,8 +55,14 @@ def bounded(argv: Sequence[str], seconds: float) -> list[str]:
     group and signals the whole group, which includes `pct exec`'s `lxc-attach` and the
     command attached in the container (TERM, then KILL after KILL_AFTER_S). Exit status 124
     (or 137 after the KILL) then means "timed out".
+
+    `watch_channel` (for commands given no input) also runs it under the stdin guard on the
+    node: its stdin is /dev/null, and when the channel closes (the caller gave up or was
+    cancelled) the guard signals `timeout`, so an abandoned command ends at once rather than
+    at its bound.
     """
-    return ["timeout", "-k", str(KILL_AFTER_S), _seconds(seconds), *argv]
+    argv = ["timeout", "-k", str(KILL_AFTER_S), _seconds(seconds), *argv]
+    return ["sh", "-c", GUARD_SCRIPT, "dflash-node-guard", *argv] if watch_channel else argv
 
 
 TIMED_OUT_RCS = frozenset({124, 137})
@@ -292,7 +298,7 @@ NODE_GUARD_SCRIPT = (
 
 def node_guarded(node_argv: Sequence[str]) -> list[str]:
     """Run a long-lived node command (a `pct exec` stream) that ends when the channel closes."""
-    return ["sh", "-c", NODE_GUARD_SCRIPT, "dflash-node-guard", "timeout", "0", *node_argv]
+    return ["sh", "-c", NODE_GUARD_SCRIPT, "dflash-node-stream", "timeout", "0", *node_argv]
 
 
 # --- what a command is, in words (for timeout and link-loss messages) -----------------------
@@ -316,7 +322,7 @@ _FILE_WORDS = {"cat": "reading {}", "tail": "reading {}", "wc": "counting the li
 def describe(argv: Sequence[str]) -> str:
     """The operation an argv performs, in a few words: `status`, `reading /srv/x/run/a.log`."""
     args = [str(a) for a in argv]
-    if args[:4] == ["sh", "-c", NODE_GUARD_SCRIPT, "dflash-node-guard"]:
+    if args[:2] == ["sh", "-c"] and args[3:4] in (["dflash-node-stream"], ["dflash-node-guard"]):
         args = args[4:]
     if args[:2] == ["timeout", "0"]:
         args = args[2:]

@@ -329,12 +329,16 @@ class SshTransport:
         proc: asyncssh.SSHClientProcess[bytes] | None = None
         try:
             # Deadlines cover channel open too: a half-dead link must not hang forever.
+            # Without input the channel's stdin stays open, and a guard on the node watches it:
+            # closing the channel (giving up, cancellation) ends the command there at once.
+            command = bounded(node_argv, remote_limit, watch_channel=input is None)
             proc = await asyncio.wait_for(
-                conn.create_process(
-                    shell_join(bounded(node_argv, remote_limit)), input=input or b"", encoding=None
-                ),
+                conn.create_process(shell_join(command), encoding=None),
                 max(0.0, give_up - loop.time()),
             )
+            if input is not None:
+                proc.stdin.write(input)
+                proc.stdin.write_eof()  # also for b"": an empty file is still a whole file
             done = await asyncio.wait_for(proc.wait(), max(0.0, give_up - loop.time()))
         except TimeoutError:
             raise CommandTimeout(

@@ -47,8 +47,10 @@ class FakePve:
         Commands are bounded on the node; streams run under the node guard instead.
         """
         argv = shlex.split(command)
-        if argv[:2] == ["sh", "-c"] and argv[3:6] == ["dflash-node-guard", "timeout", "0"]:
+        if argv[:2] == ["sh", "-c"] and argv[3:6] == ["dflash-node-stream", "timeout", "0"]:
             return argv[6:]
+        if argv[:2] == ["sh", "-c"] and argv[3] == "dflash-node-guard":
+            argv = argv[4:]  # the guard watching the channel of a command given no input
         assert argv[:2] == ["timeout", "-k"], argv
         self.bounds.append(float(argv[3]))
         return argv[4:]

@@ -141,6 +141,45 @@ async def test_a_hung_container_command_is_stopped_inside_the_container(
         await transport.close()
 
 
+async def test_an_abandoned_command_ends_at_once_not_at_its_bound(
+    real_parts: P.Parts, ssh_host: HostConfig
+) -> None:
+    """A caller that gives up early (the TUI's own deadline, Ctrl-C) closes the channel; the
+    node-side guard then ends the command right away, in the container and under a hung pct,
+    instead of letting it run out its 120 s bound."""
+    shim = str(real_parts.sshd.dir / "bin" / "pct")
+    transport = SshTransport(ssh_host)
+    try:
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(transport.run(["sleep", "7775"], timeout=120), 1)
+        await settle(
+            lambda: [
+                p for p in in_container(real_parts, "ps", "-eo", "args").split("\n") if "7775" in p
+            ],
+            "abandoned sleep left in the container",
+        )
+        with P.hanging_pct(real_parts.sshd, 7776):
+            with pytest.raises(TimeoutError):
+                await asyncio.wait_for(transport.container_state(), 1)
+            await settle(lambda: P.node_processes("sleep 7776"), "abandoned pct left")
+            await settle(lambda: P.node_processes(shim), "pct processes left on the node")
+        assert (await transport.run(["echo", "ok"])).stdout == "ok\n"
+    finally:
+        await transport.close()
+
+
+async def test_empty_input_is_a_whole_empty_file(ssh_host: HostConfig, clean_workdir: Path) -> None:
+    """b"" is input too: the command gets its end of file (it used to wait for it forever)."""
+    from dflashctl.remote.commands import write_file_atomic
+
+    transport = SshTransport(ssh_host)
+    try:
+        res = await transport.run(write_file_atomic(f"{P.CONTAINER_WORKDIR}/empty"), input=b"")
+        assert res.ok and (clean_workdir / "empty").read_bytes() == b""
+    finally:
+        await transport.close()
+
+
 async def test_timed_out_commands_never_use_up_the_sessions_of_the_live_log_stream(
     real_parts: P.Parts, ssh_host: HostConfig, clean_workdir: Path
 ) -> None:
