@@ -5,7 +5,8 @@ side in one run, each way on its own connection:
 
 * "client only": what dflashctl did before: wait with a client-side timeout, ask sshd to KILL
   (refused without privilege separation), close the channel.
-* "node bound": what SshTransport does now: `timeout -k 3 T` on the node, channel slots.
+* "node bound": what SshTransport does now: `timeout -k 3 T` on the node under a guard that
+  ends it when its channel closes, and channel slots.
 
 For COMMANDS commands with a TIMEOUT_S limit while every `pct` hangs: how many timed out, how
 many were refused a channel (sshd MaxSessions), how many processes were left on the node
