@@ -24,13 +24,28 @@ from dflashctl.inventory import HostConfig
 from dflashctl.remote.transport import Transport
 
 RESUME_CHOICE_RE = re.compile(r"auto|never|\d+|[^-\s;][^\s;]*")
+# What the trainer requires of a checkpoint it resumes (trainer.pipeline.checkpoint, which
+# imports torch; a test keeps the two equal), so the reader skips what the trainer would skip.
+CHECKPOINT_VERSION = 1
+REQUIRED_KEYS = (
+    "step",
+    "micro",
+    "world_size",
+    "config",
+    "drafter",
+    "optimizer",
+    "sampler",
+    "rng",
+    "counters",
+)
 
-# argv: run dir (relative to the cwd = workdir), choice (auto | STEP | PATH). Prints one JSON
+# argv: run dir (relative to the cwd = workdir), choice (auto | STEP | PATH), version, required
+# keys (comma-separated). Prints one JSON
 # object: {"used": {"path", "step", "config"} | null, "skipped": [[path, reason]...], "count": n}.
 CHECKPOINT_CONFIG_SCRIPT = r"""
 import json, os, pickle, re, sys, zipfile
 
-run, choice = sys.argv[1], sys.argv[2]
+run, choice, version, required = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
 
 
 class Stub:
@@ -66,8 +81,13 @@ def saved_config(path):
         if not names:
             raise ValueError("no data.pkl in the archive")
         state = Reader(z.open(names[0])).load()
-    if not isinstance(state, dict) or not isinstance(state.get("config"), dict):
-        raise ValueError("no saved config in it (not a dflash checkpoint)")
+    if not isinstance(state, dict) or state.get("version") != version:
+        raise ValueError("not a dflash checkpoint (version %d)" % version)
+    missing = [k for k in required.split(",") if k not in state]
+    if missing:
+        raise ValueError("incomplete checkpoint: missing " + ", ".join(missing))
+    if not isinstance(state["config"], dict):
+        raise ValueError("its saved config is not a mapping")
     return state["config"]
 
 
@@ -127,6 +147,8 @@ def checkpoint_config_argv(python: str, workdir: str, choice: str) -> list[str]:
         CHECKPOINT_CONFIG_SCRIPT,
         "run",
         choice,
+        str(CHECKPOINT_VERSION),
+        ",".join(REQUIRED_KEYS),
     ]
 
 

@@ -184,6 +184,17 @@ def test_a_trainer_that_dies_at_once_is_a_failed_start(
         assert re.search(said, err[0]), err[0]
         assert "started release" not in captured.out
         assert status_json(inv, capsys)["state"] == "crashed"
+    # a refused resume: a config for a fresh start pushed on purpose, then a plain start
+    from tests.ctl.test_local import write_checkpoint
+
+    write_checkpoint(clean_workdir / "run", 40, tiny)
+    bumped = tmp_path / "bumped.toml"
+    bumped.write_text(P.bump_buckets(tiny))
+    assert cli_main([*inv, "deploy", "ct", "--config", str(bumped), "--fresh"]) == 0
+    capsys.readouterr()
+    assert cli_main([*inv, "start", "ct", "--wait-s", "120"]) == 1
+    err = capsys.readouterr().err
+    assert re.search(r"exited with status 2 .*step-00000040\.pt.*batching\.num_buckets", err), err
 
 
 def test_deploy_config_is_checked_against_the_checkpoint_over_ssh(
@@ -277,3 +288,47 @@ def test_hostile_status_log_reaches_logs_and_status_clean(
         assert "\x1b" not in text and "\x07" not in text and "PWNED" not in text
     assert logs.splitlines()[1] == "ERROR: red alert"
     assert "  error: red alert" in status and "step=4 " in status
+
+
+def test_a_deploy_killed_right_after_sending_never_switches_current_unsaid(
+    real_parts: P.Parts,
+    clean_workdir: Path,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """SIGKILL the deploy CLI the moment it prints "sending": whatever the node finished, the
+    operator's next commands either find `current` where it was or say who switched it."""
+    import signal
+    import subprocess
+    import sys
+
+    inv = pinned_inventory(real_parts, tmp_path)
+    tree = frozen_tree(tmp_path)
+    client = subprocess.Popen(
+        [sys.executable, "-m", "dflashctl.cli", *inv, "deploy", "ct", "--tree", str(tree)],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
+    assert client.stdout is not None
+    try:
+        for line in client.stdout:
+            if ": sending " in line:
+                client.send_signal(signal.SIGKILL)
+                break
+    finally:
+        client.wait()
+    assert client.returncode == -signal.SIGKILL, "the deploy ended before it was killed"
+    time.sleep(2)  # whatever the node was doing for the dead client finishes
+    switched = (clean_workdir / "current").is_symlink()
+    capsys.readouterr()
+    assert cli_main([*inv, "status", "ct"]) == 0
+    status = capsys.readouterr().out
+    assert switched == ("never reported back" in status), status
+    assert cli_main([*inv, "deploy", "ct", "--tree", str(tree)]) == 0  # the lock is taken over
+    out = capsys.readouterr().out
+    assert "taking over a stale deploy lock" in out or switched
+    assert (clean_workdir / "current").is_symlink() and not (
+        clean_workdir / ".deploy.lock"
+    ).exists()

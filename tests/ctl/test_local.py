@@ -250,9 +250,12 @@ def write_checkpoint(run: Path, step: int, config_text: str) -> Path:
     src.unlink()
     state = {
         "step": step,
+        "micro": step,
         "drafter": {"fc.weight": torch.zeros(4, 4)},
         "optimizer": {"state": {}, "param_groups": [{"lr": 1e-3}]},
+        "sampler": {"epoch": 0, "consumed": step},
         "rng": [{"anchor": torch.Generator().get_state()}],
+        "counters": {"tokens": 0},
         "config": cfg.model_dump(mode="json"),
         "world_size": 1,
     }
@@ -278,6 +281,15 @@ async def test_restart_refuses_a_change_the_checkpoint_cannot_resume(
     # --resume STEP names the checkpoint compared against; --fresh skips the comparison
     found = await ctl.checkpoint_config("12")
     assert found is not None and found.step == 12 and found.path.endswith(ckpt.name)
+
+
+def test_the_checkpoint_reader_requires_what_the_trainer_requires() -> None:
+    pytest.importorskip("torch")
+    from dflashctl import resume
+    from trainer.pipeline import checkpoint
+
+    assert resume.REQUIRED_KEYS == checkpoint.REQUIRED_KEYS
+    assert resume.CHECKPOINT_VERSION == checkpoint.CHECKPOINT_VERSION
 
 
 async def test_one_resume_rule_for_deploy_and_restart_against_the_checkpoint(
