@@ -85,3 +85,22 @@ def test_empty_batch(backend: str) -> None:
     assert out.loss.shape == (0,) and out.correct.shape == (0,) and out.correct.dtype == torch.bool
     out.loss.sum().backward()
     assert hidden.grad is not None and hidden.grad.shape == (0, 8)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_accumulators_stay_fp32_under_a_bf16_default(dtype: torch.dtype) -> None:
+    """The process default dtype is global (a thread loading a bf16 target flips it): the
+    running max/sum and label logit are fp32 whatever it is, so the loss is bit-identical.
+    (Type promotion already lifted the old defaulted accumulators to fp32 after the first
+    chunk; this guards an in-place rewrite, which would keep them bf16.)"""
+    hidden, weight, labels = make_case(64, 32, 1000, seed=3, scale=4.0, dtype=dtype)
+    ref = lm_head_cross_entropy(hidden, weight, labels, backend="chunked", chunk_size=128)
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        got = lm_head_cross_entropy(hidden, weight, labels, backend="chunked", chunk_size=128)
+    finally:
+        torch.set_default_dtype(before)
+    assert got.loss.dtype == torch.float32
+    assert torch.equal(got.loss, ref.loss)
+    assert torch.equal(got.correct, ref.correct)

@@ -40,10 +40,13 @@ def chunked_forward(
     """
     n, vocab = hidden.shape[0], weight.shape[0]
     dev = hidden.device
-    run_max = torch.full((n,), float("-inf"), device=dev)
-    run_sum = torch.zeros(n, device=dev)
-    label_logit = torch.zeros(n, device=dev)
-    best = torch.full((n,), float("-inf"), device=dev)
+    # fp32 named, not defaulted: the default dtype is process-global (a thread loading a bf16
+    # model flips it), and these accumulators must stay fp32 whatever another thread does.
+    f32 = torch.float32
+    run_max = torch.full((n,), float("-inf"), dtype=f32, device=dev)
+    run_sum = torch.zeros(n, dtype=f32, device=dev)
+    label_logit = torch.zeros(n, dtype=f32, device=dev)
+    best = torch.full((n,), float("-inf"), dtype=f32, device=dev)
     best_idx = torch.zeros(n, dtype=torch.long, device=dev)
     for start in range(0, vocab, chunk_size):
         logits = (hidden @ weight[start : start + chunk_size].t()).float()

@@ -66,7 +66,8 @@ def sample_anchors(
     if width == 0:
         empty = torch.zeros(rows, 0, dtype=torch.long)
         return Anchors(empty, empty.bool())
-    keys = torch.rand(rows, seq, generator=generator)
+    # dtype explicit: the process default is global state another thread may change.
+    keys = torch.rand(rows, seq, generator=generator, dtype=torch.float32)
     keys = keys.masked_fill(~eligible, 2.0)
     picked_keys, picked = keys.topk(width, dim=1, largest=False)
     keep = picked_keys < 2.0

@@ -160,7 +160,7 @@ def _noise_like(hidden: Tensor, std: float, generator: torch.Generator | None) -
 def _empty_result(drafter: DFlashDrafter, bsz: int, device: torch.device) -> StepResult:
     """No eligible anchor in the batch: zero sums that still backprop (DDP needs a graph)."""
     zero = sum(p.sum() for p in drafter.parameters()) * 0.0
-    z = torch.zeros((), device=device)
+    z = torch.zeros((), dtype=torch.float32, device=device)
     zi = torch.zeros((), dtype=torch.long, device=device)
     zk = torch.zeros(bsz - 1, dtype=torch.long, device=device)
     return StepResult(zero, z, zi, zi, zi, zi, zk, zk.clone())

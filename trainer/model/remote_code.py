@@ -34,6 +34,7 @@ PIECES: tuple[tuple[ModuleType, tuple[str, ...]], ...] = (
             "TargetError",
             "_StopForward",
             "default_target_layer_ids",
+            "_LOAD_LOCK",
             "validate_layer_ids",
             "default_dtype",
             "_decoder_of",
@@ -74,6 +75,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import threading
 import time
 import warnings
 from collections.abc import Callable, Collection, Iterator, Sequence

@@ -11,6 +11,7 @@ never run.
 from __future__ import annotations
 
 import inspect
+import threading
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, suppress
 from pathlib import Path
@@ -58,6 +59,14 @@ def validate_layer_ids(layer_ids: Sequence[int], num_layers: int) -> list[int]:
     if ids[0] < 0 or ids[-1] >= num_layers:
         raise TargetError(f"target_layer_ids {ids} out of range for a {num_layers}-layer target")
     return ids
+
+
+_LOAD_LOCK = threading.Lock()
+"""Serialises `TargetModel.load` across threads. transformers builds every model inside
+`torch.set_default_dtype(dtype)`, which is process-global: two loads in flight at once restore
+each other's bf16 as "the previous default", so the process ends with bf16 as its default and
+every other thread's `torch.rand`/`torch.zeros` silently changes precision (pipeline target
+workers load concurrently)."""
 
 
 def default_dtype(device: torch.device | str) -> torch.dtype:
@@ -138,15 +147,21 @@ class TargetModel:
         if not (path / "config.json").is_file():
             raise TargetError(f"{path}: not a model directory (no config.json)")
         dtype = dtype or default_dtype(device)
-        try:
-            AutoConfig.from_pretrained(path, local_files_only=True)
-            model = AutoModelForCausalLM.from_pretrained(
-                path, dtype=dtype, local_files_only=True, attn_implementation="sdpa"
-            )
-        except Exception as err:  # safetensors, torch and HF raise their own types
-            first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-            raise TargetError(f"{path}: cannot load target model: {first}") from err
-        model.to(device)
+        with _LOAD_LOCK:
+            before = torch.get_default_dtype()
+            try:
+                AutoConfig.from_pretrained(path, local_files_only=True)
+                model = AutoModelForCausalLM.from_pretrained(
+                    path, dtype=dtype, local_files_only=True, attn_implementation="sdpa"
+                )
+            except Exception as err:  # safetensors, torch and HF raise their own types
+                first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+                raise TargetError(f"{path}: cannot load target model: {first}") from err
+            finally:
+                # transformers restores it itself; a loader that did not must not leak bf16.
+                if torch.get_default_dtype() != before:
+                    torch.set_default_dtype(before)
+        model.to(device)  # outside the lock: copies to several devices may overlap
         if layer_ids is None:
             if num_draft_layers is None:
                 raise TargetError("give layer_ids or num_draft_layers")
