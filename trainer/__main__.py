@@ -9,8 +9,12 @@ Under torchrun every rank runs this same command (data parallel).
 from __future__ import annotations
 
 import argparse
+import faulthandler
+import signal
 import sys
 from pathlib import Path
+
+_STACKS: list = []  # the open file faulthandler writes to (it keeps only the descriptor)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -43,6 +47,10 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"ERROR: {exc}", flush=True)
         return 2
+    # `kill -USR1 PID` (the supervisor's stall watchdog) dumps every thread's stack to the run log.
+    args.run_dir.mkdir(parents=True, exist_ok=True)
+    _STACKS.append(open(args.run_dir / "console.log", "a"))  # noqa: SIM115 (kept open for faulthandler)
+    faulthandler.register(signal.SIGUSR1, file=_STACKS[-1], all_threads=True)
     from trainer.pipeline.runner import RunOptions, run
 
     return run(RunOptions(args.config, args.run_dir, args.resume, args.fresh))

@@ -63,6 +63,10 @@ PHASE_TEXTS: dict[str, str] = {
     "running": "Pipeline running. Monitoring...",
     "stopping": "Stopping pipeline...",
     "finished": "Training finished.",
+    # printed by the supervisor (trainer.supervise), which runs the trainer as its child
+    "restarting": "Restarting trainer:",
+    "not_restarting": "Not restarting trainer:",
+    "gave_up": "Supervisor gave up",
 }
 CHECKPOINT_PREFIX = "Checkpoint saved: "
 ERROR_PREFIX = "ERROR: "
