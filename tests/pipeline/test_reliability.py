@@ -164,6 +164,7 @@ def test_an_inf_lr_step_never_writes_a_poisoned_checkpoint(
     state = _run_state(run_dir)
     assert state["state"] == "crashed" and state["last_checkpoint"] == str(kept)
     assert state["lost_steps"] == 5
+    assert state["last_error"] == last.message
     after = run_cli(cfg, run_dir)
     assert after.returncode == 0, after.stderr[-3000:]
     assert f"Resuming from checkpoint: step=10 path={kept}" in after.stdout
@@ -188,8 +189,8 @@ def _tmpfs(path: Path, size: str) -> Iterator[Path]:
 
 
 def _fill(disk: Path, leave: int) -> Path:
-    """Write a filler file until only about `leave` bytes remain (real blocks, not sparse)."""
-    filler = disk / "filler"
+    """Write a new filler file until only `leave` bytes remain (real blocks, not sparse)."""
+    filler = disk / f"filler-{len(list(disk.glob('filler-*')))}"
     st = os.statvfs(disk)
     todo = st.f_bavail * st.f_frsize - leave
     chunk = b"\0" * (1 << 20)
@@ -245,7 +246,25 @@ def test_a_full_disk_fails_the_checkpoint_in_one_line_and_loses_nothing(
         assert state["state"] == "crashed" and state["exit_status"] == 1, state
         assert state["last_checkpoint"] == str(kept) and state["lost_steps"] == 10
         assert state["checkpoint_error"].startswith(f"no space left on {run_dir} (")
+        assert "ERROR: " + state["last_error"] == errors[-1]
         assert state["pid"] and state["config_hash"] and state["release"]
+
+        # Not one byte left: the logs cannot grow and run-state.json cannot be replaced by a
+        # temp file (it is rewritten in place), yet the run still ends saying what happened.
+        brim = _fill(disk, leave=0)
+        brim_cfg = write_config(
+            tmp_path / "c.toml", tiny_assets, schedule={"max_steps": 12}, checkpoint=ckpt
+        )
+        out = run_cli(brim_cfg, run_dir)
+        assert out.returncode == 1, out.stderr[-3000:]
+        assert "Traceback" not in out.stderr
+        assert any(re.fullmatch(pattern.replace("(15|20)", "12"), m) for m in _stdout_errors(out))
+        assert [p for p in run_dir.rglob(".*") if p.is_file()] == []
+        state = _run_state(run_dir)
+        assert state["state"] == "crashed" and state["config_hash"] and state["release"]
+        assert state["last_checkpoint"] == str(kept) and state["lost_steps"] == 2
+        assert _sha(kept) == digest
+        brim.unlink()
 
         filler.unlink()  # the operator frees space: the run resumes from the kept checkpoint
         again = run_cli(cfg, run_dir)
@@ -389,3 +408,20 @@ def test_signals_after_the_stop_is_recorded_cannot_kill_the_exit(
     assert proc.returncode == 0, err[-3000:]
     state = _run_state(run_dir)
     assert state["state"] == "stopped" and state["exit_status"] == 0 and state["lost_steps"] == 0
+
+
+def test_run_state_is_rewritten_in_place_on_a_full_disk(tmp_path: Path) -> None:
+    """With not one byte free the temp file cannot be written: the state is rewritten in place
+    (truncation frees the old blocks) rather than left saying `running`, and no temp remains."""
+    from trainer.pipeline.status import RunStateFile
+
+    with _tmpfs(tmp_path / "disk", "1m") as disk:
+        rs = RunStateFile(disk)
+        assert rs.update(pid=1, state="running", config_hash="abc") == []
+        _fill(disk, leave=0)
+        with pytest.raises(OSError, match="No space left"):
+            (disk / "probe").write_text("x")
+        assert rs.update(state="crashed", exit_status=1) == []
+        state = _run_state(disk)
+        assert (state["state"], state["exit_status"], state["config_hash"]) == ("crashed", 1, "abc")
+        assert sorted(p.name for p in disk.iterdir()) == ["filler-0", "probe", "run-state.json"]

@@ -115,6 +115,7 @@ class Run:
         self.stop_done = False  # the stop is recorded: later signals are ignored
         self.state_file = RunStateFile(self.run_dir)
         self.saved_step = 0  # step of the newest checkpoint on disk (0: none yet)
+        self.saved_path: Path | None = None  # that checkpoint (may be another run's, --resume)
         self.saving = False
         self.final_save_failed = False
         self.board = Board()
@@ -263,7 +264,7 @@ class Run:
                 if s > step and p.resolve() != path.resolve()
             ]
         self._check_compatible(path, state)
-        self._load_state(state)
+        self._load_state(path, state)
         distributed.barrier(self.world)  # every rank has read its checkpoint before any moves
         for k in skipped:
             where = ""
@@ -301,11 +302,12 @@ class Run:
         except SamplerError as exc:
             raise assets.UserError(f"{path}: {exc}") from None
 
-    def _load_state(self, state: dict[str, Any]) -> None:
+    def _load_state(self, path: Path, state: dict[str, Any]) -> None:
         self.drafter.load_state_dict(state["drafter"], strict=True)
         self.opt.load_state_dict(state["optimizer"])
         checkpoint.set_rng_state(self.gen, state["rng"][self.world.rank])
         self.start_step = self.saved_step = int(state["step"])
+        self.saved_path = path
         self.board.nonfinite = int(state["counters"]["nonfinite"])
         self.board.step = self.start_step
         self.board.micro = self.start_step * self.cfg.optimizer.grad_accum
@@ -375,7 +377,12 @@ class Run:
             if dev.type == "cuda"
             else contextlib.nullcontext()
         )
-        metrics_log = open(self.run_dir / "metrics.jsonl", "a") if world.is_main else None  # noqa: SIM115
+        # Line-buffered: a full disk shows at the write (one line, training goes on), not at close.
+        metrics_log = (
+            open(self.run_dir / "metrics.jsonl", "a", buffering=1)  # noqa: SIM115
+            if world.is_main
+            else None
+        )
         step, nonfinite_run = self.start_step, 0
         real_total = self.plan.real_tokens_before(self.start_micro)
         last_ckpt = time.monotonic()
@@ -459,7 +466,7 @@ class Run:
                 if metrics_log is not None:
                     loss = loss_sum / weight if weight > 0 else None
                     rec = {"step": step, "loss": loss, "lr": lr, "gnorm": gnorm, "micro": micro}
-                    metrics_log.write(json.dumps(rec) + "\n")
+                    self.reporter.append(metrics_log, json.dumps(rec) + "\n")
                 stop_now = vals[len(METRIC_KEYS)] > 0
                 due = vals[len(METRIC_KEYS) + 1] > 0
                 every = cfg.checkpoint.every_steps
@@ -478,7 +485,8 @@ class Run:
             self.completed = True
         finally:
             if metrics_log is not None:
-                metrics_log.close()
+                with contextlib.suppress(OSError):
+                    metrics_log.close()
 
     def _stop_at_once(self, step: int, rng: dict[str, Any] | None) -> None:
         """The drafter was told to stop while waiting for data (a second signal): checkpoint
@@ -530,7 +538,7 @@ class Run:
             return False
         finally:
             self.saving = False
-        self.saved_step = step
+        self.saved_step, self.saved_path = step, path
         self.reporter.checkpoint(step, path)
         self.record(last_step=step, last_checkpoint=str(path), checkpoint_error=None)
         return True
@@ -642,16 +650,19 @@ class Run:
             signal.signal(signal.SIGINT, signal.SIG_IGN)
             signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
+    def saved_name(self) -> str:
+        return self.saved_path.name if self.saved_path else "no checkpoint"
+
     def stop_detail(self) -> str | None:
         """One line on how a signalled stop ended, for run-state.json (None: no signal)."""
         if not self.signals:
             return None
         first, t0, _ = self.signals[0]
-        step, saved = self.board.step, self.saved_step
+        step, saved, name = self.board.step, self.saved_step, self.saved_name()
         if saved >= step:
-            kept = f"checkpoint step-{saved:08d}.pt holds step {step}"
+            kept = f"checkpoint {name} holds step {step}"
         elif saved:
-            kept = f"steps {saved + 1}-{step} lost: last checkpoint step-{saved:08d}.pt"
+            kept = f"steps {saved + 1}-{step} lost: last checkpoint {name}"
         else:
             kept = f"steps 1-{step} lost: no checkpoint"
         if len(self.signals) == 1:
@@ -696,6 +707,7 @@ def run(opts: RunOptions) -> int:
         signals=0,
         stop_detail=None,
         lost_steps=0,
+        last_error=None,
     )
     r.install_signals()
     status = EXIT_FAILED
@@ -720,6 +732,7 @@ def run(opts: RunOptions) -> int:
             signals=len(r.signals),
             stop_detail=r.stop_detail(),
             lost_steps=max(0, r.board.step - r.saved_step),
+            last_error=r.reporter.last_error,
         )
         r.ignore_signals()
         r.reporter.close()
@@ -737,9 +750,7 @@ def _run(r: Run) -> int:
     r.record(
         state="running",
         last_step=r.start_step,
-        last_checkpoint=(
-            str(checkpoint.checkpoint_path(r.run_dir, r.saved_step)) if r.saved_step else None
-        ),
+        last_checkpoint=str(r.saved_path) if r.saved_path else None,
         total_steps=r.total_steps,
         end_step=r.end_step,
         warmup_steps=r.warmup,
@@ -779,10 +790,9 @@ def _run(r: Run) -> int:
         r.reporter.error(f"stages did not stop within 5 s: {', '.join(stuck)}")
     if r.final_save_failed:
         lost = r.board.step - r.saved_step
-        kept = f"step-{r.saved_step:08d}.pt" if r.saved_step else "no checkpoint"
+        start = f"resuming from {r.saved_name()}" if r.saved_path else "starting over"
         r.reporter.error(
-            f"stopped at step {r.board.step} without its checkpoint: resuming from {kept} "
-            f"repeats {lost} step(s)"
+            f"stopped at step {r.board.step} without its checkpoint: {start} repeats {lost} step(s)"
         )
         return EXIT_FAILED
     if r.stopped_by_signal and r.saved_step >= r.board.step:

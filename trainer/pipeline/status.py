@@ -41,6 +41,7 @@ class Reporter:
         self._status = open(run_dir / "status.log", "a", buffering=1) if enabled else None  # noqa: SIM115
         self._console = open(run_dir / "console.log", "a", buffering=1) if enabled else None  # noqa: SIM115
         self._failed: set[TextIO] = set()
+        self.last_error: str | None = None  # the last ERROR message this process printed
 
     def line(self, text: str, status_log: bool = True) -> None:
         if not self.enabled:
@@ -48,11 +49,11 @@ class Reporter:
         with self._lock:
             print(text, file=self.stream, flush=True)
             if status_log and self._status:
-                self._append(self._status, text + "\n")
+                self.append(self._status, text + "\n")
             if self._console:
-                self._append(self._console, text + "\n")
+                self.append(self._console, text + "\n")
 
-    def _append(self, fh: TextIO, text: str) -> None:
+    def append(self, fh: TextIO, text: str) -> None:
         """A log write that fails (full disk) must not take a stage down: say so once, go on."""
         try:
             fh.write(text)
@@ -82,7 +83,8 @@ class Reporter:
             with self._lock:
                 print(tb, file=sys.stderr, end="" if tb.endswith("\n") else "\n", flush=True)
                 if self._console:
-                    self._append(self._console, tb)
+                    self.append(self._console, tb)
+        self.last_error = message
         self.line(format_error_line(message))
 
     def close(self) -> None:
