@@ -9,7 +9,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 
 from dflashctl.inventory import InventoryError, parse_inventory
 from trainer.config import ConfigError, TrainConfig
-from trainer.validation import one_line
+from trainer.validation import STRICT, NotUtf8Error, one_line, utf8_text
 
 
 class _Strict(BaseModel):
@@ -55,3 +55,44 @@ def test_an_inventory_with_several_mistakes_names_each_host_key() -> None:
     message = str(info.value)
     assert message.startswith("/inv/hosts.toml: host 'a': ctid: ")
     assert "; host 'b': prot: unknown key (typo?)" in message
+
+
+class _Typed(BaseModel):
+    model_config = ConfigDict(**STRICT, extra="forbid")
+    n: int = 0
+    x: float = 0.0
+    s: str = ""
+
+
+@pytest.mark.parametrize(
+    ("values", "expected"),
+    [
+        ({"n": True}, "n: Input should be a valid integer, got true"),
+        ({"n": "64"}, 'n: Input should be a valid integer, got "64"'),
+        ({"n": 64.0}, "n: Input should be a valid integer, got 64.0"),
+        ({"x": float("inf")}, "x: Input should be a finite number, got inf"),
+        ({"x": float("nan")}, "x: Input should be a finite number, got nan"),
+        ({"x": False}, "x: Input should be a valid number, got false"),
+        ({"s": ["a"]}, "s: Input should be a valid string, got a list"),
+    ],
+)
+def test_strict_types_say_what_was_given(values: dict[str, object], expected: str) -> None:
+    """Under STRICT nothing is coerced, and the message shows the value as TOML spells it."""
+    with pytest.raises(ValidationError) as info:
+        _Typed.model_validate(values)
+    assert one_line(info.value) == expected
+    assert _Typed.model_validate({"x": 2}).x == 2.0  # an integer is still a valid float
+
+
+def test_a_long_given_value_is_cut() -> None:
+    with pytest.raises(ValidationError) as info:
+        _Typed.model_validate({"n": "9" * 100})
+    assert one_line(info.value) == 'n: Input should be a valid integer, got "' + "9" * 36 + "..."
+
+
+def test_utf8_text_names_the_first_bad_byte_and_its_line() -> None:
+    assert utf8_text("naïve\n".encode()) == "naïve\n"
+    with pytest.raises(NotUtf8Error) as info:
+        utf8_text(b"a = 1\nb = '\xff'\n")
+    assert str(info.value) == "not UTF-8 text at byte 11 (line 2): invalid start byte 0xff"
+    assert (info.value.offset, info.value.line) == (11, 2)
