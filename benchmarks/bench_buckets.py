@@ -7,7 +7,12 @@ Prints, measured in one run on one core:
   3. the `compare` table (sorted static, random, bucketed, pool-sort) for the seed's boundaries
      [770, 1216, 1728, 2432, 3296] and the DP's K = 6 boundaries, T = 49,152, B = 64, 2 epochs.
 
-Run: .venv/bin/python benchmarks/bench_buckets.py
+  4. the exact search (every distinct length a candidate cut) against the number of distinct
+     lengths, on seed-shaped subsamples and a store-shaped 2,679-row sample (issue 10);
+  5. the refined grid against the exact search where both run, and (--exact-seed, minutes and
+     ~1 GB) on the full seed-shaped sample's 8,127 distinct lengths.
+
+Run: .venv/bin/python benchmarks/bench_buckets.py [--search-only] [--exact-seed]
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ import os
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
+import argparse
 import itertools
 import math
 import time
@@ -24,7 +30,8 @@ from pathlib import Path
 import numpy as np
 
 from trainer.bucketing.compare import measure
-from trainer.buckets import evaluate_boundaries, plan_buckets
+from trainer.bucketing.dp import DEFAULT_CANDIDATES
+from trainer.buckets import BucketPlan, evaluate_boundaries, plan_buckets
 from trainer.data.lengths import load_lengths
 from trainer.sampler import BatchSampler
 
@@ -64,7 +71,61 @@ def simulated(x: np.ndarray, edges: list[int], seeds: tuple[int, ...] = (0, 1)) 
     return real / padded
 
 
+def timed_plan(
+    x: np.ndarray, k: int, candidates: int = DEFAULT_CANDIDATES
+) -> tuple[float, BucketPlan]:
+    cpu = time.process_time()
+    plan = plan_buckets(x, k, T, B, simulate=False, max_candidates=candidates)
+    return time.process_time() - cpu, plan
+
+
+def store_like(n: int = 2_679, seed: int = 0) -> np.ndarray:
+    """Shaped like the issue's real store: lognormal lengths clipped to 27..8192."""
+    rng = np.random.default_rng(seed)
+    return np.clip(np.round(rng.lognormal(np.log(1500), 0.9, n)), 27, 8192).astype(np.int64)
+
+
+def search_sections(x: np.ndarray, exact_seed: bool) -> None:
+    print("\n4. exact search, K=6 (every distinct length a candidate; CPU s, one core)")
+    rng = np.random.default_rng(0)
+    cases = [(f"seed sample, {n:,} rows", rng.choice(x, n)) for n in (600, 1_200, 2_000, 3_000)]
+    cases.append(("store-shaped, 2,679 rows", store_like()))
+    exact: dict[str, BucketPlan] = {}
+    for name, xs in cases:
+        d = len(np.unique(xs))
+        cpu, plan = timed_plan(xs, 6, d + 1)
+        exact[name] = plan
+        print(
+            f"   {name:<26} {d:>6,} distinct  {cpu:>6.2f} s  {100 * plan.padding_efficiency:.3f} %"
+        )
+    print("\n5. refined grid vs exact, K=6 (pp = grid - exact)")
+    for name in ("seed sample, 3,000 rows", "store-shaped, 2,679 rows"):
+        xs = dict(cases)[name]
+        for cand in (129, 257, 513):
+            cpu, plan = timed_plan(xs, 6, cand)
+            gap = 100 * (plan.padding_efficiency - exact[name].padding_efficiency)
+            coarse = 100 * (plan.search.grid_efficiency - exact[name].padding_efficiency)
+            print(
+                f"   {name:<26} --candidates {cand:<4} step {plan.search.grid_step:>3}: "
+                f"{plan.search.candidates:>4} edges {cpu:>5.2f} s  refined {gap:+.4f} pp"
+                f"  grid alone {coarse:+.4f} pp"
+            )
+    if exact_seed:
+        cpu, grid = timed_plan(x, 6)
+        cpu_e, ex = timed_plan(x, 6, len(np.unique(x)) + 1)
+        print(
+            f"   full seed sample: grid {100 * grid.padding_efficiency:.4f} % ({cpu:.1f} s), exact "
+            f"{100 * ex.padding_efficiency:.4f} % ({cpu_e:.1f} s): "
+            f"{100 * (grid.padding_efficiency - ex.padding_efficiency):+.4f} pp; exact cuts "
+            f"{ex.boundaries}"
+        )
+
+
 def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--search-only", action="store_true", help="sections 1, 4 and 5 only")
+    ap.add_argument("--exact-seed", action="store_true", help="exact search on 8,127 lengths")
+    args = ap.parse_args()
     x = load_lengths(SAMPLE)
     print(f"lengths: {len(x):,} samples, {int(x.sum()):,} tokens, T={T:,}, B={B}")
 
@@ -72,7 +133,11 @@ def main() -> None:
     plan = plan_buckets(x, 6, T, B, simulate=False)
     cpu, wall = time.process_time() - cpu, time.perf_counter() - wall
     print(f"\n1. planner K=6: {cpu:.2f} s CPU, {wall:.2f} s wall (bar: <= 10 s on one core)")
-    print(f"   boundaries {plan.boundaries}, efficiency_by_k for K=1..16 included")
+    print(f"   boundaries {plan.boundaries}, {100 * plan.padding_efficiency:.4f} %")
+    print(f"   {plan.search.describe()}")
+    if args.search_only:
+        search_sections(x, args.exact_seed)
+        return
 
     print("\n2. predicted vs simulated padding efficiency (simulated: 2 epochs of the sampler)")
     print(
@@ -93,7 +158,7 @@ def main() -> None:
 
     print("\n3. compare (2 epochs; pair repeat = co-batched pairs of epoch 0 seen again in 1)")
     print(
-        f"   {'strategy':<22} {'pad eff':>8} {'budget':>8} {'steps/ep':>9} {'max batch':>10}"
+        f"   {'strategy':<22} {'pad eff':>8} {'budget':>8} {'steps/ep':>9} {'max padded':>10}"
         f" {'pairs/ep':>11} {'repeat':>8}"
     )
     seed_edges = rows[-1][1]
@@ -125,6 +190,7 @@ def main() -> None:
             f" {r.steps_per_epoch:>9,.0f} {r.largest_padded_batch:>10,} {r.pairs_per_epoch:>11,}"
             f" {100 * (r.pair_repeat or 0):>7.3f}%"
         )
+    search_sections(x, args.exact_seed)
 
 
 if __name__ == "__main__":
