@@ -361,10 +361,11 @@ def format_plan_table(plan: dict[str, Any]) -> str:
 
 
 COMPARE_LEGEND = (
-    "pad eff = real / padded tokens; budget = real tokens / (steps x T); "
+    "pad eff = real / padded tokens; budget = real tokens / (steps x T)",
     "max padded = largest batch in padded tokens (size x longest sample, never above T)",
-    "pairs/ep = sample pairs sharing a batch in one epoch; repeat = share of one epoch's pairs "
-    "that share a batch again in the next (low = fresh batches each epoch; needs --epochs >= 2)",
+    "pairs/ep = sample pairs sharing a batch in one epoch",
+    "repeat = share of one epoch's pairs that share a batch again in the next",
+    "  (low = fresh batch composition every epoch; needs --epochs >= 2)",
 )
 
 
