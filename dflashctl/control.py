@@ -616,12 +616,12 @@ class RunControl:
         pane = await self._run(tmux_settled_pane_state(self.host.session))
         state = parse_pane_state(pane.stdout) if pane.ok else None
         sig = _pane_signal(pane.stdout) if pane.ok else None
-        log = await self._run(["tail", "-n", f"+{mark + 1}", self._path("run/status.log")])
+        try:
+            log = "\n".join(await self.log_tail(mark))
+        except ControlError:
+            log = ""  # the pane still tells
         cap = await self._run(tmux_capture(self.host.session, 300))
-        error = last_error_line(
-            sanitize_for_terminal(log.stdout if log.ok else ""),
-            sanitize_for_terminal(cap.stdout if cap.ok else ""),
-        )
+        error = last_error_line(log, sanitize_for_terminal(cap.stdout if cap.ok else ""))
         how = describe_exit(state.exit_status if state else None, sig)
         return StartFailed(
             f"{self.host.name}: the trainer {how} {took:.0f} s after it was started: "
