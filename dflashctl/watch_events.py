@@ -1,0 +1,340 @@
+"""Watch events: successive per-host status snapshots -> one event per state change (pure).
+
+`dflashctl watch` polls every host, turns each poll into a `HostSnapshot` (`snapshot_from_status`
+reads the `status --json` dict, so this module does not depend on `control`'s internals), and
+folds them with `derive`, which returns the new `WatchState` and the events to print and notify.
+
+Rules (issue 12 item 4):
+- A host that cannot be reached is only ever "unreachable since T": an unreachable poll never
+  changes the host's last known condition and never yields crashed/stalled/...; once it has
+  lasted `unreachable_alert_s` one UNREACHABLE event is emitted, and RECOVERED when a poll
+  reaches the host again (a shorter outage emits nothing at all).
+- Conditions: ALERTS (crashed, stalled, gave-up, nonfinite) are emitted when entered; RECOVERED
+  follows when the host leaves them for running or stopped. `restarting` keeps an alert open
+  (the run is not back yet); `finished` is emitted and closes an open alert.
+- Each restart record the supervisor adds is one RESTARTED event with its reason; a shorter list
+  (a fresh run) only re-baselines.
+- A host seen for the first time reports only an alert it is already in (a crashed host at
+  watch start is news), never its history.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field, replace
+from enum import StrEnum
+from typing import Any
+
+__all__ = [
+    "ALERT_CONDITIONS",
+    "Condition",
+    "EventKind",
+    "HostSnapshot",
+    "HostTrack",
+    "Restart",
+    "WatchEvent",
+    "WatchState",
+    "derive",
+    "format_event_line",
+    "snapshot_from_status",
+]
+
+DEFAULT_UNREACHABLE_ALERT_S = 300.0
+NONFINITE_MARK = "non-finite losses in a row"  # the trainer's stop line (trainer.pipeline.runner)
+
+
+class Condition(StrEnum):
+    """What a reachable poll says about a host's run."""
+
+    RUNNING = "running"
+    RESTARTING = "restarting"
+    STOPPED = "stopped"  # by the operator, or never started
+    FINISHED = "finished"
+    CRASHED = "crashed"
+    STALLED = "stalled"
+    GAVE_UP = "gave-up"
+    NONFINITE = "nonfinite"
+
+
+ALERT_CONDITIONS = frozenset(
+    {Condition.CRASHED, Condition.STALLED, Condition.GAVE_UP, Condition.NONFINITE}
+)
+_CLEARING = frozenset({Condition.RUNNING, Condition.STOPPED})
+
+
+class EventKind(StrEnum):
+    CRASHED = "crashed"
+    RESTARTED = "restarted"
+    STALLED = "stalled"
+    GAVE_UP = "gave-up"
+    NONFINITE = "nonfinite"
+    FINISHED = "finished"
+    UNREACHABLE = "unreachable"
+    RECOVERED = "recovered"
+
+
+_EVENT_OF: dict[Condition, EventKind] = {
+    Condition.CRASHED: EventKind.CRASHED,
+    Condition.STALLED: EventKind.STALLED,
+    Condition.GAVE_UP: EventKind.GAVE_UP,
+    Condition.NONFINITE: EventKind.NONFINITE,
+    Condition.FINISHED: EventKind.FINISHED,
+}
+
+
+@dataclass(frozen=True)
+class Restart:
+    """One restart the supervisor recorded (run-state.json `restarts`)."""
+
+    at: float | None
+    reason: str  # "exit 1" | "signal 9" | "stalled 900 s" | "oom"
+    exit_status: int | None = None
+    resumed_step: int | None = None
+
+
+@dataclass(frozen=True)
+class HostSnapshot:
+    """One poll of one host, as the watch needs it."""
+
+    host: str
+    at: float  # when the poll completed (epoch seconds)
+    reachable: bool
+    condition: Condition | None = None  # None when unreachable
+    exit_status: int | None = None
+    step: int | None = None
+    detail: str | None = None  # last error / stall detail, shown with the event
+    restarts: tuple[Restart, ...] = ()
+
+
+@dataclass(frozen=True)
+class HostTrack:
+    condition: Condition | None = None  # last reachable condition
+    open_alert: Condition | None = None  # an alert sent and not yet recovered
+    restarts_seen: int = 0
+    unreachable_since: float | None = None
+    unreachable_alerted: bool = False
+    step: int | None = None
+
+
+@dataclass(frozen=True)
+class WatchState:
+    hosts: Mapping[str, HostTrack] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class WatchEvent:
+    host: str
+    kind: EventKind
+    at: float
+    detail: str = ""  # human text: "exit 1", "signal 9 (resumed from step 1200)", ...
+    condition: Condition | None = None  # the condition entered (or, for RECOVERED, left)
+    since: float | None = None  # UNREACHABLE: since when; RECOVERED from unreachable: too
+    step: int | None = None
+
+
+def derive(
+    state: WatchState,
+    snapshots: Iterable[HostSnapshot],
+    now: float,
+    unreachable_alert_s: float = DEFAULT_UNREACHABLE_ALERT_S,
+) -> tuple[WatchState, list[WatchEvent]]:
+    """Fold one round of polls into the state; the events, in snapshot order.
+
+    Hosts with no snapshot this round keep their track; an unreachable one still gets its
+    UNREACHABLE event once `now` passes its grace (a poll that hangs must not hide an outage).
+    """
+    hosts = dict(state.hosts)
+    events: list[WatchEvent] = []
+    seen: set[str] = set()
+    for snap in snapshots:
+        seen.add(snap.host)
+        track, evs = _fold_host(hosts.get(snap.host), snap, unreachable_alert_s)
+        hosts[snap.host] = track
+        events.extend(evs)
+    for host, track in hosts.items():
+        if host not in seen:
+            track, evs = _check_unreachable(host, track, now, unreachable_alert_s)
+            hosts[host] = track
+            events.extend(evs)
+    return WatchState(hosts=hosts), events
+
+
+def _check_unreachable(
+    host: str, track: HostTrack, now: float, alert_s: float
+) -> tuple[HostTrack, list[WatchEvent]]:
+    since = track.unreachable_since
+    if since is None or track.unreachable_alerted or now - since < alert_s:
+        return track, []
+    event = WatchEvent(
+        host,
+        EventKind.UNREACHABLE,
+        now,
+        f"unreachable since {_clock(since)} ({_dur(now - since)})",
+        since=since,
+        step=track.step,
+    )
+    return replace(track, unreachable_alerted=True), [event]
+
+
+def _fold_host(
+    track: HostTrack | None, snap: HostSnapshot, alert_s: float
+) -> tuple[HostTrack, list[WatchEvent]]:
+    first = track is None
+    t = track or HostTrack()
+    host, at = snap.host, snap.at
+    if not snap.reachable:
+        if t.unreachable_since is None:
+            t = replace(t, unreachable_since=at)
+        return _check_unreachable(host, t, at, alert_s)
+
+    events: list[WatchEvent] = []
+    if t.unreachable_since is not None:
+        if t.unreachable_alerted:
+            events.append(
+                WatchEvent(
+                    host,
+                    EventKind.RECOVERED,
+                    at,
+                    f"reachable again after {_dur(at - t.unreachable_since)}",
+                    since=t.unreachable_since,
+                    step=snap.step,
+                )
+            )
+        t = replace(t, unreachable_since=None, unreachable_alerted=False)
+
+    cond = snap.condition or Condition.STOPPED
+    n = len(snap.restarts)
+    if first or n < t.restarts_seen:
+        restarts_seen = n  # history, or a fresh run's shorter list: a baseline, not news
+    else:
+        for r in snap.restarts[t.restarts_seen :]:
+            events.append(
+                WatchEvent(
+                    host, EventKind.RESTARTED, r.at or at, _restart_text(r), step=r.resumed_step
+                )
+            )
+        restarts_seen = n
+
+    open_alert = t.open_alert
+    if cond != t.condition or first:
+        if cond in ALERT_CONDITIONS:
+            if cond != open_alert:
+                events.append(
+                    WatchEvent(
+                        host, _EVENT_OF[cond], at, _cond_text(cond, snap), cond, step=snap.step
+                    )
+                )
+            open_alert = cond
+        elif cond == Condition.FINISHED:
+            if not first:
+                events.append(
+                    WatchEvent(
+                        host, EventKind.FINISHED, at, _cond_text(cond, snap), cond, step=snap.step
+                    )
+                )
+            open_alert = None
+        elif cond in _CLEARING and open_alert is not None:
+            events.append(
+                WatchEvent(
+                    host,
+                    EventKind.RECOVERED,
+                    at,
+                    f"{open_alert.value} cleared: now {cond.value}",
+                    open_alert,
+                    step=snap.step,
+                )
+            )
+            open_alert = None
+    new = replace(
+        t, condition=cond, open_alert=open_alert, restarts_seen=restarts_seen, step=snap.step
+    )
+    return new, events
+
+
+def _restart_text(r: Restart) -> str:
+    text = r.reason
+    if r.resumed_step is not None:
+        text += f" (resumed from step {r.resumed_step})"
+    return text
+
+
+def _cond_text(cond: Condition, snap: HostSnapshot) -> str:
+    parts: list[str] = []
+    if cond == Condition.CRASHED and snap.exit_status is not None:
+        parts.append(f"exit {snap.exit_status}")
+    if snap.step is not None:
+        parts.append(f"at step {snap.step}")
+    if snap.detail:
+        parts.append(snap.detail)
+    return ", ".join(parts)
+
+
+def _clock(t: float) -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t))
+
+
+def _dur(s: float) -> str:
+    s = max(0, int(s))
+    if s < 120:
+        return f"{s} s"
+    if s < 7200:
+        return f"{s // 60} min"
+    return f"{s // 3600} h {s % 3600 // 60} min"
+
+
+def format_event_line(ev: WatchEvent) -> str:
+    """One line for the watch's stdout: `2026-12-01T03:12:09Z gpu-a crashed: exit 1, at step 1200`."""
+    text = f"{_clock(ev.at)} {ev.host} {ev.kind.value}"
+    if ev.kind == EventKind.RECOVERED and ev.condition is None and ev.since is not None:
+        text += " (unreachable)"
+    return f"{text}: {ev.detail}" if ev.detail else text
+
+
+# --- the bridge from `dflashctl status --json` ----------------------------------------------
+
+
+def snapshot_from_status(d: Mapping[str, Any], at: float) -> HostSnapshot:
+    """A HostSnapshot from one host's `status --json` dict (`RunStatus.to_json_dict()`).
+
+    Reads only the documented JSON keys and tolerates missing ones, so the issue-12 additions
+    (`restarts`, `supervisor.gave_up`, states `restarting`/`stalled`/`gave-up`) are used when
+    present and older hosts still map (crashed / stopped / finished / running).
+    """
+    host = str(d.get("host", "?"))
+    state = str(d.get("state", ""))
+    step = d.get("step") if isinstance(d.get("step"), int) else None
+    if state == "unreachable":
+        return HostSnapshot(host, at, reachable=False, step=step, detail=_str(d.get("message")))
+    exit_status = d.get("exit_status") if isinstance(d.get("exit_status"), int) else None
+    supervisor = d.get("supervisor") if isinstance(d.get("supervisor"), Mapping) else {}
+    last_error = _str(d.get("last_error"))
+    if supervisor.get("gave_up") or state == "gave-up":
+        cond = Condition.GAVE_UP
+    elif last_error and NONFINITE_MARK in last_error and state in {"crashed", "stopped", "gave-up"}:
+        cond = Condition.NONFINITE
+    elif state in {"stalled", "restarting", "crashed", "running"}:
+        cond = Condition(state)
+    elif d.get("finished"):
+        cond = Condition.FINISHED
+    else:
+        cond = Condition.STOPPED
+    restarts = tuple(_restart(r) for r in d.get("restarts") or () if isinstance(r, Mapping))
+    detail = last_error if cond in ALERT_CONDITIONS else None
+    return HostSnapshot(host, at, True, cond, exit_status, step, detail, restarts)
+
+
+def _restart(r: Mapping[str, Any]) -> Restart:
+    at = r.get("at", r.get("time"))
+    es = r.get("exit_status")
+    step = r.get("resumed_step", r.get("step"))
+    return Restart(
+        at=float(at) if isinstance(at, int | float) else None,
+        reason=str(r.get("reason", "?")),
+        exit_status=es if isinstance(es, int) else None,
+        resumed_step=step if isinstance(step, int) else None,
+    )
+
+
+def _str(v: object) -> str | None:
+    return v if isinstance(v, str) and v else None
