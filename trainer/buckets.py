@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import os
 import sys
 import time
 from collections.abc import Sequence
@@ -334,7 +335,7 @@ def format_plan_table(plan: dict[str, Any]) -> str:
         f"samples={plan['num_samples']:,}  tokens={plan['total_tokens']:,}"
         + (f"  min share={plan['min_share']:.1%}" if plan.get("min_share") else ""),
         f"boundaries: {plan['boundaries']}",
-        plan["search"]["description"],
+        *plan["search"]["description"].replace("; ", ";\n  ").split("\n"),
         f"padding efficiency: predicted {_pct(plan['padding_efficiency'])}, "
         f"simulated {_pct(plan.get('simulated_efficiency'))}   "
         f"steps/epoch ~{plan['predicted_steps']:,.0f}   "
@@ -516,4 +517,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except BrokenPipeError:  # `... | head`: the reader left; no traceback, no flush error at exit
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        sys.exit(1)
