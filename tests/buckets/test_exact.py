@@ -134,3 +134,13 @@ def test_the_stationary_recurrence_equals_a_dense_solve(kernel) -> None:
         np.testing.assert_allclose(pi[row] @ k, pi[row], atol=1e-12)
         assert pi[row].sum() == pytest.approx(1.0) and (pi[row] >= 0).all()
         assert np.all(pi[row][pc[row] == 0] == 0)
+
+
+def test_adding_samples_can_cost_less_than_their_own_tokens() -> None:
+    """Why a grid plan prints no tight bound (design.md): it would need w(A + D) >= w(A) +
+    tokens(D) for a block D next to bucket A, and the model breaks it (here by 0.6 %)."""
+    v = np.array([192, 214, 250, 314, 369, 418, 432, 465, 515, 535], dtype=np.float64)
+    c = np.array([126, 153, 185, 82, 88, 95, 190, 39, 100, 10])
+    a = estimate_bucket(v[:3], c[:3], 600, 43).padded  # A: the three shortest lengths
+    both = estimate_bucket(v, c, 600, 43).padded
+    assert both < a + float(np.dot(v[3:], c[3:]))
