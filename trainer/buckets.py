@@ -187,8 +187,9 @@ def plan_buckets(
 
     With at most `max_candidates - 1` distinct lengths every distinct length is a candidate cut
     and the plan is the exact optimum of the model. Beyond that the DP runs on a power-of-two grid
-    of at most `max_candidates` edges, then again with every distinct length within one grid step
-    of each chosen cut added, until the cuts stop moving; `plan.search` says which happened.
+    of at most min(max_candidates, 512) edges, then again with every distinct length within one
+    grid step of each chosen cut added, until the cuts stop moving (at most REFINE_PASSES times);
+    `plan.search` says which happened.
 
     Args:
         lengths: tokens per sample.
@@ -328,6 +329,11 @@ def _pct(v: float | None) -> str:
     return "   -  " if v is None else f"{100 * v:5.1f}%"
 
 
+def _search_lines(search: dict[str, Any] | None) -> list[str]:
+    """The search description split at its clauses (a plan from before it existed: none)."""
+    return search["description"].replace("; ", ";\n  ").split("\n") if search else []
+
+
 def format_plan_table(plan: dict[str, Any]) -> str:
     """Readable table of a plan's JSON dict (what `plan` prints without --json; dflashctl too)."""
     lines = [
@@ -335,7 +341,7 @@ def format_plan_table(plan: dict[str, Any]) -> str:
         f"samples={plan['num_samples']:,}  tokens={plan['total_tokens']:,}"
         + (f"  min share={plan['min_share']:.1%}" if plan.get("min_share") else ""),
         f"boundaries: {plan['boundaries']}",
-        *plan["search"]["description"].replace("; ", ";\n  ").split("\n"),
+        *_search_lines(plan.get("search")),
         f"padding efficiency: predicted {_pct(plan['padding_efficiency'])}, "
         f"simulated {_pct(plan.get('simulated_efficiency'))}   "
         f"steps/epoch ~{plan['predicted_steps']:,.0f}   "
@@ -352,7 +358,7 @@ def format_plan_table(plan: dict[str, Any]) -> str:
         )
     curve = "  ".join(f"{k}:{100 * v:.1f}" for k, v in plan["efficiency_by_k"].items())
     lines += ["", f"efficiency by K (%): {curve}"]
-    gap = plan["search"].get("grid_efficiency")
+    gap = (plan.get("search") or {}).get("grid_efficiency")
     if gap is not None:
         lines.append(
             f"grid alone: {_pct(gap)}; refining around the cuts gained "
