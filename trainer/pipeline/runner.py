@@ -577,6 +577,9 @@ class Run:
                 ):
                     wait_percent(clocks, attr, since, 1.0)  # baseline the clocks
             self.emit_status(now, windows, waits)
+            if not first and self.world.is_main:  # a corrupted run-state heals within a line
+                for problem in self.state_file.heal():
+                    self.reporter.error(problem)
             first, last_t = False, now
             next_t += st.interval_s
             if next_t < now:

@@ -277,6 +277,11 @@ class RunStateFile:
         self.owned: dict[str, Any] = {}
         self._lock = threading.Lock()
 
+    def heal(self) -> list[str]:
+        """Rewrite the file whole if it is gone or no longer a JSON object (else one small read)."""
+        _, why = _read_state(self.path)
+        return self.update() if why or not self.path.exists() else []
+
     def update(self, **fields: Any) -> list[str]:
         problems: list[str] = []
         with self._lock:
