@@ -60,7 +60,8 @@ def pool_sort_warning(num_samples: int, pool_size: int) -> str | None:
     return (
         f"pool-sort: pool_size {pool_size:,} >= the {num_samples:,} samples, so each epoch is one "
         "sorted pool: the 'sorted' strategy with reshuffled ties (the same length neighbours "
-        "share batches every epoch); use a pool well below the sample count (e.g. 3200)"
+        "share batches every epoch); use a pool well below the sample count "
+        f"(e.g. {max(1, min(3200, num_samples // 4)):,})"
     )
 
 
