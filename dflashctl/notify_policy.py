@@ -1,0 +1,129 @@
+"""What `dflashctl watch` notifies, and when: a pure function of (state, new polls, time).
+
+`plan_round(state, snapshots, now, cfg)` folds one round of polls through
+`watch_events.derive` (so each event exists once per state change) and holds the events for
+`burst_s` from the first one: what is pending then is flushed as notifications, one per event,
+except that an event kind reached by `summarize_at` or more hosts in one window becomes one
+summary ("unreachable: 5 hosts"). Sending is `dflashctl.notify`'s job; nothing here does I/O.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from dflashctl.watch_events import (
+    EventKind,
+    HostSnapshot,
+    WatchEvent,
+    WatchState,
+    derive,
+    format_event_line,
+)
+
+__all__ = ["Notification", "PolicyConfig", "PolicyState", "flush", "plan", "plan_round"]
+
+# apprise's NotifyType values, worst first
+_SEVERITY: dict[EventKind, str] = {
+    EventKind.CRASHED: "failure",
+    EventKind.STALLED: "failure",
+    EventKind.GAVE_UP: "failure",
+    EventKind.NONFINITE: "failure",
+    EventKind.UNREACHABLE: "warning",
+    EventKind.RESTARTED: "warning",
+    EventKind.FINISHED: "success",
+    EventKind.RECOVERED: "success",
+}
+MAX_LISTED = 20
+
+
+@dataclass(frozen=True)
+class PolicyConfig:
+    unreachable_alert_s: float = 300.0
+    burst_s: float = 30.0  # events are gathered this long from the first one, then sent
+    summarize_at: int = 3  # this many hosts with one event kind in a window: one message
+
+
+@dataclass(frozen=True)
+class PolicyState:
+    watch: WatchState = field(default_factory=WatchState)
+    pending: tuple[WatchEvent, ...] = ()
+    window_opened: float | None = None
+
+
+@dataclass(frozen=True)
+class Notification:
+    title: str
+    body: str
+    severity: str  # apprise NotifyType: failure | warning | success | info
+    events: tuple[WatchEvent, ...]
+
+
+def plan_round(
+    state: PolicyState, snapshots: Iterable[HostSnapshot], now: float, cfg: PolicyConfig
+) -> tuple[PolicyState, list[WatchEvent], list[Notification]]:
+    """One poll round: the new state, the events (for stdout), the notifications due now."""
+    watch, events = derive(state.watch, snapshots, now, cfg.unreachable_alert_s)
+    new, notes = plan(PolicyState(watch, state.pending, state.window_opened), events, now, cfg)
+    return new, events, notes
+
+
+def plan(
+    state: PolicyState, events: Iterable[WatchEvent], now: float, cfg: PolicyConfig
+) -> tuple[PolicyState, list[Notification]]:
+    """Add events to the window; flush it once `burst_s` has passed since it opened."""
+    pending = state.pending + tuple(events)
+    opened = state.window_opened
+    if pending and opened is None:
+        opened = now
+    if not pending or opened is None or now - opened < cfg.burst_s:
+        return PolicyState(state.watch, pending, opened if pending else None), []
+    return PolicyState(state.watch, (), None), flush(pending, cfg.summarize_at)
+
+
+def flush(events: Iterable[WatchEvent], summarize_at: int = 3) -> list[Notification]:
+    """Notifications for one window's events, in the order of each group's first event."""
+    groups: dict[EventKind, list[WatchEvent]] = {}
+    for ev in events:
+        groups.setdefault(ev.kind, []).append(ev)
+    order: list[tuple[EventKind, WatchEvent | None]] = []
+    for ev in _in_order(groups):
+        if len({e.host for e in groups[ev.kind]}) >= summarize_at:
+            if (ev.kind, None) not in order:
+                order.append((ev.kind, None))
+        else:
+            order.append((ev.kind, ev))
+    out: list[Notification] = []
+    for kind, one in order:
+        if one is not None:
+            out.append(_single(one))
+        else:
+            out.append(_summary(kind, groups[kind]))
+    return out
+
+
+def _in_order(groups: dict[EventKind, list[WatchEvent]]) -> list[WatchEvent]:
+    return sorted((e for g in groups.values() for e in g), key=lambda e: e.at)
+
+
+def _single(ev: WatchEvent) -> Notification:
+    title = f"dflash {ev.host}: {_kind_text(ev)}"
+    return Notification(title, format_event_line(ev), _SEVERITY[ev.kind], (ev,))
+
+
+def _summary(kind: EventKind, evs: list[WatchEvent]) -> Notification:
+    hosts = list(dict.fromkeys(e.host for e in evs))
+    listed = ", ".join(hosts[:MAX_LISTED]) + (
+        f" +{len(hosts) - MAX_LISTED} more" if len(hosts) > MAX_LISTED else ""
+    )
+    title = f"dflash: {len(hosts)} hosts {kind.value} ({listed})"
+    lines = [format_event_line(e) for e in evs[:MAX_LISTED]]
+    if len(evs) > MAX_LISTED:
+        lines.append(f"... and {len(evs) - MAX_LISTED} more")
+    return Notification(title, "\n".join(lines), _SEVERITY[kind], tuple(evs))
+
+
+def _kind_text(ev: WatchEvent) -> str:
+    if ev.kind == EventKind.RECOVERED:
+        return f"recovered ({ev.condition.value if ev.condition else 'unreachable'})"
+    return ev.kind.value

@@ -1,0 +1,98 @@
+"""The notify policy: what is sent when (pure; table tests and a property)."""
+
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dflashctl.notify_policy import PolicyConfig, PolicyState, flush, plan, plan_round
+from dflashctl.watch_events import Condition, EventKind, HostSnapshot, WatchEvent
+
+T0 = 1_800_000_000.0
+K = EventKind
+
+
+def ev(host: str, kind: EventKind, at: float = T0) -> WatchEvent:
+    return WatchEvent(host, kind, at, f"{kind.value} detail")
+
+
+def test_events_wait_for_the_window_then_go_in_order() -> None:
+    cfg = PolicyConfig(burst_s=30, summarize_at=3)
+    state, out = plan(PolicyState(), [ev("a", K.CRASHED)], T0, cfg)
+    assert out == [] and state.window_opened == T0
+    state, out = plan(state, [ev("b", K.STALLED, T0 + 5)], T0 + 5, cfg)
+    assert out == []
+    state, out = plan(state, [], T0 + 30, cfg)
+    assert [n.title for n in out] == ["dflash a: crashed", "dflash b: stalled"]
+    assert [n.severity for n in out] == ["failure", "failure"]
+    assert state.pending == () and state.window_opened is None
+    state, out = plan(state, [], T0 + 100, cfg)
+    assert out == []
+
+
+def test_a_burst_of_one_kind_is_one_message_others_stay_single() -> None:
+    evs = [ev(f"h{i}", K.UNREACHABLE, T0 + i) for i in range(5)]
+    evs.insert(2, ev("x", K.RESTARTED, T0 + 1.5))
+    out = flush(evs, summarize_at=3)
+    assert [n.title for n in out] == [
+        "dflash: 5 hosts unreachable (h0, h1, h2, h3, h4)",
+        "dflash x: restarted",
+    ]
+    assert len(out[0].events) == 5 and out[0].body.count("\n") == 4
+    assert [n.title for n in flush(evs[:2], summarize_at=3)] == [
+        "dflash h0: unreachable",
+        "dflash h1: unreachable",
+    ]
+
+
+def test_zero_window_sends_at_once_and_recovered_is_success() -> None:
+    cfg = PolicyConfig(burst_s=0, unreachable_alert_s=60)
+    state = PolicyState()
+    state, _, out = plan_round(state, [HostSnapshot("a", T0, True, Condition.RUNNING)], T0, cfg)
+    state, evs, out = plan_round(
+        state, [HostSnapshot("a", T0 + 1, True, Condition.CRASHED, exit_status=1)], T0 + 1, cfg
+    )
+    assert [e.kind for e in evs] == [K.CRASHED]
+    assert [n.title for n in out] == ["dflash a: crashed"] and "exit 1" in out[0].body
+    state, _, out = plan_round(
+        state, [HostSnapshot("a", T0 + 2, True, Condition.RUNNING)], T0 + 2, cfg
+    )
+    assert [(n.title, n.severity) for n in out] == [("dflash a: recovered (crashed)", "success")]
+
+
+_kinds = st.sampled_from(list(EventKind))
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(
+        st.tuples(
+            st.lists(st.tuples(st.sampled_from("abcdef"), _kinds), max_size=6), st.floats(0, 60)
+        ),
+        max_size=20,
+    ),
+    st.integers(2, 5),
+)
+def test_every_event_is_sent_exactly_once_in_order(rounds, summarize_at) -> None:
+    cfg = PolicyConfig(burst_s=30, summarize_at=summarize_at)
+    state, now, sent, made = PolicyState(), T0, [], []
+    for batch, dt in rounds:
+        now += dt
+        evs = [ev(h, k, now) for h, k in batch]
+        made += evs
+        state, out = plan(state, evs, now, cfg)
+        check(out)
+        sent += [e for n in out for e in n.events]
+    state, out = plan(state, [], now + cfg.burst_s, cfg)
+    check(out)
+    sent += [e for n in out for e in n.events]
+    assert sorted(map(id, sent)) == sorted(map(id, made))  # each once, none lost
+
+
+def check(out) -> None:
+    firsts = [n.events[0].at for n in out]
+    assert firsts == sorted(firsts)  # messages go in the order their first event happened
+    for n in out:
+        if len(n.events) > 1:  # a summary: one kind, many hosts
+            assert len({e.kind for e in n.events}) == 1
+            assert len({e.host for e in n.events}) >= 2
