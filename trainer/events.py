@@ -11,7 +11,17 @@ Status line (the contract in ARCHITECTURE.md)::
     ({ktok_s:.1f}Ktok/s) | q_pre=[d0, d1, ...] q_hs=[h0, ...] | epoch~{epoch:.2f} ETA={eta}
     [ | key=value ...]
 
-(one physical line).  ``parse_line`` never raises: anything it does not recognise becomes a
+(one physical line).  After the first evaluation the trainer's tail also carries ``tau=`` (the
+last held-out simulated tau) and ``loss_b=[l0,l1,...]`` (mean loss per length bucket over the
+interval, ``---`` for a bucket without a batch), in that order after ``gnorm``.
+
+Eval line (one per in-training evaluation; ``acc@k`` for k = 1..B-1, ``tau_real`` only when
+prompts are configured, ``best`` = step of the best checkpoint so far)::
+
+    Eval: step={step} tau={tau:.3f|---} [tau_real={:.3f}] loss={loss:.4f|---} acc={acc:.3f|---}
+    acc@1={:.3f} ... acc@{B-1}={:.3f} tau_exp={tau_exp:.3f|---} best={step|---} [ | key=value ...]
+
+``parse_line`` never raises: anything it does not recognise becomes a
 ``RawLine``.  ``parse_text`` also re-joins lines that ``tmux capture-pane`` wrapped at the pane
 width and tolerates a truncated last line (it becomes a ``RawLine``).
 """
@@ -28,23 +38,30 @@ from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, field_validator
 
 __all__ = [
     "BOTTLENECK_KEY",
+    "BUCKET_LOSS_KEY",
+    "EVAL_PREFIX",
     "EVENT_ADAPTER",
     "GNORM_KEY",
     "PHASE_TEXTS",
     "STAGE_WAIT_KEYS",
+    "TAU_KEY",
     "TRAINER_EXTRA_KEYS",
     "CheckpointEvent",
     "ErrorEvent",
+    "EvalEvent",
     "Event",
     "PhaseEvent",
     "RawLine",
     "StatusEvent",
+    "format_bucket_losses",
     "format_checkpoint_line",
     "format_error_line",
     "format_eta",
+    "format_eval_line",
     "format_line",
     "format_phase_line",
     "format_status_line",
+    "parse_bucket_losses",
     "parse_eta",
     "parse_line",
     "parse_text",
@@ -81,6 +98,9 @@ STAGE_WAIT_KEYS: dict[str, str] = {
 }
 BOTTLENECK_KEY = "bottleneck"  # "prefetch" | "target" | "drafter" | "---"
 GNORM_KEY = "gnorm"  # the last step's gradient norm, once a step has run
+TAU_KEY = "tau"  # the last evaluation's simulated tau, once one has run
+BUCKET_LOSS_KEY = "loss_b"  # mean loss per length bucket over the interval: [l0,l1,...]
+EVAL_PREFIX = "Eval: "
 
 _FROZEN = ConfigDict(frozen=True, extra="forbid")
 
@@ -194,6 +214,34 @@ class ErrorEvent(BaseModel):
     text: str
 
 
+class EvalEvent(BaseModel):
+    """One held-out evaluation: ``Eval: step=400 tau=3.214 loss=1.2345 ... best=400``.
+
+    ``acc_at[k-1]`` is acc@k, the share of blocks whose first k drafted tokens all match;
+    ``tau`` is the serving walk's simulated tau, ``tau_exp`` the tau expected from acc@k and
+    ``tau_real`` real greedy speculative tau on the configured prompts; ``best`` the step of the
+    best checkpoint so far.  ``extra`` holds any ``key=value`` after ``" | "`` (rows, cost).
+    """
+
+    model_config = _FROZEN
+
+    kind: Literal["eval"] = "eval"
+    step: int = Field(ge=0)
+    tau: float | None = None
+    tau_real: float | None = None
+    loss: float | None = None
+    acc: float | None = None
+    acc_at: list[float] = Field(default_factory=list)
+    tau_exp: float | None = None
+    best: int | None = Field(default=None, ge=0)
+    extra: dict[str, str] = Field(default_factory=dict)
+
+    @field_validator("extra")
+    @classmethod
+    def _extra_is_printable(cls, v: dict[str, str]) -> dict[str, str]:
+        return StatusEvent._extra_is_printable(v)
+
+
 class RawLine(BaseModel):
     """Anything else (library warnings, tracebacks, truncated captures)."""
 
@@ -204,7 +252,8 @@ class RawLine(BaseModel):
 
 
 Event = Annotated[
-    StatusEvent | PhaseEvent | CheckpointEvent | ErrorEvent | RawLine, Field(discriminator="kind")
+    StatusEvent | EvalEvent | PhaseEvent | CheckpointEvent | ErrorEvent | RawLine,
+    Field(discriminator="kind"),
 ]
 EVENT_ADAPTER: TypeAdapter[Event] = TypeAdapter(Event)
 
@@ -286,10 +335,46 @@ def format_error_line(message: str) -> str:
     return ERROR_PREFIX + " ".join(message.split())
 
 
+def format_eval_line(ev: EvalEvent) -> str:
+    """Render an EvalEvent per the contract (one line, no trailing newline)."""
+    parts = [f"{EVAL_PREFIX}step={ev.step} tau={_fmt(ev.tau, '.3f')}"]
+    if ev.tau_real is not None:
+        parts.append(f"tau_real={ev.tau_real:.3f}")
+    parts.append(f"loss={_fmt(ev.loss, '.4f')} acc={_fmt(ev.acc, '.3f')}")
+    parts.extend(f"acc@{k}={a:.3f}" for k, a in enumerate(ev.acc_at, 1))
+    parts.append(
+        f"tau_exp={_fmt(ev.tau_exp, '.3f')} best={MISSING if ev.best is None else ev.best}"
+    )
+    line = " ".join(parts)
+    if ev.extra:
+        line += " | " + " ".join(f"{k}={v}" for k, v in ev.extra.items())
+    return line
+
+
+def format_bucket_losses(losses: Iterable[float | None]) -> str:
+    """The ``loss_b`` extra's value: ``[1.2345,2.0001,---]`` (no blanks: one token)."""
+    return "[" + ",".join(_fmt(x, ".4f") for x in losses) + "]"
+
+
+def parse_bucket_losses(text: str) -> list[float | None] | None:
+    """Inverse of format_bucket_losses; None when ``text`` is not such a list."""
+    if len(text) < 2 or text[0] != "[" or text[-1] != "]" or _BAD_VALUE.search(text):
+        return None
+    if text == "[]":
+        return []
+    try:
+        values = [None if x == MISSING else float(x) for x in text[1:-1].split(",")]
+    except ValueError:
+        return None
+    return values if all(v is None or math.isfinite(v) for v in values) else None
+
+
 def format_line(ev: Event) -> str:
     """Render any event back to its line."""
     if isinstance(ev, StatusEvent):
         return format_status_line(ev)
+    if isinstance(ev, EvalEvent):
+        return format_eval_line(ev)
     return ev.text
 
 
@@ -322,12 +407,19 @@ _TRAINER_TAIL = (
     r" \| "
     + " ".join(f"{k}=({_FAST_VALUE})" for k in TRAINER_EXTRA_KEYS)
     + rf"(?: {GNORM_KEY}=({_FAST_VALUE}))?"
+    + rf"(?: {TAU_KEY}=({_FAST_VALUE}))?(?: {BUCKET_LOSS_KEY}=({_FAST_VALUE}))?"
 )
 _STATUS_FAST_RE = re.compile(
     _STATUS_HEAD + rf"(?:{_TRAINER_TAIL}|(?: \| ({_FAST_PAIR}(?: {_FAST_PAIR})*))?)"
 )
 _STATUS_START_RE = re.compile(r"\[\d+m\] step=")
 _CHECKPOINT_RE = re.compile(r"step=(\d+) path=(.+)")
+# The eval line after its prefix; acc@k pairs are checked for k = 1, 2, ... by _parse_eval.
+_EVAL_RE = re.compile(
+    rf"step=(\d++) tau={_F}(?: tau_real={_F})? loss={_F} acc={_F}((?: acc@\d++=[^ ]++)*+)"
+    rf" tau_exp={_F} best=(\d++|{MISSING})(.*)"
+)
+_ACC_AT_RE = re.compile(r" acc@(\d+)=([^ ]+)")
 _PHASE_ITEMS = tuple(PHASE_TEXTS.items())
 
 
@@ -411,19 +503,26 @@ def _parse_status(
     _split=str.split,
     _repeat=repeat,
     _gnorm=GNORM_KEY,
+    _tau=TAU_KEY,
+    _loss_b=BUCKET_LOSS_KEY,
 ) -> StatusEvent | None:
     # Hot path (>= 100k lines/s for dflashctl's log replay): one regex that also checks the extra
     # pairs, memoised number fields, and the model built without validation.
     m = _fast(line)
     if m is not None:
         (el, step, loss, acc, streak, lr, noise, tgt, dft, ktok, q_pre, q_hs, epoch, eta,
-         w_pre_out, w_tgt_in, w_tgt_out, w_dft_in, neck, gnorm, pairs) = m.groups()  # fmt: skip
+         w_pre_out, w_tgt_in, w_tgt_out, w_dft_in, neck, gnorm, tau, loss_b,
+         pairs) = m.groups()  # fmt: skip
         if w_pre_out is not None:  # the trainer's own tail, in TRAINER_EXTRA_KEYS order
             extra = {"w_pre_out": w_pre_out, "w_tgt_in": w_tgt_in, "w_tgt_out": w_tgt_out}
             extra["w_dft_in"] = w_dft_in
             extra["bottleneck"] = neck
             if gnorm is not None:
                 extra[_gnorm] = gnorm
+            if tau is not None:
+                extra[_tau] = tau
+            if loss_b is not None:
+                extra[_loss_b] = loss_b
         elif pairs:  # the regex checked every token is key=value with exactly one '='
             extra = dict(_map(_split, pairs.split(" "), _repeat("=")))
         else:
@@ -479,6 +578,38 @@ def _parse_status(
     return ev
 
 
+def _opt_float(text: str | None) -> float | None:
+    return None if text is None or text == MISSING else float(text)
+
+
+def _parse_eval(line: str) -> EvalEvent | None:
+    """The EvalEvent of an ``Eval: ...`` line, or None when it is not one (never raises)."""
+    m = _EVAL_RE.fullmatch(line, len(EVAL_PREFIX))
+    if m is None:
+        return None
+    step, tau, tau_real, loss, acc, acc_at, tau_exp, best, tail = m.groups()
+    pairs = _ACC_AT_RE.findall(acc_at)
+    if [k for k, _ in pairs] != [str(k) for k in range(1, len(pairs) + 1)]:
+        return None
+    extra = _general_extra(tail) if tail else {}
+    if extra is None:
+        return None
+    try:
+        return EvalEvent(
+            step=int(step),
+            tau=_opt_float(tau),
+            tau_real=_opt_float(tau_real),
+            loss=_opt_float(loss),
+            acc=_opt_float(acc),
+            acc_at=[float(a) for _, a in pairs],
+            tau_exp=_opt_float(tau_exp),
+            best=None if best == MISSING else int(best),
+            extra=extra,
+        )
+    except ValueError:  # float() or the model refused a field (pydantic errors are ValueErrors)
+        return None
+
+
 def parse_line(line: str) -> Event:
     """Parse one line (trailing newline allowed); never raises, unknown text -> RawLine.
 
@@ -500,6 +631,10 @@ def parse_line(line: str) -> Event:
                 return CheckpointEvent(step=int(m.group(1)), path=m.group(2), text=line)
         elif line.startswith(ERROR_PREFIX):
             return ErrorEvent(message=line[len(ERROR_PREFIX) :], text=line)
+        elif line.startswith(EVAL_PREFIX):
+            evaluation = _parse_eval(line)
+            if evaluation is not None:
+                return evaluation
         else:
             for phase, text in _PHASE_ITEMS:
                 if line == text:
@@ -512,12 +647,27 @@ def parse_line(line: str) -> Event:
 
 
 def _starts_event(line: str) -> bool:
-    if _STATUS_START_RE.match(line) or line.startswith((CHECKPOINT_PREFIX, ERROR_PREFIX)):
+    if _STATUS_START_RE.match(line) or line.startswith(
+        (CHECKPOINT_PREFIX, ERROR_PREFIX, EVAL_PREFIX)
+    ):
         return True
     return any(line.startswith(text) for text in PHASE_TEXTS.values())
 
 
+def _is_report(line: str) -> bool:
+    """A status or eval line's start: the lines that are long enough to wrap."""
+    return _STATUS_START_RE.match(line) is not None or line.startswith(EVAL_PREFIX)
+
+
+def _parses_as_report(line: str) -> bool:
+    if line.startswith(EVAL_PREFIX):
+        return _parse_eval(line) is not None
+    return _parse_status(line) is not None
+
+
 def _incomplete_status(line: str) -> bool:
+    if line.startswith(EVAL_PREFIX):  # an eval line ends with its best= field
+        return " best=" not in line or _parse_eval(line) is None
     if not _STATUS_START_RE.match(line):
         return False
     # Cheap test first: a status line without its ETA field cannot be complete.
@@ -525,15 +675,11 @@ def _incomplete_status(line: str) -> bool:
 
 
 def _wrapped_in_extras(line: str, following: str) -> bool:
-    # A row break at a blank inside the extras (before ` | k=v` or ` k=v`) leaves a status line
-    # that parses on its own; the next row starting with that blank proves the wrap only if the
-    # joined line parses too.  (A break inside a token whose both halves read as a complete line
-    # is ambiguous without the pane width.)
-    return (
-        following.startswith(" ")
-        and _STATUS_START_RE.match(line) is not None
-        and _parse_status(line + following) is not None
-    )
+    # A row break at a blank inside the extras (before ` | k=v` or ` k=v`) leaves a status (or
+    # eval) line that parses on its own; the next row starting with that blank proves the wrap
+    # only if the joined line parses too.  (A break inside a token whose both halves read as a
+    # complete line is ambiguous without the pane width.)
+    return following.startswith(" ") and _is_report(line) and _parses_as_report(line + following)
 
 
 def _infer_width(lines: list[str]) -> int | None:
@@ -552,7 +698,7 @@ def _join_wrapped(lines: list[str], width: int | None) -> list[str]:
     while i < len(lines):
         current = lines[i]
         last = current
-        is_status = bool(_STATUS_START_RE.match(current))
+        is_status = _is_report(current)
         i += 1
         while i < len(lines) and lines[i] and not _starts_event(lines[i]):
             if width is not None and len(last) == width:
