@@ -38,6 +38,7 @@ from trainer.validation import STRICT, NotUtf8Error, one_line, utf8_text
 __all__ = [
     "RESUME_CRITICAL_KEYS",
     "ConfigError",
+    "TrackingConfig",
     "TrainConfig",
     "config_hash",
     "resume_critical_changes",
@@ -207,6 +208,26 @@ class CheckpointConfig(BaseModel):
     keep_last: int = Field(default=3, ge=1)
 
 
+class TrackingConfig(BaseModel):
+    """Optional experiment trackers (trainer.tracking); never resume-critical."""
+
+    model_config = _SECTION
+
+    backends: list[Literal["tensorboard", "wandb"]] = Field(
+        default=[], description='trackers to write to: "tensorboard" (RUN/tb/), "wandb"'
+    )
+    wandb_project: str = Field(default="dflash", min_length=1, description="W&B project")
+    wandb_mode: Literal["auto", "offline", "online", "disabled"] = Field(
+        default="auto", description="auto: online when an API key is configured, else offline"
+    )
+
+    @model_validator(mode="after")
+    def _distinct(self) -> Self:
+        if len(set(self.backends)) != len(self.backends):
+            raise ValueError(f"backends {self.backends} lists a backend twice")
+        return self
+
+
 class TrainConfig(BaseModel):
     """The whole run. Load with ``TrainConfig.load(path)``."""
 
@@ -221,6 +242,7 @@ class TrainConfig(BaseModel):
     schedule: ScheduleConfig = Field(default_factory=ScheduleConfig)
     status: StatusConfig = Field(default_factory=StatusConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    tracking: TrackingConfig = Field(default_factory=TrackingConfig)
 
     _source: Path | None = PrivateAttr(default=None)
 
