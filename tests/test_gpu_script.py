@@ -1,0 +1,186 @@
+"""benchmarks/gpu.sh cannot rot between GPU loans: its --smoke mode runs every step on the CPU.
+
+The real script runs only where a GPU is lent (rarely, for ~15 minutes), so CI runs the same
+script, the same steps and the same record writing at tiny sizes, and checks that a failing or
+hanging step is recorded without taking the others down.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+SCRIPT = REPO / "benchmarks" / "gpu.sh"
+STEPS = ["env", "drafter", "kernel-tests", "pipeline", "capture", "ce"]
+
+
+def _gpu_steps() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("gpu_steps", REPO / "benchmarks" / "gpu_steps.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["gpu_steps"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+gpu_steps = _gpu_steps()
+
+
+def _run(out: Path, timeout: float, **env: str) -> subprocess.CompletedProcess[str]:
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("GPU_SH_", "DFLASH_"))}
+    base.pop("TRITON_INTERPRET", None)
+    base.update(OUT=str(out), PYTHON=sys.executable, OMP_NUM_THREADS="1", **env)
+    return subprocess.run(
+        ["bash", str(SCRIPT), "--smoke"],
+        cwd=REPO,
+        env=base,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def _jsonl(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def _by_step(records: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
+    out: dict[str, list[dict[str, Any]]] = {}
+    for rec in records:
+        out.setdefault(rec["step"], []).append(rec)
+    return out
+
+
+@pytest.mark.timeout(240)
+def test_smoke_run_records_every_step_with_exit_0(tmp_path: Path) -> None:
+    """Every step runs in order, exits 0 and leaves its start, measurements and done records."""
+    proc = _run(tmp_path, timeout=230)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    steps = _jsonl(tmp_path / "steps.jsonl")
+    assert [s["step"] for s in steps] == STEPS
+    assert all(s["rc"] == 0 and s["timed_out"] is False for s in steps), steps
+    results = _by_step(_jsonl(tmp_path / "results.jsonl"))
+    assert list(results) == STEPS
+    for name, recs in results.items():
+        assert recs[0]["kind"] == "start" and recs[0]["smoke"] is True, name
+        assert recs[-1]["kind"] == "done" and recs[-1]["ok"] is True, (name, recs[-1])
+    kinds = {name: [r["kind"] for r in recs] for name, recs in results.items()}
+    facts = next(r for r in results["env"] if r["kind"] == "facts")
+    assert facts["torch"] and facts["default_dtype"] == "torch.float32"
+    rungs = [r for r in results["drafter"] if r["kind"] == "rung"]
+    assert [r["query_rows"] for r in rungs] == sorted({r["query_rows"] for r in rungs})
+    assert len(rungs) == len(gpu_steps.SMOKE_RUNGS) and all(r["ms_step"] > 0 for r in rungs)
+    pytest_rec = next(r for r in results["kernel-tests"] if r["kind"] == "pytest")
+    assert pytest_rec["rc"] == 0 and pytest_rec["tests"] > 0 and pytest_rec["failures"] == 0
+    resume = next(r for r in results["pipeline"] if r["kind"] == "resume")
+    assert resume["losses_equal"] and resume["drafter_equal"], resume
+    assert kinds["capture"].count("shape") == 2
+    assert kinds["ce"].count("kernel") == 3
+    log = (tmp_path / "gpu.log").read_text()
+    assert all(f"== {name}: exit 0" in log for name in STEPS)
+
+
+@pytest.mark.timeout(120)
+def test_a_failing_and_a_hanging_step_are_recorded_and_the_rest_still_runs(
+    tmp_path: Path,
+) -> None:
+    """env raises, capture hangs past its 3 s box (killed: 124), ce after them still runs;
+    the script exits 1 only after the last step."""
+    proc = _run(
+        tmp_path,
+        timeout=110,
+        GPU_SH_STEPS="env,capture,ce",
+        GPU_SH_FAIL_STEP="env",
+        GPU_SH_STALL_STEP="capture",
+    )
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
+    steps = {s["step"]: s for s in _jsonl(tmp_path / "steps.jsonl")}
+    assert list(steps) == ["env", "capture", "ce"]
+    assert steps["env"]["rc"] == 1 and not steps["env"]["timed_out"]
+    assert steps["capture"]["rc"] == 124 and steps["capture"]["timed_out"]
+    assert steps["capture"]["timeout_s"] == 3
+    assert steps["ce"]["rc"] == 0
+    results = _by_step(_jsonl(tmp_path / "results.jsonl"))
+    assert results["env"][-1]["kind"] == "error" and "on purpose" in results["env"][-1]["error"]
+    assert [r["kind"] for r in results["capture"]] == ["start"]  # killed: no done record
+    assert results["ce"][-1]["kind"] == "done"
+
+
+class _Rec:
+    def __init__(self) -> None:
+        self.records: list[dict[str, Any]] = []
+
+    def __call__(self, kind: str, **fields: Any) -> dict[str, Any]:
+        self.records.append({"kind": kind, **fields})
+        return self.records[-1]
+
+
+def _ctx(rec: _Rec, left: float = 1e6) -> Any:
+    import time
+
+    return gpu_steps.Ctx(smoke=True, rec=rec, deadline=time.monotonic() + left)
+
+
+def test_ladder_stops_at_the_first_oom_and_keeps_what_fitted() -> None:
+    import torch
+
+    calls: list[int] = []
+
+    def rung(r: int) -> dict[str, Any]:
+        calls.append(r)
+        if r >= 3:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 80 GiB")
+        return {"rows": r}
+
+    rec = _Rec()
+    summary = gpu_steps.run_ladder([1, 2, 3, 4], rung, _ctx(rec), cost=float)
+    assert calls == [1, 2, 3]  # nothing after the OOM
+    assert summary == {"largest_fitted": 2, "ended": "oom"}
+    assert [r["kind"] for r in rec.records] == ["rung", "rung", "oom"]
+    assert "Tried to allocate" in rec.records[-1]["error"]
+
+
+def test_ladder_other_errors_propagate() -> None:
+    def rung(r: int) -> dict[str, Any]:
+        raise ValueError("a real bug, not memory")
+
+    with pytest.raises(ValueError, match="real bug"):
+        gpu_steps.run_ladder([1], rung, _ctx(_Rec()), cost=float)
+
+
+def test_ladder_skips_a_rung_predicted_past_the_budget() -> None:
+    import time
+
+    def rung(r: int) -> dict[str, Any]:
+        time.sleep(0.05 * r)
+        return {}
+
+    rec = _Rec()
+    # rung 1 takes ~0.05 s; rung 100 is predicted at ~5 s, more than the 1 s left
+    summary = gpu_steps.run_ladder([1, 100], rung, _ctx(rec, left=1.0), cost=float)
+    assert summary == {"largest_fitted": 1, "ended": "budget"}
+    assert [r["kind"] for r in rec.records] == ["rung", "skipped"]
+
+
+def test_the_gpu_sizes_are_valid_configs(tmp_path: Path) -> None:
+    """What only the GPU run builds is still checked here: the real pipeline config validates,
+    the real drafter config is the seed's shape, and the ladder grows."""
+    from trainer.config import TrainConfig
+
+    cfg = TrainConfig.from_dict(gpu_steps.pipeline_config(tmp_path, smoke=False, steps=40))
+    assert cfg.topology.target_devices == ["cuda:0"] and cfg.model.drafter.block_size == 16
+    assert cfg.checkpoint.every_steps == 20 and cfg.schedule.max_steps == 40
+    dcfg = gpu_steps.drafter_config(gpu_steps.REAL_DRAFTER)
+    assert dcfg.target_layer_ids == [1, 9, 17, 25, 33] and dcfg.vocab_size == 151_936
+    rows = [r * a * dcfg.block_size for r, _, a in gpu_steps.REAL_RUNGS]
+    assert rows == sorted(rows) and rows[-1] >= 524_288  # past the seed's worst step
+    assert all(r >= 2 for r, _, _ in gpu_steps.REAL_RUNGS)  # no size-1 recompile
