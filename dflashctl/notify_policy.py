@@ -82,33 +82,39 @@ def plan(
 
 
 def flush(events: Iterable[WatchEvent], summarize_at: int = 3) -> list[Notification]:
-    """Notifications for one window's events, in the order of each group's first event."""
-    groups: dict[EventKind, list[WatchEvent]] = {}
-    for ev in events:
-        groups.setdefault(ev.kind, []).append(ev)
-    order: list[tuple[EventKind, WatchEvent | None]] = []
-    for ev in _in_order(groups):
-        if len({e.host for e in groups[ev.kind]}) >= summarize_at:
-            if (ev.kind, None) not in order:
-                order.append((ev.kind, None))
-        else:
-            order.append((ev.kind, ev))
+    """Notifications for one window's events, in the order of each group's first event.
+
+    A kind that `summarize_at` or more hosts reached is one fleet summary; otherwise one host's
+    repeats of a kind (three restarts in a window) are one host summary; the rest go singly.
+    """
+    evs = sorted(events, key=lambda e: e.at)
+    hosts_of: dict[EventKind, set[str]] = {}
+    for ev in evs:
+        hosts_of.setdefault(ev.kind, set()).add(ev.host)
+    groups: dict[tuple[EventKind, str | None], list[WatchEvent]] = {}
+    for ev in evs:
+        fleet = len(hosts_of[ev.kind]) >= summarize_at
+        groups.setdefault((ev.kind, None if fleet else ev.host), []).append(ev)
     out: list[Notification] = []
-    for kind, one in order:
-        if one is not None:
-            out.append(_single(one))
+    for (kind, host), group in groups.items():  # dicts keep first-insertion order
+        if host is None:
+            out.append(_summary(kind, group))
+        elif len(group) == 1:
+            out.append(_single(group[0]))
         else:
-            out.append(_summary(kind, groups[kind]))
+            out.append(_repeats(host, kind, group))
     return out
-
-
-def _in_order(groups: dict[EventKind, list[WatchEvent]]) -> list[WatchEvent]:
-    return sorted((e for g in groups.values() for e in g), key=lambda e: e.at)
 
 
 def _single(ev: WatchEvent) -> Notification:
     title = f"dflash {ev.host}: {_kind_text(ev)}"
     return Notification(title, format_event_line(ev), _SEVERITY[ev.kind], (ev,))
+
+
+def _repeats(host: str, kind: EventKind, evs: list[WatchEvent]) -> Notification:
+    title = f"dflash {host}: {kind.value} {len(evs)} times"
+    body = "\n".join(format_event_line(e) for e in evs[:MAX_LISTED])
+    return Notification(title, body, _SEVERITY[kind], tuple(evs))
 
 
 def _summary(kind: EventKind, evs: list[WatchEvent]) -> Notification:

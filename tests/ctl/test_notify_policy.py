@@ -45,6 +45,13 @@ def test_a_burst_of_one_kind_is_one_message_others_stay_single() -> None:
     ]
 
 
+def test_one_hosts_repeats_in_a_window_are_one_message() -> None:
+    evs = [ev("a", K.RESTARTED, T0 + i) for i in range(3)] + [ev("b", K.RESTARTED, T0 + 5)]
+    out = flush(evs, summarize_at=3)
+    assert [n.title for n in out] == ["dflash a: restarted 3 times", "dflash b: restarted"]
+    assert out[0].body.count("\n") == 2 and len(out[0].events) == 3
+
+
 def test_zero_window_sends_at_once_and_recovered_is_success() -> None:
     cfg = PolicyConfig(burst_s=0, unreachable_alert_s=60)
     state = PolicyState()
@@ -93,6 +100,10 @@ def check(out) -> None:
     firsts = [n.events[0].at for n in out]
     assert firsts == sorted(firsts)  # messages go in the order their first event happened
     for n in out:
-        if len(n.events) > 1:  # a summary: one kind, many hosts
+        if len(n.events) > 1:  # a summary: one kind, one host's repeats or many hosts
             assert len({e.kind for e in n.events}) == 1
-            assert len({e.host for e in n.events}) >= 2
+    keys = [
+        (n.events[0].kind, n.events[0].host if len({e.host for e in n.events}) == 1 else None)
+        for n in out
+    ]
+    assert len(keys) == len(set(keys))  # a window never repeats a message for one kind and host
