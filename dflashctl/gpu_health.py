@@ -24,6 +24,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 
+from dflashctl.watch_events import EventKind, WatchEvent
+
 __all__ = [
     "HARMFUL_REASONS",
     "LEGACY_REASONS_PREFIX",
@@ -32,6 +34,7 @@ __all__ = [
     "GpuEventKind",
     "GpuHealth",
     "Xid",
+    "as_watch_events",
     "gpu_events",
     "health_fields",
     "health_query_argv",
@@ -364,3 +367,16 @@ def gpu_events(
             text += f": {x.detail}"
         out.append(GpuEvent(GpuEventKind.XID, gpu, text))
     return out
+
+
+_WATCH_KIND = {
+    GpuEventKind.ECC_UNCORRECTED: EventKind.GPU_ERROR,
+    GpuEventKind.XID: EventKind.GPU_ERROR,
+    GpuEventKind.THROTTLED: EventKind.GPU_THROTTLED,
+    GpuEventKind.THROTTLE_CLEARED: EventKind.GPU_CLEARED,
+}
+
+
+def as_watch_events(host: str, at: float, events: Iterable[GpuEvent]) -> list[WatchEvent]:
+    """GPU events as watch events, so they are printed and notified like the run's."""
+    return [WatchEvent(host, _WATCH_KIND[e.kind], at, e.detail) for e in events]

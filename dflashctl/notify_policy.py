@@ -33,6 +33,9 @@ _SEVERITY: dict[EventKind, str] = {
     EventKind.RESTARTED: "warning",
     EventKind.FINISHED: "success",
     EventKind.RECOVERED: "success",
+    EventKind.GPU_ERROR: "failure",
+    EventKind.GPU_THROTTLED: "warning",
+    EventKind.GPU_CLEARED: "success",
 }
 MAX_LISTED = 20
 

@@ -72,6 +72,10 @@ class EventKind(StrEnum):
     FINISHED = "finished"
     UNREACHABLE = "unreachable"
     RECOVERED = "recovered"
+    # from dflashctl.gpu_health (`as_watch_events`): already once per change of a reading
+    GPU_ERROR = "gpu-error"  # uncorrected ECC errors rose, an Xid
+    GPU_THROTTLED = "gpu-throttled"  # a harmful clock-event reason became active
+    GPU_CLEARED = "gpu-cleared"  # ... and stopped
 
 
 _EVENT_OF: dict[Condition, EventKind] = {

@@ -16,6 +16,7 @@ from dflashctl.gpu_health import (
     LEGACY_REASONS_PREFIX,
     GpuEventKind,
     GpuHealth,
+    as_watch_events,
     gpu_events,
     health_fields,
     health_query_argv,
@@ -25,6 +26,8 @@ from dflashctl.gpu_health import (
     parse_xid_lines,
     unknown_query_field,
 )
+from dflashctl.notify_policy import flush
+from dflashctl.watch_events import EventKind
 
 FIX = Path(__file__).parent / "fixtures" / "gpu-health"
 
@@ -171,3 +174,15 @@ def test_events_between_readings() -> None:
     assert lone[0].gpu is None and lone[0].detail.startswith(
         "PCI 0000:3b:00: Xid 79 (GPU has fallen"
     )
+
+    wev = as_watch_events("node-a", 1_800_000_000.0, evs)
+    assert [e.kind for e in wev] == [
+        EventKind.GPU_CLEARED,
+        EventKind.GPU_ERROR,
+        EventKind.GPU_ERROR,
+    ]
+    notes = flush(wev)
+    assert [(n.title, n.severity) for n in notes] == [
+        ("dflash node-a: gpu-cleared", "success"),
+        ("dflash node-a: gpu-error 2 times", "failure"),
+    ]
