@@ -23,6 +23,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
+from datetime import UTC, datetime
 from enum import StrEnum
 from typing import Any
 
@@ -312,32 +313,52 @@ def snapshot_from_status(d: Mapping[str, Any], at: float) -> HostSnapshot:
         return HostSnapshot(host, at, reachable=False, step=step, detail=_str(d.get("message")))
     exit_status = d.get("exit_status") if isinstance(d.get("exit_status"), int) else None
     supervisor = d.get("supervisor") if isinstance(d.get("supervisor"), Mapping) else {}
+    # The supervisor is the pane's process: the pane says "running" while the trainer under it
+    # is in a restart backoff or being killed for a stall, so its own state wins there.
+    sup_state = supervisor.get("state")
     last_error = _str(d.get("last_error"))
-    if supervisor.get("gave_up") or state == "gave-up":
+    if supervisor.get("gave_up") or "gave-up" in (state, sup_state):
         cond = Condition.GAVE_UP
-    elif last_error and NONFINITE_MARK in last_error and state in {"crashed", "stopped", "gave-up"}:
+    elif last_error and NONFINITE_MARK in last_error and state in {"crashed", "stopped"}:
         cond = Condition.NONFINITE
-    elif state in {"stalled", "restarting", "crashed", "running"}:
+    elif state in {"stalled", "restarting"}:
+        cond = Condition(state)
+    elif state == "running" and sup_state in {"stalled", "restarting"}:
+        cond = Condition(sup_state)
+    elif state in {"crashed", "running"}:
         cond = Condition(state)
     elif d.get("finished"):
         cond = Condition.FINISHED
     else:
         cond = Condition.STOPPED
-    restarts = tuple(_restart(r) for r in d.get("restarts") or () if isinstance(r, Mapping))
+    raw_restarts = d.get("restarts") or supervisor.get("restarts") or ()
+    restarts = tuple(_restart(r) for r in raw_restarts if isinstance(r, Mapping))
     detail = last_error if cond in ALERT_CONDITIONS else None
     return HostSnapshot(host, at, True, cond, exit_status, step, detail, restarts)
 
 
 def _restart(r: Mapping[str, Any]) -> Restart:
-    at = r.get("at", r.get("time"))
     es = r.get("exit_status")
-    step = r.get("resumed_step", r.get("step"))
+    step = r.get("resumed_step")
     return Restart(
-        at=float(at) if isinstance(at, int | float) else None,
+        at=_when(r.get("at")),
         reason=str(r.get("reason", "?")),
         exit_status=es if isinstance(es, int) else None,
         resumed_step=step if isinstance(step, int) else None,
     )
+
+
+def _when(v: object) -> float | None:
+    """Epoch seconds from a number or an ISO-8601 UTC stamp (supervisor.json's `at`)."""
+    if isinstance(v, int | float) and not isinstance(v, bool):
+        return float(v)
+    if isinstance(v, str):
+        try:
+            when = datetime.fromisoformat(v.replace("Z", "+00:00"))
+        except ValueError:
+            return None
+        return (when if when.tzinfo else when.replace(tzinfo=UTC)).timestamp()
+    return None
 
 
 def _str(v: object) -> str | None:

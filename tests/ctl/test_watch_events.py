@@ -149,6 +149,26 @@ def test_snapshot_from_status_json() -> None:
     assert snapshot_from_status({"host": "a", "state": "stopped"}, T0).condition == C.STOPPED
 
 
+def test_snapshot_from_status_with_the_supervisor() -> None:
+    """The pane runs the supervisor, so "running" + supervisor "restarting" is restarting."""
+    sup = {
+        "state": "restarting",
+        "gave_up": False,
+        "restarts": [{"at": "2027-01-15T08:00:05Z", "attempt": 2, "reason": "signal 9",
+                      "exit_status": -9, "signal": "SIGKILL", "checkpoint_step": 40,
+                      "resumed_step": None, "backoff_s": 10}],
+    }  # fmt: skip
+    snap = snapshot_from_status({"host": "a", "state": "running", "supervisor": sup}, T0)
+    assert snap.condition == C.RESTARTING
+    assert snap.restarts == (Restart(T0 + 5, "signal 9", -9, None),)
+    stalled = {"host": "a", "state": "running", "supervisor": {"state": "stalled"}}
+    assert snapshot_from_status(stalled, T0).condition == C.STALLED
+    calm = {"host": "a", "state": "running", "supervisor": {"state": "running"}}
+    assert snapshot_from_status(calm, T0).condition == C.RUNNING
+    gave = {"host": "a", "state": "stopped", "exit_status": 1, "supervisor": {"state": "gave-up"}}
+    assert snapshot_from_status(gave, T0).condition == C.GAVE_UP
+
+
 # --- properties ------------------------------------------------------------------------------
 
 _conds = st.sampled_from(list(Condition))
