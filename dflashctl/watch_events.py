@@ -315,7 +315,7 @@ def snapshot_from_status(d: Mapping[str, Any], at: float) -> HostSnapshot:
     supervisor = d.get("supervisor") if isinstance(d.get("supervisor"), Mapping) else {}
     # The supervisor is the pane's process: the pane says "running" while the trainer under it
     # is in a restart backoff or being killed for a stall, so its own state wins there.
-    sup_state = supervisor.get("state")
+    sup_state = _str(supervisor.get("state"))
     last_error = _str(d.get("last_error"))
     if supervisor.get("gave_up") or "gave-up" in (state, sup_state):
         cond = Condition.GAVE_UP
@@ -331,7 +331,9 @@ def snapshot_from_status(d: Mapping[str, Any], at: float) -> HostSnapshot:
         cond = Condition.FINISHED
     else:
         cond = Condition.STOPPED
-    raw_restarts = d.get("restarts") or supervisor.get("restarts") or ()
+    raw_restarts = d.get("restarts") or supervisor.get("restarts")
+    if not isinstance(raw_restarts, list | tuple):
+        raw_restarts = ()
     restarts = tuple(_restart(r) for r in raw_restarts if isinstance(r, Mapping))
     detail = last_error if cond in ALERT_CONDITIONS else None
     return HostSnapshot(host, at, True, cond, exit_status, step, detail, restarts)
@@ -355,9 +357,9 @@ def _when(v: object) -> float | None:
     if isinstance(v, str):
         try:
             when = datetime.fromisoformat(v.replace("Z", "+00:00"))
-        except ValueError:
+            return (when if when.tzinfo else when.replace(tzinfo=UTC)).timestamp()
+        except (ValueError, OverflowError, OSError):
             return None
-        return (when if when.tzinfo else when.replace(tzinfo=UTC)).timestamp()
     return None
 
 

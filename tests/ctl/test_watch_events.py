@@ -205,6 +205,10 @@ def test_events_only_on_changes_and_recovered_only_after_an_alert(seq) -> None:
             assert [e for e in mine if e.kind != K.RESTARTED] == []
         if key != ("down",):
             assert len([e for e in mine if e.kind == K.RESTARTED]) <= item[2]
+        # one poll: at most one condition event, plus at most the end of an outage
+        back = [e for e in mine if e.kind == K.RECOVERED and e.condition is None]
+        assert len(back) <= 1
+        assert len([e for e in mine if e.kind != K.RESTARTED and e not in back]) <= 1
         for e in evs:
             alerts = open_alerts[e.host]
             if e.kind == K.UNREACHABLE:
@@ -223,3 +227,43 @@ def test_events_only_on_changes_and_recovered_only_after_an_alert(seq) -> None:
             elif e.kind == K.FINISHED:
                 alerts.intersection_update({"unreachable"})
         prev[host] = key
+
+
+_json = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=5),
+    lambda inner: (
+        st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=5), inner, max_size=3)
+    ),
+    max_leaves=8,
+)
+_keys = st.sampled_from(
+    [
+        "host",
+        "state",
+        "step",
+        "exit_status",
+        "finished",
+        "last_error",
+        "message",
+        "supervisor",
+        "restarts",
+    ]
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.dictionaries(
+        _keys, _json | st.sampled_from(["running", "crashed", "unreachable", "gave-up"])
+    ),
+    st.dictionaries(st.sampled_from(["state", "gave_up", "restarts"]), _json, max_size=3),
+)
+def test_snapshot_from_status_never_raises_on_any_json(d, sup) -> None:
+    """A host with a strange status dict must not stop the watch of the others."""
+    d = dict(d)
+    if sup:
+        d["supervisor"] = sup
+    snap = snapshot_from_status(d, T0)
+    assert snap.reachable == (d.get("state") != "unreachable")
+    if snap.reachable:
+        assert isinstance(snap.condition, Condition)
