@@ -143,7 +143,8 @@ class Supervisor:
     # ------------------------------------------------------------------ output
     def say(self, text: str, status_log: bool = False) -> None:
         """A line on stdout and in console.log (and status.log for events the parser reads)."""
-        print(text, file=self.out, flush=True)
+        with contextlib.suppress(OSError):  # the pane may be gone (SIGHUP): the files remain
+            print(text, file=self.out, flush=True)
         for name in ("console.log", "status.log") if status_log else ("console.log",):
             try:
                 with open(self.run_dir / name, "a") as fh:

@@ -182,6 +182,17 @@ def test_usage_errors_are_one_line_and_exit_2(args: list[str], message: str) -> 
     assert out.returncode == 2 and message in out.stderr.splitlines()[-1], out.stderr
 
 
+def test_a_trainer_that_cannot_start_is_one_line_and_exit_2(tmp_path: Path) -> None:
+    argv = _sup_argv(tmp_path / "run", child=[str(tmp_path / "no-such-python"), "-m", "trainer"])
+    out = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=30)
+    assert out.returncode == 2
+    assert out.stdout.splitlines() == [
+        f"ERROR: cannot start the trainer {str(tmp_path / 'no-such-python')!r}: "
+        "No such file or directory"
+    ]
+    assert _sup_state(tmp_path / "run")["state"] == "failed"
+
+
 # ---------------------------------------------------------------------------- scripted children
 
 # Appends a line per start to STARTS, then exits with CODE.
