@@ -12,6 +12,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from dflashctl.gpu_health import (
     LEGACY_REASONS_PREFIX,
     GpuEventKind,
@@ -186,3 +189,14 @@ def test_events_between_readings() -> None:
         ("dflash node-a: gpu-cleared", "success"),
         ("dflash node-a: gpu-error 2 times", "failure"),
     ]
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.text(max_size=40) | st.sampled_from(read("h100x8-driver550.csv").splitlines())))
+def test_parsers_never_raise(lines) -> None:
+    """A garbled row (a driver printing a warning mid-output) costs that row, never the poll."""
+    text = "\n".join(lines)
+    gpus, errors = parse_health_csv(text)
+    assert len(gpus) + len(errors) <= len(text.splitlines())  # one record or error per row
+    parse_xid_lines(text)
+    parse_xid_lines(text.replace(", ", ": NVRM: Xid (PCI:0000:3b:00): "))
