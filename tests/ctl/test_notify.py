@@ -48,7 +48,9 @@ class Receiver:
 
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.port = self.server.server_address[1]
-        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread = threading.Thread(
+            target=self.server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True
+        )
 
     def url(self) -> str:
         return f"json://127.0.0.1:{self.port}/hook/{SECRET}"
@@ -142,9 +144,48 @@ def test_one_dead_target_does_not_keep_the_message_from_the_others(
     assert len(report.delivered) == 1 and len(report.failed) == 1
 
 
-def test_file_errors_name_the_file_and_line_never_the_url(tmp_path: Path) -> None:
+def test_a_receiver_that_hangs_up_mid_request_is_a_failure_not_a_crash(tmp_path: Path) -> None:
+    """A proxy or a restarting service that accepts and closes without answering."""
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(8)
+    port = srv.getsockname()[1]
+    srv.settimeout(0.1)
+    accepted: list[int] = []
+    done = threading.Event()
+
+    def hang_up() -> None:
+        while not done.is_set():
+            try:
+                conn, _ = srv.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            conn.recv(65536)
+            accepted.append(1)
+            conn.close()
+
+    t = threading.Thread(target=hang_up, daemon=True)
+    t.start()
+    try:
+        targets, _ = load_targets(urls_file(tmp_path, f"json://127.0.0.1:{port}/h/{SECRET}\n"))
+        report = Notifier(targets, backoff_s=(0, 0), sleep=Sleeps()).send(note("cut"))
+    finally:
+        done.set()
+        t.join(5)
+        srv.close()
+    assert not report.ok and report.attempts == 3 and len(accepted) == 3
+
+
+def test_file_errors_name_the_file_and_line_never_the_url(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, capsys: pytest.CaptureFixture[str]
+) -> None:
     text = f"json://127.0.0.1:1/ok\nnot a url {SECRET}\nnosuchservice://{SECRET}@x/y\n"
-    targets, errors = load_targets(urls_file(tmp_path, text))
+    with caplog.at_level(logging.DEBUG):
+        targets, errors = load_targets(urls_file(tmp_path, text))
+    out = capsys.readouterr()
+    assert SECRET not in caplog.text + out.out + out.err
     assert [t.line for t in targets] == [1]
     assert [e.split(": ")[0] for e in errors] == [
         f"{tmp_path / 'notify-urls'} line 2",
