@@ -12,8 +12,9 @@ CLI:
     python -m trainer.buckets compare --lengths PATH --token-budget T --max-batch B
         [--buckets K | --boundaries a,b,c] [--epochs 2] [--candidates N] [--json]
 
---candidates N (default 2048): up to N - 1 distinct lengths every one is a candidate cut and the
-plan is the exact optimum; with more, a grid refined around the cuts (the output says so).
+--candidates N (default 2048, less for lengths spanning many batch sizes x classes, whose segments
+cost more): up to N - 1 distinct lengths every one is a candidate cut and the plan is the exact
+optimum; with more, a grid refined around the cuts (the output says so).
 
 PATH is a `.npy` array of lengths or a token-store directory. Bad input exits 2 with one line.
 """
@@ -34,7 +35,9 @@ import numpy as np
 
 from trainer.bucketing.dp import (
     DEFAULT_CANDIDATES,
+    GRID_CANDIDATES,
     Grid,
+    default_candidates,
     make_grid,
     optimal_segmentations,
     segment_costs,
@@ -181,7 +184,7 @@ def plan_buckets(
     k_max: int | None = None,
     simulate: bool = True,
     seed: int = 0,
-    max_candidates: int = DEFAULT_CANDIDATES,
+    max_candidates: int | None = None,
 ) -> BucketPlan:
     """Optimal K-bucket boundaries for greedy token-budget packing, with the efficiency-vs-K curve.
 
@@ -200,6 +203,8 @@ def plan_buckets(
         simulate: also run the sampler for one epoch and report the measured efficiency.
         seed: the simulation's sampler seed.
         max_candidates: candidate-edge budget of the DP (exact when the distinct lengths fit).
+            None: `default_candidates` (2,048, fewer for lengths spanning many batch-size
+            classes, whose segments cost more).
 
     Raises:
         PlanError: bad lengths, budget below the longest sample, K, min_share or the candidate
@@ -210,13 +215,17 @@ def plan_buckets(
         raise PlanError(f"number of buckets must be >= 1, got {k}", "--buckets")
     if not 0.0 <= min_share < 1.0:
         raise PlanError(f"min share must be in [0, 1), got {min_share}", "--min-share")
+    grid_candidates = GRID_CANDIDATES
+    if max_candidates is None:  # both budgets shrink together for costly (many-class) lengths
+        max_candidates = default_candidates(x, token_budget, max_batch)
+        grid_candidates = max(64, GRID_CANDIDATES * max_candidates // DEFAULT_CANDIDATES)
     if max_candidates < 2:
         raise PlanError(f"must be >= 2 (edges), got {max_candidates}", "--candidates")
     n = len(x)
     t0 = time.perf_counter()
     min_count = max(1, int(np.ceil(min_share * n - 1e-9)))
     k_top = max(k, k_max or DEFAULT_K_MAX)
-    grid = make_grid(x, max_candidates=max_candidates)
+    grid = make_grid(x, max_candidates=max_candidates, grid_candidates=grid_candidates)
     solutions = _solve(grid, token_budget, max_batch, min_count, k_top)
     if k not in solutions:
         most = max(solutions) if solutions else 0
@@ -235,7 +244,9 @@ def plan_buckets(
         for _ in range(REFINE_PASSES):
             cuts = grid.edges[solutions[k][1]][1:-1]
             near = np.unique(np.concatenate([near, *(_near(coarse, int(c)) for c in cuts)]))
-            refined = make_grid(x, max_candidates=max_candidates, extra_edges=near)
+            refined = make_grid(
+                x, max_candidates, extra_edges=near, grid_candidates=grid_candidates
+            )
             if np.array_equal(refined.edges, grid.edges):
                 break  # every cut's window was already searched
             grid = refined
@@ -415,9 +426,10 @@ def _parser() -> argparse.ArgumentParser:
     common.add_argument(
         "--candidates",
         type=int,
-        default=DEFAULT_CANDIDATES,
-        help=f"candidate cut budget of the DP (default {DEFAULT_CANDIDATES}): every distinct "
-        "length when they fit (exact optimum), else a refined grid (said in the output)",
+        default=None,
+        help=f"candidate cut budget of the DP (default {DEFAULT_CANDIDATES}, less for lengths "
+        "spanning many batch sizes x classes): every distinct length when they fit (exact "
+        "optimum), else a refined grid (said in the output)",
     )
     plan = sub.add_parser("plan", parents=[common], help="optimal boundaries for K buckets")
     plan.add_argument("--buckets", type=int, required=True, help="number of buckets K")

@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 from trainer.bucketing.dp import make_grid, reference_segment_costs, stationary_min_kernel
 from trainer.bucketing.estimate import estimate_bucket, histogram
 from trainer.buckets import BucketPlan, format_plan_table, plan_buckets
+from trainer.data.lengths import seed_shaped_lengths
 
 T, B = 49_152, 64
 
@@ -144,3 +145,19 @@ def test_adding_samples_can_cost_less_than_their_own_tokens() -> None:
     a = estimate_bucket(v[:3], c[:3], 600, 43).padded  # A: the three shortest lengths
     both = estimate_bucket(v, c, 600, 43).padded
     assert both < a + float(np.dot(v[3:], c[3:]))
+
+
+def test_the_default_budget_shrinks_for_lengths_spanning_many_batch_sizes() -> None:
+    """2,048 candidates at the benchmarked 59 sizes x 59 classes; fewer where segments cost more."""
+    from trainer.bucketing.dp import DEFAULT_CANDIDATES, batch_classes, default_candidates
+
+    seed = seed_shaped_lengths(20_000)
+    assert batch_classes(seed, T, B) == (59, 59)
+    assert default_candidates(seed, T, B) == DEFAULT_CANDIDATES
+    short = np.arange(20, 600)  # T // length: 2,457 .. 82 under B = 4,096
+    assert batch_classes(short, T, 4096) == (2457 - 82 + 1, 342)
+    assert default_candidates(short, T, 4096) == 134  # 2,048 * sqrt(59 * 59 / (2,376 * 342))
+    plan = plan_buckets(seed[:300], 3, T, B, simulate=False)
+    assert plan.search.max_candidates == DEFAULT_CANDIDATES and plan.search.exact
+    forced = plan_buckets(seed[:300], 3, T, B, simulate=False, max_candidates=8)
+    assert forced.search.max_candidates == 8 and not forced.search.exact

@@ -28,6 +28,26 @@ DEFAULT_CANDIDATES = 2048
 # Above that, the coarse grid's edge count (16-token steps over lengths up to 8,192), refined
 # around the chosen cuts by the caller.
 GRID_CANDIDATES = 512
+# The cost per segment grows with the batch sizes m and the classes min(B, T // length) the
+# lengths span (an (ends x sizes) @ (sizes x classes) product per start); both budgets above were
+# measured at 59 sizes x 59 classes (T = 49,152, B = 64, lengths up to 8,192).
+# `default_candidates` shrinks them as sqrt(59 * 59 / (sizes * classes)) beyond that.
+REFERENCE_WORK = 59 * 59
+
+
+def batch_classes(lengths: np.ndarray, token_budget: int, max_batch: int) -> tuple[int, int]:
+    """(batch sizes, classes) the model spans: max - min + 1 of min(B, T // length), and how
+    many distinct values it takes over the lengths."""
+    d = np.unique(np.asarray(lengths, dtype=np.int64))
+    cls = np.unique(np.minimum(int(max_batch), int(token_budget) // d))
+    return int(cls[-1] - cls[0] + 1), len(cls)
+
+
+def default_candidates(lengths: np.ndarray, token_budget: int, max_batch: int) -> int:
+    """DEFAULT_CANDIDATES, scaled down for lengths whose segments cost more than the benchmark's."""
+    sizes, classes = batch_classes(lengths, token_budget, max_batch)
+    scale = min(1.0, (REFERENCE_WORK / (sizes * classes)) ** 0.5)
+    return max(64, int(DEFAULT_CANDIDATES * scale))
 
 
 @dataclass(frozen=True)
@@ -52,9 +72,10 @@ def make_grid(
     lengths: np.ndarray,
     max_candidates: int = DEFAULT_CANDIDATES,
     extra_edges: Iterable[int] = (),
+    grid_candidates: int = GRID_CANDIDATES,
 ) -> Grid:
     """Candidate edges: every distinct length when they fit in `max_candidates` edges, else a
-    power-of-two grid of at most min(max_candidates, GRID_CANDIDATES) edges, plus `extra_edges`
+    power-of-two grid of at most min(max_candidates, grid_candidates) edges, plus `extra_edges`
     (the refinement windows around chosen cuts)."""
     x = np.asarray(lengths, dtype=np.int64)
     distinct, count = np.unique(x, return_counts=True)
@@ -64,7 +85,8 @@ def make_grid(
     if exact:
         edges = np.append(distinct, hi)
     else:
-        while (hi - lo) / step + 1 > max(min(max_candidates, GRID_CANDIDATES), 2):
+        grid_max = max(min(max_candidates, grid_candidates), 2)
+        while (hi - lo) / step + 1 > grid_max:
             step *= 2
         edges = _edges(lo, hi, step)
     extra = np.asarray(list(extra_edges), dtype=np.int64)
