@@ -95,7 +95,8 @@ class Restart:
     at: float | None
     reason: str  # "exit 1" | "signal 9" | "stalled 900 s" | "oom"
     exit_status: int | None = None
-    resumed_step: int | None = None
+    resumed_step: int | None = None  # null in supervisor.json until the new attempt says
+    checkpoint_step: int | None = None  # the newest checkpoint before the restart
 
 
 @dataclass(frozen=True)
@@ -261,6 +262,8 @@ def _restart_text(r: Restart) -> str:
     text = r.reason
     if r.resumed_step is not None:
         text += f" (resumed from step {r.resumed_step})"
+    elif r.checkpoint_step is not None:
+        text += f" (newest checkpoint: step {r.checkpoint_step})"
     return text
 
 
@@ -340,14 +343,17 @@ def snapshot_from_status(d: Mapping[str, Any], at: float) -> HostSnapshot:
 
 
 def _restart(r: Mapping[str, Any]) -> Restart:
-    es = r.get("exit_status")
-    step = r.get("resumed_step")
     return Restart(
         at=_when(r.get("at")),
         reason=str(r.get("reason", "?")),
-        exit_status=es if isinstance(es, int) else None,
-        resumed_step=step if isinstance(step, int) else None,
+        exit_status=_int(r.get("exit_status")),
+        resumed_step=_int(r.get("resumed_step")),
+        checkpoint_step=_int(r.get("checkpoint_step")),
     )
+
+
+def _int(v: object) -> int | None:
+    return v if isinstance(v, int) and not isinstance(v, bool) else None
 
 
 def _when(v: object) -> float | None:

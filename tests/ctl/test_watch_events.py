@@ -160,7 +160,10 @@ def test_snapshot_from_status_with_the_supervisor() -> None:
     }  # fmt: skip
     snap = snapshot_from_status({"host": "a", "state": "running", "supervisor": sup}, T0)
     assert snap.condition == C.RESTARTING
-    assert snap.restarts == (Restart(T0 + 5, "signal 9", -9, None),)
+    assert snap.restarts == (Restart(T0 + 5, "signal 9", -9, None, 40),)
+    state, _ = derive(WatchState(), [up("a", T0, C.RUNNING)], T0)
+    _, evs = derive(state, [snap], T0)
+    assert [e.detail for e in evs] == ["signal 9 (newest checkpoint: step 40)"]
     stalled = {"host": "a", "state": "running", "supervisor": {"state": "stalled"}}
     assert snapshot_from_status(stalled, T0).condition == C.STALLED
     calm = {"host": "a", "state": "running", "supervisor": {"state": "running"}}
