@@ -225,9 +225,16 @@ def test_a_crash_loop_is_restarted_max_restarts_times_then_gives_up_once(
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize(("code", "opts"), [(2, []), (7, ["--no-restart-exit-codes", "2,7"])])
-def test_no_restart_exit_codes_are_not_restarted(
-    tmp_path: Path, sups: list[Sup], code: int, opts: list[str]
+@pytest.mark.parametrize(
+    ("code", "opts", "why"),
+    [
+        (2, [], "exit 2 is in no_restart_exit_codes"),
+        (7, ["--no-restart-exit-codes", "2,7"], "exit 7 is in no_restart_exit_codes"),
+        (1, ["--restart", "never"], "exit 1; restart = never"),
+    ],
+)
+def test_no_restart_exit_codes_and_restart_never_are_not_restarted(
+    tmp_path: Path, sups: list[Sup], code: int, opts: list[str], why: str
 ) -> None:
     run, starts = tmp_path / "run", tmp_path / "starts"
     argv = _sup_argv(
@@ -239,7 +246,70 @@ def test_no_restart_exit_codes_are_not_restarted(
     assert starts.read_text().count("start") == 1
     assert _sup_state(run)["state"] == "not-restarted" and _sup_state(run)["restarts"] == []
     (line,) = _phases(run, "not_restarting")
-    assert line.detail == f"exit {code} is in no_restart_exit_codes"
+    assert line.detail == why
+
+
+@pytest.mark.timeout(60)
+def test_restarts_older_than_the_window_do_not_count(tmp_path: Path, sups: list[Sup]) -> None:
+    """max_restarts 1 within 0.5 s: failures 0.8 s apart are restarted every time."""
+    run, starts = tmp_path / "run", tmp_path / "starts"
+    child = _script(
+        "import sys, time\n"
+        "f = open(sys.argv[1], 'a'); f.write('start\\n'); f.close()\n"
+        "n = open(sys.argv[1]).read().count('start')\n"
+        "time.sleep(0.8)\n"
+        "sys.exit(1 if n <= 3 else 0)\n"
+    )
+    argv = _sup_argv(
+        run, "--max-restarts", "1", "--restart-window-s", "0.5", "--backoff-s", "0.05",
+        child=[*child, str(starts)],
+    )  # fmt: skip
+    s = Sup(argv, tmp_path / "out")
+    sups.append(s)
+    assert s.wait(40) == 0
+    state = _sup_state(run)
+    assert state["state"] == "finished" and not state["gave_up"]
+    assert [r["reason"] for r in state["restarts"]] == ["exit 1"] * 3
+    assert [r["backoff_s"] for r in state["restarts"]] == [0.05] * 3  # each is restart 1 of 1
+
+
+@pytest.mark.timeout(60)
+def test_an_oom_error_line_is_reason_oom(tmp_path: Path, sups: list[Sup]) -> None:
+    run = tmp_path / "run"
+    child = _script(
+        "import sys\n"
+        "open(sys.argv[1] + '/status.log', 'a').write("
+        "'ERROR: stage target failed: OutOfMemoryError: CUDA out of memory. Tried to allocate "
+        "2.00 GiB\\n')\n"
+        "sys.exit(1)\n"
+    )
+    argv = _sup_argv(run, "--max-restarts", "1", "--backoff-s", "0.05", child=[*child, str(run)])
+    s = Sup(argv, tmp_path / "out")
+    sups.append(s)
+    assert s.wait(30) == 1
+    state = _sup_state(run)
+    assert [r["reason"] for r in state["restarts"]] == ["oom"]
+    assert _phases(run, "gave_up")[0].detail.endswith(": oom, oom")
+
+
+@pytest.mark.timeout(60)
+def test_a_killed_supervisor_leaves_no_orphan_trainer(tmp_path: Path, sups: list[Sup]) -> None:
+    """SIGKILL to the supervisor: the child gets SIGTERM (its graceful stop), not nothing."""
+    run, seen = tmp_path / "run", tmp_path / "seen"
+    child = _script(
+        "import signal, sys, time\n"
+        "signal.signal(signal.SIGTERM, lambda *a: (open(sys.argv[1], 'w').write('TERM'), "
+        "sys.exit(0)))\n"
+        "open(sys.argv[1] + '.ready', 'w').close()\n"
+        "time.sleep(60)\n"
+    )
+    s = Sup(_sup_argv(run, child=[*child, str(seen)]), tmp_path / "out")
+    sups.append(s)
+    _until(lambda: Path(f"{seen}.ready").exists(), 30, "the child to start")
+    s.proc.kill()
+    s.wait(10)
+    _until(seen.exists, 10, "the child's SIGTERM")
+    assert seen.read_text() == "TERM"
 
 
 @pytest.mark.timeout(60)
