@@ -169,6 +169,7 @@ class Supervisor:
         if child is not None and child.returncode is None:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(child.pid, signum)  # one per signal received: the child has its own pgrp
+                os.kill(child.pid, signal.SIGCONT)  # a SIGSTOPped child must see it too
 
     def install_signals(self) -> None:
         for s in FORWARDED:
@@ -245,7 +246,10 @@ class Supervisor:
             stalled_s=stalled,
             trainer_state=read_trainer_state(self.run_dir, child.pid),
             errors=tuple(progress.errors),
-            oom_killed=None not in (oom_before, oom_after) and oom_after > oom_before,  # type: ignore[operator]
+            oom_killed=child.returncode == -signal.SIGKILL
+            and oom_before is not None
+            and oom_after is not None
+            and oom_after > oom_before,
         )
         return ending, progress
 
@@ -289,7 +293,8 @@ class Supervisor:
                 self.save(state="finished", detail=why, exit_status=status)
                 return status
             if verdict == "stopped":
-                self.say(f"{PREFIX}{why} ({self.stop_signal or 'trainer'}): not restarting")
+                by = f" ({self.stop_signal})" if ending.operator_stop else ""
+                self.say(f"{PREFIX}{why}{by}: not restarting")
                 self.save(state="stopped", detail=why, exit_status=status)
                 return status
             if verdict == "not-restarted":

@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 
+from tests.conftest import require_part
 from trainer.events import CheckpointEvent, PhaseEvent, StatusEvent, parse_line
 from trainer.supervision.policy import Ending, Policy, decide, reason, restart_argv
 
@@ -290,6 +291,50 @@ def test_an_oom_error_line_is_reason_oom(tmp_path: Path, sups: list[Sup]) -> Non
     state = _sup_state(run)
     assert [r["reason"] for r in state["restarts"]] == ["oom"]
     assert _phases(run, "gave_up")[0].detail.endswith(": oom, oom")
+
+
+def _limited_memory_cgroup(root: Path, name: str, limit: int) -> Path | None:
+    """A new memory cgroup under this process's own with `limit` bytes; None when not allowed."""
+    for line in Path("/proc/self/cgroup").read_text().splitlines():
+        _, controllers, path = line.split(":", 2)
+        if "memory" in controllers.split(","):  # v1
+            base, limit_file = root / "memory" / path.lstrip("/"), "memory.limit_in_bytes"
+        elif controllers == "":  # v2
+            base, limit_file = root / path.lstrip("/"), "memory.max"
+        else:
+            continue
+        cg = base / name
+        try:
+            cg.mkdir()
+            (cg / limit_file).write_text(str(limit))
+            return cg
+        except OSError:
+            with contextlib.suppress(OSError):
+                cg.rmdir()
+    return None
+
+
+@pytest.mark.timeout(60)
+def test_a_kernel_oom_kill_is_reason_oom(tmp_path: Path, sups: list[Sup]) -> None:
+    """A real OOM kill in a 200 MiB memory cgroup: signal 9, told apart by the cgroup's count."""
+    cg = _limited_memory_cgroup(Path("/sys/fs/cgroup"), f"dflash-oom-{os.getpid()}", 200 << 20)
+    require_part(cg is not None, "no writable memory cgroup to hold an OOM kill (needs root)")
+    assert cg is not None
+    run = tmp_path / "run"
+    hog = _script("import time; x = bytearray(600 << 20); time.sleep(30)")
+    argv = _sup_argv(run, "--max-restarts", "1", "--backoff-s", "0.05", child=hog)
+    # The supervisor enters the cgroup before exec, so it and its children count there.
+    wrapped = ["sh", "-c", f'echo $$ > {cg / "cgroup.procs"} && exec "$@"', "sh", *argv]
+    try:
+        s = Sup(wrapped, tmp_path / "out")
+        sups.append(s)
+        assert s.wait(40) == 128 + signal.SIGKILL, s.text()
+        state = _sup_state(run)
+        assert [(r["reason"], r["exit_status"]) for r in state["restarts"]] == [("oom", -9)]
+        assert _phases(run, "gave_up")[0].detail.endswith(": oom, oom")
+    finally:
+        with contextlib.suppress(OSError):
+            cg.rmdir()
 
 
 @pytest.mark.timeout(60)

@@ -72,22 +72,28 @@ def snapshot(pid: int) -> list[str]:
     return lines
 
 
-def _own_cgroup_dir() -> Path | None:
+def _oom_counter_files() -> list[Path]:
+    """Where this process's cgroup counts OOM kills: v2 memory.events, v1 memory.oom_control."""
     text = _read(Path("/proc/self/cgroup")) or ""
+    files: list[Path] = []
     for line in text.splitlines():
-        if line.startswith("0::"):  # cgroup v2 unified hierarchy
-            return Path("/sys/fs/cgroup") / line[3:].lstrip("/")
-    return None
+        _, controllers, path = line.split(":", 2) if line.count(":") >= 2 else ("", "", "")
+        rel = path.lstrip("/")
+        if controllers == "" and path:  # v2 unified hierarchy ("0::/path")
+            files.append(Path("/sys/fs/cgroup") / rel / "memory.events")
+        elif "memory" in controllers.split(","):
+            files.append(Path("/sys/fs/cgroup/memory") / rel / "memory.oom_control")
+            files.append(Path("/sys/fs/cgroup/memory/memory.oom_control"))  # a namespaced root
+    return files
 
 
 def oom_kills() -> int | None:
-    """The kernel OOM killer's count for this cgroup (v2 memory.events), None when unavailable."""
-    where = _own_cgroup_dir()
-    text = _read(where / "memory.events") if where else None
-    for line in (text or "").splitlines():
-        key, _, value = line.partition(" ")
-        if key == "oom_kill" and value.strip().isdigit():
-            return int(value)
+    """The kernel OOM killer's count for this process's cgroup, None when no file tells it."""
+    for path in _oom_counter_files():
+        for line in (_read(path) or "").splitlines():
+            key, _, value = line.partition(" ")
+            if key == "oom_kill" and value.strip().isdigit():
+                return int(value)
     return None
 
 
