@@ -366,15 +366,8 @@ def _split_argv(argv: list[str]) -> tuple[list[str], list[str]]:
     return argv[:i], argv[i + 1 :]
 
 
-def main(argv: list[str] | None = None) -> int:
-    own, trainer = _split_argv(list(sys.argv[1:] if argv is None else argv))
-    parser = _parser()
-    args = parser.parse_args(own)
-    if not trainer:
-        parser.error("no trainer argv: give it after '--' (python -m trainer --config ...)")
-    run_dir = args.run_dir or (Path(r) if (r := run_dir_of(trainer)) else None)
-    if run_dir is None:
-        parser.error("the trainer argv has no --run-dir and --run-dir was not given")
+def parse_policy(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Policy:
+    """The Policy the parsed flags give; a contradiction is a usage error (exit 2)."""
     if args.startup_timeout_s is None:
         args.startup_timeout_s = max(Policy().startup_timeout_s, args.stall_timeout_s)
     if args.startup_timeout_s < args.stall_timeout_s:
@@ -382,7 +375,7 @@ def main(argv: list[str] | None = None) -> int:
             f"--startup-timeout-s {args.startup_timeout_s:g} is shorter than "
             f"--stall-timeout-s {args.stall_timeout_s:g}"
         )
-    policy = Policy(
+    return Policy(
         restart=args.restart,
         max_restarts=args.max_restarts,
         restart_window_s=args.restart_window_s,
@@ -393,7 +386,18 @@ def main(argv: list[str] | None = None) -> int:
         backoff_max_s=args.backoff_max_s,
         kill_grace_s=args.kill_grace_s,
     )
-    return Supervisor(policy, trainer, run_dir).run()
+
+
+def main(argv: list[str] | None = None) -> int:
+    own, trainer = _split_argv(list(sys.argv[1:] if argv is None else argv))
+    parser = _parser()
+    args = parser.parse_args(own)
+    if not trainer:
+        parser.error("no trainer argv: give it after '--' (python -m trainer --config ...)")
+    run_dir = args.run_dir or (Path(r) if (r := run_dir_of(trainer)) else None)
+    if run_dir is None:
+        parser.error("the trainer argv has no --run-dir and --run-dir was not given")
+    return Supervisor(parse_policy(parser, args), trainer, run_dir).run()
 
 
 if __name__ == "__main__":

@@ -161,6 +161,22 @@ def test_decide_and_reasons() -> None:
     assert [Policy(backoff_s=2, backoff_max_s=10).backoff(n) for n in (1, 2, 3, 4)] == [2, 4, 8, 10]
 
 
+def test_policy_cli_args_round_trip_through_the_parser() -> None:
+    """What dflashctl will put before `--` gives back exactly the policy it came from."""
+    from trainer.supervise import _parser, parse_policy
+
+    for policy in (
+        Policy(),
+        Policy(
+            restart="never", max_restarts=0, restart_window_s=1234567.891, stall_timeout_s=3,
+            startup_timeout_s=7, no_restart_exit_codes=frozenset({2, 3, 77}), backoff_s=0.25,
+            backoff_max_s=4, kill_grace_s=1.5,
+        ),
+    ):  # fmt: skip
+        parser = _parser()
+        assert parse_policy(parser, parser.parse_args(policy.cli_args())) == policy
+
+
 def test_supervisor_is_torch_free() -> None:
     code = "import sys, trainer.supervise; assert 'torch' not in sys.modules, 'torch imported'"
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True)

@@ -29,6 +29,17 @@ class Policy:
         """Seconds before restart number n (1-based) of the window: doubles, capped."""
         return min(self.backoff_max_s, self.backoff_s * 2 ** max(0, restart_number - 1))
 
+    def cli_args(self) -> list[str]:
+        """The `python -m trainer.supervise` flags that give this policy (for dflashctl start)."""
+        # str() of a float round-trips exactly (repr), which :g (6 digits) would not
+        args = [
+            f"--{k.replace('_', '-')}={v}"
+            for k, v in self.as_json().items()
+            if k != "no_restart_exit_codes"
+        ]
+        codes = ",".join(map(str, sorted(self.no_restart_exit_codes)))
+        return [*args, f"--no-restart-exit-codes={codes}"]
+
     def as_json(self) -> dict[str, object]:
         return {
             "restart": self.restart,
