@@ -147,6 +147,12 @@ class ModelConfig(BaseModel):
     num_anchors: int = Field(default=512, ge=1, description="anchors sampled per sequence")
     gamma: float | None = Field(default=None, gt=0, description="slot decay; None: 7/5/4 rule")
     noise: float = Field(default=0.0, ge=0, description="std of Gaussian noise on hidden states")
+    max_query_rows: int | None = Field(
+        default=None,
+        ge=1,
+        description="query rows (anchors x block) per drafter micro-step; larger packets are "
+        "split, gradients accumulating into one optimizer step; None: unbounded",
+    )
 
 
 class TopologyConfig(BaseModel):

@@ -37,7 +37,7 @@ import numpy as np
 import torch
 
 from trainer.config import ConfigError, TrainConfig, config_hash, resume_critical_changes
-from trainer.model.objective import dflash_objective
+from trainer.model.split_step import bounded_objective_backward
 from trainer.model.target import TargetModel
 from trainer.pipeline import assets, checkpoint, distributed
 from trainer.pipeline.channels import ReorderBuffer, Stopped, WaitClock
@@ -64,6 +64,11 @@ from trainer.pipeline.status import (
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 METRIC_KEYS = ("loss_sum", "weight_sum", "n_correct", "n_pred", "streak_sum", "n_blocks")
+
+
+def _poison(loss: torch.Tensor) -> torch.Tensor:
+    """DFLASH_FAULT's non-finite step: a NaN loss (and NaN gradients) for every piece."""
+    return loss * float("nan")
 
 
 class NonFiniteLoss(RuntimeError):
@@ -410,22 +415,21 @@ class Run:
                         self._stop_at_once(step, rng_at_step)
                         raise
                     self.faults.tick("drafter")
-                    with autocast:
-                        res = dflash_objective(
-                            self.drafter,
-                            None,
-                            pkt.input_ids,
-                            pkt.loss_mask,
-                            pkt.attention_mask,
-                            pkt.hidden,
-                            num_anchors=m.num_anchors,
-                            gamma=m.gamma,
-                            noise=m.noise,
-                            generator=self.gen,
-                        )
-                    if self.faults.nonfinite_at(step):
-                        res.loss_sum = res.loss_sum * float("nan")
-                    res.loss_sum.float().backward()
+                    # forward+backward in pieces of <= m.max_query_rows query rows (None: one)
+                    res = bounded_objective_backward(
+                        self.drafter,
+                        pkt.input_ids,
+                        pkt.loss_mask,
+                        pkt.attention_mask,
+                        pkt.hidden,
+                        max_query_rows=m.max_query_rows,
+                        num_anchors=m.num_anchors,
+                        gamma=m.gamma,
+                        noise=m.noise,
+                        generator=self.gen,
+                        autocast=autocast,
+                        loss_transform=_poison if self.faults.nonfinite_at(step) else None,
+                    )
                     sums += torch.stack(
                         [getattr(res, k).detach().to(torch.float64) for k in METRIC_KEYS]
                     )
