@@ -9,8 +9,8 @@
 #   drafter [140]      drafter fwd+bwd at real widths (5 layers, H 4096, V 151,936, bf16 autocast,
 #                      compiled flex, Triton CE), query-row ladder up to the first OOM
 #   kernel-tests [90]  tests/kernels with the compiled Triton kernels on CUDA
-#   pipeline [140]     `python -m trainer` on cuda:0 with a small random target, resumed from its
-#                      middle checkpoint: resumed losses and drafter must equal the whole run's
+#   pipeline [140]     `python -m trainer` on cuda:0 with a small random target and split steps,
+#                      resumed from its middle checkpoint: losses and drafter must be bit-equal
 #   capture [40]       target capture throughput at Qwen3-8B width, 4 random layers
 #   ce [40]            LM-head CE at training-size N: Triton vs chunked (dense at N = 8192)
 # A step that fails or runs out of time is recorded and the next one runs: nothing aborts.

@@ -9,8 +9,8 @@ Steps (gpu.sh runs them in this order):
                 autocast, compiled flex attention, Triton CE) over a ladder of query-row budgets
                 up to the first OOM: ms/step, ms/anchor, peak memory, mask build cost, recompiles
   kernel-tests  tests/kernels with the compiled Triton kernels on the GPU
-  pipeline      a short `python -m trainer` run on the GPU with a small random target, then a
-                resume from its middle checkpoint: the resumed losses and drafter must be equal
+  pipeline      a short `python -m trainer` run on the GPU with a small random target and split
+                steps, resumed from its middle checkpoint: resumed losses and drafter must be equal
   capture       target capture throughput at Qwen3-8B width with a few random layers
   ce            the LM-head CE kernel (Triton vs chunked, dense at the smallest N) at training N
 
@@ -504,12 +504,13 @@ def merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
 
 
 def pipeline_config(root: Path, smoke: bool, steps: int) -> dict[str, Any]:
-    """configs/tiny-cpu.toml at absolute paths under `root`; on the GPU a wider random target,
-    block 16 and every stage on cuda:0."""
+    """configs/tiny-cpu.toml at absolute paths under `root`, checkpointing at steps/2, split
+    steps on; on the GPU a wider random target, block 16 and every stage on cuda:0."""
     raw = tomllib.loads((REPO / "configs" / "tiny-cpu.toml").read_text())
     over: dict[str, Any] = {
         "data": {"store": str(root / "store"), "synthetic": {"rows": 600 if smoke else 4000}},
-        "model": {"target_dir": str(root / "target")},
+        # split steps (model.max_query_rows) on: the resume check covers the micro-step path
+        "model": {"target_dir": str(root / "target"), "max_query_rows": 64 if smoke else 4096},
         "schedule": {"max_steps": steps},
         "status": {"interval_s": 1.0, "rate_window_s": 5.0},
         "checkpoint": {"every_steps": steps // 2, "every_minutes": 600.0, "keep_last": 4},
@@ -553,7 +554,7 @@ def step_pipeline(ctx: Ctx) -> dict[str, Any]:
     from trainer.pipeline import assets
     from trainer.pipeline.checkpoint import list_checkpoints, load_checkpoint
 
-    steps = 6 if ctx.smoke else 40
+    steps = 6 if ctx.smoke else 24
     with tempfile.TemporaryDirectory(prefix="gpu-sh-pipeline-") as tmp:
         root = Path(tmp)
         raw = pipeline_config(root, ctx.smoke, steps)

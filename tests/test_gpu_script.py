@@ -176,9 +176,10 @@ def test_the_gpu_sizes_are_valid_configs(tmp_path: Path) -> None:
     the real drafter config is the seed's shape, and the ladder grows."""
     from trainer.config import TrainConfig
 
-    cfg = TrainConfig.from_dict(gpu_steps.pipeline_config(tmp_path, smoke=False, steps=40))
+    cfg = TrainConfig.from_dict(gpu_steps.pipeline_config(tmp_path, smoke=False, steps=24))
     assert cfg.topology.target_devices == ["cuda:0"] and cfg.model.drafter.block_size == 16
-    assert cfg.checkpoint.every_steps == 20 and cfg.schedule.max_steps == 40
+    assert cfg.checkpoint.every_steps == 12 and cfg.schedule.max_steps == 24
+    assert cfg.model.max_query_rows == 4096  # packets of up to 32 x 64 x 16 rows get split
     dcfg = gpu_steps.drafter_config(gpu_steps.REAL_DRAFTER)
     assert dcfg.target_layer_ids == [1, 9, 17, 25, 33] and dcfg.vocab_size == 151_936
     rows = [r * a * dcfg.block_size for r, _, a in gpu_steps.REAL_RUNGS]
