@@ -501,8 +501,11 @@ def test_kill_9_after_the_first_checkpoint_restarts_and_resumes_like_an_uninterr
     assert resumed and resumed[-1].detail.startswith(f"step={ckpt} ")
     # Steps ckpt+1.. of the second attempt equal the uninterrupted run's, bit for bit.
     rows = _metric_rows(run)
-    cut = next(i for i in range(1, len(rows)) if rows[i]["step"] <= rows[i - 1]["step"])
+    # (the killed attempt may have logged steps past its checkpoint: the restart repeats them)
+    cut = max(i for i, r in enumerate(rows) if r["step"] == ckpt + 1)
     after = rows[cut:]
+    before = [r["step"] for r in rows[:cut]]
+    assert before == list(range(1, len(before) + 1)) and len(before) >= ckpt
     assert [r["step"] for r in after] == list(range(ckpt + 1, 31))
     assert [r["loss"] for r in after] == [ref_loss[r["step"]] for r in after]
     assert _run_state(run)["state"] == "finished"  # and a finished run is not restarted
