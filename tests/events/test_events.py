@@ -171,13 +171,23 @@ status_events = st.builds(
         st.dictionaries(_token, _token, max_size=4),
         # what the trainer prints (the fast path's own branch), sometimes with more pairs after
         st.builds(
-            lambda values, gnorm, more: {
+            lambda values, gnorm, tau, loss_b, more: {
                 **dict(zip(events.TRAINER_EXTRA_KEYS, values, strict=True)),
                 **({"gnorm": gnorm} if gnorm else {}),
+                **({events.TAU_KEY: tau} if tau else {}),
+                **({events.BUCKET_LOSS_KEY: loss_b} if loss_b else {}),
                 **more,
             },
             st.lists(_token, min_size=5, max_size=5),
             st.one_of(st.none(), _token),
+            st.one_of(st.none(), _token),
+            st.one_of(
+                st.none(),
+                _token,
+                st.lists(st.one_of(st.none(), st.floats(0, 20)), max_size=8).map(
+                    events.format_bucket_losses
+                ),
+            ),
             st.dictionaries(_token, _token, max_size=2),
         ),
     ),
@@ -232,7 +242,7 @@ def test_parse_text_rejoins_any_pane_width(evs: list[StatusEvent], width: int, t
 def test_parse_line_never_raises(text: str) -> None:
     """Arbitrary text (including control characters) yields an event, never an exception."""
     ev = parse_line(text)
-    assert ev.kind in {"status", "phase", "checkpoint", "error", "raw"}
+    assert ev.kind in {"status", "eval", "phase", "checkpoint", "error", "raw"}
     parse_text(text)
     parse_text(text, width=17)
 
@@ -345,6 +355,12 @@ _TRAINER_TAIL = " | w_pre_out=1.0% w_tgt_in=2.0% w_tgt_out=3.0% w_dft_in=4.0% bo
 @example(ev=_SEED_EVENT, subs=[], tail=_TRAINER_TAIL)
 @example(ev=_SEED_EVENT, subs=[], tail=_TRAINER_TAIL + " gnorm=0.512")
 @example(ev=_SEED_EVENT, subs=[], tail=_TRAINER_TAIL + " gnorm=0.512 nonfinite=3")
+@example(ev=_SEED_EVENT, subs=[], tail=_TRAINER_TAIL + " gnorm=0.512 tau=3.214 loss_b=[1.0,---]")
+@example(ev=_SEED_EVENT, subs=[], tail=_TRAINER_TAIL + " tau=3.214")
+@example(ev=_SEED_EVENT, subs=[], tail=_TRAINER_TAIL + " loss_b=[1.0] tau=3.214")
+@example(ev=_SEED_EVENT, subs=[], tail=_TRAINER_TAIL + " gnorm=0.5 tau=3 loss_b=[1] nonfinite=3")
+@example(ev=_SEED_EVENT, subs=[], tail=_TRAINER_TAIL + " tau=")
+@example(ev=_SEED_EVENT, subs=[], tail=_TRAINER_TAIL + " tau=1=2")
 @example(ev=_SEED_EVENT, subs=[], tail=_TRAINER_TAIL + " gnorm=")
 @example(ev=_SEED_EVENT, subs=[], tail=_TRAINER_TAIL + " gnorm=1=2")
 @example(ev=_SEED_EVENT, subs=[], tail=_TRAINER_TAIL + " w_pre_out=9.9%")
