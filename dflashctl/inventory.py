@@ -4,10 +4,16 @@ The inventory is the only place operator input enters remote command lines, so e
 ends up in an argv (host names, tmux session, paths) is validated here against a strict
 alphabet: nothing read from the file can smuggle shell or tmux syntax. The file holds references
 (key paths, known_hosts paths), never secrets.
+
+Groups (`[groups.NAME] hosts = [...]`) make several hosts one multi-node run: the list order is
+the node rank, every member needs a `node_address` (where the other containers reach it), and a
+host belongs to at most one group. Commands accept a group name wherever they take a host
+(`Inventory.resolve_targets`), so group and host names share one namespace.
 """
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import re
 import tomllib
@@ -81,6 +87,11 @@ NOT_INSIDE = {
     "/libx32": "system libraries",
     "/usr": "the system's own files",
 }
+# Interface names as Linux allows them in practice (IFNAMSIZ: 15 bytes), from a boring alphabet.
+IFNAME_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,14}$")
+# One DNS label (RFC 1123): letters, digits, inner hyphens, at most 63 characters.
+DNS_LABEL_RE = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?$")
+DEFAULT_RDZV_PORT = 29400
 DEFAULT_ENV = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
 DEFAULT_INVENTORY = Path("hosts.toml")
 
@@ -120,7 +131,61 @@ def _check_workdir(value: str) -> str:
     return value
 
 
+def _check_node_address(value: str) -> str:
+    """An IP address (v4 or v6, without brackets) or a DNS-safe host name."""
+    if "%" in value:
+        raise _invalid(
+            f"{value!r}: IPv6 scope ids (%iface) are not supported; use a routable address"
+        )
+    try:
+        ip = ipaddress.ip_address(value)
+    except ValueError:
+        ip = None
+    if ip is not None:
+        if ip.is_unspecified or ip.is_multicast:
+            raise _invalid(f"{value!r} is not an address another container can reach")
+        return str(ip)
+    if value.startswith("["):
+        raise _invalid(f"{value!r}: write an IPv6 address without brackets")
+    labels = value.split(".")
+    if len(value) > 253 or not all(DNS_LABEL_RE.match(label) for label in labels):
+        raise _invalid(f"{value!r} is not an IP address or a host name (letters, digits, '-', '.')")
+    if labels[-1].isdigit():
+        # `10.1.2` is no host name, and the resolver would read it as the IP 10.1.0.2.
+        raise _invalid(f"{value!r} is not an IP address, and a host name cannot end in digits")
+    return value
+
+
+def _check_ifname_list(value: str) -> list[str]:
+    names = value.split(",")
+    for name in names:
+        if not IFNAME_RE.match(name):
+            where = f"{value!r}: " if len(names) > 1 else ""
+            raise _invalid(
+                f"{where}{name!r} is not an interface name "
+                f"(up to 15 of letters, digits, '_', '.', '-'; a list is comma-separated)"
+            )
+    return names
+
+
+def _check_nccl_ifname(value: str) -> str:
+    # NCCL's syntax: a comma list of name prefixes; '^' excludes them, '=' matches names exactly.
+    _check_ifname_list(value.removeprefix("^").removeprefix("="))
+    return value
+
+
+def _check_gloo_ifname(value: str) -> str:
+    # Gloo takes exact interface names only (a comma list), no prefixes or exclusions.
+    if value[:1] in {"^", "="}:
+        raise _invalid(f"{value!r}: gloo takes exact interface names; '^' and '=' are NCCL's")
+    _check_ifname_list(value)
+    return value
+
+
 Name = Annotated[str, AfterValidator(_check_name)]
+NodeAddress = Annotated[str, AfterValidator(_check_node_address)]
+NcclIfname = Annotated[str, AfterValidator(_check_nccl_ifname)]
+GlooIfname = Annotated[str, AfterValidator(_check_gloo_ifname)]
 RemotePath = Annotated[str, AfterValidator(_check_remote_path)]
 Workdir = Annotated[str, AfterValidator(_check_remote_path), AfterValidator(_check_workdir)]
 
@@ -149,6 +214,9 @@ class HostSettings(_Strict):
     max_channels: int | None = Field(default=None, ge=1, le=64)
     start_wait: float | None = Field(default=None, ge=0, le=86400)
     env: dict[str, str] | None = None
+    # multi-node runs: the interface NCCL's bootstrap / gloo use (else they pick one themselves)
+    nccl_socket_ifname: NcclIfname | None = None
+    gloo_socket_ifname: GlooIfname | None = None
 
     @field_validator("env")
     @classmethod
@@ -168,6 +236,8 @@ class HostEntry(HostSettings):
 
     address: str
     ctid: int = Field(ge=100, le=999_999_999)
+    # the container's own address as the other containers of a group reach it
+    node_address: NodeAddress | None = None
 
     @field_validator("address")
     @classmethod
@@ -201,6 +271,9 @@ class HostConfig(_Strict):
     # seconds start/restart wait for the trainer's setup (or its exit); 0: do not wait
     start_wait: float = 120.0
     env: dict[str, str] = Field(default_factory=lambda: dict(DEFAULT_ENV))
+    node_address: NodeAddress | None = None
+    nccl_socket_ifname: NcclIfname | None = None
+    gloo_socket_ifname: GlooIfname | None = None
     inventory: Path | None = None  # the file this host came from (for messages)
 
     @property
@@ -216,9 +289,34 @@ class HostConfig(_Strict):
         return self
 
 
+class GroupEntry(_Strict):
+    """One [groups.NAME] table: hosts in node-rank order and the rendezvous port on node 0."""
+
+    hosts: list[Name] = Field(min_length=1)
+    rdzv_port: int = Field(default=DEFAULT_RDZV_PORT, ge=1, le=65535)
+
+
+class GroupConfig(_Strict):
+    """A resolved group: its hosts (every one with a node_address), node 0 first."""
+
+    name: Name
+    nodes: tuple[HostConfig, ...]
+    rdzv_port: int = DEFAULT_RDZV_PORT
+    inventory: Path | None = None
+
+    @property
+    def hosts(self) -> tuple[str, ...]:
+        return tuple(node.name for node in self.nodes)
+
+    @property
+    def nnodes(self) -> int:
+        return len(self.nodes)
+
+
 class Inventory(_Strict):
     path: Path
     hosts: dict[str, HostConfig]
+    groups: dict[str, GroupConfig] = Field(default_factory=dict)
     warnings: tuple[str, ...] = ()
 
     def get(self, name: str) -> HostConfig:
@@ -229,10 +327,38 @@ class Inventory(_Strict):
             known = ", ".join(sorted(self.hosts)) or "none"
             raise InventoryError(f"{self.path}: no host {name!r} (known: {known})") from None
 
+    def group_of(self, host: str) -> GroupConfig | None:
+        """The group `host` is a node of, if any (a host is in at most one)."""
+        return next((g for g in self.groups.values() if host in g.hosts), None)
+
+    def resolve_targets(self, names: Sequence[str]) -> list[HostConfig | GroupConfig]:
+        """Hosts and groups by name, in the order given (a repeated name counts once).
+
+        Host and group names never collide (load refuses that), so each name means one thing.
+        """
+        targets: list[HostConfig | GroupConfig] = []
+        seen: set[str] = set()
+        for name in names:
+            if name in seen:
+                continue
+            seen.add(name)
+            if name in self.hosts:
+                targets.append(self.hosts[name])
+            elif name in self.groups:
+                targets.append(self.groups[name])
+            else:
+                hosts = ", ".join(sorted(self.hosts)) or "none"
+                groups = ", ".join(sorted(self.groups)) or "none"
+                raise InventoryError(
+                    f"{self.path}: no host or group {name!r} (hosts: {hosts}; groups: {groups})"
+                )
+        return targets
+
 
 class _File(_Strict):
     defaults: HostSettings = HostSettings()
     hosts: dict[str, HostEntry] = Field(default_factory=dict)
+    groups: dict[str, GroupEntry] = Field(default_factory=dict)
 
 
 def user_config_dir() -> Path:
@@ -248,9 +374,12 @@ def default_inventory_path() -> Path:
 
 
 def _inventory_key(loc: Sequence[int | str]) -> str:
-    """`host 'a': ctid` for a host's key, the dotted key elsewhere."""
+    """`host 'a': ctid` for a host's key, `group 'g': hosts[1]` for a group's, dotted elsewhere."""
     if len(loc) >= 2 and loc[0] == "hosts":
         return f"host {str(loc[1])!r}: {dotted(loc[2:], '(table)')}"
+    if len(loc) >= 2 and loc[0] == "groups":
+        key = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc[2:]).lstrip(".")
+        return f"group {str(loc[1])!r}: {key or '(table)'}"
     return dotted(loc, "(table)")
 
 
@@ -286,8 +415,15 @@ def _merge(path: Path, name: str, entry: HostEntry, defaults: HostSettings) -> H
         known_hosts=known,
         identity_file=_resolve_local(base, merged["identity_file"]),
         run_config=_resolve_local(base, merged["run_config"]),
+        node_address=entry.node_address,
         inventory=path,
     )
+    for key in ("nccl_socket_ifname", "gloo_socket_ifname"):
+        if merged[key] is not None and key.upper() in env:
+            # Two sources for one variable: which one wins would be a guess.
+            raise InventoryError(
+                f"{path}: host {name!r}: {key}: also set as env.{key.upper()}; keep one of them"
+            )
     try:
         return HostConfig(**resolved)
     except ValidationError as err:
@@ -312,7 +448,69 @@ def parse_inventory(text: str, path: Path) -> Inventory:
         except ValueError as err:
             raise InventoryError(f"{path}: host {name!r}: {err}") from None
         hosts[name] = _merge(path, name, entry, parsed.defaults)
-    return Inventory(path=path, hosts=hosts)
+    groups = _groups(path, parsed.groups, hosts)
+    return Inventory(path=path, hosts=hosts, groups=groups)
+
+
+def _groups(
+    path: Path, entries: dict[str, GroupEntry], hosts: dict[str, HostConfig]
+) -> dict[str, GroupConfig]:
+    """Resolve [groups.*] against the hosts; each rule's error names the group and the key.
+
+    A host is a node of at most one group, checked here rather than "at most one *running*
+    group" at start: a host has one tmux session and one run directory, so two groups sharing
+    it could never both run, and a rule the file alone decides fails at load, on the laptop,
+    with the key named, instead of on a live node halfway through a start.
+    """
+    groups: dict[str, GroupConfig] = {}
+    member: dict[str, tuple[str, int]] = {}  # host -> (group, node rank)
+    for gname, entry in entries.items():
+        where = f"{path}: group {gname!r}"
+        try:
+            _check_name(gname)
+        except ValueError as err:
+            raise InventoryError(f"{where}: {err}") from None
+        if gname in hosts:
+            raise InventoryError(
+                f"{where}: also the name of [hosts.{gname}]; commands take either, so a group "
+                f"needs a name of its own"
+            )
+        containers: dict[tuple[str, int, int], int] = {}
+        for rank, hname in enumerate(entry.hosts):
+            key = f"{where}: hosts[{rank}]"
+            host = hosts.get(hname)
+            if host is None:
+                known = ", ".join(sorted(hosts)) or "none"
+                raise InventoryError(f"{key}: no host {hname!r} (known: {known})")
+            if hname in member:
+                other, at = member[hname]
+                if other == gname:
+                    raise InventoryError(f"{key}: {hname!r} is already node {at} of this group")
+                raise InventoryError(
+                    f"{key}: {hname!r} is already node {at} of group {other!r}; a host is in "
+                    f"at most one group"
+                )
+            container = (host.address, host.port, host.ctid)
+            if container in containers:
+                first = entry.hosts[containers[container]]
+                raise InventoryError(
+                    f"{key}: {hname!r} is the same container as node {containers[container]} "
+                    f"{first!r} ({host.address}:{host.port} ctid {host.ctid})"
+                )
+            if host.node_address is None:
+                raise InventoryError(
+                    f"{key}: host {hname!r} has no node_address (the address the other nodes "
+                    f"reach its container at); set it in [hosts.{hname}]"
+                )
+            member[hname] = (gname, rank)
+            containers[container] = rank
+        groups[gname] = GroupConfig(
+            name=gname,
+            nodes=tuple(hosts[h] for h in entry.hosts),
+            rdzv_port=entry.rdzv_port,
+            inventory=path,
+        )
+    return groups
 
 
 def load_inventory(path: Path | str | None = None) -> Inventory:
