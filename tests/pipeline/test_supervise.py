@@ -435,7 +435,7 @@ def test_a_silent_hang_is_stalled_killed_after_the_grace_and_restarted(
         "time.sleep(600)\n"
     )
     argv = _sup_argv(
-        run, "--stall-timeout-s", "1", "--startup-timeout-s", "1", "--kill-grace-s", "0.5",
+        run, "--stall-timeout-s", "2", "--startup-timeout-s", "3", "--kill-grace-s", "0.5",
         "--max-restarts", "1", "--backoff-s", "0.05", child=[*child, str(starts)],
     )  # fmt: skip
     s = Sup(argv, tmp_path / "out")
@@ -444,7 +444,7 @@ def test_a_silent_hang_is_stalled_killed_after_the_grace_and_restarted(
     assert starts.read_text().count("start") == 2
     state = _sup_state(run)
     assert state["state"] == "gave-up"
-    assert [(r["reason"], r["signal"]) for r in state["restarts"]] == [("stalled 1 s", "SIGKILL")]
+    assert [(r["reason"], r["signal"]) for r in state["restarts"]] == [("stalled 3 s", "SIGKILL")]
     console = (run / "console.log").read_text()
     assert "no stack dump" in console and "still alive 0.5 s after SIGINT: SIGKILL" in console
     assert "State S (sleeping)" in console  # the /proc snapshot of the hung child
@@ -530,7 +530,7 @@ def test_sigstop_is_a_stall_with_stacks_in_the_log_then_a_restart(
     pid = _sup_state(run)["trainer_pid"]
     assert _sup_state(run)["restarts"] == []
     os.kill(pid, signal.SIGSTOP)
-    _until(lambda: _sup_state(run).get("attempt") == 2, 60, "the stall restart")
+    _until(lambda: _sup_state(run).get("attempt") == 2, 150, "the stall restart")
     _until(lambda: _sup_state(run)["restarts"][0]["resumed_step"] is not None, 150, "the resume")
     rec = _sup_state(run)["restarts"][0]
     assert rec["reason"] == "stalled 5 s" and rec["resumed_step"] > 0
