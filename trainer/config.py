@@ -132,6 +132,11 @@ class DrafterShape(BaseModel):
     num_attention_heads: int | None = Field(default=None, ge=1, description="None: the target's")
     num_key_value_heads: int | None = Field(default=None, ge=1, description="None: the target's")
     head_dim: int | None = Field(default=None, ge=1, description="None: the target's")
+    checkpoint_layers: bool = Field(
+        default=False,
+        description="recompute each layer in backward (activation checkpointing): the same "
+        "gradients for ~1/3 more drafter compute and only each layer's inputs kept",
+    )
 
 
 class ModelConfig(BaseModel):
@@ -317,6 +322,8 @@ RESUME_CRITICAL_KEYS: tuple[str, ...] = (
     "model.mask_token_id",
     "optimizer.grad_accum",
 )
+# Keys under a critical prefix that change only how the same numbers are computed.
+RESUME_SAFE_KEYS: tuple[str, ...] = ("model.drafter.checkpoint_layers",)
 
 
 def _flatten(d: Any, prefix: str = "") -> dict[str, Any]:
@@ -334,7 +341,10 @@ def resume_critical_changes(old: TrainConfig, new: TrainConfig) -> list[str]:
     b = _flatten(new.model_dump(mode="json"))
     changed = sorted(k for k in a.keys() | b.keys() if a.get(k, _ABSENT) != b.get(k, _ABSENT))
     return [
-        k for k in changed if any(k == c or k.startswith(c + ".") for c in RESUME_CRITICAL_KEYS)
+        k
+        for k in changed
+        if k not in RESUME_SAFE_KEYS
+        and any(k == c or k.startswith(c + ".") for c in RESUME_CRITICAL_KEYS)
     ]
 
 

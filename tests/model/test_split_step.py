@@ -171,3 +171,44 @@ def test_loss_transform_reaches_every_piece(target: TargetModel) -> None:
     )
     assert torch.isnan(got.loss_sum)
     assert all(torch.isnan(p.grad).all() for p in drafter.parameters() if p.grad is not None)
+
+
+def _saved_bytes_and_grads(
+    target: TargetModel, checkpoint_layers: bool
+) -> tuple[int, dict[str, torch.Tensor]]:
+    """Bytes autograd saves for backward in one objective step, and the gradients."""
+    drafter = make_drafter(target, block_size=BLOCK, num_layers=3)
+    drafter.checkpoint_layers = checkpoint_layers
+    ids, loss, attn = _batch()
+    feats = target.capture(ids, attn)
+    saved = [0]
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        saved[0] += t.numel() * t.element_size()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        res = dflash_objective(
+            drafter,
+            None,
+            ids,
+            loss,
+            attn,
+            feats,
+            num_anchors=8,
+            generator=torch.Generator().manual_seed(2),
+        )
+    res.loss_sum.backward()
+    return saved[0], _grads(drafter)
+
+
+def test_checkpointed_layers_give_the_same_gradients_and_save_less(target: TargetModel) -> None:
+    """model.drafter.checkpoint_layers: each layer's forward is recomputed in backward, so the
+    gradients are those of the plain step while far fewer bytes are kept for backward."""
+    plain_bytes, plain = _saved_bytes_and_grads(target, False)
+    ckpt_bytes, ckpt = _saved_bytes_and_grads(target, True)
+    assert plain.keys() == ckpt.keys()
+    for name, g in ckpt.items():
+        err = float((g - plain[name]).abs().max())
+        assert err <= 1e-6 * float(plain[name].abs().max()), (name, err)
+    assert ckpt_bytes < 0.5 * plain_bytes, (ckpt_bytes, plain_bytes)

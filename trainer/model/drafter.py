@@ -222,6 +222,9 @@ class DFlashDrafter(nn.Module):
         self.norm = RMSNorm(h, config.rms_norm_eps)
         self.rotary = Rotary(config.head_dim, config.rope_theta)
         self._borrowed: dict[str, nn.Module] = {}
+        # Activation checkpointing per layer (training memory, not shape): off unless the run
+        # config asks (`model.drafter.checkpoint_layers`); never in state_dict or exports.
+        self.checkpoint_layers = False
         self.reset_parameters()
         if embed_tokens is not None and lm_head is not None:
             self.bind_target(embed_tokens, lm_head)
@@ -312,7 +315,15 @@ class DFlashDrafter(nn.Module):
         new_kv = []
         for i, layer in enumerate(self.layers):
             past = cache.layers[i] if cache is not None and cache.layers else None
-            z, kv = layer(z, context, rope_q, rope_ctx, mask, past)
+            if self.checkpoint_layers and cache is None and torch.is_grad_enabled():
+                from torch.utils.checkpoint import checkpoint
+
+                # Keep only the layer's inputs; backward re-runs its forward (autocast included).
+                z, kv = checkpoint(
+                    layer, z, context, rope_q, rope_ctx, mask, past, use_reentrant=False
+                )
+            else:
+                z, kv = layer(z, context, rope_q, rope_ctx, mask, past)
             new_kv.append(kv)
         if cache is not None:
             cache.layers = new_kv

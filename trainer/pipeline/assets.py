@@ -191,12 +191,19 @@ def load_borrowed(
 
 
 def build_drafter(
-    dcfg: DrafterConfig, borrowed: tuple[nn.Embedding, nn.Linear], device: torch.device, seed: int
+    dcfg: DrafterConfig,
+    borrowed: tuple[nn.Embedding, nn.Linear],
+    device: torch.device,
+    seed: int,
+    *,
+    checkpoint_layers: bool = False,
 ) -> DFlashDrafter:
-    """fp32 master weights on the drafter device, initialised from `seed` (same on all ranks)."""
+    """fp32 master weights on the drafter device, initialised from `seed` (same on all ranks);
+    `checkpoint_layers` recomputes each layer in backward (same gradients, less memory)."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         drafter = DFlashDrafter(dcfg)
     drafter.to(device=device, dtype=torch.float32)
     drafter.bind_target(*borrowed)
+    drafter.checkpoint_layers = checkpoint_layers
     return drafter

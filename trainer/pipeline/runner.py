@@ -189,7 +189,13 @@ class Run:
         self.dcfg = assets.drafter_config(cfg, hf, self.layer_ids)
         self.target_dtype = self._target_dtype()
         borrowed = assets.load_borrowed(target_dir, hf, self.drafter_device, self.target_dtype)
-        self.drafter = assets.build_drafter(self.dcfg, borrowed, self.drafter_device, cfg.seed)
+        self.drafter = assets.build_drafter(
+            self.dcfg,
+            borrowed,
+            self.drafter_device,
+            cfg.seed,
+            checkpoint_layers=cfg.model.drafter.checkpoint_layers,
+        )
         self.params = [p for p in self.drafter.parameters() if p.requires_grad]
         o = cfg.optimizer
         self.opt = torch.optim.AdamW(
