@@ -54,6 +54,7 @@ __all__ = [
 TB_DIR = "tb"
 WANDB_ID_FILE = "wandb-run-id"
 WANDB_SECRET = "wandb"
+NONFINITE_KEY = "nonfinite"  # non-finite losses skipped in a row (trainer.pipeline.status)
 
 Warn = Callable[[str], None]
 
@@ -89,7 +90,7 @@ def _put(out: dict[str, float], tag: str, value: float | None) -> None:
 
 
 def status_scalars(ev: StatusEvent) -> dict[str, float]:
-    """Every figure of a status line, as tracker tags (``train/*``, ``speed/*``, ``wait/*``).
+    """Every figure of a status line as tracker tags (``train/*``, ``speed/*``, ``wait/*``, ``queue/*``).
 
     Missing fields (``---``) are left out rather than logged as zero. Samples/s are the target's
     and the drafter's batch rates (``tgt``/``dft`` b/s); ``train/loss_b{i}`` is bucket i's mean
@@ -107,6 +108,11 @@ def status_scalars(ev: StatusEvent) -> dict[str, float]:
     _put(out, "train/gnorm", _number(ev.extra.get(GNORM_KEY)))
     for key in STAGE_WAIT_KEYS:
         _put(out, f"wait/{key}", _number(ev.extra.get(key)))
+    _put(out, "train/nonfinite", _number(ev.extra.get(NONFINITE_KEY)))
+    for i, depth in enumerate(ev.q_pre):
+        out[f"queue/q_pre{i}"] = float(depth)
+    for i, depth in enumerate(ev.q_hs):
+        out[f"queue/q_hs{i}"] = float(depth)
     buckets = parse_bucket_losses(ev.extra.get(BUCKET_LOSS_KEY, ""))
     for i, loss in enumerate(buckets or ()):
         _put(out, f"train/loss_b{i}", loss)

@@ -101,8 +101,19 @@ def test_status_scalars_carry_every_figure_of_the_line() -> None:
             "wait/w_dft_in": 2.1,
             "train/loss_b0": 1.9021,
             "train/loss_b2": 0.8123,  # bucket 1 had no batch in the interval: not a zero
+            "queue/q_pre0": 4.0,
+            "queue/q_pre1": 4.0,
+            "queue/q_pre2": 3.0,
+            "queue/q_hs0": 2.0,
         }
     )
+
+
+def test_nonfinite_count_is_logged_when_the_line_carries_it() -> None:
+    ev = parse_line(STATUS.format(step=7, loss=1.5) + " nonfinite=3")
+    assert isinstance(ev, StatusEvent)
+    assert status_scalars(ev)["train/nonfinite"] == 3.0
+    assert "train/nonfinite" not in status_scalars(parse_line(STATUS.format(step=7, loss=1.5)))
 
 
 def test_missing_fields_are_left_out_not_zero() -> None:
@@ -112,6 +123,8 @@ def test_missing_fields_are_left_out_not_zero() -> None:
     )
     assert isinstance(ev, StatusEvent)
     assert set(status_scalars(ev)) == {
+        "queue/q_pre0",
+        "queue/q_hs0",
         "speed/ktok_s",
         "speed/tgt_batches_s",
         "speed/dft_batches_s",
