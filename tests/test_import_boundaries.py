@@ -1,7 +1,8 @@
 """Import boundaries from ../shared/ARCHITECTURE.md, checked in fresh interpreters.
 
 - dflashctl works on a laptop without the training stack: every dflashctl module (TUI included)
-  and the trainer modules it reaches import with torch, triton and transformers unimportable, and
+  and the trainer modules it reaches import with torch, triton, transformers and the trackers
+  (tensorboard, wandb) unimportable, and
   `dflashctl --help` runs.
 - Textual is imported only under dflashctl/tui/: every other dflashctl module (services, CLI,
   monitor, demo) imports with textual unimportable.
@@ -18,7 +19,7 @@ import dflashctl
 
 REPO = Path(__file__).resolve().parents[1]
 
-TRAINING_STACK = ("torch", "triton", "transformers")
+TRAINING_STACK = ("torch", "triton", "transformers", "tensorboard", "wandb")
 
 
 def _blocker(roots: tuple[str, ...]) -> str:
@@ -57,7 +58,7 @@ def test_every_dflashctl_module_imports_without_torch() -> None:
         "import importlib\n"
         + "".join(f"importlib.import_module({m!r})\n" for m in modules)
         + (
-            "blocked = sorted(m for m in sys.modules if m.split('.')[0] in {'torch', 'triton', 'transformers'})\n"
+            f"blocked = sorted(m for m in sys.modules if m.split('.')[0] in {set(TRAINING_STACK)!r})\n"
             "assert not blocked, blocked\n"
             "print(len(sys.modules))\n"
         )
