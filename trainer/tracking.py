@@ -226,11 +226,13 @@ class MultiTracker:
 class TensorBoardTracker:
     """Event files under ``RUN/tb/`` through ``torch.utils.tensorboard.SummaryWriter``."""
 
-    def __init__(self, log_dir: Path) -> None:
+    def __init__(self, log_dir: Path, resume_step: int | None = None) -> None:
         from torch.utils.tensorboard import SummaryWriter  # heavy: only when enabled
 
         self.log_dir = log_dir
-        self._writer = SummaryWriter(log_dir=str(log_dir))
+        # purge_step: a run resumed from step S re-trains the steps after S; TensorBoard then
+        # drops the first attempt's points from S on, so each step shows once (the resumed one).
+        self._writer = SummaryWriter(log_dir=str(log_dir), purge_step=resume_step)
 
     def log_scalars(self, step: int, scalars: Mapping[str, float]) -> None:
         for tag, value in scalars.items():
@@ -360,12 +362,15 @@ def open_trackers(
     secrets_dir: Path | None = None,
     env: Mapping[str, str] | None = None,
     wandb_init_timeout: float = 30.0,
+    resume_step: int | None = None,
 ) -> MultiTracker:
     """The trackers ``cfg.backends`` names, each guarded; a backend that cannot start warns once.
 
     ``secrets_dir`` defaults to ``secrets/`` next to the run directory (dflashctl runs the trainer
     in WORKDIR with ``--run-dir run``; ``dflashctl secret HOST wandb`` writes WORKDIR/secrets/).
     An online W&B start that gets no answer within ``wandb_init_timeout`` s goes offline.
+    ``resume_step``: the checkpoint step a resumed run starts from (TensorBoard purges later
+    points of the earlier attempt; W&B keeps its own rule: a step below the run's last is dropped).
     """
     run_dir = Path(run_dir)
     env = os.environ if env is None else env
@@ -373,7 +378,10 @@ def open_trackers(
     for backend in cfg.backends:
         if backend == "tensorboard":
             trackers += _open(
-                "tensorboard", lambda: TensorBoardTracker(run_dir / TB_DIR), warn, None
+                "tensorboard",
+                lambda: TensorBoardTracker(run_dir / TB_DIR, resume_step),
+                warn,
+                None,
             )
         elif backend == "wandb" and cfg.wandb_mode != "disabled":
             try:

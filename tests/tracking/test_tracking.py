@@ -60,7 +60,9 @@ def _expected(events: list) -> dict[str, dict[int, float]]:
 def _tb_read(tb_dir: Path) -> dict[str, dict[int, float]]:
     acc = EventAccumulator(str(tb_dir))
     acc.Reload()
-    return {tag: {e.step: e.value for e in acc.Scalars(tag)} for tag in acc.Tags()["scalars"]}
+    out = {tag: {e.step: e.value for e in acc.Scalars(tag)} for tag in acc.Tags()["scalars"]}
+    assert all(len(out[t]) == len(acc.Scalars(t)) for t in out), "a step was logged twice"
+    return out
 
 
 def _wandb_by_tag(run_file: Path) -> dict[str, dict[int, float]]:
@@ -168,6 +170,25 @@ def test_tensorboard_event_files_read_back_with_tensorboards_reader(tmp_path: Pa
     got = _tb_read(run / "tb")
     _assert_same(got, _expected(events), rel=1e-6)  # TensorBoard stores float32
     assert len(got["train/loss"]) == 20 and len(got["eval/tau"]) == 10
+
+
+def test_a_resumed_run_replaces_the_re_trained_steps_in_tensorboard(tmp_path: Path) -> None:
+    """Resumed from step 3 after logging 0..5: TensorBoard shows 0..7 once, 3..5 as re-trained."""
+    run = tmp_path / "run"
+    run.mkdir()
+    cfg = TrackingConfig(backends=["tensorboard"])
+    first = open_trackers(cfg, run)
+    for s in range(6):
+        first.log_scalars(s, {"train/loss": 10.0 + s})
+    first.close()
+    second = open_trackers(cfg, run, resume_step=3)
+    for s in range(3, 8):
+        second.log_scalars(s, {"train/loss": 20.0 + s})
+    second.close()
+    acc = EventAccumulator(str(run / "tb"))
+    acc.Reload()
+    points = [(e.step, e.value) for e in acc.Scalars("train/loss")]
+    assert points == [(0, 10.0), (1, 11.0), (2, 12.0), *((s, 20.0 + s) for s in range(3, 8))]
 
 
 def test_wandb_offline_run_reads_back_with_wandbs_reader(tmp_path: Path) -> None:
