@@ -7,7 +7,8 @@
 # Steps, in order, each under its own `timeout` (seconds in brackets, GPU run):
 #   env [20]           versions, device, memory, driver, allocator settings
 #   drafter [140]      drafter fwd+bwd at real widths (5 layers, H 4096, V 151,936, bf16 autocast,
-#                      compiled flex, Triton CE), query-row ladder up to the first OOM
+#                      compiled flex, Triton CE), query-row ladder up to the first OOM, then
+#                      that rung in split steps and the largest fitted one with checkpointed layers
 #   kernel-tests [90]  tests/kernels with the compiled Triton kernels on CUDA
 #   pipeline [140]     `python -m trainer` on cuda:0 with a small random target and split steps,
 #                      resumed from its middle checkpoint: losses and drafter must be bit-equal
@@ -42,7 +43,7 @@ smoke=0
 for arg in "$@"; do
     case "$arg" in
         --smoke) smoke=1 ;;
-        -h | --help) sed -n '2,37p' "$0"; exit 0 ;;
+        -h | --help) sed -n '2,38p' "$0"; exit 0 ;;
         *) echo "gpu.sh: unknown argument $arg (only --smoke)" >&2; exit 2 ;;
     esac
 done

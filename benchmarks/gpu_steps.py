@@ -7,7 +7,8 @@ Steps (gpu.sh runs them in this order):
   env           versions, device, memory, driver, allocator settings
   drafter       drafter forward+backward at real widths (5 layers, H 4096, V 151,936, bf16
                 autocast, compiled flex attention, Triton CE) over a ladder of query-row budgets
-                up to the first OOM: ms/step, ms/anchor, peak memory, mask build cost, recompiles
+                up to the first OOM: ms/step, ms/anchor, peak memory, mask build cost, recompiles;
+                then the OOM rung in split steps (model.max_query_rows) and checkpointed layers
   kernel-tests  tests/kernels with the compiled Triton kernels on the GPU
   pipeline      a short `python -m trainer` run on the GPU with a small random target and split
                 steps, resumed from its middle checkpoint: resumed losses and drafter must be equal
@@ -152,9 +153,11 @@ def run_ladder(
     predicted time (last rung's seconds scaled by `cost`) exceeds what the budget has left.
 
     Each rung's measurements are recorded as kind "rung" the moment it finishes; an OOM as
-    kind "oom". Returns a summary: rungs run, the largest that fitted, why the ladder ended.
+    kind "oom". Returns the largest rung that fitted, the one that ran out of memory (or None)
+    and why the ladder ended ("top", "oom" or "budget").
     """
     fitted: Any = None
+    failed: Any = None
     last: tuple[Any, float] | None = None
     ended = "top"
     for rung in rungs:
@@ -171,12 +174,12 @@ def run_ladder(
             if not _is_oom(exc):
                 raise
             ctx.rec("oom", rung=rung, error=str(exc).splitlines()[0][:300])
-            ended = "oom"
+            ended, failed = "oom", rung
             break
         last = (rung, time.monotonic() - t0)
         fitted = rung
         ctx.rec("rung", rung=rung, seconds=round(last[1], 2), **fields)
-    return {"largest_fitted": fitted, "ended": ended}
+    return {"largest_fitted": fitted, "failed_rung": failed, "ended": ended}
 
 
 # ----------------------------------------------------------------------------------- env
@@ -326,9 +329,10 @@ def step_drafter(ctx: Ctx) -> dict[str, Any]:
 
     import torch
 
+    from trainer.kernels.peak_memory import cpu_peak_bytes
     from trainer.model.attention import build_mask
     from trainer.model.masks import sample_anchors
-    from trainer.model.objective import dflash_objective
+    from trainer.model.split_step import bounded_objective_backward, split_pieces
 
     device = _device(ctx.smoke)
     shape = SMOKE_DRAFTER if ctx.smoke else REAL_DRAFTER
@@ -356,7 +360,10 @@ def step_drafter(ctx: Ctx) -> dict[str, Any]:
     )
     feat_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
 
-    def run_rung(rung: tuple[int, int, int]) -> dict[str, Any]:
+    def measure(
+        rung: tuple[int, int, int], budget: int | None = None, cpu_peak: bool = False
+    ) -> dict[str, Any]:
+        """One drafter step (the runner's path: `bounded_objective_backward`) at `rung`."""
         rows, seq, anchors = rung
         gen = torch.Generator().manual_seed(rows * 1000 + anchors)
         ids = torch.randint(0, shape.vocab - 1, (rows, seq), generator=gen).to(device)
@@ -375,24 +382,27 @@ def step_drafter(ctx: Ctx) -> dict[str, Any]:
         mask_s = _timed(mask_build, device, reps)
 
         def step() -> None:
-            with autocast:
-                res = dflash_objective(
-                    drafter,
-                    None,
-                    ids,
-                    loss_mask,
-                    att,
-                    hidden,
-                    anchors=drawn,
-                    attn_backend=attn,
-                )
-            res.loss_sum.float().backward()
+            bounded_objective_backward(
+                drafter,
+                ids,
+                loss_mask,
+                att,
+                hidden,
+                max_query_rows=budget,
+                num_anchors=anchors,
+                generator=torch.Generator().manual_seed(1),  # the anchors drawn above
+                autocast=autocast,
+                attn_backend=attn,
+            )
 
         compiles_before = _recompiles()
         base = _peak_reset(device)
         (first_s,) = _timed(step, device, 1, warmup=False)  # compiles on the first rung
         times = _timed(step, device, reps, warmup=False)
         peak = _peak(device)
+        above = None if peak is None else peak - base
+        if cpu_peak:
+            above = cpu_peak_bytes(step)
         compiles_after = _recompiles()
         q_rows = rows * drawn.num_blocks * shape.block
         ms = statistics.median(times) * 1e3
@@ -401,13 +411,14 @@ def step_drafter(ctx: Ctx) -> dict[str, Any]:
             "seq": seq,
             "anchors": drawn.num_blocks,
             "query_rows": q_rows,
+            "pieces": len(split_pieces(drawn, shape.block, budget)),
             "first_step_s": round(first_s, 3),
             "ms_step": round(ms, 2),
             "ms_per_anchor": round(ms / (rows * drawn.num_blocks), 4),
             "mask_build_ms": round(statistics.median(mask_s) * 1e3, 3),
             "peak_bytes": peak,
-            "peak_above_base_bytes": None if peak is None else peak - base,
-            "bytes_per_query_row": None if peak is None else round((peak - base) / q_rows),
+            "peak_above_base_bytes": above,
+            "bytes_per_query_row": None if above is None else round(above / q_rows),
             "compiled_frames": None
             if compiles_before is None or compiles_after is None
             else compiles_after - compiles_before,
@@ -416,7 +427,32 @@ def step_drafter(ctx: Ctx) -> dict[str, Any]:
     def cost(rung: tuple[int, int, int]) -> float:
         return float(rung[0] * rung[2])
 
-    summary = run_ladder(rungs, run_rung, ctx, cost=cost)
+    summary = run_ladder(rungs, measure, ctx, cost=cost)
+    fitted = summary["largest_fitted"]
+    if fitted is not None:
+        # Item 1 on this device: the rung that did not fit (else the top one) in split steps of
+        # half the largest fitted rung, and checkpointed layers at the largest fitted rung.
+        over = summary["failed_rung"] or rungs[-1]
+        budget = max(shape.block, fitted[0] * fitted[2] * shape.block // 2)
+        cases = [("split", over, budget, False), ("checkpointed", fitted, None, True)]
+        if ctx.smoke:  # the CPU has no peak counter: measure with and without, side by side
+            cases = [("one-pass", over, None, False), *cases]
+        for case, rung, case_budget, ckpt in cases:
+            if ctx.left() < (3 if ctx.smoke else 30):
+                ctx.rec("skipped", case=case, left_s=ctx.left())
+                break
+            drafter.checkpoint_layers = ckpt
+            try:
+                fields = measure(rung, case_budget, cpu_peak=ctx.smoke)
+            except Exception as exc:
+                if not _is_oom(exc):
+                    raise
+                ctx.rec("oom", case=case, rung=rung, error=str(exc).splitlines()[0][:300])
+                _free(device)
+                continue
+            finally:
+                drafter.checkpoint_layers = False
+            ctx.rec("case", case=case, rung=rung, max_query_rows=case_budget, **fields)
     drafter.zero_grad(set_to_none=True)
     _free(device)
     return summary

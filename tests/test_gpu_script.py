@@ -79,6 +79,13 @@ def test_smoke_run_records_every_step_with_exit_0(tmp_path: Path) -> None:
     rungs = [r for r in results["drafter"] if r["kind"] == "rung"]
     assert [r["query_rows"] for r in rungs] == sorted({r["query_rows"] for r in rungs})
     assert len(rungs) == len(gpu_steps.SMOKE_RUNGS) and all(r["ms_step"] > 0 for r in rungs)
+    cases = {r["case"]: r for r in results["drafter"] if r["kind"] == "case"}
+    assert list(cases) == ["one-pass", "split", "checkpointed"]
+    assert cases["split"]["pieces"] > 1 and cases["one-pass"]["pieces"] == 1
+    # memory-bounded steps, measured (CPU allocator events): split and checkpointed keep less
+    one_pass = cases["one-pass"]["peak_above_base_bytes"]
+    assert cases["split"]["peak_above_base_bytes"] < 0.75 * one_pass
+    assert cases["checkpointed"]["peak_above_base_bytes"] < one_pass
     pytest_rec = next(r for r in results["kernel-tests"] if r["kind"] == "pytest")
     assert pytest_rec["rc"] == 0 and pytest_rec["tests"] > 0 and pytest_rec["failures"] == 0
     resume = next(r for r in results["pipeline"] if r["kind"] == "resume")
@@ -144,7 +151,7 @@ def test_ladder_stops_at_the_first_oom_and_keeps_what_fitted() -> None:
     rec = _Rec()
     summary = gpu_steps.run_ladder([1, 2, 3, 4], rung, _ctx(rec), cost=float)
     assert calls == [1, 2, 3]  # nothing after the OOM
-    assert summary == {"largest_fitted": 2, "ended": "oom"}
+    assert summary == {"largest_fitted": 2, "failed_rung": 3, "ended": "oom"}
     assert [r["kind"] for r in rec.records] == ["rung", "rung", "oom"]
     assert "Tried to allocate" in rec.records[-1]["error"]
 
@@ -167,7 +174,7 @@ def test_ladder_skips_a_rung_predicted_past_the_budget() -> None:
     rec = _Rec()
     # rung 1 takes ~0.05 s; rung 100 is predicted at ~5 s, more than the 1 s left
     summary = gpu_steps.run_ladder([1, 100], rung, _ctx(rec, left=1.0), cost=float)
-    assert summary == {"largest_fitted": 1, "ended": "budget"}
+    assert summary == {"largest_fitted": 1, "failed_rung": None, "ended": "budget"}
     assert [r["kind"] for r in rec.records] == ["rung", "skipped"]
 
 
