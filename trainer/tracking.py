@@ -196,7 +196,6 @@ class GuardedTracker:
         try:
             inner.close()
         except Exception as exc:
-            self._inner = inner  # so _fail names it; then dropped
             self._fail("close", exc)
 
 
