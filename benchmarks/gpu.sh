@@ -6,13 +6,13 @@
 #
 # Steps, in order, each under its own `timeout` (seconds in brackets, GPU run):
 #   env [20]           versions, device, memory, driver, allocator settings
-#   drafter [140]      drafter fwd+bwd at real widths (5 layers, H 4096, V 151,936, bf16 autocast,
+#   drafter [150]      drafter fwd+bwd at real widths (5 layers, H 4096, V 151,936, bf16 autocast,
 #                      compiled flex, Triton CE), query-row ladder up to the first OOM, then
 #                      that rung in split steps and the largest fitted one with checkpointed layers
-#   kernel-tests [90]  tests/kernels with the compiled Triton kernels on CUDA
-#   pipeline [140]     `python -m trainer` on cuda:0 with a small random target and split steps,
+#   kernel-tests [100] tests/kernels with the compiled Triton kernels on CUDA
+#   pipeline [125]     `python -m trainer` on cuda:0 with a small random target and split steps,
 #                      resumed from its middle checkpoint: losses and drafter must be bit-equal
-#   capture [40]       target capture throughput at Qwen3-8B width, 4 random layers
+#   capture [35]       target capture throughput at Qwen3-8B width, 4 random layers
 #   ce [40]            LM-head CE at training-size N: Triton vs chunked (dense at N = 8192)
 # A step that fails or runs out of time is recorded and the next one runs: nothing aborts.
 #
@@ -123,10 +123,10 @@ mode=()
 s() { if ((smoke)); then echo "$2"; else echo "$1"; fi; }  # s GPU_TIMEOUT SMOKE_TIMEOUT
 
 run_step env "$(s 20 30)" "${steps[@]}" env "${mode[@]}"
-run_step drafter "$(s 140 40)" "${steps[@]}" drafter "${mode[@]}"
-run_step kernel-tests "$(s 90 40)" "${steps[@]}" kernel-tests "${mode[@]}"
-run_step pipeline "$(s 140 60)" "${steps[@]}" pipeline "${mode[@]}"
-run_step capture "$(s 40 30)" "${steps[@]}" capture "${mode[@]}"
+run_step drafter "$(s 150 40)" "${steps[@]}" drafter "${mode[@]}"
+run_step kernel-tests "$(s 100 40)" "${steps[@]}" kernel-tests "${mode[@]}"
+run_step pipeline "$(s 125 60)" "${steps[@]}" pipeline "${mode[@]}"
+run_step capture "$(s 35 30)" "${steps[@]}" capture "${mode[@]}"
 run_step ce "$(s 40 30)" "${steps[@]}" ce "${mode[@]}"
 
 echo "gpu.sh: done; records in $OUT (steps.jsonl, results.jsonl, gpu.log)"

@@ -227,7 +227,7 @@ def step_env(ctx: Ctx) -> dict[str, Any]:
             ],
             capture_output=True,
             text=True,
-            timeout=15,
+            timeout=5,
         )
         facts["nvidia_smi"] = smi.stdout.strip() or smi.stderr.strip()
     except (OSError, subprocess.TimeoutExpired) as exc:
@@ -338,7 +338,7 @@ def step_drafter(ctx: Ctx) -> dict[str, Any]:
     shape = SMOKE_DRAFTER if ctx.smoke else REAL_DRAFTER
     rungs = SMOKE_RUNGS if ctx.smoke else REAL_RUNGS
     attn = "sdpa" if ctx.smoke else "flex"  # flex has no CPU backward in torch 2.13
-    reps = 2 if ctx.smoke else 3
+    reps = 2  # timed calls per rung, after the first (compiling) one
     drafter = _drafter_model(shape, device)
     params = sum(p.numel() for p in drafter.parameters())
     for p in drafter.parameters():  # grads exist from the start, so every rung's base has them
@@ -482,31 +482,18 @@ def step_kernel_tests(ctx: Ctx) -> dict[str, Any]:
         env.update(DFLASH_KERNEL_TESTS_CUDA="1", TRITON_DEFAULT_FP_FUSION="1")
     with tempfile.TemporaryDirectory() as tmp:
         junit = Path(tmp) / "junit.xml"
-        cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"]
+        # -v streams one line per test into gpu.log, so a run killed by its box still shows
+        # how far it got; a hung test costs 60 s, not the whole box
+        cmd = [sys.executable, "-m", "pytest", "-v", "-p", "no:cacheprovider", "--timeout=60"]
         cmd += ["--junitxml", str(junit), *targets]
         t0 = time.monotonic()
         try:
-            proc = subprocess.run(
-                cmd,
-                cwd=REPO,
-                env=env,
-                capture_output=True,
-                text=True,
-                timeout=max(ctx.left(), 5),
-            )
-        except subprocess.TimeoutExpired as exc:
-            tail = (exc.stdout or b"")[-3000:]
-            ctx.rec("timeout", seconds=round(time.monotonic() - t0, 1), tail=str(tail))
-            raise RuntimeError("kernel tests ran out of their time box") from None
-        print(proc.stdout[-20000:], proc.stderr[-5000:], sep="\n", flush=True)
+            proc = subprocess.run(cmd, cwd=REPO, env=env, timeout=max(ctx.left(), 5))
+        except subprocess.TimeoutExpired:
+            ctx.rec("timeout", seconds=round(time.monotonic() - t0, 1))
+            raise RuntimeError("kernel tests ran out of their time box (see gpu.log)") from None
         counts = _junit_counts(junit) if junit.is_file() else {}
-    ctx.rec(
-        "pytest",
-        rc=proc.returncode,
-        seconds=round(time.monotonic() - t0, 1),
-        summary=(proc.stdout.strip().splitlines() or [""])[-1],
-        **counts,
-    )
+    ctx.rec("pytest", rc=proc.returncode, seconds=round(time.monotonic() - t0, 1), **counts)
     if proc.returncode != 0:
         raise RuntimeError(f"kernel tests failed (pytest exit {proc.returncode})")
     return {"passed": counts.get("tests", 0) - counts.get("skipped", 0)}

@@ -192,3 +192,16 @@ def test_the_gpu_sizes_are_valid_configs(tmp_path: Path) -> None:
     rows = [r * a * dcfg.block_size for r, _, a in gpu_steps.REAL_RUNGS]
     assert rows == sorted(rows) and rows[-1] >= 524_288  # past the seed's worst step
     assert all(r >= 2 for r, _, _ in gpu_steps.REAL_RUNGS)  # no size-1 recompile
+
+
+def test_the_gpu_boxes_sum_to_under_8_minutes_and_match_the_header() -> None:
+    """The real run's time boxes (first argument of each `s GPU SMOKE`) stay under 480 s, and
+    the header's table states the same numbers, in the same order."""
+    import re
+
+    text = SCRIPT.read_text()
+    boxes = re.findall(r'^run_step ([a-z-]+) "\$\(s (\d+) \d+\)"', text, re.M)
+    assert [name for name, _ in boxes] == STEPS
+    assert sum(int(t) for _, t in boxes) <= 480
+    header = re.findall(r"^#   ([a-z-]+) \[(\d+)\]", text, re.M)
+    assert header == boxes
