@@ -19,7 +19,7 @@ import re
 import tomllib
 from collections.abc import Sequence
 from pathlib import Path, PurePosixPath
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import (
     AfterValidator,
@@ -32,6 +32,7 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
+from trainer.supervision.policy import Policy
 from trainer.validation import STRICT, NotUtf8Error, dotted, one_line, utf8_text
 
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
@@ -182,6 +183,17 @@ def _check_gloo_ifname(value: str) -> str:
     return value
 
 
+def _check_exit_code(value: int) -> int:
+    if not 1 <= value <= 255:
+        raise _invalid(
+            f"{value} is not an exit status 1-255 (0 is a finished run: never restarted)"
+        )
+    return value
+
+
+# Policy durations: at most 30 days (a typo of a few zeros must not disable the watchdog quietly).
+MAX_POLICY_S = 30 * 86400.0
+ExitCode = Annotated[int, AfterValidator(_check_exit_code)]
 Name = Annotated[str, AfterValidator(_check_name)]
 NodeAddress = Annotated[str, AfterValidator(_check_node_address)]
 NcclIfname = Annotated[str, AfterValidator(_check_nccl_ifname)]
@@ -217,6 +229,14 @@ class HostSettings(_Strict):
     # multi-node runs: the interface NCCL's bootstrap / gloo use (else they pick one themselves)
     nccl_socket_ifname: NcclIfname | None = None
     gloo_socket_ifname: GlooIfname | None = None
+    # the in-container supervisor's restart policy (python -m trainer.supervise)
+    restart: Literal["on-failure", "never"] | None = None
+    max_restarts: int | None = Field(default=None, ge=0, le=1000)
+    restart_window_s: float | None = Field(default=None, gt=0, le=MAX_POLICY_S)
+    restart_backoff_s: float | None = Field(default=None, gt=0, le=MAX_POLICY_S)
+    stall_timeout_s: float | None = Field(default=None, gt=0, le=MAX_POLICY_S)
+    startup_timeout_s: float | None = Field(default=None, gt=0, le=MAX_POLICY_S)
+    no_restart_exit_codes: list[ExitCode] | None = None
 
     @field_validator("env")
     @classmethod
@@ -274,11 +294,36 @@ class HostConfig(_Strict):
     node_address: NodeAddress | None = None
     nccl_socket_ifname: NcclIfname | None = None
     gloo_socket_ifname: GlooIfname | None = None
+    restart: Literal["on-failure", "never"] = "on-failure"
+    max_restarts: int = Field(default=3, ge=0, le=1000)
+    restart_window_s: float = Field(default=3600.0, gt=0, le=MAX_POLICY_S)
+    restart_backoff_s: float = Field(default=10.0, gt=0, le=MAX_POLICY_S)
+    stall_timeout_s: float = Field(default=900.0, gt=0, le=MAX_POLICY_S)
+    # None: the larger of 1800 s and stall_timeout_s (the supervisor's own default)
+    startup_timeout_s: float | None = Field(default=None, gt=0, le=MAX_POLICY_S)
+    no_restart_exit_codes: list[ExitCode] = Field(default_factory=lambda: [2])
     inventory: Path | None = None  # the file this host came from (for messages)
 
     @property
     def run_dir(self) -> str:
         return f"{self.workdir}/run"
+
+    def supervisor_policy(self) -> Policy:
+        """The restart policy `dflashctl start` hands the in-container supervisor."""
+        base = Policy()
+        startup = self.startup_timeout_s
+        if startup is None:
+            startup = max(base.startup_timeout_s, self.stall_timeout_s)
+        return Policy(
+            restart=self.restart,
+            max_restarts=self.max_restarts,
+            restart_window_s=self.restart_window_s,
+            stall_timeout_s=self.stall_timeout_s,
+            startup_timeout_s=startup,
+            no_restart_exit_codes=frozenset(self.no_restart_exit_codes),
+            backoff_s=self.restart_backoff_s,
+            backoff_max_s=max(base.backoff_max_s, self.restart_backoff_s),
+        )
 
     @model_validator(mode="after")
     def _no_tmux_specials(self) -> HostConfig:
@@ -424,6 +469,13 @@ def _merge(path: Path, name: str, entry: HostEntry, defaults: HostSettings) -> H
             raise InventoryError(
                 f"{path}: host {name!r}: {key}: also set as env.{key.upper()}; keep one of them"
             )
+    stall = merged["stall_timeout_s"] or HostConfig.model_fields["stall_timeout_s"].default
+    if merged["startup_timeout_s"] is not None and merged["startup_timeout_s"] < stall:
+        raise InventoryError(
+            f"{path}: host {name!r}: startup_timeout_s: {merged['startup_timeout_s']:g} is "
+            f"shorter than stall_timeout_s {stall:g} (the limit before the first step is the "
+            f"longer one)"
+        )
     try:
         return HostConfig(**resolved)
     except ValidationError as err:
