@@ -38,6 +38,7 @@ from trainer.validation import STRICT, NotUtf8Error, one_line, utf8_text
 __all__ = [
     "RESUME_CRITICAL_KEYS",
     "ConfigError",
+    "EvalConfig",
     "TrackingConfig",
     "TrainConfig",
     "config_hash",
@@ -217,6 +218,39 @@ class CheckpointConfig(BaseModel):
     every_steps: int | None = Field(default=1000, ge=1)
     every_minutes: float | None = Field(default=30.0, gt=0)
     keep_last: int = Field(default=3, ge=1)
+    keep_every_steps: int | None = Field(
+        default=None,
+        ge=1,
+        description="also keep every checkpoint whose step is a multiple of this (None: none)",
+    )
+
+
+class EvalConfig(BaseModel):
+    """In-training held-out evaluation (trainer.pipeline.evaluate): off while holdout_rows = 0."""
+
+    model_config = _SECTION
+
+    holdout_rows: int = Field(
+        default=0,
+        ge=0,
+        description="store rows held out of training, drawn by the run seed (resume-critical)",
+    )
+    every_steps: int | None = Field(default=None, ge=1, description="evaluate every N steps")
+    every_minutes: float | None = Field(default=None, gt=0, description="and/or every N minutes")
+    max_rows: int = Field(
+        default=64, ge=1, description="held-out rows scored per evaluation (the set's first N)"
+    )
+
+    @model_validator(mode="after")
+    def _needs_rows(self) -> Self:
+        when = [k for k in ("every_steps", "every_minutes") if getattr(self, k) is not None]
+        if when and self.holdout_rows == 0:
+            raise ValueError(f"{when[0]} needs holdout_rows > 0 (rows to evaluate on)")
+        return self
+
+    @property
+    def enabled(self) -> bool:
+        return self.every_steps is not None or self.every_minutes is not None
 
 
 class TrackingConfig(BaseModel):
@@ -253,6 +287,7 @@ class TrainConfig(BaseModel):
     schedule: ScheduleConfig = Field(default_factory=ScheduleConfig)
     status: StatusConfig = Field(default_factory=StatusConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig)
     tracking: TrackingConfig = Field(default_factory=TrackingConfig)
 
     _source: Path | None = PrivateAttr(default=None)
@@ -321,6 +356,7 @@ RESUME_CRITICAL_KEYS: tuple[str, ...] = (
     "model.target_layer_ids",
     "model.mask_token_id",
     "optimizer.grad_accum",
+    "eval.holdout_rows",  # which rows train
 )
 # Keys under a critical prefix that change only how the same numbers are computed.
 RESUME_SAFE_KEYS: tuple[str, ...] = ("model.drafter.checkpoint_layers",)

@@ -46,7 +46,7 @@ STRATEGIES: tuple[str, ...] = ("bucketed", "sorted", "random", "pool-sort")
 STATE_VERSION = 1
 
 # Stream purposes: each gets an independent Philox stream for a given (seed, epoch).
-_BUCKET_SHUFFLE, _BATCH_ORDER, _SORT_TIES, _RANDOM_PERM, _POOL_PERM = range(5)
+_BUCKET_SHUFFLE, _BATCH_ORDER, _SORT_TIES, _RANDOM_PERM, _POOL_PERM, _HOLDOUT = range(6)
 
 
 class SamplerWarning(UserWarning):
@@ -152,6 +152,24 @@ def check_boundaries(lengths: np.ndarray, boundaries: Sequence[int]) -> list[int
     return edges
 
 
+def holdout_rows(num_rows: int, count: int, seed: int) -> np.ndarray:
+    """The held-out row ids (``[eval] holdout_rows``): `count` distinct ids of `num_rows`, int64.
+
+    A prefix of one Philox permutation keyed by (seed, holdout purpose): a pure function of the
+    three numbers, and prefix-stable (the first 50 of a 100-row holdout are the 50-row holdout).
+    """
+    if not 0 <= count < num_rows:
+        raise SamplerError(
+            f"holdout of {count} rows must leave training rows: the store has {num_rows}"
+        )
+    return rng_for(seed, _HOLDOUT).permutation(num_rows)[:count].astype(np.int64)
+
+
+def rows_digest(ids: np.ndarray) -> str:
+    """sha256-16 of a row-id set (order-free): what a run records of its held-out rows."""
+    return hashlib.sha256(np.sort(ids).astype("<i8").tobytes()).hexdigest()[:16]
+
+
 class BatchSampler:
     """Deterministic, resumable, sharded batches under a token budget (see module docstring).
 
@@ -164,6 +182,8 @@ class BatchSampler:
         seed: non-negative base seed; epoch e of seed s is the same everywhere.
         rank, world_size: this process's shard of every step.
         pool_size: samples per sorted pool for "pool-sort".
+        exclude: sample ids that never enter a batch (the held-out rows); empty = none. The
+            others are ordered exactly as if the excluded ones were drawn and then skipped.
 
     Raises:
         SamplerError: bad argument, or a sample longer than the token budget (named by index).
@@ -185,6 +205,7 @@ class BatchSampler:
         rank: int = 0,
         world_size: int = 1,
         pool_size: int = 3200,
+        exclude: np.ndarray | Sequence[int] | None = None,
     ) -> None:
         try:
             self.lengths = as_lengths(np.asarray(lengths))
@@ -204,15 +225,24 @@ class BatchSampler:
                 raise SamplerError(f"{name} must be an integer >= {low}, got {value!r}")
         if not 0 <= rank < world_size:
             raise SamplerError(f"rank must be in [0, {world_size}), got {rank}")
+        n = len(self.lengths)
+        excluded = np.unique(np.asarray([] if exclude is None else exclude, dtype=np.int64))
+        if excluded.size and (excluded[0] < 0 or excluded[-1] >= n):
+            bad = int(excluded[0] if excluded[0] < 0 else excluded[-1])
+            raise SamplerError(f"excluded sample {bad} is outside the {n} samples")
+        self.excluded = excluded
+        self._train = np.ones(n, dtype=bool)
+        self._train[excluded] = False
         longest = int(np.argmax(self.lengths))
         if self.lengths[longest] > token_budget:
             raise SamplerError(
                 f"sample {longest} has {int(self.lengths[longest])} tokens, more than "
                 f"token_budget {token_budget}: raise the budget or truncate at import (--max-length)"
             )
-        if len(self.lengths) < world_size:
+        if n - excluded.size < world_size:
+            held = f" ({excluded.size} held out)" if excluded.size else ""
             raise SamplerError(
-                f"{len(self.lengths)} samples cannot give each of {world_size} ranks a batch"
+                f"{n - excluded.size} samples{held} cannot give each of {world_size} ranks a batch"
             )
         self.strategy: str = strategy
         self.token_budget, self.max_batch, self.seed = int(token_budget), int(max_batch), int(seed)
@@ -225,6 +255,8 @@ class BatchSampler:
         self.num_buckets = len(self.boundaries) - 1 if strategy == "bucketed" else 1
         bucket = bucket_of(self.lengths, self.boundaries)
         order = np.argsort(bucket, kind="stable")
+        order = order[self._train[order]]
+        bucket = bucket[self._train]
         counts = np.bincount(bucket, minlength=self.num_buckets)
         self._members = np.split(order, np.cumsum(counts)[:-1])
         self.position: tuple[int, int] = (0, 0)
@@ -237,8 +269,11 @@ class BatchSampler:
 
     # ----- epoch construction -------------------------------------------------------------
     def _ordered(self, epoch: int) -> tuple[np.ndarray, np.ndarray]:
-        """Sample ids in packing order and the segment (bucket or pool) of each position."""
+        """Sample ids in packing order and the segment (bucket or pool) of each position.
+
+        Excluded ids are dropped from the full-size draws, so the others keep their order."""
         n = len(self.lengths)
+        keep = self._train
         if self.strategy == "bucketed":
             parts = [
                 m[rng_for(self.seed, epoch, _BUCKET_SHUFFLE, k).permutation(len(m))]
@@ -249,11 +284,16 @@ class BatchSampler:
             return ids, seg
         if self.strategy == "sorted":  # static: the tie-break depends on the seed only
             ties = rng_for(self.seed, _SORT_TIES).permutation(n)
-            return np.lexsort((ties, self.lengths)), np.zeros(n, dtype=np.int64)
+            ids = np.lexsort((ties, self.lengths))
+            ids = ids[keep[ids]]
+            return ids, np.zeros(len(ids), dtype=np.int64)
         if self.strategy == "random":
-            return rng_for(self.seed, epoch, _RANDOM_PERM).permutation(n), np.zeros(n, np.int64)
+            ids = rng_for(self.seed, epoch, _RANDOM_PERM).permutation(n)
+            ids = ids[keep[ids]]
+            return ids, np.zeros(len(ids), np.int64)
         perm = rng_for(self.seed, epoch, _POOL_PERM).permutation(n)
-        pool = np.arange(n) // self.pool_size
+        perm = perm[keep[perm]]
+        pool = np.arange(len(perm)) // self.pool_size
         return perm[np.lexsort((self.lengths[perm], pool))], pool
 
     def _global(self, epoch: int) -> tuple[list[list[Batch]], np.ndarray]:
@@ -337,7 +377,11 @@ class BatchSampler:
             "pool_size": self.pool_size if self.strategy == "pool-sort" else None,
             "num_samples": len(self.lengths),
             "lengths_sha256": digest,
-        }
+        } | (
+            {"excluded": f"{self.excluded.size}:{rows_digest(self.excluded)}"}
+            if self.excluded.size
+            else {}  # no exclusion: the fingerprint of every earlier checkpoint
+        )
 
     def fingerprint(self) -> str:
         """sha256-16 of the lengths and every setting that shapes the batches (not the rank)."""
