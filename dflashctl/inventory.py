@@ -95,6 +95,7 @@ DNS_LABEL_RE = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?$")
 DEFAULT_RDZV_PORT = 29400
 DEFAULT_ENV = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
 DEFAULT_INVENTORY = Path("hosts.toml")
+DEFAULT_UNREACHABLE_ALERT_S = 300.0  # dflashctl watch: an outage this long is an alert
 
 
 class InventoryError(Exception):
@@ -363,6 +364,11 @@ class Inventory(_Strict):
     hosts: dict[str, HostConfig]
     groups: dict[str, GroupConfig] = Field(default_factory=dict)
     warnings: tuple[str, ...] = ()
+    # `dflashctl watch`: the file of notification URLs (resolved against hosts.toml's folder;
+    # the URLs are secrets and live only there) and how long a host is unreachable before that
+    # is an alert.
+    notify_urls_file: Path | None = None
+    unreachable_alert_s: float = DEFAULT_UNREACHABLE_ALERT_S
 
     def get(self, name: str) -> HostConfig:
         """Look a host up, failing with a message that lists the known names."""
@@ -401,6 +407,9 @@ class Inventory(_Strict):
 
 
 class _File(_Strict):
+    # top-level keys (before any table): the watch's, fleet-wide
+    notify_urls_file: str | None = Field(default=None, min_length=1)
+    unreachable_alert_s: float = Field(default=DEFAULT_UNREACHABLE_ALERT_S, gt=0, le=7 * 86400)
     defaults: HostSettings = HostSettings()
     hosts: dict[str, HostEntry] = Field(default_factory=dict)
     groups: dict[str, GroupEntry] = Field(default_factory=dict)
@@ -501,7 +510,13 @@ def parse_inventory(text: str, path: Path) -> Inventory:
             raise InventoryError(f"{path}: host {name!r}: {err}") from None
         hosts[name] = _merge(path, name, entry, parsed.defaults)
     groups = _groups(path, parsed.groups, hosts)
-    return Inventory(path=path, hosts=hosts, groups=groups)
+    return Inventory(
+        path=path,
+        hosts=hosts,
+        groups=groups,
+        notify_urls_file=_resolve_local(path.parent.resolve(), parsed.notify_urls_file),
+        unreachable_alert_s=parsed.unreachable_alert_s,
+    )
 
 
 def _groups(
