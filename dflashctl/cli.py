@@ -161,8 +161,9 @@ async def cmd_start(args: argparse.Namespace) -> int:
         res = await RunControl(t, host).start(
             fresh=args.fresh, resume=resume, wait_s=_wait_s(args, host), progress=print
         )
-        for note in res.notes:
-            print(f"{host.name}: note: {note}")
+        for note in [*res.notes, res.supervisor_note()]:
+            if note:
+                print(f"{host.name}: note: {note}")
         if res.started:
             print(
                 f"{host.name}: started release {res.release} in tmux session {host.session!r} "
@@ -300,8 +301,46 @@ def format_run_status(st: Any) -> str:
         lines.append(f"  last checkpoint: step {st.last_checkpoint.step} {st.last_checkpoint.path}")
     if st.last_error:
         lines.append(f"  error: {st.last_error}")
+    lines += supervisor_lines(st)
     lines += [f"  | {ln}" for ln in st.pane_tail]
     return "\n".join(lines)
+
+
+def supervisor_lines(st: Any, now: float | None = None) -> list[str]:
+    """The supervisor's policy and restarts for `dflashctl status` (nothing for a bare run)."""
+    import time
+
+    from dflashctl.control import restart_reason, restart_time
+    from dflashctl.monitor import format_age
+
+    sup = st.supervisor
+    if st.supervisor_error:
+        return [f"  {st.supervisor_error}: restarts unknown"]
+    if not sup:
+        return []
+    now = time.time() if now is None else now
+    policy = sup.get("policy") if isinstance(sup.get("policy"), dict) else {}
+    head = (
+        f"  supervisor: {sup.get('state')}, attempt {sup.get('attempt')}; restart = "
+        f"{policy.get('restart', '?')}, at most {policy.get('max_restarts', '?')} in "
+        f"{_num(policy.get('restart_window_s'))} s"
+    )
+    lines = [head]
+    detail = sup.get("detail")
+    if sup.get("state") in {"restarting", "stalled", "gave-up"} and isinstance(detail, str):
+        lines.append(f"  supervisor: {detail}")
+    first = max(0, len(st.restarts) - 5)
+    if first:
+        lines.append(f"  ({len(st.restarts)} restarts; the last 5:)")
+    for n, r in enumerate(st.restarts[first:], start=first + 1):
+        at = restart_time(r)
+        age = f"{format_age(now - at)} ago" if at is not None else "at ?"
+        lines.append(f"  restart {n}: {restart_reason(r)} ({age})")
+    return lines
+
+
+def _num(value: Any) -> str:
+    return f"{value:g}" if isinstance(value, int | float) else "?"
 
 
 async def cmd_status(args: argparse.Namespace) -> int:

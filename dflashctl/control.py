@@ -16,6 +16,7 @@ import re
 import signal
 from collections.abc import AsyncIterator, Callable
 from dataclasses import asdict, dataclass, field
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -32,10 +33,13 @@ from dflashctl.inventory import NAME_RE, HostConfig
 from dflashctl.release import Release
 from dflashctl.remote.commands import (
     SETTLED_PANE_FN,
+    SUPERVISOR_FILE,
+    SUPERVISOR_MODULE,
     PaneState,
     guarded,
     parse_pane_state,
     read_file,
+    supervised,
     tail_follow,
     tmux_capture,
     tmux_interrupt,
@@ -69,6 +73,12 @@ GPU_QUERY = "index,name,utilization.gpu,memory.used,memory.total,temperature.gpu
 DEFAULT_START_WAIT_S = 120.0
 """How long start/restart wait for the trainer's setup (or its exit); hosts.toml start_wait."""
 RUN_STATE_FILE = "run/run-state.json"
+SUPERVISOR_STATE_FILE = "run/supervisor.json"
+LIVE_STATES = frozenset({"running", "restarting", "stalled"})
+"""States whose pane process (the supervisor, or an unsupervised trainer) is alive: stop acts,
+start is a no-op. restarting: the trainer died and the supervisor waits out its backoff;
+stalled: the watchdog is stopping a trainer that made no progress."""
+SUPERVISOR_KEYS = ("state", "gave_up", "attempt", "trainer_pid", "detail", "exit_status", "policy")
 
 
 class ControlError(Exception):
@@ -93,7 +103,7 @@ class GpuSample:
 @dataclass(frozen=True)
 class RunStatus:
     host: str
-    state: str  # running | stopped | crashed | unreachable
+    state: str  # running | restarting | stalled | stopped | crashed | gave-up | unreachable
     exit_status: int | None = None
     release: str | None = None  # what `current` points at (deployed)
     run_release: str | None = None  # what the trainer was started from
@@ -110,6 +120,12 @@ class RunStatus:
     stop_signal: str | None = None  # the signal the trainer stopped on (run-state.json)
     run_state_error: str | None = None  # run-state.json exists but cannot be read
     switch_note: str | None = None  # a deploy switched `current` and never reported back
+    # the in-container supervisor of the pane's run (RUN/supervisor.json, only when its pid is
+    # the pane's): policy, state, gave_up, attempt, trainer_pid, detail, exit_status, restarts
+    supervisor: dict[str, Any] | None = None
+    restarts: list[dict[str, Any]] = field(default_factory=list)
+    supervisor_error: str | None = None  # supervisor.json exists but cannot be read
+    release_has_supervisor: bool = False  # `current` ships trainer/supervise.py
 
     @property
     def step(self) -> int | None:
@@ -144,6 +160,20 @@ class StartResult:
     ready: bool | None = None  # past setup (a phase line); False: still starting after wait_s
     waited_s: float = 0.0
     notes: list[str] = field(default_factory=list)
+
+    @property
+    def supervised(self) -> bool:
+        """Under the in-container supervisor (the release ships it; older ones run bare)."""
+        return SUPERVISOR_MODULE in self.argv
+
+    def supervisor_note(self) -> str | None:
+        """What an unsupervised start means, for people; None when supervised."""
+        if self.supervised or not self.started:
+            return None
+        return (
+            f"release {self.release} has no {SUPERVISOR_FILE}: the trainer runs without its "
+            f"supervisor (no restart on failure, no stall watchdog); deploy a newer tree"
+        )
 
 
 @dataclass(frozen=True)
@@ -191,6 +221,8 @@ STATUS_SCRIPT = (
     'echo "${m}config"; cat run/config.toml 2>/dev/null; echo\n'
     'echo "${m}capture"; tmux -L dflash capture-pane -p -J -t "=$2:" -S -60 2>/dev/null\n'
     'echo "${m}switched"; cat ' + SWITCH_MARKER + " 2>/dev/null\n"
+    'echo "${m}supervisor"; cat run/supervisor.json 2>/dev/null; echo\n'
+    'echo "${m}supervisable"; [ -f current/' + SUPERVISOR_FILE + " ] && echo yes || echo no\n"
     "exit 0\n"
 )
 
@@ -261,31 +293,79 @@ def _clean(value: Any) -> Any:
     return value
 
 
-def parse_run_state(text: str) -> tuple[dict[str, Any], str | None]:
+def parse_run_state(text: str, name: str = RUN_STATE_FILE) -> tuple[dict[str, Any], str | None]:
     """run-state.json -> (fields, None); a corrupted file -> ({}, why), never silently {}."""
     if not text.strip():
         return {}, None
     try:
         raw = json.loads(text)
     except json.JSONDecodeError as err:
-        return {}, f"{RUN_STATE_FILE} is corrupted: {err.msg} (byte {err.pos})"
+        return {}, f"{name} is corrupted: {err.msg} (byte {err.pos})"
     if not isinstance(raw, dict):
-        return {}, f"{RUN_STATE_FILE} is corrupted: a JSON {type(raw).__name__}, not an object"
+        return {}, f"{name} is corrupted: a JSON {type(raw).__name__}, not an object"
     return _clean(raw), None
 
 
-def trainer_completed_stop(run_state: dict[str, Any], pane: PaneState) -> bool:
+def pane_supervisor(supervisor: dict[str, Any], pane: PaneState | None) -> dict[str, Any]:
+    """supervisor.json's fields when it is the pane's process's (same pid), else {}.
+
+    The file outlives its run (a stopped session, an older start): only the supervisor that is
+    the pane's process speaks for the run the pane shows.
+    """
+    if pane is None or pane.pid is None or supervisor.get("pid") != pane.pid:
+        return {}
+    return supervisor
+
+
+def supervisor_view(sup: dict[str, Any]) -> tuple[dict[str, Any] | None, list[dict[str, Any]]]:
+    """(`supervisor` for status, its `restarts` list): the keys status --json documents."""
+    if not sup:
+        return None, []
+    raw = sup.get("restarts")
+    restarts = [r for r in raw if isinstance(r, dict)] if isinstance(raw, list) else []
+    view = {k: sup.get(k) for k in SUPERVISOR_KEYS}
+    view["gave_up"] = sup.get("gave_up") is True or sup.get("state") == "gave-up"
+    view["restarts"] = restarts
+    return view, restarts
+
+
+def restart_time(record: dict[str, Any]) -> float | None:
+    """Epoch seconds of a restart record's `at` (ISO-8601 UTC, as the supervisor writes it)."""
+    at = record.get("at")
+    if not isinstance(at, str):
+        return None
+    try:
+        when = datetime.fromisoformat(at.replace("Z", "+00:00"))
+    except ValueError:
+        return None
+    return (when if when.tzinfo else when.replace(tzinfo=UTC)).timestamp()
+
+
+def restart_reason(record: dict[str, Any]) -> str:
+    """`signal 9, resumed from step 200` (or the newest checkpoint while it has not said)."""
+    text = str(record.get("reason") or "?")
+    resumed, ckpt = record.get("resumed_step"), record.get("checkpoint_step")
+    if isinstance(resumed, int):
+        return f"{text}, resumed from step {resumed}"
+    if isinstance(ckpt, int):
+        return f"{text}, from checkpoint step {ckpt}"
+    return text
+
+
+def trainer_completed_stop(
+    run_state: dict[str, Any], pane: PaneState, supervisor: dict[str, Any] | None = None
+) -> bool:
     """The pane's process recorded a stop (or the end of its plan) before it ended.
 
     Whatever signal the pane reports last (a second Ctrl-C during the checkpoint), the trainer's
-    own record is the truth when it is this process's (same pid); its `stop_detail` says what
-    the stop kept.
+    own record is the truth when it is this process's (same pid; under the supervisor, the pid
+    of the supervisor's current trainer); its `stop_detail` says what the stop kept.
     """
-    return (
-        pane.pid is not None
-        and run_state.get("pid") == pane.pid
-        and run_state.get("state") in {"stopped", "finished"}
-    )
+    owners = {pane.pid} if pane.pid is not None else set()
+    trainer_pid = (supervisor or {}).get("trainer_pid")
+    if isinstance(trainer_pid, int):
+        owners.add(trainer_pid)
+    return run_state.get("pid") in owners and run_state.get("state") in {"stopped", "finished"}
 
 
 def parse_status(host: str, stdout: str, hash_text: Callable[[str], str | None]) -> RunStatus:
@@ -301,20 +381,30 @@ def parse_status(host: str, stdout: str, hash_text: Callable[[str], str | None])
     pane = parse_pane_state(s.get("pane", "")) if s.get("session") == "yes" else None
     capture = s.get("capture", "")
     run_state, run_state_error = parse_run_state(s.get("run_state", ""))
+    sup_file, sup_error = parse_run_state(s.get("supervisor", ""), SUPERVISOR_STATE_FILE)
+    sup = pane_supervisor(sup_file, pane)
+    sup_state = sup.get("state")
     sig: int | None = None
     if pane is None:
         state, exit_status = "stopped", None
     elif not pane.dead:
-        state, exit_status = "running", None
+        # The pane's process is the supervisor: alive while the trainer under it is restarted.
+        state = sup_state if sup_state in {"restarting", "stalled"} else "running"
+        exit_status = None
     else:
         exit_status = pane.exit_status
         state = "stopped" if exit_status == 0 else "crashed"
-        if state == "crashed" and trainer_completed_stop(run_state, pane):
+        if state == "crashed" and trainer_completed_stop(run_state, pane, sup):
             recorded = run_state.get("exit_status")
             state = "stopped"
             exit_status = recorded if isinstance(recorded, int) else exit_status
+        elif sup_state == "gave-up" or sup.get("gave_up") is True:
+            state = "gave-up"
+        elif state == "crashed" and sup_state == "stopped":
+            state = "stopped"  # the operator stopped it during a restart backoff
         else:
             sig = _pane_signal(s.get("pane", ""))
+    supervisor, restarts = supervisor_view(sup)
     log_events = _events(s.get("log", ""))
     last_status = next((e for e in reversed(log_events) if isinstance(e, StatusEvent)), None)
     last_ckpt = next((e for e in reversed(log_events) if isinstance(e, CheckpointEvent)), None)
@@ -350,6 +440,10 @@ def parse_status(host: str, stdout: str, hash_text: Callable[[str], str | None])
         stop_signal=stop_signal if isinstance(stop_signal, str) and stop_signal else None,
         run_state_error=run_state_error,
         switch_note=switch_note(s.get("switched", ""), current),
+        supervisor=supervisor,
+        restarts=restarts,
+        supervisor_error=sup_error,
+        release_has_supervisor=s.get("supervisable", "").strip() == "yes",
     )
 
 
@@ -366,8 +460,12 @@ READY_PATTERN = (
     + r"|\[[0-9]+m\] step=)"
 )
 
+# The supervisor's line for a failed attempt it restarts (trainer.supervise): a start whose
+# trainer died at once is still a failed start, even though the pane lives on.
+RESTARTING_PATTERN = "^" + re.escape(PHASE_TEXTS["restarting"])
+
 # $1 workdir $2 session $3 first status.log line to scan (1-based) $4 max ticks of 0.2 s
-# $5 READY_PATTERN. Prints exited | ready | waiting.
+# $5 READY_PATTERN $6 RESTARTING_PATTERN. Prints exited | restarting | ready | waiting.
 START_WAIT_SCRIPT = r"""cd "$1"
 i=0
 while :; do
@@ -375,6 +473,7 @@ while :; do
   if [ "$dead" != 0 ]; then echo "exited"; break; fi
   from=$3; n=$(wc -l < run/status.log 2>/dev/null || echo 0)
   [ "$n" -ge $((from - 1)) ] || from=1
+  if tail -n +"$from" run/status.log 2>/dev/null | grep -q -E "$6"; then echo "restarting"; break; fi
   if tail -n +"$from" run/status.log 2>/dev/null | grep -q -E "$5"; then echo "ready"; break; fi
   i=$((i + 1))
   if [ "$i" -ge "$4" ]; then echo "waiting"; break; fi
@@ -395,6 +494,7 @@ def start_wait_argv(workdir: str, session: str, from_line: int, wait_s: float) -
         str(from_line + 1),
         str(ticks),
         READY_PATTERN,
+        RESTARTING_PATTERN,
     ]
 
 
@@ -551,15 +651,18 @@ class RunControl:
     ) -> StartResult:
         """Start the trainer and wait (up to `wait_s`) until it is past its setup or has exited.
 
-        A trainer that exits in that time (bad device, a store that is not a store, a refused
-        resume) raises StartFailed with its exit status and last error line: "started" must
-        never be said of a run that is already dead. `wait_s=0` skips the wait.
+        The trainer runs under the in-container supervisor (`python -m trainer.supervise`) with
+        the host's restart policy, when the release ships it (an older release runs bare, with
+        a note). A trainer that exits in that time (bad device, a store that is not a store, a
+        refused resume) raises StartFailed with its exit status and last error line, also when
+        the supervisor is about to restart it: "started" must never be said of a run that is
+        already dead. `wait_s=0` skips the wait.
         """
         st = await self.status()
         if st.state == "unreachable":
             raise HostUnreachable(st.message or f"{self.host.name}: unreachable")
         argv = trainer_argv(self.host.python, fresh, resume)
-        if st.state == "running":
+        if st.state in LIVE_STATES:
             return StartResult(self.host.name, False, st.run_release or "", None, argv)
         if st.release is None:
             raise ControlError(
@@ -586,6 +689,8 @@ class RunControl:
             "DFLASH_RELEASE": release,
         }
         notes = [st.switch_note] if st.switch_note else []
+        if st.release_has_supervisor:
+            argv = supervised(self.host.python, self.host.supervisor_policy().cli_args(), argv)
         if st.switch_note:
             await self._run(acknowledge_switch(self.host.workdir))
         res = await self.new_session(argv, env)
@@ -605,14 +710,19 @@ class RunControl:
         )
         outcome = (waited.stdout.strip().splitlines() or ["waiting"])[-1]
         took = loop.time() - t0
-        if outcome == "exited":
-            raise await self._start_failure(st.log_lines, took)
+        if outcome in {"exited", "restarting"}:
+            raise await self._start_failure(st.log_lines, took, restarting=outcome == "restarting")
         return StartResult(
             self.host.name, True, release, pid, argv, outcome == "ready", took, notes
         )
 
-    async def _start_failure(self, mark: int, took: float) -> StartFailed:
-        """What a trainer that exited during its start said: exit status and last error."""
+    async def _start_failure(self, mark: int, took: float, restarting: bool = False) -> StartFailed:
+        """What a trainer that exited during its start said: exit status and last error.
+
+        Under the supervisor the pane's status is the supervisor's, which passes the trainer's
+        on (a signal death as 128 + N); a trainer it is restarting is described from its
+        restart record, and the message says what the supervisor does next.
+        """
         pane = await self._run(tmux_settled_pane_state(self.host.session))
         state = parse_pane_state(pane.stdout) if pane.ok else None
         sig = _pane_signal(pane.stdout) if pane.ok else None
@@ -622,10 +732,30 @@ class RunControl:
             log = ""  # the pane still tells
         cap = await self._run(tmux_capture(self.host.session, 300))
         error = last_error_line(log, sanitize_for_terminal(cap.stdout if cap.ok else ""))
-        how = describe_exit(state.exit_status if state else None, sig)
+        sup_res = await self._run(read_file(self._path(SUPERVISOR_STATE_FILE)))
+        sup_file, _ = parse_run_state(sup_res.stdout if sup_res.ok else "")
+        sup = pane_supervisor(sup_file, state)
+        exit_status = state.exit_status if state else None
+        after = ""
+        if sup and restarting:
+            _, restarts = supervisor_view(sup)
+            last = restarts[-1] if restarts else {}
+            code = last.get("exit_status")
+            exit_status, sig = (code, None) if isinstance(code, int) and code >= 0 else (None, None)
+            if isinstance(code, int) and code < 0:
+                sig = -code
+            policy = sup.get("policy") if isinstance(sup.get("policy"), dict) else {}
+            after = (
+                f"; its supervisor restarts it (restart {len(restarts)} of "
+                f"{policy.get('max_restarts', '?')}, in {last.get('backoff_s', '?')} s): "
+                f"`dflashctl stop {self.host.name}` ends it"
+            )
+        elif sup and sig is None and isinstance(exit_status, int) and exit_status > 128:
+            sig = exit_status - 128  # the supervisor exits 128 + N for a trainer killed by N
+        how = describe_exit(exit_status, sig)
         return StartFailed(
             f"{self.host.name}: the trainer {how} {took:.0f} s after it was started: "
-            f"{error or 'it printed nothing'}"
+            f"{error or 'it printed nothing'}{after}"
         )
 
     async def new_session(self, argv: list[str], env: dict[str, str]) -> CommandResult:
@@ -644,11 +774,15 @@ class RunControl:
         return res
 
     async def stop(self, timeout: float = 120.0) -> StopResult:
-        """SIGINT, wait for the checkpoint line (or exit) up to `timeout`, then kill the session."""
+        """SIGINT, wait for the checkpoint line (or exit) up to `timeout`, then kill the session.
+
+        The C-c reaches the pane's process: the supervisor forwards it to the trainer once (a
+        graceful stop, never restarted) or, in a restart backoff, exits without another attempt.
+        """
         st = await self.status()
         if st.state == "unreachable":
             raise HostUnreachable(st.message or f"{self.host.name}: unreachable")
-        if st.state != "running":
+        if st.state not in LIVE_STATES:
             if st.exit_status is not None:
                 await self._run(tmux_kill_session(self.host.session))
             return StopResult(

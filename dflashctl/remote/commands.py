@@ -246,6 +246,22 @@ def parse_pane_state(stdout: str) -> PaneState | None:
     return PaneState(dead=parts[0] == "1", exit_status=status, pid=num(parts[3]))
 
 
+# --- the in-container supervisor ----------------------------------------------------------
+
+SUPERVISOR_MODULE = "trainer.supervise"
+SUPERVISOR_FILE = "trainer/supervise.py"  # in a release: a tree deployed before it has none
+
+
+def supervised(python: str, policy_args: Sequence[str], trainer: Sequence[str]) -> list[str]:
+    """`python -m trainer.supervise [policy flags] -- TRAINER_ARGV`: the pane's process.
+
+    The supervisor runs the trainer as its child in the container, so a crash is restarted by
+    the host's policy with no operator (and no link) needed; Ctrl-C in the pane reaches it and
+    it forwards the signal to the trainer once.
+    """
+    return [python, "-m", SUPERVISOR_MODULE, *policy_args, "--", *trainer]
+
+
 # --- files ---------------------------------------------------------------------------------
 
 
@@ -314,6 +330,7 @@ SCRIPT_WORDS = {
     "dflash-unpack": "unpacking the release",
     "dflash-switch": "switching to the release",
     "dflash-guard": "the log stream",
+    "dflash-start-wait": "waiting for the trainer's setup",
     "dflash-term": "attach",
 }
 _FILE_WORDS = {"cat": "reading {}", "tail": "reading {}", "wc": "counting the lines of {}"}
