@@ -24,12 +24,11 @@
 #
 # Needs: bash, coreutils `timeout`, and a Python with torch (CUDA build), triton, transformers,
 # safetensors, numpy, pytest, hypothesis and pydantic. The GPU image (nvidia-h200: python3 =
-# /opt/torch/.venv, Python 3.12) has all of them but pydantic: carry the lock's pydantic==2.14.4,
-# pydantic_core==2.50.5, annotated-types==0.8.0 and typing-inspection==0.4.5 as wheels in ./.whl
-# (or $GPU_SH_WHEELS), fetched here with `pip download --no-deps --only-binary=:all:
-# --python-version 3.12 --platform manylinux_2_17_x86_64 -d .whl NAME==VERSION`; they are
-# installed with `pip --no-index --target` into a temp dir put first on PYTHONPATH. Nothing is
-# fetched on the GPU machine.
+# /opt/torch/.venv, Python 3.12) has all of them but pydantic: `bash benchmarks/gpu_wheels.sh`
+# fetches, here, the lock's pydantic, pydantic_core, annotated-types, typing-inspection and
+# typing_extensions wheels into ./.whl (or $GPU_SH_WHEELS); carry that folder (device tool:
+# carry=[".whl"]). They are installed with `pip --no-index --target` into a temp dir put first on
+# PYTHONPATH. Nothing is fetched on the GPU machine.
 # Python: $PYTHON, else the project's .venv/bin/python when its torch sees CUDA (--smoke: when it
 # exists), else python3. The repo root is put on PYTHONPATH, so nothing needs installing.
 #
@@ -43,7 +42,7 @@ smoke=0
 for arg in "$@"; do
     case "$arg" in
         --smoke) smoke=1 ;;
-        -h | --help) sed -n '2,38p' "$0"; exit 0 ;;
+        -h | --help) sed -n '2,37p' "$0"; exit 0 ;;
         *) echo "gpu.sh: unknown argument $arg (only --smoke)" >&2; exit 2 ;;
     esac
 done
@@ -68,12 +67,12 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 unset TRITON_INTERPRET
 ((smoke)) && export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 
-wheels="${GPU_SH_WHEELS:-.whl}"
-if compgen -G "$wheels/*.whl" >/dev/null; then
+wheels="${GPU_SH_WHEELS:-.whl}"  # benchmarks/gpu_wheels.sh fetches them (not for --smoke)
+if ((!smoke)) && compgen -G "$wheels/*.whl" >/dev/null; then
     site="$(mktemp -d "${TMPDIR:-/tmp}/gpu-sh-site.XXXXXX")"
     if "$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$site" \
         "$wheels"/*.whl >>"$OUT/gpu.log" 2>&1; then
-        export PYTHONPATH="$site:$PYTHONPATH"
+        export PYTHONPATH="$site:$PYTHONPATH" GPU_SH_SITE="$site"
     else
         echo "gpu.sh: installing $wheels/*.whl failed (see gpu.log); going on without them" >&2
     fi

@@ -194,6 +194,7 @@ def step_env(ctx: Ctx) -> dict[str, Any]:
         "cuda_available": torch.cuda.is_available(),
         "cpu_count": os.cpu_count(),
         "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF"),
+        "carried_wheels": os.environ.get("GPU_SH_SITE"),
         "default_dtype": str(torch.get_default_dtype()),
     }
     for name in ("triton", "transformers", "pydantic", "safetensors", "numpy", "pytest"):

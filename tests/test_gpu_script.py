@@ -205,3 +205,32 @@ def test_the_gpu_boxes_sum_to_under_8_minutes_and_match_the_header() -> None:
     assert sum(int(t) for _, t in boxes) <= 480
     header = re.findall(r"^#   ([a-z-]+) \[(\d+)\]", text, re.M)
     assert header == boxes
+
+
+def test_the_carried_wheels_are_the_locks_pins_and_cover_pydantics_needs() -> None:
+    """gpu_wheels.sh fetches what the GPU image lacks: pydantic and everything it requires,
+    at requirements.lock's versions (checked offline against the installed pydantic)."""
+    import re
+    from importlib.metadata import requires
+
+    proc = subprocess.run(
+        ["bash", str(REPO / "benchmarks" / "gpu_wheels.sh"), "--dry-run"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=True,
+    )
+    specs = proc.stdout.split()
+    lock = (REPO / "requirements.lock").read_text().splitlines()
+    assert all(spec in lock for spec in specs), specs
+
+    def norm(name: str) -> str:
+        return re.sub(r"[-_.]+", "-", name).lower()
+
+    fetched = {norm(spec.split("==")[0]) for spec in specs}
+    needed = {
+        norm(re.split(r"[ ;<>=!~\[]", req, maxsplit=1)[0])
+        for req in requires("pydantic") or []
+        if "extra ==" not in req
+    }
+    assert {"pydantic", *needed} <= fetched, needed - fetched
