@@ -1,0 +1,329 @@
+"""`dflashctl watch` on the real parts: loopback sshd + pct shim + LXC + tmux + the tiny CPU
+trainer, notifications through apprise's `json://` to a real HTTP receiver on 127.0.0.1.
+
+- the watch as a real subprocess: sshd stopped (listener and live connections) for longer than
+  `unreachable_alert_s` while the run trains: "unreachable" is printed and sent, then
+  "recovered" when sshd is back, the run's step has advanced meanwhile, and "finished" once the
+  run completes its plan; each message once, in order; SIGTERM drains the queue and exits 0;
+- a receiver that is down: the notification is retried, logged (redacted) and dropped, the watch
+  goes on, and the next event reaches the receiver once it is up.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from http.server import ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+
+from dflashctl.cli import main as cli_main
+from dflashctl.cli import make_transport
+from dflashctl.control import RunControl
+from dflashctl.inventory import load_inventory
+from dflashctl.notify import Notifier, load_targets
+from dflashctl.notify_policy import PolicyConfig
+from dflashctl.watch import WatchSettings, run_watch
+from tests.conftest import require_part
+from tests.ctl import parts as P
+from tests.ctl.test_notify import SECRET, Receiver
+
+REPO = Path(__file__).resolve().parents[2]
+pytestmark = [pytest.mark.parts]
+
+
+@contextlib.contextmanager
+def serving(rx: Receiver) -> Iterator[Receiver]:
+    rx.thread.start()
+    try:
+        yield rx
+    finally:
+        rx.server.shutdown()
+        rx.server.server_close()
+        rx.thread.join(5)
+
+
+def write_urls(d: Path, url: str) -> Path:
+    p = d / "notify-urls"
+    p.write_text(f"# the test receiver\n{url}\n")
+    p.chmod(0o600)
+    return p
+
+
+def inventory(sd: P.Sshd, ct: P.Container, d: Path, top: str, host_extra: str = "") -> Path:
+    """hosts.toml for a host behind `sd` (key pinned) with top-level watch keys."""
+    known = d / "known_hosts"
+    pub = sd.host_pub.read_text().split()
+    known.write_text(f"[127.0.0.1]:{sd.port} {pub[0]} {pub[1]}\n")
+    parts = P.Parts(sd, ct)
+    inv = d / "hosts.toml"
+    inv.write_text(top + P.hosts_toml(parts, known_hosts=known) + host_extra)
+    return inv
+
+
+def listener_pid(sd: P.Sshd) -> int:
+    return int((sd.dir / "sshd.pid").read_text().split()[0])
+
+
+def stop_sshd(sd: P.Sshd) -> None:
+    """The node's sshd is gone: its listener and every live connection (the watch's too)."""
+    pid = listener_pid(sd)
+    children = subprocess.run(
+        ["pgrep", "-P", str(pid)], capture_output=True, text=True, check=False
+    ).stdout.split()
+    os.kill(pid, signal.SIGTERM)
+    for child in children:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(int(child), signal.SIGKILL)
+    end = time.monotonic() + 10
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", sd.port), 0.2).close()
+        except OSError:
+            return
+        assert time.monotonic() < end, "sshd still accepts connections"
+        time.sleep(0.05)
+
+
+def start_sshd(sd: P.Sshd) -> subprocess.Popen[bytes]:
+    """The same sshd (config, port, host key) started again."""
+    proc = subprocess.Popen(
+        ["/usr/sbin/sshd", "-D", "-e", "-f", str(sd.dir / "sshd_config")],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    end = time.monotonic() + 10
+    while True:
+        with contextlib.suppress(OSError):
+            socket.create_connection(("127.0.0.1", sd.port), 0.2).close()
+            return proc
+        assert proc.poll() is None, "sshd did not start again"
+        assert time.monotonic() < end, "sshd did not listen again within 10 s"
+        time.sleep(0.05)
+
+
+class Lines:
+    """A subprocess's stdout lines, read on a thread, waited for by pattern."""
+
+    def __init__(self, stream: object) -> None:
+        self.lines: list[str] = []
+        self._cond = threading.Condition()
+        self._thread = threading.Thread(target=self._read, args=(stream,), daemon=True)
+        self._thread.start()
+
+    def _read(self, stream: object) -> None:
+        for line in stream:  # type: ignore[attr-defined]
+            with self._cond:
+                self.lines.append(line.rstrip("\n"))
+                self._cond.notify_all()
+
+    def wait_for(self, pattern: str, timeout: float) -> str:
+        rx = re.compile(pattern)
+        with self._cond:
+            ok = self._cond.wait_for(
+                lambda: any(rx.search(ln) for ln in self.lines), timeout=timeout
+            )
+            assert ok, f"no line matching {pattern!r} within {timeout} s: {self.lines}"
+            return next(ln for ln in self.lines if rx.search(ln))
+
+
+def last_step(run_dir: Path) -> int:
+    steps = re.findall(r"\bstep=(\d+)", (run_dir / "status.log").read_text())
+    return int(steps[-1]) if steps else 0
+
+
+def wait_until(pred, timeout: float, what: str) -> None:  # type: ignore[no-untyped-def]
+    end = time.monotonic() + timeout
+    while not pred():
+        assert time.monotonic() < end, f"{what} not within {timeout} s"
+        time.sleep(0.2)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(420)
+def test_watch_process_reports_an_outage_and_the_finish_once_each_in_order(
+    real_parts: P.Parts,
+    clean_workdir: Path,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    require_part(
+        (REPO / "trainer" / "__main__.py").is_file()
+        and (REPO / "configs" / "tiny-cpu.toml").is_file(),
+        "the real trainer (python -m trainer, configs/tiny-cpu.toml) is not in this checkout",
+    )
+    tree = tmp_path / "tree"
+    import shutil
+
+    shutil.copytree(
+        REPO / "trainer", tree / "trainer", ignore=shutil.ignore_patterns("__pycache__")
+    )
+    cfg = tmp_path / "run.toml"
+    tiny = (REPO / "configs" / "tiny-cpu.toml").read_text()
+    assert re.search(r"(?m)^epochs = 2$", tiny), "the tiny config's plan changed"
+    cfg.write_text(re.sub(r"(?m)^epochs = 2$", "epochs = 4", tiny))  # long enough for an outage
+    rx = Receiver()
+    # a node of its own: this test stops its sshd; the container is the shared one
+    with serving(rx), P.sshd(tmp_path / "sshd") as sd:
+        sd.map_file.write_text(f"{real_parts.container.ctid} {real_parts.container.name}\n")
+        urls = write_urls(tmp_path, rx.url())
+        inv = inventory(
+            sd,
+            real_parts.container,
+            tmp_path,
+            f'notify_urls_file = "{urls.name}"\nunreachable_alert_s = 3\n',
+            f'run_config = "{cfg}"\ncommand_timeout = 10\nenv = {{ OMP_NUM_THREADS = "1" }}\n',
+        )
+        args = ["--hosts", str(inv)]
+        assert cli_main([*args, "deploy", "ct", "--tree", str(tree)]) == 0
+        assert cli_main([*args, "start", "ct", "--wait-s", "180"]) == 0
+        run_dir = clean_workdir / "run"
+        wait_until(lambda: last_step(run_dir) > 0, 120, "a first step")
+
+        exe = Path(sys.executable).with_name("dflashctl")
+        watch = subprocess.Popen(
+            [str(exe), *args, "watch", "all", "--interval-s", "1", "--burst-s", "0.5"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        out, err = Lines(watch.stdout), Lines(watch.stderr)
+        restarted: subprocess.Popen[bytes] | None = None
+        try:
+            err.wait_for(r"watching ct every 1 s .*notifying 1 target", 30)
+            time.sleep(2.5)  # a few reachable polls: the watch knows the run as running
+            assert watch.poll() is None and out.lines == [], out.lines
+            stop_sshd(sd)
+            step_down = last_step(run_dir)
+            out.wait_for(r" ct unreachable: unreachable since ", 60)
+            wait_until(lambda: len(rx.received) >= 1, 30, "the unreachable notification")
+            restarted = start_sshd(sd)
+            out.wait_for(r" ct recovered \(unreachable\): reachable again after ", 60)
+            capsys.readouterr()
+            assert cli_main([*args, "status", "ct", "--json"]) == 0
+            st = json.loads(capsys.readouterr().out)[0]
+            assert st["state"] in {"running", "stopped"} and st["step"] > step_down, st
+            out.wait_for(r" ct finished: at step \d+", 240)
+            wait_until(lambda: len(rx.received) >= 3, 30, "three notifications")
+            watch.send_signal(signal.SIGTERM)
+            assert watch.wait(30) == 0
+            err.wait_for(r"stopped; all 3 notification\(s\) handed over were processed", 5)
+        finally:
+            if watch.poll() is None:
+                watch.kill()
+                watch.wait(10)
+            if restarted is not None:
+                restarted.terminate()
+                restarted.wait(10)
+        kinds = [re.sub(r"^\S+ ct ([a-z-]+).*", r"\1", ln) for ln in out.lines]
+        assert kinds == ["unreachable", "recovered", "finished"], out.lines
+        titles = [r["title"] for r in rx.received]
+        assert titles == [
+            "dflash ct: unreachable",
+            "dflash ct: recovered (unreachable)",
+            "dflash ct: finished",
+        ], rx.received
+        assert rx.received[2]["type"] == "success" and rx.received[0]["type"] == "warning"
+        assert SECRET not in "\n".join(err.lines)
+
+
+async def test_a_receiver_that_is_down_does_not_stop_the_watch(
+    real_parts: P.Parts,
+    clean_workdir: Path,
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Two hosts: one behind a closed port (unreachable at once), one real. The receiver is down
+    for the first alert (retried, logged redacted, dropped); then it comes up, the real host's
+    run crashes, and that message arrives once while the watch keeps running."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        rx_port, dead_port = s.getsockname()[1], P.free_port()
+    urls = write_urls(tmp_path, f"json://127.0.0.1:{rx_port}/hook/{SECRET}")
+    inv_path = inventory(
+        real_parts.sshd,
+        real_parts.container,
+        tmp_path,
+        "unreachable_alert_s = 1\n",
+        f'\n[hosts.gone]\naddress = "127.0.0.1"\nport = {dead_port}\nctid = 4243\n'
+        "connect_timeout = 1\n",
+    )
+    known = tmp_path / "known_hosts"  # pinned too: the port is closed, nothing else is wrong
+    pub = real_parts.sshd.host_pub.read_text().split()
+    with known.open("a") as f:
+        f.write(f"[127.0.0.1]:{dead_port} {pub[0]} {pub[1]}\n")
+    inv = load_inventory(inv_path)
+    targets, errors = load_targets(urls)
+    assert errors == []
+    notifier = Notifier(targets, backoff_s=(0.1,), sleep=time.sleep)
+    settings = WatchSettings(
+        interval_s=0.5, policy=PolicyConfig(unreachable_alert_s=1, burst_s=0.2), drain_s=10
+    )
+    lines: list[str] = []
+    stop = asyncio.Event()
+
+    async def seen(pattern: str, timeout: float) -> None:
+        end = time.monotonic() + timeout
+        while not any(re.search(pattern, ln) for ln in lines):
+            assert not task.done(), f"the watch ended: {task}"
+            assert time.monotonic() < end, f"no {pattern!r} within {timeout} s: {lines}"
+            await asyncio.sleep(0.1)
+
+    with caplog.at_level(logging.WARNING, logger="dflashctl.notify"):
+        task = asyncio.create_task(
+            run_watch(
+                list(inv.hosts.values()),
+                settings,
+                make_transport=make_transport,
+                notifier=notifier,
+                stop=stop,
+                emit=lines.append,
+            )
+        )
+        await seen(r" gone unreachable: ", 30)
+        end = time.monotonic() + 30
+        while "after 2 attempts; dropped: dflash gone: unreachable" not in caplog.text:
+            assert time.monotonic() < end, caplog.text
+            await asyncio.sleep(0.1)
+        rx = Receiver()
+        rx.server.server_close()
+        rx.server = ThreadingHTTPServer(("127.0.0.1", rx_port), rx.server.RequestHandlerClass)
+        rx.thread = threading.Thread(
+            target=rx.server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True
+        )
+        with serving(rx):
+            host = inv.get("ct")
+            t = make_transport(host)
+            try:
+                res = await RunControl(t, host).new_session(["sh", "-c", "exit 1"], {})
+                assert res.ok, res.stderr
+            finally:
+                await t.close()
+            await seen(r" ct crashed: exit 1", 60)
+            end = time.monotonic() + 30
+            while not rx.received:
+                assert time.monotonic() < end, "the crash notification never arrived"
+                await asyncio.sleep(0.1)
+            assert not task.done()
+            stop.set()
+            outcome = await asyncio.wait_for(task, 30)
+    assert [r["title"] for r in rx.received] == ["dflash ct: crashed"]
+    assert outcome.abandoned == 0 and outcome.queued == 2
+    assert [re.sub(r"^\S+ (\S+ \S+).*", r"\1", ln) for ln in lines] == [
+        "gone unreachable:",
+        "ct crashed:",
+    ]
+    assert "attempt 1 of 2" in caplog.text and "line 2 (json)" in caplog.text
+    assert SECRET not in caplog.text and str(rx_port) not in caplog.text
