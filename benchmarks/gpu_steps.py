@@ -176,9 +176,14 @@ def run_ladder(
             ctx.rec("oom", rung=rung, error=str(exc).splitlines()[0][:300])
             ended, failed = "oom", rung
             break
-        last = (rung, time.monotonic() - t0)
+        wall = time.monotonic() - t0
+        # A rung may report its time without one-off costs (the first rung's compilation):
+        # predicting the next rung from a compile-inflated time would end the ladder at once.
+        steady = fields.pop("steady_s", None)
+        last = (rung, wall if steady is None else float(steady))
         fitted = rung
-        ctx.rec("rung", rung=rung, seconds=round(last[1], 2), **fields)
+        ctx.rec("rung", rung=rung, seconds=round(wall, 2), **fields)
+    gc.collect()  # an OOM's traceback held the failed rung's tensors
     return {"largest_fitted": fitted, "failed_rung": failed, "ended": ended}
 
 
@@ -408,6 +413,7 @@ def step_drafter(ctx: Ctx) -> dict[str, Any]:
         q_rows = rows * drawn.num_blocks * shape.block
         ms = statistics.median(times) * 1e3
         return {
+            "steady_s": (reps + 1) * (statistics.median(times) + statistics.median(mask_s)),
             "rows": rows,
             "seq": seq,
             "anchors": drawn.num_blocks,
@@ -453,6 +459,7 @@ def step_drafter(ctx: Ctx) -> dict[str, Any]:
                 continue
             finally:
                 drafter.checkpoint_layers = False
+            fields.pop("steady_s")
             ctx.rec("case", case=case, rung=rung, max_query_rows=case_budget, **fields)
     drafter.zero_grad(set_to_none=True)
     _free(device)
@@ -590,7 +597,8 @@ def step_pipeline(ctx: Ctx) -> dict[str, Any]:
         assets.ensure_target(cfg)
         ctx.rec("assets", seconds=round(time.monotonic() - t0, 1))
         env = {k: v for k, v in os.environ.items() if not k.startswith("DFLASH_")}
-        env.update(PYTHONUNBUFFERED="1", PYTHONPATH=os.pathsep.join([str(REPO), *sys.path[1:]]))
+        paths = [str(REPO), os.environ.get("PYTHONPATH", "")]  # gpu.sh's carried wheels too
+        env.update(PYTHONUNBUFFERED="1", PYTHONPATH=os.pathsep.join(p for p in paths if p))
 
         def trainer(run: str, *args: str) -> float:
             t = time.monotonic()
@@ -607,14 +615,12 @@ def step_pipeline(ctx: Ctx) -> dict[str, Any]:
                 ],
                 cwd=REPO,
                 env=env,
-                capture_output=True,
-                text=True,
                 timeout=max(ctx.left(), 5),
-            )
+            )  # output streams into gpu.log, so a run cut off by the box still shows its lines
             seconds = time.monotonic() - t
-            print(proc.stdout[-6000:], proc.stderr[-6000:], sep="\n", flush=True)
             if proc.returncode != 0:
-                tail = (proc.stderr.strip() or proc.stdout.strip()).splitlines()[-3:]
+                log = root / run / "console.log"
+                tail = log.read_text().strip().splitlines()[-3:] if log.is_file() else []
                 raise RuntimeError(f"trainer {run} exit {proc.returncode}: {' | '.join(tail)}")
             return seconds
 

@@ -178,6 +178,23 @@ def test_ladder_skips_a_rung_predicted_past_the_budget() -> None:
     assert [r["kind"] for r in rec.records] == ["rung", "skipped"]
 
 
+def test_ladder_predicts_from_the_steady_time_not_the_compile() -> None:
+    """The first rung's wall time includes compilation; the prediction uses the steady time
+    the rung reports, so a slow first compile does not end the ladder at its first rung."""
+    import time
+
+    def rung(r: int) -> dict[str, Any]:
+        if r == 1:
+            time.sleep(0.3)  # "compiling"
+        return {"steady_s": 0.001 * r}
+
+    rec = _Rec()
+    summary = gpu_steps.run_ladder([1, 100], rung, _ctx(rec, left=2.0), cost=float)
+    assert summary == {"largest_fitted": 100, "failed_rung": None, "ended": "top"}
+    assert [r["kind"] for r in rec.records] == ["rung", "rung"]
+    assert "steady_s" not in rec.records[0]
+
+
 def test_the_gpu_sizes_are_valid_configs(tmp_path: Path) -> None:
     """What only the GPU run builds is still checked here: the real pipeline config validates,
     the real drafter config is the seed's shape, and the ladder grows."""
