@@ -1,0 +1,244 @@
+"""The supervised run from the operator's side, on the real parts (issue 12, items 2-3).
+
+sshd on loopback + the pct shim + a real LXC container + tmux, the real `python -m
+trainer.supervise` running the real tiny CPU trainer, driven through the CLI exactly as an
+operator would. One deployed container (and one built tiny store/target) serves every test in
+this module, in order; each test states the run it starts.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from dflashctl.cli import main as cli_main
+from tests.conftest import require_part
+from tests.ctl import parts as P
+
+REPO = Path(__file__).resolve().parents[2]
+pytestmark = [pytest.mark.parts, pytest.mark.slow, pytest.mark.timeout(600)]
+
+# Short policy figures so a crash loop plays out in seconds, not the production minutes.
+POLICY = (
+    'restart = "on-failure"\nmax_restarts = 2\nrestart_window_s = 3600\n'
+    "restart_backoff_s = 0.5\nstall_timeout_s = 300\nstartup_timeout_s = 600\n"
+)
+
+
+class Site:
+    """The deployed container and the CLI pointed at it."""
+
+    def __init__(self, parts: P.Parts, base: Path) -> None:
+        self.parts, self.base = parts, base
+        self.workdir = parts.container.workdir_host
+        known = base / "known_hosts"
+        pub = parts.sshd.host_pub.read_text().split()
+        known.write_text(f"[127.0.0.1]:{parts.sshd.port} {pub[0]} {pub[1]}\n")
+        self.known = known
+
+    def inventory(self, name: str, *, env: str = "", policy: str = POLICY) -> list[str]:
+        path = self.base / f"{name}.toml"
+        env_line = f'env = {{ OMP_NUM_THREADS = "1"{env} }}\n'
+        path.write_text(P.hosts_toml(self.parts, known_hosts=self.known) + env_line + policy)
+        return ["--hosts", str(path)]
+
+    def status(self, inv: list[str], capsys: pytest.CaptureFixture[str]) -> dict[str, Any]:
+        capsys.readouterr()
+        code = cli_main([*inv, "status", "ct", "--json"])
+        got = json.loads(capsys.readouterr().out)[0]
+        assert code == 0, got
+        return got
+
+    def wait(
+        self,
+        inv: list[str],
+        capsys: pytest.CaptureFixture[str],
+        pred: Callable[[dict[str, Any]], bool],
+        timeout: float,
+        what: str,
+    ) -> dict[str, Any]:
+        end = time.monotonic() + timeout
+        while True:
+            st = self.status(inv, capsys)
+            if pred(st):
+                return st
+            assert time.monotonic() < end, f"{what}: not reached within {timeout:g} s: {st}"
+            time.sleep(1)
+
+    def in_container(self, *argv: str) -> subprocess.CompletedProcess[str]:
+        name = self.parts.container.name
+        return subprocess.run(
+            ["lxc-attach", "-n", name, "--", *argv], capture_output=True, text=True, check=False
+        )
+
+    def supervisor_file(self) -> dict[str, Any]:
+        return json.loads((self.workdir / "run" / "supervisor.json").read_text())
+
+
+def tiny_config(base: Path, name: str, extra_schedule: str = "") -> Path:
+    text = (REPO / "configs" / "tiny-cpu.toml").read_text()
+    text = re.sub(r"(?m)^every_steps = \d+", "every_steps = 10", text)
+    text = re.sub(r"(?m)^interval_s = \S+", "interval_s = 1", text)
+    if extra_schedule:
+        text = re.sub(r"(?m)^(min_lr = .*)$", r"\1\n" + extra_schedule, text)
+    path = base / name
+    path.write_text(text)
+    return path
+
+
+@pytest.fixture(scope="module")
+def site(real_parts: P.Parts, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Site]:
+    require_part(
+        (REPO / "trainer" / "supervise.py").is_file()
+        and (REPO / "configs" / "tiny-cpu.toml").is_file(),
+        "the real trainer and supervisor are not in this checkout",
+    )
+    base = tmp_path_factory.mktemp("supervised")
+    s = Site(real_parts, base)
+
+    def wipe() -> None:
+        P.kill_tmux_in(real_parts.container)
+        for child in s.workdir.iterdir():
+            if child.is_dir() and not child.is_symlink():
+                shutil.rmtree(child)
+            else:
+                child.unlink()
+
+    wipe()
+    tree = base / "tree"  # a frozen copy: edits elsewhere in the checkout cannot race it
+    shutil.copytree(
+        REPO / "trainer", tree / "trainer", ignore=shutil.ignore_patterns("__pycache__")
+    )
+    inv = s.inventory("plain")
+    cfg = tiny_config(base, "run.toml")
+    assert cli_main([*inv, "deploy", "ct", "--tree", str(tree), "--config", str(cfg)]) == 0
+    s.tree = tree  # type: ignore[attr-defined]
+    try:
+        yield s
+    finally:
+        wipe()
+
+
+def test_a_killed_trainer_is_restarted_from_its_checkpoint_and_status_lists_it(
+    site: Site, capsys: pytest.CaptureFixture[str]
+) -> None:
+    inv = site.inventory("plain")
+    capsys.readouterr()
+    assert cli_main([*inv, "start", "ct", "--wait-s", "300"]) == 0
+    out = capsys.readouterr().out
+    assert "-m trainer.supervise --restart=on-failure --max-restarts=2" in out
+    st = site.wait(
+        inv, capsys, lambda s: s["last_checkpoint"] is not None, 300, "a first checkpoint"
+    )
+    assert st["state"] == "running" and st["restarts"] == []
+    assert st["supervisor"]["state"] == "running" and st["supervisor"]["gave_up"] is False
+    ckpt = st["last_checkpoint"]["step"]
+    trainer_pid = st["supervisor"]["trainer_pid"]
+    killed = site.in_container("kill", "-9", str(trainer_pid))
+    assert killed.returncode == 0, killed.stderr
+
+    st = site.wait(
+        inv,
+        capsys,
+        lambda s: bool(s["restarts"]) and s["restarts"][0]["resumed_step"] is not None,
+        120,
+        "a restart that resumed",
+    )
+    restart = st["restarts"][0]
+    assert restart["reason"] == "signal 9" and restart["exit_status"] == -9
+    assert restart["checkpoint_step"] is not None and restart["checkpoint_step"] >= ckpt
+    assert restart["resumed_step"] == restart["checkpoint_step"]
+    assert st["supervisor"]["trainer_pid"] != trainer_pid
+    st = site.wait(
+        inv,
+        capsys,
+        lambda s: s["state"] == "running" and (s["step"] or 0) > restart["resumed_step"],
+        180,
+        "a step past the checkpoint",
+    )
+    assert len(st["restarts"]) == 1  # one kill, one restart
+    capsys.readouterr()
+    assert cli_main([*inv, "status", "ct"]) == 0
+    text = capsys.readouterr().out
+    assert "ct: running " in text
+    assert re.search(r"restart 1: signal 9, resumed from step \d+ \(\d+s ago\)", text), text
+
+    capsys.readouterr()
+    assert cli_main([*inv, "stop", "ct", "--timeout", "120"]) == 0
+    assert "checkpoint step" in capsys.readouterr().out
+    st = site.status(inv, capsys)
+    assert st["state"] == "stopped" and site.supervisor_file()["state"] == "stopped"
+
+
+def test_a_finished_run_is_not_restarted(site: Site, capsys: pytest.CaptureFixture[str]) -> None:
+    inv = site.inventory("plain")
+    cfg = tiny_config(site.base, "short.toml", "max_steps = 3")
+    assert cli_main([*inv, "deploy", "ct", "--config", str(cfg), "--fresh"]) == 0
+    assert cli_main([*inv, "start", "ct", "--fresh", "--wait-s", "300"]) == 0
+    st = site.wait(inv, capsys, lambda s: s["state"] != "running", 300, "the end of the plan")
+    assert st["state"] == "stopped" and st["finished"] and st["exit_status"] == 0, st
+    assert st["restarts"] == [] and st["supervisor"]["state"] == "finished"
+    time.sleep(2)  # a restart would have begun by now (backoff 0.5 s)
+    st = site.status(inv, capsys)
+    assert st["state"] == "stopped" and st["restarts"] == []
+    assert site.supervisor_file()["attempt"] == 1
+
+
+def test_stop_during_a_restart_backoff_stops_for_good(
+    site: Site, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # every attempt fails in a stage (exit 1); a long backoff keeps the supervisor waiting
+    inv = site.inventory(
+        "faulty-slow",
+        env=', DFLASH_FAULT = "drafter:1"',
+        policy=POLICY.replace("restart_backoff_s = 0.5", "restart_backoff_s = 120"),
+    )
+    cfg = tiny_config(site.base, "run.toml")
+    assert cli_main([*inv, "deploy", "ct", "--config", str(cfg), "--fresh"]) == 0
+    capsys.readouterr()
+    code = cli_main([*inv, "start", "ct", "--fresh", "--wait-s", "300"])
+    err = capsys.readouterr().err
+    if code != 0:  # the attempt died before its first status line: said, with what comes next
+        assert "the trainer exited with status 1 (failed)" in err, err
+        assert "injected fault in stage 'drafter'" in err and "supervisor restarts it" in err
+    st = site.wait(inv, capsys, lambda s: s["state"] == "restarting", 300, "a restart backoff")
+    assert [r["reason"] for r in st["restarts"]] == ["exit 1"]
+    assert st["restarts"][0]["backoff_s"] == 120
+    capsys.readouterr()
+    assert cli_main([*inv, "stop", "ct", "--timeout", "60"]) == 0
+    assert "stopped (exited)" in capsys.readouterr().out
+    time.sleep(2)
+    st = site.status(inv, capsys)
+    assert st["state"] == "stopped" and st["exit_status"] is None  # session ended
+    sup = site.supervisor_file()
+    assert sup["state"] == "stopped" and sup["attempt"] == 1 and len(sup["restarts"]) == 1
+    assert "during the restart backoff" in sup["detail"]
+    assert "trainer" not in site.in_container("ps", "-eo", "args").stdout
+
+
+def test_a_crash_loop_is_restarted_max_restarts_times_then_gave_up(
+    site: Site, capsys: pytest.CaptureFixture[str]
+) -> None:
+    inv = site.inventory("faulty", env=', DFLASH_FAULT = "drafter:1"')
+    capsys.readouterr()
+    cli_main([*inv, "start", "ct", "--fresh", "--wait-s", "0"])
+    st = site.wait(inv, capsys, lambda s: s["state"] == "gave-up", 400, "gave up")
+    assert [r["reason"] for r in st["restarts"]] == ["exit 1", "exit 1"]
+    assert st["supervisor"]["gave_up"] is True and st["exit_status"] == 1
+    capsys.readouterr()
+    assert cli_main([*inv, "status", "ct"]) == 0
+    text = capsys.readouterr().out
+    assert text.startswith("ct: gave-up exit=1 ")
+    assert "supervisor: gave up after 2 restarts in " in text and "exit 1, exit 1, exit 1" in text
+    # a start clears the dead pane and starts again: gave-up is not a live state
+    capsys.readouterr()
+    assert cli_main([*inv, "stop", "ct"]) == 0
+    assert "not running: the run had already exited with status 1" in capsys.readouterr().out
