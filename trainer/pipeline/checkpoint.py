@@ -6,7 +6,9 @@ written to a temp name in the same directory, fsynced, renamed, and the director
 crash or SIGKILL mid-save leaves the previous checkpoints intact and never a half file under the
 final name. `--fresh` archives the old directory to `checkpoints.old-<timestamp>`; nothing is
 ever deleted except checkpoints older than the newest `keep_last`, and only after a newer one
-was written whole.
+was written whole. Retention also keeps every multiple of `keep_every_steps` and the best
+checkpoint: `checkpoints/best.pt` is a relative symlink to the complete step file with the
+highest held-out tau (`set_best`), never pruned while it is the best.
 
 A checkpoint whose drafter or optimizer state holds inf/NaN is never written (`save_checkpoint`
 refuses it), and `load_checkpoint` refuses one that is unreadable, incomplete or non-finite, so
@@ -47,6 +49,7 @@ REQUIRED_KEYS = (
     "counters",
 )
 REJECTED = "rejected"
+BEST = "best.pt"
 _DISK_FULL = {errno.ENOSPC, errno.EFBIG, errno.EDQUOT}
 _MIB = 1024 * 1024
 
@@ -165,8 +168,53 @@ def _kept(run_dir: Path) -> str:
     return f"kept {found[-1][1].name}" if found else "no earlier checkpoint"
 
 
-def save_checkpoint(run_dir: Path, step: int, state: dict[str, Any], keep_last: int) -> Path:
-    """Write `state` atomically as step-`step`.pt, then prune to the newest `keep_last`.
+def prunable(
+    steps: list[int], keep_last: int, keep_every_steps: int | None, protect: set[int]
+) -> list[int]:
+    """The steps retention deletes: all but the newest `keep_last`, multiples of
+    `keep_every_steps` and the `protect`ed ones (the best)."""
+    old = sorted(steps)[:-keep_last] if keep_last > 0 else sorted(steps)
+    every = keep_every_steps or 0
+    return [s for s in old if s not in protect and not (every and s % every == 0)]
+
+
+def best_checkpoint(run_dir: Path) -> tuple[int, Path] | None:
+    """(step, path) that `checkpoints/best.pt` points at; None when unset or dangling."""
+    link = checkpoint_dir(run_dir) / BEST
+    try:
+        name = os.readlink(link)
+    except OSError:
+        return None
+    m = _NAME.fullmatch(name)
+    target = checkpoint_dir(run_dir) / name
+    return (int(m.group(1)), target) if m and target.is_file() else None
+
+
+def set_best(run_dir: Path, step: int) -> Path:
+    """Point `checkpoints/best.pt` at step-`step`.pt (relative, replaced atomically)."""
+    root = checkpoint_dir(run_dir)
+    target = checkpoint_path(run_dir, step)
+    if not target.is_file():
+        raise CheckpointError(target, "best checkpoint must be a complete checkpoint on disk")
+    tmp = root / f".{BEST}.tmp-{os.getpid()}"
+    tmp.unlink(missing_ok=True)
+    os.symlink(target.name, tmp)
+    os.replace(tmp, root / BEST)
+    _fsync_dir(root)
+    return root / BEST
+
+
+def save_checkpoint(
+    run_dir: Path,
+    step: int,
+    state: dict[str, Any],
+    keep_last: int,
+    *,
+    keep_every_steps: int | None = None,
+    protect: set[int] | frozenset[int] = frozenset(),
+) -> Path:
+    """Write `state` atomically as step-`step`.pt, then prune to the newest `keep_last`
+    (keeping multiples of `keep_every_steps`, the `protect`ed steps and the current best).
 
     Raises CheckpointWriteError (one line, nothing changed on disk) when the state is not finite
     or the filesystem is full; pruning runs only after the new file is in place.
@@ -206,10 +254,13 @@ def save_checkpoint(run_dir: Path, step: int, state: dict[str, Any], keep_last: 
         ) from None
     finally:
         tmp.unlink(missing_ok=True)
-    for _, old in list_checkpoints(run_dir)[:-keep_last]:
+    best = best_checkpoint(run_dir)
+    keep = set(protect) | ({best[0]} if best else set())
+    found = dict(list_checkpoints(run_dir))
+    for old in prunable(list(found), keep_last, keep_every_steps, keep):
         # A failed purge must never take the run down; the next save retries.
         with contextlib.suppress(OSError):
-            old.unlink()
+            found[old].unlink()
     return final
 
 

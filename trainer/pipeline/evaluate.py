@@ -24,6 +24,7 @@ the same fused LM-head CE as training (no [rows x vocab] logits):
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -32,7 +33,9 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from trainer.config import EvalConfig
 from trainer.data.store import TokenStore
+from trainer.events import EvalEvent
 from trainer.kernels import lm_head_cross_entropy
 from trainer.model.attention import build_mask
 from trainer.model.drafter import DFlashDrafter, default_gamma
@@ -243,3 +246,85 @@ def _streaks_at(
         r_idx = torch.arange(rows.start, rows.stop)[:, None].expand_as(part.positions)
         out[r_idx[keep], part.positions[keep]] = streak[keep]
     return out
+
+
+class InTraining:
+    """The runner's side of evaluation: when it is due, the best so far, the Eval line.
+
+    Only the main rank holds the held-out batches (`batches` None elsewhere); every rank keeps
+    the same schedule, so the ranks agree on when an evaluation (and a new best's checkpoint)
+    happens. `best` is (step, tau) of the best checkpoint: the highest tau, ties to the later
+    step, and only evaluations at steps > 0 (step 0 has no checkpoint) can become it.
+    """
+
+    def __init__(
+        self,
+        cfg: EvalConfig,
+        batches: list[HeldOutBatch] | None,
+        *,
+        gamma: float | None,
+        max_query_rows: int | None,
+        best: tuple[int, float] | None = None,
+    ) -> None:
+        self.cfg, self.batches = cfg, batches
+        self.gamma, self.max_query_rows = gamma, max_query_rows
+        self.best = best
+        self.every_s = (cfg.every_minutes or math.inf) * 60
+        self.started = self.last_t = time.monotonic()
+        self.spent = 0.0  # seconds evaluating since `started`
+
+    def start(self) -> None:
+        """The drafter loop starts: wall time (and the eval's share of it) counts from here."""
+        self.started = self.last_t = time.monotonic()
+        self.spent = 0.0
+
+    def time_due(self) -> bool:
+        return time.monotonic() - self.last_t >= self.every_s
+
+    def due(self, step: int, time_flag: bool, final: bool) -> bool:
+        every = self.cfg.every_steps
+        return final or time_flag or bool(every and step % every == 0)
+
+    def run(
+        self, drafter: DFlashDrafter, autocast: contextlib.AbstractContextManager[object] | None
+    ) -> EvalResult | None:
+        """Evaluate now (None on ranks without the held-out batches)."""
+        if self.batches is None:
+            return None
+        res = evaluate(
+            drafter,
+            self.batches,
+            gamma=self.gamma,
+            max_query_rows=self.max_query_rows,
+            autocast=autocast,
+        )
+        self.spent += res.seconds
+        self.last_t = time.monotonic()
+        return res
+
+    def better(self, step: int, res: EvalResult | None) -> bool:
+        """Would `res` at `step` be the new best (ties go to the later step)?"""
+        if step <= 0 or res is None or res.tau is None:
+            return False
+        return self.best is None or res.tau >= self.best[1]
+
+    def share(self) -> float | None:
+        """Evaluation's share of the drafter loop's wall time so far (None before any)."""
+        wall = time.monotonic() - self.started
+        return self.spent / wall if wall > 0 and self.spent > 0 else None
+
+    def event(self, step: int, res: EvalResult) -> EvalEvent:
+        extra = {"rows": str(res.rows), "blocks": str(res.blocks), "eval_s": f"{res.seconds:.2f}"}
+        share = self.share()
+        if step > 0 and share is not None:
+            extra["cost"] = f"{100 * share:.1f}%"
+        return EvalEvent(
+            step=step,
+            tau=res.tau,
+            loss=res.loss,
+            acc=res.acc,
+            acc_at=res.acc_at,
+            tau_exp=res.tau_exp,
+            best=self.best[0] if self.best else None,
+            extra=extra,
+        )

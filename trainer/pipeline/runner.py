@@ -37,10 +37,12 @@ import numpy as np
 import torch
 
 from trainer.config import ConfigError, TrainConfig, config_hash, resume_critical_changes
+from trainer.events import format_eval_line
 from trainer.model.split_step import bounded_objective_backward
 from trainer.model.target import TargetModel
 from trainer.pipeline import assets, checkpoint, distributed
 from trainer.pipeline.channels import ReorderBuffer, Stopped, WaitClock
+from trainer.pipeline.evaluate import EvalResult, InTraining, capture_held_out
 from trainer.pipeline.faults import FaultPlan
 from trainer.pipeline.plan import BatchPlan
 from trainer.pipeline.schedule import lr_at, warmup_steps_for
@@ -143,13 +145,17 @@ class Run:
         store_path, target_dir = assets.ensure_store(cfg), assets.ensure_target(cfg)
         from trainer.buckets import PlanError, plan_buckets
         from trainer.data.store import StoreError, TokenStore
-        from trainer.sampler import BatchSampler, SamplerError
+        from trainer.sampler import BatchSampler, SamplerError, holdout_rows
 
         try:
             self.store = TokenStore.open(store_path)
         except StoreError as exc:
             raise assets.UserError(f"data.store: {exc}") from None
         lengths = np.asarray(self.store.lengths, dtype=np.int64)
+        try:  # the held-out rows: a pure function of (rows, count, seed), never trained on
+            self.holdout = holdout_rows(len(lengths), cfg.eval.holdout_rows, cfg.seed)
+        except SamplerError as exc:
+            raise assets.UserError(f"eval.holdout_rows: {exc}") from None
         b = cfg.batching
         try:
             bounds = b.boundaries
@@ -167,6 +173,7 @@ class Run:
                 rank=world.rank,
                 world_size=world.size,
                 pool_size=b.pool_size,
+                exclude=self.holdout,
             )
         except (PlanError, SamplerError) as exc:
             raise assets.UserError(f"batching: {exc}") from None
@@ -203,10 +210,53 @@ class Run:
         )
         self.gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + world.rank)
         self.start_step = 0
+        self.best: tuple[int, float] | None = None  # (step, held-out tau) of the best checkpoint
         self._resume()
+        self.evaluator = self._evaluator() if cfg.eval.enabled else None
         self.start_micro = self.start_step * accum
         self.end_micro = self.end_step * accum
         self.board.real_tokens = self.plan.real_tokens_before(self.start_micro)
+
+    def _evaluator(self) -> InTraining:
+        """The held-out rows' features, captured once by a target on the drafter's device
+        (main rank only; the target is dropped afterwards), and the evaluation schedule."""
+        cfg = self.cfg
+        batches = None
+        if self.world.is_main:
+            from transformers.utils import logging as hf_logging
+
+            from trainer.sampler import rows_digest
+
+            hf_logging.disable_progress_bar()
+            target = TargetModel.load(
+                self.target_dir, self.layer_ids, self.drafter_device, self.target_dtype
+            )
+            rows = self.holdout[: cfg.eval.max_rows]
+            batches = capture_held_out(
+                self.store,
+                rows,
+                target,
+                token_budget=cfg.batching.token_budget,
+                max_batch=cfg.batching.max_batch,
+            )
+            del target
+            if self.drafter_device.type == "cuda":
+                torch.cuda.empty_cache()
+            self.record(
+                holdout_rows=len(self.holdout),
+                holdout_sha256=rows_digest(self.holdout),
+                eval_rows=len(rows),
+                best_step=self.best[0] if self.best else None,
+                best_tau=self.best[1] if self.best else None,
+            )
+            _write_json(
+                self.run_dir / "holdout.json",
+                {"seed": cfg.seed, "rows": self.holdout.tolist(), "evaluated": len(rows)},
+            )
+        # An eval piece is never larger than the largest training packet can be.
+        m = cfg.model
+        budget = m.max_query_rows or cfg.batching.max_batch * m.num_anchors * self.dcfg.block_size
+        return InTraining(cfg.eval, batches, gamma=m.gamma, max_query_rows=budget, best=self.best)
 
     def _target_dtype(self) -> torch.dtype:
         name = self.cfg.topology.target_dtype
@@ -320,6 +370,9 @@ class Run:
         self.start_step = self.saved_step = int(state["step"])
         self.saved_path = path
         self.board.nonfinite = int(state["counters"]["nonfinite"])
+        best = (state.get("eval") or {}).get("best")
+        if best is not None and checkpoint.checkpoint_path(self.run_dir, int(best[0])).is_file():
+            self.best = (int(best[0]), float(best[1]))
         self.board.step = self.start_step
         self.board.micro = self.start_step * self.cfg.optimizer.grad_accum
 
@@ -398,6 +451,11 @@ class Run:
         real_total = self.plan.real_tokens_before(self.start_micro)
         last_ckpt = time.monotonic()
         every_s = (cfg.checkpoint.every_minutes or math.inf) * 60
+        ev = self.evaluator
+        if ev is not None:
+            ev.start()
+            if step == 0:  # the untrained baseline (no checkpoint, so never the best)
+                self._report_eval(0, ev.run(self.drafter, autocast))
         try:
             while step < self.end_step:
                 # The RNGs at the step boundary: a second signal can abandon a step halfway
@@ -443,11 +501,13 @@ class Run:
                 flags = [
                     float(self.stop_request.is_set()),
                     float(time.monotonic() - last_ckpt >= every_s),
+                    float(ev is not None and ev.time_due()),
                 ]
+                nf = len(flags)
                 tail = torch.tensor([*flags, self.q_hs.depth()], dtype=torch.float64, device=dev)
                 depth_slots = torch.zeros(world.size, dtype=torch.float64, device=dev)
-                depth_slots[world.rank] = tail[2]
-                red = distributed.all_reduce_sum(torch.cat([sums, tail[:2], depth_slots]), world)
+                depth_slots[world.rank] = tail[nf]
+                red = distributed.all_reduce_sum(torch.cat([sums, tail[:nf], depth_slots]), world)
                 vals = red.tolist()  # the one host sync per optimizer step
                 loss_sum, weight = vals[0], vals[1]
                 gnorm: float | None = None
@@ -469,7 +529,7 @@ class Run:
                 step += 1
                 micro = step * o.grad_accum
                 real_total = self.plan.real_tokens_before(micro)
-                self.board.q_hs = [int(x) for x in vals[len(METRIC_KEYS) + 2 :]]
+                self.board.q_hs = [int(x) for x in vals[len(METRIC_KEYS) + nf :]]
                 self.board.add_step(
                     step, micro, real_total, lr, gnorm, dict(zip(METRIC_KEYS, vals, strict=False))
                 )
@@ -483,12 +543,32 @@ class Run:
                 if stop_now:
                     self.announce_stop()  # before its checkpoint line, even if the monitor is asleep
                 final = stop_now or step == self.end_step
-                if final or due or (every and step % every == 0):
+                # Between steps, never on a signalled stop (that must end quickly): an eval
+                # draws no random numbers, so the next step is what it would have been.
+                res: EvalResult | None = None
+                new_best, prev_best = False, self.best
+                if ev is not None and not stop_now:
+                    eval_time = vals[len(METRIC_KEYS) + 2] > 0
+                    if ev.due(step, eval_time, step == self.end_step):
+                        res = ev.run(self.drafter, autocast)
+                        better = torch.tensor(
+                            [float(ev.better(step, res))], dtype=torch.float64, device=dev
+                        )
+                        new_best = distributed.all_reduce_sum(better, world).item() > 0
+                        if new_best and res is not None and res.tau is not None:
+                            self.best = ev.best = (step, res.tau)  # saved with this checkpoint
+                if final or due or (every and step % every == 0) or new_best:
                     saved = self._save(step)
                     last_ckpt = time.monotonic()
+                    if new_best:
+                        self._mark_best(step, saved, prev_best)
+                    if res is not None:
+                        self._report_eval(step, res)
                     if final and not saved:
                         self.final_save_failed = True
                         return
+                elif res is not None:
+                    self._report_eval(step, res)
                 if stop_now:
                     self.stopped_by_signal = True
                     return
@@ -530,11 +610,17 @@ class Run:
             "sampler": self.sampler.state_dict(),
             "rng": rng,
             "counters": {"nonfinite": self.board.nonfinite},
+            "eval": {"holdout_rows": len(self.holdout), "best": self.best},
         }
         self.saving = True
         try:
             path = checkpoint.save_checkpoint(
-                self.run_dir, step, state, self.cfg.checkpoint.keep_last
+                self.run_dir,
+                step,
+                state,
+                self.cfg.checkpoint.keep_last,
+                keep_every_steps=self.cfg.checkpoint.keep_every_steps,
+                protect={self.best[0]} if self.best else set(),
             )
         except checkpoint.CheckpointWriteError as exc:
             if checkpoint.nonfinite_entries(state):
@@ -552,6 +638,35 @@ class Run:
         self.reporter.checkpoint(step, path)
         self.record(last_step=step, last_checkpoint=str(path), checkpoint_error=None)
         return True
+
+    def _mark_best(self, step: int, saved: bool, prev: tuple[int, float] | None) -> None:
+        """Point `checkpoints/best.pt` at the new best's checkpoint (if it was written)."""
+        if not saved:
+            self.best = prev  # no checkpoint of this step: the best stays where it was
+            if self.evaluator is not None:
+                self.evaluator.best = prev
+            return
+        if not self.world.is_main or self.best is None:
+            return
+        try:
+            link = checkpoint.set_best(self.run_dir, step)
+        except (OSError, checkpoint.CheckpointError) as exc:
+            self.reporter.error(f"cannot mark step {step} as the best checkpoint: {exc}")
+            return
+        self.record(best_step=step, best_tau=self.best[1], best_checkpoint=str(link.resolve()))
+
+    def _report_eval(self, step: int, res: EvalResult | None) -> None:
+        """The Eval line (main rank) and its figures in run-state.json."""
+        if res is None or self.evaluator is None:
+            return
+        ev = self.evaluator.event(step, res)
+        self.reporter.line(format_eval_line(ev))
+        share = self.evaluator.share()
+        self.record(
+            last_eval=ev.model_dump(mode="json", exclude={"kind", "extra"}),
+            eval_seconds=round(self.evaluator.spent, 3),
+            eval_share=round(share, 4) if share is not None else None,
+        )
 
     # ------------------------------------------------------------------ monitor
     def monitor(self) -> None:
@@ -693,6 +808,13 @@ class Run:
         )
 
 
+def _write_json(path: Path, obj: Any) -> None:
+    """Write JSON through a temp file and a rename (a crash leaves the old file or none)."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(json.dumps(obj) + "\n")
+    os.replace(tmp, path)
+
+
 def run(opts: RunOptions) -> int:
     """The CLI's body: returns the process exit status."""
     try:
@@ -823,5 +945,10 @@ def _run(r: Run) -> int:
 
         out = export_drafter(r.drafter, r.run_dir / "export")
         r.reporter.line(f"Exported drafter to {out}", status_log=False)
+        best = checkpoint.best_checkpoint(r.run_dir)
+        if best is not None:  # the held-out best, alongside the last
+            r.drafter.load_state_dict(checkpoint.load_checkpoint(best[1])["drafter"])
+            out = export_drafter(r.drafter, r.run_dir / "export-best")
+            r.reporter.line(f"Exported best drafter (step {best[0]}) to {out}", status_log=False)
     r.reporter.phase("finished", f"step={r.board.step}")
     return EXIT_OK
