@@ -32,10 +32,12 @@ import pytest
 from dflashctl.cli import main as cli_main
 from dflashctl.cli import make_transport
 from dflashctl.control import RunControl
-from dflashctl.inventory import load_inventory
+from dflashctl.inventory import HostConfig, load_inventory, local_host
 from dflashctl.notify import Notifier, load_targets
 from dflashctl.notify_policy import PolicyConfig
-from dflashctl.watch import WatchSettings, run_watch
+from dflashctl.remote.transport import LocalTransport
+from dflashctl.watch import HostPoller, WatchSettings, run_watch
+from dflashctl.watch_events import format_event_line
 from tests.conftest import require_part
 from tests.ctl import parts as P
 from tests.ctl.test_notify import SECRET, Receiver
@@ -327,3 +329,57 @@ async def test_a_receiver_that_is_down_does_not_stop_the_watch(
     ]
     assert "attempt 1 of 2" in caplog.text and "line 2 (json)" in caplog.text
     assert SECRET not in caplog.text and str(rx_port) not in caplog.text
+
+
+async def test_a_container_without_nvidia_smi_has_no_gpu_events_and_no_error_spam(
+    ssh_host: HostConfig, clean_workdir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    poller = HostPoller(ssh_host, make_transport)
+    try:
+        with caplog.at_level(logging.DEBUG, logger="dflashctl"):
+            results = [await poller.poll() for _ in range(3)]
+    finally:
+        await poller.close()
+    assert [r.snapshot.reachable for r in results] == [True] * 3
+    assert [r.gpu for r in results] == [()] * 3
+    assert caplog.records == []
+
+
+async def test_gpu_health_readings_become_watch_events_once_per_change(tmp_path: Path) -> None:
+    """nvidia-smi replaying captured outputs of a pre-535 driver (it refuses the 535+ field
+    names, so the poller falls back to the legacy ones): the throttle reasons that turn on are
+    events at the first reading, an unchanged reading is none, and their end is "cleared"."""
+    fix = Path(__file__).parent / "fixtures" / "gpu-health"
+    legacy = (fix / "a100x2-driver470-legacy.csv").read_text()
+    calm = tmp_path / "calm.csv"
+    calm.write_text(
+        legacy.replace("0x0000000000000080", "0x0000000000000000").replace(" Active", " Not Active")
+        .replace("Not Not Active", "Not Active")
+    )  # fmt: skip
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    tool = bin_dir / "nvidia-smi"
+    tool.write_text(
+        "#!/bin/sh\n"
+        f'case "$*" in *clocks_event_reasons*) cat {fix / "driver470-unknown-field.stderr"} >&2;'
+        " exit 2;; esac\n"
+        f"n=$(cat {tmp_path / 'count'} 2>/dev/null || echo 0); echo $((n + 1)) > {tmp_path / 'count'}\n"
+        f'if [ "$n" -ge 2 ]; then cat {calm}; else cat {fix / "a100x2-driver470-legacy.csv"}; fi\n'
+    )
+    tool.chmod(0o755)
+    host = local_host("gpu-node", tmp_path / "wd", python=sys.executable, session="dflt-watch-gpu")
+    (tmp_path / "wd").mkdir()
+    transport = LocalTransport(env={"PATH": f"{bin_dir}:{os.environ['PATH']}"})
+    poller = HostPoller(host, lambda _h: transport)
+    try:
+        rounds = [await poller.poll() for _ in range(3)]
+    finally:
+        await poller.close()
+    assert all(r.snapshot.reachable for r in rounds)
+    first, second, third = ([(e.kind.value, e.detail) for e in r.gpu] for r in rounds)
+    assert first and {k for k, _ in first} == {"gpu-throttled"}
+    assert all(d.startswith("GPU 0: ") for _, d in first), first
+    assert second == []
+    assert [k for k, _ in third] == ["gpu-cleared"] * len(first)
+    lines = [format_event_line(e) for e in rounds[0].gpu]
+    assert all(" gpu-node gpu-throttled: GPU 0: " in ln for ln in lines), lines
