@@ -23,7 +23,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal, Protocol
 
-from dflashctl.control import LOG_RESTARTED, run_finished
+from dflashctl.control import LOG_RESTARTED, restart_reason, restart_time, run_finished
 from trainer.events import (
     CheckpointEvent,
     ErrorEvent,
@@ -40,6 +40,7 @@ LOG_TAIL = 400
 """Raw lines kept per host; the full log screen re-reads nothing, so this bounds memory."""
 STALE_AFTER_S = 60.0
 """A running host whose last line is older than this is shown as stale (with its age)."""
+DASH = "—"
 
 LinkState = Literal["connecting", "live", "retrying"]
 
@@ -50,7 +51,8 @@ class RunState:
 
     host: str
     run: str = "unknown"
-    """From `RunControl.status()`: running, stopped, crashed, unreachable, or unknown (not yet)."""
+    """From `RunControl.status()`: running, restarting, stalled, stopped, crashed, gave-up,
+    unreachable, or unknown (not yet)."""
     exit_status: int | None = None
     release: str | None = None
     config_hash: str | None = None
@@ -80,6 +82,10 @@ class RunState:
     config_changed: bool = False
     config_note: str | None = None
     """Why the config comparison could not be made (e.g. local file unreadable), if it could not."""
+    restarts: tuple[dict[str, Any], ...] = ()
+    """The supervisor's restart records (status `restarts`), oldest first; kept while unreachable."""
+    supervisor: dict[str, Any] | None = None
+    """status `supervisor` (policy, state, gave_up, detail) of the pane's run, if supervised."""
 
 
 def _push(hist: tuple[Any, ...], value: Any, limit: int = HISTORY) -> tuple[Any, ...]:
@@ -143,6 +149,12 @@ def apply_status(state: RunState, status: Any) -> RunState:
     exit_status, release, config_hash.
     """
     run = str(getattr(status, "state", "unknown"))
+    if run == "unreachable":  # what we knew stays shown: the link is down, not the run
+        restarts, supervisor = state.restarts, state.supervisor
+    else:
+        restarts = tuple(r for r in getattr(status, "restarts", None) or () if isinstance(r, dict))
+        sup = getattr(status, "supervisor", None)
+        supervisor = sup if isinstance(sup, dict) else None
     return replace(
         state,
         run=run,
@@ -151,7 +163,44 @@ def apply_status(state: RunState, status: Any) -> RunState:
         release=getattr(status, "release", None) or state.release,
         config_hash=getattr(status, "config_hash", None) or state.config_hash,
         run_info=getattr(status, "run_state", None) or state.run_info,
+        restarts=restarts,
+        supervisor=supervisor,
     )
+
+
+def restart_summary(state: RunState, now: float, compact: bool = False) -> str | None:
+    """Restart count, last reason and its age: `2× signal 9, 3m05s ago` (host header) or
+    `2× signal 9 3m05s` (`compact`, the fleet row); None without restarts."""
+    if not state.restarts:
+        return None
+    last = state.restarts[-1]
+    at = restart_time(last)
+    age = DASH if at is None else format_age(max(0.0, now - at))
+    head = f"{len(state.restarts)}× {last.get('reason') or '?'}"
+    return f"{head} {age}" if compact else f"{head}, {age} ago"
+
+
+def supervisor_events(old: RunState, new: RunState) -> list[tuple[str, str]]:
+    """(severity, text) of each supervisor event `new` adds to `old`: one toast per restart,
+    one for giving up. A host's first poll is its history, not news; a shorter list (a new
+    run) re-baselines."""
+    if old.run == "unknown" or new.run == "unreachable":
+        return []
+    out: list[tuple[str, str]] = []
+    if len(new.restarts) > len(old.restarts):
+        policy = (new.supervisor or {}).get("policy") or {}
+        limit = policy.get("max_restarts", "?") if isinstance(policy, dict) else "?"
+        for n, r in enumerate(new.restarts[len(old.restarts) :], start=len(old.restarts) + 1):
+            out.append(
+                (
+                    "warning",
+                    f"{new.host}: trainer restarted ({restart_reason(r)}); restart {n} of {limit}",
+                )
+            )
+    if new.run == "gave-up" and old.run != "gave-up":
+        detail = (new.supervisor or {}).get("detail")
+        out.append(("error", f"{new.host}: supervisor {detail or 'gave up'}"))
+    return out
 
 
 def start_new_run(state: RunState) -> RunState:
@@ -186,6 +235,8 @@ def display_state(state: RunState, now: float, stale_after: float = STALE_AFTER_
     """
     if state.run == "unreachable":
         return "unreachable"
+    if state.run == "gave-up":
+        return "gave-up"
     if state.run == "crashed":
         code = "?" if state.exit_status is None else str(state.exit_status)
         return f"crashed (exit {code})"
@@ -198,6 +249,8 @@ def display_state(state: RunState, now: float, stale_after: float = STALE_AFTER_
     if state.run == "running":
         age = line_age(state, now)
         return "stale" if age is not None and age > stale_after else "running"
+    if state.run in {"restarting", "stalled"}:
+        return state.run
     return "connecting" if state.link == "connecting" else state.run
 
 
@@ -512,7 +565,7 @@ class HostFollower:
             return
         self._set(apply_status(self.state, status))
         log_lines = getattr(status, "log_lines", None)
-        reachable = self.state.run in {"running", "stopped", "crashed"}
+        reachable = self.state.run not in {"unreachable", "unknown"}
         if reachable and isinstance(log_lines, int) and 0 <= log_lines < self.state.lines_seen:
             self.reset_stream()  # status.log shrank: a fresh run started it over
 

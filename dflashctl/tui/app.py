@@ -36,6 +36,7 @@ from dflashctl.monitor import (
     apply_lines,
     plan_restart,
     shape_from_config,
+    supervisor_events,
 )
 from dflashctl.runconfig import read_config_text
 from dflashctl.tui.screens.confirm import ConfirmScreen
@@ -133,8 +134,12 @@ class DflashApp(App[None]):
                     await binding.close()
 
     def _publish(self, state: RunState) -> None:
+        old = self.states.get(state.host)
         self.states[state.host] = state
         self.dirty.add(state.host)
+        if old is not None:  # each new supervisor event once, as a toast
+            for severity, text in supervisor_events(old, state):
+                self.notify(text, severity=severity, timeout=30)  # type: ignore[arg-type]
 
     def feed(self, host: str, lines: Iterable[str], now: float | None = None) -> None:
         """Fold replayed status.log lines into a host's state (tests, benchmarks, replays)."""

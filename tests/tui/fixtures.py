@@ -88,6 +88,8 @@ class Status:
     log_lines: int | None = None
     """None: this double does not count status.log lines (the shrink check is skipped)."""
     message: str | None = None
+    supervisor: dict[str, Any] | None = None
+    restarts: list[dict[str, Any]] = field(default_factory=list)
 
 
 @dataclass

@@ -48,6 +48,19 @@ async def _painted(pilot) -> None:  # type: ignore[no-untyped-def]
     await pilot.pause()
 
 
+# kpro6 was restarted once by its supervisor, 3m05s before the fixed clock
+KILLED = {
+    "at": "2027-01-15T07:56:55Z",
+    "attempt": 2,
+    "reason": "signal 9",
+    "exit_status": -9,
+    "checkpoint_step": 1000,
+    "resumed_step": 1000,
+    "backoff_s": 10.0,
+}
+SUPERVISED = {"state": "running", "gave_up": False, "detail": None, "policy": {"max_restarts": 3}}
+
+
 def fleet_app() -> DflashApp:
     """Four hosts in the four states that matter: live, stale, crashed, unreachable."""
     names = ["kpro6", "kpro7", "kpro8", "kpro9"]
@@ -57,7 +70,13 @@ def fleet_app() -> DflashApp:
         live=False,
     )
     states = {
-        "kpro6": (Status(), run_lines(40), 2.0, "live", False),
+        "kpro6": (
+            Status(restarts=[KILLED], supervisor=SUPERVISED),
+            run_lines(40),
+            2.0,
+            "live",
+            False,
+        ),
         "kpro7": (Status(), run_lines(30, starve=3), 95.0, "live", True),
         "kpro8": (Status(state="crashed", exit_status=1), run_lines(12), 600.0, "live", False),
         "kpro9": (

@@ -11,7 +11,7 @@ from textual.binding import BindingType
 from textual.screen import Screen
 from textual.widgets import DataTable, Footer, Header, Static
 
-from dflashctl.monitor import RunState, display_state, format_age, line_age
+from dflashctl.monitor import RunState, display_state, format_age, line_age, restart_summary
 from dflashctl.tui.widgets.panes import DASH, fmt, state_style
 from trainer.events import format_eta
 
@@ -25,6 +25,7 @@ COLUMNS: tuple[tuple[str, str, int], ...] = (
     ("eta", "ETA", 6),
     ("age", "Last line", 9),
     ("config", "Config", 8),
+    ("restarts", "Restarts", 20),
 )
 """Fixed widths: auto-sized columns re-measure the table on every cell update and redraw
 rows drawn at older widths."""
@@ -44,6 +45,7 @@ def fleet_row(state: RunState, now: float) -> dict[str, Text | str]:
         "eta": format_eta(st.eta_s) if st else DASH,
         "age": format_age(line_age(state, now)),
         "config": Text("changed", style="bold magenta") if state.config_changed else "",
+        "restarts": restart_summary(state, now, compact=True) or "",
     }
 
 

@@ -19,6 +19,7 @@ from dflashctl.monitor import (
     display_state,
     format_age,
     line_age,
+    restart_summary,
     total_steps,
     warmup_steps,
 )
@@ -34,6 +35,9 @@ STATE_STYLES = {
     "finished": "bold cyan",
     "unreachable": "bold red",
     "connecting": "dim",
+    "restarting": "bold yellow",
+    "stalled": "bold yellow",
+    "gave-up": "bold red",
 }
 
 
@@ -68,6 +72,12 @@ def header_text(state: RunState, now: float) -> Text:
     if state.link == "retrying":
         retry = DASH if state.retry_at is None else format_age(max(0.0, state.retry_at - now))
         out.append(f"link down ({state.link_error or 'no error text'}), retry in {retry}  ", "red")
+    restarts = restart_summary(state, now)
+    if restarts:
+        out.append(f"restarts {restarts}  ", style="yellow")
+    detail = (state.supervisor or {}).get("detail")
+    if state.run in {"restarting", "stalled", "gave-up"} and isinstance(detail, str) and detail:
+        out.append(f"supervisor: {detail}  ", style=state_style(state.run))
     if state.config_changed:
         out.append("config changed: press r  ", style="bold magenta")
     if state.last_error:
