@@ -698,7 +698,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sp.add_argument("--no-notify", action="store_true", help="print only, send nothing")
     sp.add_argument("--no-gpu", action="store_true", help="do not query nvidia-smi")
-    sp.add_argument("-v", "--verbose", action="store_true", help="log more on stderr")
+    sp.add_argument(
+        "-v",
+        "--verbose",
+        action="store_true",
+        help="also log failed polls and each notification sent (stderr)",
+    )
     sp.set_defaults(func=cmd_watch)
     sp = add("logs", cmd_logs, "print (or follow with -f) the run's status.log")
     sp.add_argument("-f", "--follow", action="store_true")

@@ -116,6 +116,7 @@ class HostPoller:
         self._gpu_prefix = REASONS_PREFIX
         self._gpu_prev: dict[int, GpuHealth] | None = None
         self._gpu_said: set[str] = set()
+        self._last_failure: str | None = None
 
     async def poll(self) -> PollResult:
         from dflashctl.control import RunControl
@@ -133,7 +134,13 @@ class HostPoller:
         except Exception as err:  # one host's surprise must not end the watch
             d = self._unreachable(str(err) or type(err).__name__)
             await self._drop_transport()
-        at = time.time() if d.get("state") != "unreachable" else started
+        if d.get("state") == "unreachable":
+            why = sanitize_for_terminal(str(d.get("message") or "no reason given"))
+            if why != self._last_failure:  # once per outage (and per new reason), not per poll
+                log.info("%s: poll failed: %s", self.host.name, why)
+            self._last_failure, at = why, started
+        else:
+            self._last_failure, at = None, time.time()
         snap = snapshot_from_status(d, at)
         gpu: tuple[WatchEvent, ...] = ()
         if snap.reachable and self._gpu:
@@ -209,7 +216,11 @@ class NotifyWorker:
         while True:
             n = self._queue.get()
             try:
-                self._notifier.send(n)
+                report = self._notifier.send(n)
+                log.info(
+                    "notification %r: delivered to %d target(s), failed for %d",
+                    n.title, len(report.delivered), len(report.failed),
+                )  # fmt: skip
             except Exception:  # send never raises; the watch's worker must not die anyway
                 log.exception("notification sender failed; continuing")
             finally:

@@ -196,7 +196,7 @@ def test_watch_process_reports_an_outage_and_the_finish_once_each_in_order(
 
         exe = Path(sys.executable).with_name("dflashctl")
         watch = subprocess.Popen(
-            [str(exe), *args, "watch", "all", "--interval-s", "1", "--burst-s", "0.5"],
+            [str(exe), *args, "watch", "all", "--interval-s", "1", "--burst-s", "0.5", "-v"],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
@@ -239,6 +239,9 @@ def test_watch_process_reports_an_outage_and_the_finish_once_each_in_order(
         ], rx.received
         assert rx.received[2]["type"] == "success" and rx.received[0]["type"] == "warning"
         assert SECRET not in "\n".join(err.lines)
+        said = "\n".join(err.lines)
+        assert "dflashctl: ct: poll failed: " in said  # -v: why, once per outage and reason
+        assert "notification 'dflash ct: finished': delivered to 1 target(s), failed for 0" in said
 
 
 async def test_a_receiver_that_is_down_does_not_stop_the_watch(
