@@ -386,3 +386,43 @@ async def test_gpu_health_readings_become_watch_events_once_per_change(tmp_path:
     assert [k for k, _ in third] == ["gpu-cleared"] * len(first)
     lines = [format_event_line(e) for e in rounds[0].gpu]
     assert all(" gpu-node gpu-throttled: GPU 0: " in ln for ln in lines), lines
+
+
+async def test_stop_abandons_what_the_drain_bound_cannot_send(tmp_path: Path) -> None:
+    """A push service that never answers: the stop returns after the drain bound and counts the
+    notification it abandoned (its retry was still waiting), instead of hanging on it."""
+    urls = write_urls(tmp_path, f"json://127.0.0.1:{P.free_port()}/hook/{SECRET}")
+    inv_path = tmp_path / "hosts.toml"
+    inv_path.write_text(
+        f'unreachable_alert_s = 0.5\n[defaults]\nknown_hosts = "{tmp_path / "kh"}"\n'
+        f'[hosts.gone]\naddress = "127.0.0.1"\nport = {P.free_port()}\nctid = 200\n'
+        "connect_timeout = 1\n"
+    )
+    targets, _ = load_targets(urls)
+    lines: list[str] = []
+    stop = asyncio.Event()
+    task = asyncio.create_task(
+        run_watch(
+            list(load_inventory(inv_path).hosts.values()),
+            WatchSettings(
+                interval_s=0.5,
+                policy=PolicyConfig(unreachable_alert_s=0.5, burst_s=0.1),
+                drain_s=0.5,
+            ),
+            make_transport=make_transport,
+            notifier=Notifier(targets, backoff_s=(3600,)),
+            stop=stop,
+            emit=lines.append,
+        )
+    )
+    end = time.monotonic() + 30
+    while not lines:
+        assert time.monotonic() < end and not task.done(), (lines, task)
+        await asyncio.sleep(0.1)
+    stop.set()  # the burst window's event is handed over now, or by the stop's flush
+    outcome = await asyncio.wait_for(task, 20)
+    assert " gone unreachable: " in lines[0]
+    assert (outcome.queued, outcome.abandoned) == (1, 1)
+    assert outcome.summary(0.5) == (
+        "stopped; abandoned 1 of 1 notification(s) still queued after 0.5 s"
+    )
