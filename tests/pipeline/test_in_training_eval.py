@@ -294,3 +294,64 @@ def test_resume_keeps_the_held_out_set_and_refuses_to_change_it(
     assert out.returncode == 2
     errors = [x for x in out.stdout.splitlines() if x.startswith("ERROR:")]
     assert len(errors) == 1 and "changed eval.holdout_rows" in errors[0], out.stdout
+
+
+@pytest.mark.timeout(240)
+def test_two_ranks_agree_on_evals_and_the_best_checkpoint(
+    tmp_path: Path, tiny_assets: dict[str, Any]
+) -> None:
+    """Rank 0 evaluates; both ranks take part in each new best's checkpoint (no hang, both RNGs
+    saved), and the Eval lines come from rank 0 alone."""
+    import subprocess
+    import sys
+
+    from .conftest import REPO, cli_env
+
+    cfg = write_config(
+        tmp_path / "dp.toml",
+        tiny_assets,
+        topology={"drafter_devices": ["cpu", "cpu"], "target_devices": ["cpu"]},
+        schedule={"max_steps": 12},
+        eval={"holdout_rows": HOLDOUT, "every_steps": 4, "max_rows": 8},
+    )
+    run_dir = tmp_path / "run"
+    env = cli_env()
+    env.pop("WORLD_SIZE", None)
+    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    argv += ["-m", "trainer", "--config", str(cfg), "--run-dir", str(run_dir)]
+    out = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=200)
+    assert out.returncode == 0, (out.stdout[-2000:], out.stderr[-3000:])
+    evals = _evals(run_dir)
+    assert [e.step for e in evals] == [0, 4, 8, 12]
+    best = best_checkpoint(run_dir)
+    assert best is not None and best[0] == evals[-1].best
+    state = load_checkpoint(best[1])
+    assert state["world_size"] == 2 and len(state["rng"]) == 2
+    assert state["eval"]["best"][0] == best[0]
+
+
+@pytest.mark.timeout(240)
+def test_a_finished_run_exports_the_best_alongside_the_last(
+    tmp_path: Path, tiny_assets: dict[str, Any], run_cli: RunCli
+) -> None:
+    from safetensors.torch import load_file
+
+    cfg = write_config(
+        tmp_path / "run.toml",
+        tiny_assets,
+        schedule={"epochs": 0.25},
+        eval={"holdout_rows": HOLDOUT, "every_steps": 10, "max_rows": 8},
+        checkpoint={"every_steps": 1000, "every_minutes": 60.0, "keep_last": 1},
+    )
+    run_dir = tmp_path / "run"
+    out = run_cli(cfg, run_dir)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    best = best_checkpoint(run_dir)
+    assert best is not None
+    assert f"Exported best drafter (step {best[0]}) to" in out.stdout
+    weights = load_checkpoint(best[1])["drafter"]
+    exported = {}
+    for f in sorted((run_dir / "export-best").glob("*.safetensors")):
+        exported.update(load_file(f))
+    assert exported and all(torch.equal(t, weights[k]) for k, t in exported.items())
+    assert (run_dir / "export" / "config.json").is_file()
