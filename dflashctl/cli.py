@@ -306,6 +306,10 @@ def format_run_status(st: Any) -> str:
     return "\n".join(lines)
 
 
+# supervisor states whose `detail` says what happened (why it waits, stopped or gave up)
+DETAIL_STATES = frozenset({"restarting", "stalled", "gave-up", "not-restarted"})
+
+
 def supervisor_lines(st: Any, now: float | None = None) -> list[str]:
     """The supervisor's policy and restarts for `dflashctl status` (nothing for a bare run)."""
     import time
@@ -327,7 +331,7 @@ def supervisor_lines(st: Any, now: float | None = None) -> list[str]:
     )
     lines = [head]
     detail = sup.get("detail")
-    if sup.get("state") in {"restarting", "stalled", "gave-up"} and isinstance(detail, str):
+    if sup.get("state") in DETAIL_STATES and isinstance(detail, str):
         lines.append(f"  supervisor: {detail}")
     first = max(0, len(st.restarts) - 5)
     if first:

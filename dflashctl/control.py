@@ -404,6 +404,8 @@ def parse_status(host: str, stdout: str, hash_text: Callable[[str], str | None])
             state = "stopped"  # the operator stopped it during a restart backoff
         else:
             sig = _pane_signal(s.get("pane", ""))
+            if sig is None and sup and isinstance(exit_status, int) and exit_status > 128:
+                sig = exit_status - 128  # the supervisor exits 128 + N for a trainer killed by N
     supervisor, restarts = supervisor_view(sup)
     log_events = _events(s.get("log", ""))
     last_status = next((e for e in reversed(log_events) if isinstance(e, StatusEvent)), None)
@@ -745,9 +747,11 @@ class RunControl:
             if isinstance(code, int) and code < 0:
                 sig = -code
             policy = sup.get("policy") if isinstance(sup.get("policy"), dict) else {}
+            wait = last.get("backoff_s")
             after = (
                 f"; its supervisor restarts it (restart {len(restarts)} of "
-                f"{policy.get('max_restarts', '?')}, in {last.get('backoff_s', '?')} s): "
+                f"{policy.get('max_restarts', '?')}, in "
+                f"{f'{wait:g}' if isinstance(wait, int | float) else '?'} s): "
                 f"`dflashctl stop {self.host.name}` ends it"
             )
         elif sup and sig is None and isinstance(exit_status, int) and exit_status > 128:

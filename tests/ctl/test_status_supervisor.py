@@ -134,3 +134,11 @@ def test_supervised_argv_puts_the_policy_in_front_of_the_trainer() -> None:
     argv = supervised("/py", Policy(max_restarts=1).cli_args(), ["/py", "-m", "trainer", "--x"])
     assert argv[:3] == ["/py", "-m", "trainer.supervise"] and "--max-restarts=1" in argv
     assert argv[argv.index("--") + 1 :] == ["/py", "-m", "trainer", "--x"]
+
+
+def test_a_supervised_signal_death_is_named_like_a_bare_one() -> None:
+    # restart = never: the trainer's SIGKILL reaches the pane as the supervisor's exit 137
+    st = status(out("1|137||40", sup(40, "not-restarted", detail="signal 9; restart = never")))
+    assert st.state == "crashed" and st.exit_status == 137 and st.signal == "SIGKILL"
+    text = format_run_status(st)
+    assert "(killed by SIGKILL)" in text and "supervisor: signal 9; restart = never" in text

@@ -195,23 +195,31 @@ def test_a_finished_run_is_not_restarted(site: Site, capsys: pytest.CaptureFixtu
 def test_stop_during_a_restart_backoff_stops_for_good(
     site: Site, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    # every attempt fails in a stage (exit 1); a long backoff keeps the supervisor waiting
+    # a device that does not exist: exit 2 at every start, made restartable here by the
+    # inventory (no_restart_exit_codes = [3]); a long backoff keeps the supervisor waiting
     inv = site.inventory(
-        "faulty-slow",
-        env=', DFLASH_FAULT = "drafter:1"',
-        policy=POLICY.replace("restart_backoff_s = 0.5", "restart_backoff_s = 120"),
+        "restartable-config-error",
+        policy=POLICY.replace("restart_backoff_s = 0.5", "restart_backoff_s = 120")
+        + "no_restart_exit_codes = [3]\n",
     )
-    cfg = tiny_config(site.base, "run.toml")
-    assert cli_main([*inv, "deploy", "ct", "--config", str(cfg), "--fresh"]) == 0
+    text = tiny_config(site.base, "run.toml").read_text()
+    bad = site.base / "bad-device.toml"
+    bad.write_text(text.replace('drafter_devices = ["cpu"]', 'drafter_devices = ["cuda:99"]'))
+    assert cli_main([*inv, "deploy", "ct", "--config", str(bad), "--fresh"]) == 0
     capsys.readouterr()
-    code = cli_main([*inv, "start", "ct", "--fresh", "--wait-s", "300"])
-    err = capsys.readouterr().err
-    if code != 0:  # the attempt died before its first status line: said, with what comes next
-        assert "the trainer exited with status 1 (failed)" in err, err
-        assert "injected fault in stage 'drafter'" in err and "supervisor restarts it" in err
-    st = site.wait(inv, capsys, lambda s: s["state"] == "restarting", 300, "a restart backoff")
-    assert [r["reason"] for r in st["restarts"]] == ["exit 1"]
-    assert st["restarts"][0]["backoff_s"] == 120
+    # the trainer died at once: a failed start, although the supervisor lives on to restart it
+    assert cli_main([*inv, "start", "ct", "--wait-s", "300"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1, err
+    assert re.search(
+        r"^dflashctl: ct: the trainer exited with status 2 \(refused: a user error\) \d+ s after "
+        r"it was started: topology: device .cuda:99. requested.*; its supervisor restarts it "
+        r"\(restart 1 of 2, in 120 s\): `dflashctl stop ct` ends it$",
+        err[0],
+    ), err[0]
+    st = site.status(inv, capsys)
+    assert st["state"] == "restarting" and st["supervisor"]["state"] == "restarting"
+    assert [r["reason"] for r in st["restarts"]] == ["exit 2"]
     capsys.readouterr()
     assert cli_main([*inv, "stop", "ct", "--timeout", "60"]) == 0
     assert "stopped (exited)" in capsys.readouterr().out
@@ -227,7 +235,10 @@ def test_stop_during_a_restart_backoff_stops_for_good(
 def test_a_crash_loop_is_restarted_max_restarts_times_then_gave_up(
     site: Site, capsys: pytest.CaptureFixture[str]
 ) -> None:
+    # every attempt fails in a stage (exit 1, the test-only DFLASH_FAULT hook)
     inv = site.inventory("faulty", env=', DFLASH_FAULT = "drafter:1"')
+    cfg = tiny_config(site.base, "run.toml")
+    assert cli_main([*inv, "deploy", "ct", "--config", str(cfg)]) == 0
     capsys.readouterr()
     cli_main([*inv, "start", "ct", "--fresh", "--wait-s", "0"])
     st = site.wait(inv, capsys, lambda s: s["state"] == "gave-up", 400, "gave up")
