@@ -171,6 +171,21 @@ def test_a_killed_trainer_is_restarted_from_its_checkpoint_and_status_lists_it(
     assert "ct: running " in text
     assert re.search(r"restart 1: signal 9, resumed from step \d+ \(\d+s ago\)", text), text
 
+    # the link lost for a while (every pct call on the node hangs): the host is unreachable,
+    # never crashed, and nothing is restarted; the run went on meanwhile
+    lossy = site.inventory("lossy", policy=POLICY + "command_timeout = 2\n")
+    before = st["step"]
+    with P.hanging_pct(site.parts.sshd, 30):
+        for _ in range(2):
+            capsys.readouterr()
+            assert cli_main([*lossy, "status", "ct", "--json"]) == 3  # all hosts unreachable
+            got = json.loads(capsys.readouterr().out)[0]
+            assert got["state"] == "unreachable" and "no answer within 2 s" in got["message"]
+            assert got["restarts"] == [] and got["supervisor"] is None
+            time.sleep(2)
+    st = site.wait(inv, capsys, lambda s: (s["step"] or 0) > before, 120, "steps after the outage")
+    assert st["state"] == "running" and len(st["restarts"]) == 1
+
     capsys.readouterr()
     assert cli_main([*inv, "stop", "ct", "--timeout", "120"]) == 0
     assert "checkpoint step" in capsys.readouterr().out
