@@ -1,0 +1,5 @@
+import sys
+
+from trainer.memory.cli import main
+
+sys.exit(main())

@@ -1,0 +1,170 @@
+"""The batch shapes the run will produce: the project's own sampler over the configured store.
+
+Every batch of every epoch the schedule covers (`BatchSampler.global_batches`, all ranks) gives
+rows, the padded length and, per row, the anchors the objective will draw: min(num_anchors,
+eligible positions), eligible = supervised positions whose next token is supervised (the rule
+of `trainer.model.masks.eligible_anchors`), counted from the store's loss mask. Without a
+readable store the shipped seed-shaped lengths stand in (the same planner and sampler) and every
+position but the last counts as eligible: an upper bound, said so in the output.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from trainer.config import TrainConfig
+from trainer.memory.costs import Piece
+from trainer.memory.shapes import MemoryEstimateError
+
+SHIPPED_LENGTHS = Path(__file__).resolve().parent.parent / "data" / "samples" / "seed_lengths.npy"
+
+
+@dataclass(frozen=True)
+class BatchShape:
+    """One packet: padded length and per-row anchor counts (packet row order)."""
+
+    seq: int
+    anchors: tuple[int, ...]
+
+    @property
+    def rows(self) -> int:
+        return len(self.anchors)
+
+    @property
+    def width(self) -> int:
+        return max(self.anchors, default=0)
+
+    def query_rows(self, block: int) -> int:
+        return self.rows * self.width * block
+
+
+@dataclass(frozen=True)
+class Shapes:
+    batches: list[BatchShape]  # distinct shapes, all epochs
+    source: str  # where lengths and eligible counts came from
+    exact_anchors: bool  # False: eligible counts are the length-1 upper bound
+    num_batches: int  # before de-duplication
+    epochs: int
+
+
+def _eligible_from_store(store: object) -> np.ndarray:
+    """Per row: positions i with mask[i] and mask[i+1] (one pass over the mask, chunked)."""
+    mask = np.asarray(store.mask)  # type: ignore[attr-defined]
+    offsets = np.asarray(store.offsets, dtype=np.int64)  # type: ignore[attr-defined]
+    n = len(offsets) - 1
+    out = np.zeros(n, dtype=np.int64)
+    step = 65_536
+    for lo in range(0, n, step):
+        hi = min(n, lo + step)
+        a, b = int(offsets[lo]), int(offsets[hi])
+        m = mask[a:b].astype(bool)
+        pair = np.zeros(len(m), dtype=np.int64)
+        pair[:-1] = m[:-1] & m[1:]
+        ends = offsets[lo + 1 : hi + 1] - a - 1  # a row's last position pairs with the next row
+        pair[ends[ends >= 0]] = 0
+        starts = offsets[lo:hi] - a
+        sums = np.add.reduceat(pair, starts) if len(pair) else np.zeros(hi - lo, np.int64)
+        sums[offsets[lo + 1 : hi + 1] == offsets[lo:hi]] = 0
+        out[lo:hi] = sums
+    return out
+
+
+def load_lengths_and_eligible(cfg: TrainConfig) -> tuple[np.ndarray, np.ndarray, str, bool]:
+    """(lengths, eligible anchors per row, source line, exact?) for the configured store."""
+    from trainer.data.lengths import LengthsError, load_lengths
+    from trainer.data.store import StoreError, TokenStore
+
+    path = cfg.resolve(cfg.data.store)
+    try:
+        store = TokenStore.open(path)
+    except (StoreError, OSError) as exc:
+        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        try:
+            lengths = load_lengths(SHIPPED_LENGTHS)
+        except LengthsError as err:
+            raise MemoryEstimateError(f"{SHIPPED_LENGTHS}: {err}") from None
+        source = (
+            f"data.store {path} not readable ({reason}); the shipped seed-shaped lengths "
+            f"({SHIPPED_LENGTHS.name}, {len(lengths)} samples), every position eligible"
+        )
+        return lengths, np.maximum(lengths - 1, 0), source, False
+    lengths = np.asarray(store.lengths, dtype=np.int64)
+    return lengths, _eligible_from_store(store), f"data.store {path} ({len(lengths)} rows)", True
+
+
+def batch_shapes(cfg: TrainConfig) -> Shapes:
+    """Distinct packet shapes over every epoch the schedule trains (all data-parallel ranks)."""
+    from trainer.buckets import PlanError, plan_buckets
+    from trainer.sampler import BatchSampler, SamplerError
+
+    lengths, eligible, source, exact = load_lengths_and_eligible(cfg)
+    b = cfg.batching
+    try:
+        bounds = b.boundaries
+        if bounds == "plan" and b.strategy == "bucketed":
+            bounds = plan_buckets(
+                lengths, b.num_buckets, b.token_budget, b.max_batch, simulate=False
+            ).boundaries
+        sampler = BatchSampler(
+            lengths,
+            strategy=b.strategy,
+            boundaries=None if bounds == "plan" else list(bounds),
+            token_budget=b.token_budget,
+            max_batch=b.max_batch,
+            seed=cfg.seed,
+            world_size=len(cfg.topology.drafter_devices),
+            pool_size=b.pool_size,
+        )
+    except (PlanError, SamplerError) as exc:
+        raise MemoryEstimateError(f"batching: {exc}") from None
+    anchors = np.minimum(eligible, cfg.model.num_anchors)
+    epochs = max(1, math.ceil(cfg.schedule.epochs))
+    seen: set[BatchShape] = set()
+    total = 0
+    for epoch in range(epochs):
+        for group in sampler.global_batches(epoch):
+            for batch in group:
+                total += 1
+                seen.add(BatchShape(batch.max_len, tuple(anchors[batch.indices].tolist())))
+    return Shapes(sorted(seen, key=lambda s: (s.seq, s.anchors)), source, exact, total, epochs)
+
+
+def pieces(
+    shape: BatchShape, block: int, max_query_rows: int | None, *, widest_run: bool = False
+) -> Iterator[Piece]:
+    """The micro-steps of `trainer.model.split_step.split_pieces`, as shapes (torch-free twin,
+    tested equal): whole rows grouped while rows x group width x block fits, else a row cut into
+    runs of max_query_rows // block anchors; all-padding columns dropped.
+
+    `widest_run`: of a cut row's runs yield only the first (the widest), which is all a peak
+    needs; without it a 1-block budget walks every block of every batch.
+    """
+    rows, width, seq = shape.rows, shape.width, shape.seq
+    if max_query_rows is None or rows * width * block <= max_query_rows:
+        yield Piece(rows, seq, width)
+        return
+    per_row = shape.anchors
+    per_piece = max(1, max_query_rows // block)
+    start = 0
+    while start < rows:
+        end, group_width = start, 0
+        while end < rows:
+            w = max(group_width, per_row[end])
+            if (end - start + 1) * w * block > max_query_rows:
+                break
+            end, group_width = end + 1, w
+        if end > start:
+            if group_width > 0:
+                yield Piece(end - start, seq, group_width)
+            start = end
+            continue
+        for a in range(0, per_row[start], per_piece):
+            yield Piece(1, seq, min(per_piece, per_row[start] - a))
+            if widest_run:
+                break
+        start += 1

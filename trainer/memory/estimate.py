@@ -1,0 +1,240 @@
+"""Will the run fit? Per device: fixed costs plus the peak of the worst batch; the largest budget.
+
+A drafter device holds the fixed state (`costs.drafter_fixed`), the staged feature packets (the
+q_hs buffer's `hidden_depth`, one per target worker blocked on a full buffer, and the one in use:
+features are copied to the drafter before the put today) and the worst micro-step's activations
+(`costs.activation_peak`) over every batch shape the sampler produces, split by
+`model.max_query_rows` exactly as the trainer splits it. A target device holds the target's
+weights and one layer's capture working set at the largest padded batch. `reserve` is what
+CUDA itself takes (context, cuBLAS workspace, allocator slack): a guess, not measured here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from trainer.config import TrainConfig
+from trainer.memory.batches import BatchShape, Shapes, pieces
+from trainer.memory.costs import Backend, Piece, activation_peak, drafter_fixed, target_peak
+from trainer.memory.shapes import DrafterShape, TargetShape
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+@dataclass(frozen=True)
+class Precision:
+    compute: int  # bytes of the drafter's compute dtype (bf16 autocast on CUDA)
+    features: int  # bytes of the target dtype (captured features, borrowed head)
+    backend: Backend
+
+
+def precision_for(cfg: TrainConfig) -> Precision:
+    """What the trainer picks: bf16 autocast and flex on CUDA; fp32 and SDPA on CPU."""
+    cuda = any(d.startswith("cuda") for d in cfg.topology.drafter_devices)
+    name = cfg.topology.target_dtype
+    feat = DTYPE_BYTES[name] if name != "auto" else (2 if cuda else 4)
+    return Precision(2 if cuda else 4, feat, "flex" if cuda else "sdpa")
+
+
+@dataclass
+class DrafterPlan:
+    """The drafter side's numbers at one `max_query_rows`."""
+
+    max_query_rows: int | None
+    peak: int
+    worst: BatchShape
+    worst_piece: Piece
+    activations: int
+    packet: int
+
+
+@dataclass
+class Estimator:
+    cfg: TrainConfig
+    target: TargetShape
+    drafter: DrafterShape
+    shapes: Shapes
+    precision: Precision
+    _act: dict[Piece, int] = field(default_factory=dict)
+    _fixed: dict[str, int] | None = None
+
+    def packet_bytes(self, shape: BatchShape) -> int:
+        """Features [R, S, F*H] in the target dtype, plus ids, attention and loss masks."""
+        tokens = shape.rows * shape.seq
+        feat = self.drafter.features * self.drafter.hidden * self.precision.features
+        return tokens * (feat + 3 * 8)
+
+    def _activation(self, piece: Piece) -> int:
+        got = self._act.get(piece)
+        if got is None:
+            p = self.precision
+            got = activation_peak(
+                self.drafter, piece, c=p.compute, feature_bytes=p.features, backend=p.backend
+            )
+            self._act[piece] = got
+        return got
+
+    def fixed(self) -> dict[str, int]:
+        if self._fixed is None:
+            self._fixed = self._fixed_items()
+        return dict(self._fixed)
+
+    def _fixed_items(self) -> dict[str, int]:
+        fx = drafter_fixed(
+            self.drafter,
+            self.target,
+            target_bytes=self.precision.features,
+            c=self.precision.compute,
+        )
+        worst_packet = max(self.packet_bytes(s) for s in self.shapes.batches)
+        topo = self.cfg.topology
+        staged = topo.hidden_depth + len(topo.target_devices)
+        return {
+            "master_weights_fp32": fx.master,
+            "grads_fp32": fx.grads,
+            "adamw_moments_fp32": fx.adam,
+            "autocast_weight_cache": fx.autocast_cache,
+            "borrowed_embedding_lm_head": fx.borrowed,
+            "staged_packets": staged * worst_packet,
+        }
+
+    def plan(self, max_query_rows: int | None) -> DrafterPlan:
+        noise = self.cfg.model.noise > 0
+        best: DrafterPlan | None = None
+        block = self.drafter.block
+        for shape in self.shapes.batches:
+            packet = self.packet_bytes(shape)
+            extra = packet + (packet if noise else 0)  # noise adds a copy of the features
+            act, piece = max(
+                (
+                    (self._activation(p), p)
+                    for p in pieces(shape, block, max_query_rows, widest_run=True)
+                ),
+                key=lambda t: t[0],
+            )
+            if best is None or act + extra > best.peak:
+                best = DrafterPlan(max_query_rows, act + extra, shape, piece, act, packet)
+        assert best is not None
+        return best
+
+    def drafter_peak(self, max_query_rows: int | None) -> tuple[int, DrafterPlan]:
+        plan = self.plan(max_query_rows)
+        return sum(self.fixed().values()) + plan.peak, plan
+
+    def largest_budget(self, available: int) -> int | None:
+        """Largest max_query_rows (a multiple of the block) whose drafter peak fits, or None."""
+        block = self.drafter.block
+        top = max(s.query_rows(block) for s in self.shapes.batches) // block
+        fixed = sum(self.fixed().values())
+        if fixed + self.plan(block).peak > available:
+            return None
+        lo, hi = 1, max(top, 1)  # lo fits; find the largest k with k * block fitting
+        if fixed + self.plan(hi * block).peak <= available:
+            return hi * block
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if fixed + self.plan(mid * block).peak <= available:
+                lo = mid
+            else:
+                hi = mid
+        return lo * block
+
+    def per_query_row(self) -> int:
+        """Bytes one query row keeps for backward, all layers + final norm + CE input."""
+        from trainer.memory.costs import per_query_row_layer, per_query_row_shared
+
+        d, p = self.drafter, self.precision
+        return d.layers * per_query_row_layer(d, p.compute, p.backend) + per_query_row_shared(
+            d, p.compute
+        )
+
+    def target_device(self) -> dict[str, int]:
+        tokens = max(s.rows * s.seq for s in self.shapes.batches)
+        return target_peak(
+            self.target, tokens, self.drafter.features, dtype_bytes=self.precision.features
+        )
+
+
+def report(est: Estimator, device_memory: int, reserve: int) -> dict[str, Any]:
+    """The JSON the CLI prints (and `dflashctl deploy`'s preflight is to read)."""
+    cfg = est.cfg
+    available = device_memory - reserve
+    configured = cfg.model.max_query_rows
+    fixed = est.fixed()
+    fixed_total = sum(fixed.values())
+    peak, plan = est.drafter_peak(configured)
+    unbounded_peak, unbounded = est.drafter_peak(None)
+    largest = est.largest_budget(available)
+    tgt = est.target_device()
+    tgt_peak = sum(tgt.values())
+    block = est.drafter.block
+
+    def plan_json(p: DrafterPlan, total: int) -> dict[str, Any]:
+        return {
+            "max_query_rows": p.max_query_rows,
+            "peak": total,
+            "fits": total <= available,
+            "activations": p.activations,
+            "packet_in_use": p.packet,
+            "worst_batch": {
+                "rows": p.worst.rows,
+                "seq": p.worst.seq,
+                "anchors_per_row_max": p.worst.width,
+                "query_rows": p.worst.query_rows(block),
+            },
+            "worst_piece": {
+                "rows": p.worst_piece.rows,
+                "seq": p.worst_piece.seq,
+                "anchors": p.worst_piece.width,
+                "query_rows": p.worst_piece.query_rows(block),
+            },
+        }
+
+    devices: list[dict[str, Any]] = []
+    roles: dict[str, list[str]] = {}
+    for dev in cfg.topology.target_devices:
+        roles.setdefault(dev, []).append("target")
+    for dev in cfg.topology.drafter_devices:
+        roles.setdefault(dev, []).append("drafter")
+    for dev, rs in roles.items():
+        items: dict[str, int] = {}
+        total = 0
+        if "target" in rs:
+            items.update({f"target_{k}": v for k, v in tgt.items()})
+            total += tgt_peak * rs.count("target")
+        if "drafter" in rs:
+            items.update(fixed)
+            items["drafter_step_peak"] = plan.peak
+            total += peak
+        devices.append(
+            {"device": dev, "roles": rs, "items": items, "peak": total, "fits": total <= available}
+        )
+    sh = est.shapes
+    return {
+        "device_memory": device_memory,
+        "reserve": reserve,
+        "available": available,
+        "lengths_source": sh.source,
+        "anchors_exact": sh.exact_anchors,
+        "batches": sh.num_batches,
+        "distinct_batch_shapes": len(sh.batches),
+        "epochs_scanned": sh.epochs,
+        "precision": {
+            "compute_bytes": est.precision.compute,
+            "feature_bytes": est.precision.features,
+            "attention": est.precision.backend,
+        },
+        "drafter": {
+            "params": est.drafter.params,
+            "fixed_total": fixed_total,
+            "per_query_row_bytes": est.per_query_row(),
+            "configured": plan_json(plan, peak),
+            "unbounded": plan_json(unbounded, unbounded_peak),
+            "largest_max_query_rows": largest,
+        },
+        "target": {"params": est.target.params, "peak": tgt_peak},
+        "devices": devices,
+        "fits": all(d["fits"] for d in devices),
+        "key": "model.max_query_rows",
+    }
