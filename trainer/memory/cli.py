@@ -19,19 +19,23 @@ _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
 _UNITS.update({"kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40})
 
 
-def parse_bytes(text: str, key: str) -> int:
+def parse_bytes(text: str, key: str, *, zero_ok: bool = False) -> int:
     """'96GB' (10^9), '139GiB' (2^30), '512MiB', or plain bytes."""
     m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*", text)
     if not m or m.group(2).lower() not in _UNITS:
         raise MemoryEstimateError(f"{key}: {text!r} is not a size like 96GB, 139GiB or 512MiB")
     value = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
-    if value <= 0:
+    if value < 0 or (value == 0 and not zero_ok):
         raise MemoryEstimateError(f"{key}: {text!r} must be positive")
     return value
 
 
 def gib(n: int | float) -> str:
-    return f"{n / 2**30:,.2f} GiB"
+    """Bytes in GiB, or MiB/KiB below one GiB (tiny test runs stay readable)."""
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= size or unit == "KiB":
+            return f"{n / size:,.2f} {unit}"
+    raise AssertionError("unreachable")
 
 
 def _text(rep: dict, config: Path) -> str:  # type: ignore[type-arg]
@@ -94,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
         rep = run(
             args.config,
             parse_bytes(args.device_memory, "--device-memory"),
-            parse_bytes(args.reserve, "--reserve"),
+            parse_bytes(args.reserve, "--reserve", zero_ok=True),
             args.target_config,
         )
     except MemoryEstimateError as exc:
