@@ -180,6 +180,10 @@ def no_eval_run(tmp_path_factory: pytest.TempPathFactory, tiny_assets: dict[str,
     )
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     assert not _evals(tmp / "run")
+    state = json.loads((tmp / "run" / "run-state.json").read_text())
+    held = json.loads((tmp / "run" / "holdout.json").read_text())
+    assert state["holdout_rows"] == HOLDOUT and len(held["rows"]) == HOLDOUT
+    assert held["evaluated"] == 0  # recorded even with evaluation off
     return tmp / "run"
 
 
@@ -355,3 +359,25 @@ def test_a_finished_run_exports_the_best_alongside_the_last(
         exported.update(load_file(f))
     assert exported and all(torch.equal(t, weights[k]) for k, t in exported.items())
     assert (run_dir / "export" / "config.json").is_file()
+
+
+@pytest.mark.timeout(240)
+def test_eval_every_minutes_keeps_the_losses(
+    tmp_path: Path, tiny_assets: dict[str, Any], run_cli: RunCli, no_eval_run: Path
+) -> None:
+    """A time cadence (here 60 ms: several evals per run however fast the steps) goes through
+    the step's all-reduce flags and still leaves every training loss as it was."""
+    cfg = write_config(
+        tmp_path / "run.toml",
+        tiny_assets,
+        schedule={"max_steps": 30},
+        eval={"holdout_rows": HOLDOUT, "every_minutes": 0.001, "max_rows": 4},
+    )
+    run_dir = tmp_path / "run"
+    out = run_cli(cfg, run_dir)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    steps = [e.step for e in _evals(run_dir)]
+    assert steps[0] == 0 and steps[-1] == 30 and len(steps) >= 3
+    assert steps == sorted(set(steps))
+    reference = _losses(no_eval_run)
+    assert _losses(run_dir) == {s: reference[s] for s in range(1, 31)}

@@ -177,6 +177,8 @@ class Run:
             )
         except (PlanError, SamplerError) as exc:
             raise assets.UserError(f"batching: {exc}") from None
+        if len(self.holdout) and world.is_main:
+            self._record_holdout()
         self.plan = BatchPlan(self.sampler, cfg.schedule.epochs)
         accum = cfg.optimizer.grad_accum
         self.total_steps = self.plan.total // accum
@@ -217,6 +219,19 @@ class Run:
         self.end_micro = self.end_step * accum
         self.board.real_tokens = self.plan.real_tokens_before(self.start_micro)
 
+    def _record_holdout(self) -> None:
+        """The held-out rows in run-state.json (count, digest) and RUN/holdout.json (the ids)."""
+        from trainer.sampler import rows_digest
+
+        ev = self.cfg.eval
+        self.record(holdout_rows=len(self.holdout), holdout_sha256=rows_digest(self.holdout))
+        evaluated = min(ev.max_rows, len(self.holdout)) if ev.enabled else 0
+        ids = {"seed": self.cfg.seed, "rows": self.holdout.tolist(), "evaluated": evaluated}
+        try:
+            _write_json(self.run_dir / "holdout.json", ids)
+        except OSError as exc:  # the ids are a pure function of the config: training goes on
+            self.reporter.error(f"cannot write {self.run_dir / 'holdout.json'}: {exc}")
+
     def _evaluator(self) -> InTraining:
         """The held-out rows' features, captured once by a target on the drafter's device
         (main rank only; the target is dropped afterwards), and the evaluation schedule."""
@@ -224,8 +239,6 @@ class Run:
         batches = None
         if self.world.is_main:
             from transformers.utils import logging as hf_logging
-
-            from trainer.sampler import rows_digest
 
             hf_logging.disable_progress_bar()
             target = TargetModel.load(
@@ -243,15 +256,9 @@ class Run:
             if self.drafter_device.type == "cuda":
                 torch.cuda.empty_cache()
             self.record(
-                holdout_rows=len(self.holdout),
-                holdout_sha256=rows_digest(self.holdout),
                 eval_rows=len(rows),
                 best_step=self.best[0] if self.best else None,
                 best_tau=self.best[1] if self.best else None,
-            )
-            _write_json(
-                self.run_dir / "holdout.json",
-                {"seed": cfg.seed, "rows": self.holdout.tolist(), "evaluated": len(rows)},
             )
         # An eval piece is never larger than the largest training packet can be.
         m = cfg.model
