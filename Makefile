@@ -6,8 +6,19 @@ SHELL := /bin/bash
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
-TORCH_CPU := torch==2.13.0
-STAMP := $(VENV)/.installed-$(shell cat pyproject.toml requirements.lock 2>/dev/null | sha256sum | cut -c1-12)
+# torch: the tested version in both builds. Without a GPU its CPU build; with one, the same
+# version's default PyPI wheel, built for CUDA 13.0 (driver >= 580), which requires triton
+# $(TRITON_CUDA) where the lock pins the CPU venv's triton: the CUDA venv installs with the lock's
+# triton line swapped. `===` because `==2.13.0` also matches a local 2.13.0+cpu wheel (and
+# pip prefers it). A GPU that appears later gives a new stamp, so `make` replaces the CPU build.
+# tools/torch_build.py: want (cpu|cuda), have (the venv's build), check (driver vs wheel).
+TORCH_VERSION := 2.13.0
+TORCH_CPU := torch==$(TORCH_VERSION)
+TORCH_CUDA := torch===$(TORCH_VERSION)
+TRITON_CUDA := 3.7.1
+TORCH_WANT := $(shell nvidia-smi -L 2>/dev/null | grep -q '^GPU ' && echo cuda || echo cpu)
+CUDA_CONSTRAINTS := $(VENV)/constraints-cuda.txt
+STAMP := $(VENV)/.installed-$(shell cat pyproject.toml requirements.lock 2>/dev/null | sha256sum | cut -c1-12)$(if $(filter cuda,$(TORCH_WANT)),-cuda,)
 SYSTEM_PACKAGES := tmux openssh-server openssh-client lxc lxc-templates
 PYTEST_ARGS ?=
 
@@ -17,12 +28,20 @@ venv: $(STAMP)
 
 $(STAMP):
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	@if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then \
-		echo "CUDA present: installing the CUDA build of torch"; $(PY) -m pip install -q torch; \
-	else \
+	@sed 's/^triton==.*/triton==$(TRITON_CUDA)/' requirements.lock > $(CUDA_CONSTRAINTS)
+	@have=$$($(PY) tools/torch_build.py have); \
+	if [ "$(TORCH_WANT)" = cuda ]; then \
+		if [ "$$have" != cuda ]; then \
+			echo "GPU present, venv torch: $$have: installing $(TORCH_CUDA) (CUDA build) + triton==$(TRITON_CUDA)"; \
+			$(PY) -m pip uninstall -q -y torch triton 2>/dev/null; \
+			$(PY) -m pip install -q $(TORCH_CUDA) triton==$(TRITON_CUDA) || exit 1; \
+		fi; \
+		$(PY) tools/torch_build.py check || exit 1; \
+	elif [ "$$have" != cuda ]; then \
 		echo "no CUDA: installing the CPU build ($(TORCH_CPU))"; $(PY) -m pip install -q $(TORCH_CPU); \
 	fi
-	@$(PY) -m pip install -q -c requirements.lock -e '.[train,dev]'
+	@if [ "$$($(PY) tools/torch_build.py have)" = cuda ]; then c=$(CUDA_CONSTRAINTS); else c=requirements.lock; fi; \
+	$(PY) -m pip install -q -c $$c -e '.[train,dev]'
 	@rm -f $(VENV)/.installed-*
 	@touch $@
 
