@@ -240,12 +240,22 @@ class EvalConfig(BaseModel):
     max_rows: int = Field(
         default=64, ge=1, description="held-out rows scored per evaluation (the set's first N)"
     )
+    prompts: str | None = Field(
+        default=None,
+        min_length=1,
+        description="prompt file in trainer.eval's formats: real greedy speculative tau on "
+        "its first max_prompts prompts at each evaluation (relative to the config file)",
+    )
+    max_prompts: int = Field(default=4, ge=1, description="prompts decoded per evaluation")
+    max_new_tokens: int = Field(default=128, ge=1, description="tokens per prompt")
 
     @model_validator(mode="after")
     def _needs_rows(self) -> Self:
         when = [k for k in ("every_steps", "every_minutes") if getattr(self, k) is not None]
         if when and self.holdout_rows == 0:
             raise ValueError(f"{when[0]} needs holdout_rows > 0 (rows to evaluate on)")
+        if self.prompts is not None and not when:
+            raise ValueError("prompts needs every_steps or every_minutes (when to decode them)")
         return self
 
     @property

@@ -108,6 +108,10 @@ def test_eval_config_errors_and_resume_critical_holdout(tiny_assets: dict[str, A
     )
     with pytest.raises(ConfigError, match=r"run.toml: eval.max_rows: Input should be a valid"):
         TrainConfig.from_dict({**tiny_assets, "eval": {"max_rows": 2.5}}, source="run.toml")
+    with pytest.raises(ConfigError, match=r"prompts needs every_steps or every_minutes"):
+        TrainConfig.from_dict(
+            {**tiny_assets, "eval": {"holdout_rows": 4, "prompts": "p.jsonl"}}, source="run.toml"
+        )
     base = TrainConfig.from_dict({**tiny_assets, "eval": EVAL})
     other = TrainConfig.from_dict({**tiny_assets, "eval": {**EVAL, "holdout_rows": 40}})
     cadence = TrainConfig.from_dict(
@@ -334,22 +338,55 @@ def test_two_ranks_agree_on_evals_and_the_best_checkpoint(
     assert state["eval"]["best"][0] == best[0]
 
 
-@pytest.mark.timeout(240)
-def test_a_finished_run_exports_the_best_alongside_the_last(
+def _token_prompts(tiny_assets: dict[str, Any], path: Path, n: int) -> Path:
+    """Token-id prompts (the tiny target has no tokenizer): the first tokens of store rows."""
+    store = TokenStore.open(Path(tiny_assets["data"]["store"]))
+    rows = [store.gather([i])[0][0][:12].astype(int).tolist() for i in range(n)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+@pytest.mark.timeout(300)
+def test_a_finished_run_exports_the_best_and_decodes_the_prompts(
     tmp_path: Path, tiny_assets: dict[str, Any], run_cli: RunCli
 ) -> None:
+    """`[eval] prompts`: real greedy speculative tau at every eval (trainer.eval's loop and its
+    greedy check); the last one equals `python -m trainer.eval` on the exported drafter."""
+    import subprocess
+    import sys
+
     from safetensors.torch import load_file
 
+    from .conftest import REPO, cli_env
+
+    prompts = _token_prompts(tiny_assets, tmp_path / "prompts.jsonl", 3)
     cfg = write_config(
         tmp_path / "run.toml",
         tiny_assets,
         schedule={"epochs": 0.25},
-        eval={"holdout_rows": HOLDOUT, "every_steps": 10, "max_rows": 8},
+        eval={
+            "holdout_rows": HOLDOUT,
+            "every_steps": 10,
+            "max_rows": 8,
+            "prompts": "prompts.jsonl",
+            "max_prompts": 2,
+            "max_new_tokens": 16,
+        },
         checkpoint={"every_steps": 1000, "every_minutes": 60.0, "keep_last": 1},
     )
     run_dir = tmp_path / "run"
     out = run_cli(cfg, run_dir)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    evals = _evals(run_dir)
+    assert all(e.tau_real is not None and e.extra["greedy_match"] == "2/2" for e in evals)
+    prompts.write_text("".join(prompts.read_text().splitlines(keepends=True)[:2]))
+    argv = [sys.executable, "-m", "trainer.eval", "--target", tiny_assets["model"]["target_dir"]]
+    argv += ["--drafter", str(run_dir / "export"), "--prompts", str(prompts)]
+    argv += ["--max-new-tokens", "16", "--device", "cpu"]
+    real = subprocess.run(argv, cwd=REPO, env=cli_env(), capture_output=True, text=True)
+    assert real.returncode == 0, real.stdout[-2000:] + real.stderr[-2000:]
+    summary = [x for x in real.stdout.splitlines() if x.startswith("all sets: tau=")]
+    assert summary and summary[0].split()[2] == f"tau={evals[-1].tau_real:.3f}"
     best = best_checkpoint(run_dir)
     assert best is not None
     assert f"Exported best drafter (step {best[0]}) to" in out.stdout
@@ -381,3 +418,22 @@ def test_eval_every_minutes_keeps_the_losses(
     assert steps == sorted(set(steps))
     reference = _losses(no_eval_run)
     assert _losses(run_dir) == {s: reference[s] for s in range(1, 31)}
+
+
+def test_a_bad_prompt_file_is_refused_before_training(
+    tmp_path: Path, tiny_assets: dict[str, Any], run_cli: RunCli
+) -> None:
+    (tmp_path / "prompts.jsonl").write_text("[1, 2]\n[1, 2\n")
+    cfg = write_config(
+        tmp_path / "run.toml",
+        tiny_assets,
+        eval={"holdout_rows": HOLDOUT, "every_steps": 10, "prompts": "prompts.jsonl"},
+    )
+    out = run_cli(cfg, tmp_path / "run")
+    assert out.returncode == 2
+    errors = [x for x in out.stdout.splitlines() if x.startswith("ERROR:")]
+    assert len(errors) == 1
+    assert errors[0].startswith(
+        f"ERROR: eval.prompts: {tmp_path / 'prompts.jsonl'}:2: invalid JSON"
+    )
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()

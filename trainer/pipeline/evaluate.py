@@ -24,9 +24,10 @@ the same fused LM-head CE as training (no [rows x vocab] logits):
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -70,6 +71,8 @@ class EvalResult:
     blocks: int
     spans: int
     seconds: float
+    tau_real: float | None = None  # real greedy speculative tau on [eval] prompts
+    greedy_match: tuple[int, int] | None = None  # (prompts equal to greedy decoding, prompts)
 
 
 def pack_rows(lengths: np.ndarray, token_budget: int, max_batch: int) -> list[np.ndarray]:
@@ -265,8 +268,9 @@ class InTraining:
         gamma: float | None,
         max_query_rows: int | None,
         best: tuple[int, float] | None = None,
+        real: Callable[[DFlashDrafter], tuple[float, int, int]] | None = None,
     ) -> None:
-        self.cfg, self.batches = cfg, batches
+        self.cfg, self.batches, self.real = cfg, batches, real
         self.gamma, self.max_query_rows = gamma, max_query_rows
         self.best = best
         self.every_s = (cfg.every_minutes or math.inf) * 60
@@ -298,6 +302,20 @@ class InTraining:
             max_query_rows=self.max_query_rows,
             autocast=autocast,
         )
+        if self.real is not None:
+            t0 = time.monotonic()
+            was_training = drafter.training
+            drafter.eval()
+            try:
+                tau, same, n = self.real(drafter)
+            finally:
+                drafter.train(was_training)
+            res = dataclasses.replace(
+                res,
+                tau_real=tau,
+                greedy_match=(same, n),
+                seconds=res.seconds + time.monotonic() - t0,
+            )
         self.spent += res.seconds
         self.last_t = time.monotonic()
         return res
@@ -315,12 +333,15 @@ class InTraining:
 
     def event(self, step: int, res: EvalResult) -> EvalEvent:
         extra = {"rows": str(res.rows), "blocks": str(res.blocks), "eval_s": f"{res.seconds:.2f}"}
+        if res.greedy_match is not None:
+            extra["greedy_match"] = f"{res.greedy_match[0]}/{res.greedy_match[1]}"
         share = self.share()
         if step > 0 and share is not None:
             extra["cost"] = f"{100 * share:.1f}%"
         return EvalEvent(
             step=step,
             tau=res.tau,
+            tau_real=res.tau_real,
             loss=res.loss,
             acc=res.acc,
             acc_at=res.acc_at,

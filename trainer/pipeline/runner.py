@@ -22,6 +22,7 @@ cannot be written (non-finite state, full disk) is one ERROR line and the earlie
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import math
 import os
@@ -29,6 +30,7 @@ import queue
 import signal
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -236,7 +238,7 @@ class Run:
         """The held-out rows' features, captured once by a target on the drafter's device
         (main rank only; the target is dropped afterwards), and the evaluation schedule."""
         cfg = self.cfg
-        batches = None
+        batches, real = None, None
         if self.world.is_main:
             from transformers.utils import logging as hf_logging
 
@@ -252,7 +254,8 @@ class Run:
                 token_budget=cfg.batching.token_budget,
                 max_batch=cfg.batching.max_batch,
             )
-            del target
+            real = self._real_tau(target) if cfg.eval.prompts is not None else None
+            del target  # kept by `real` when prompts are decoded
             if self.drafter_device.type == "cuda":
                 torch.cuda.empty_cache()
             self.record(
@@ -263,7 +266,40 @@ class Run:
         # An eval piece is never larger than the largest training packet can be.
         m = cfg.model
         budget = m.max_query_rows or cfg.batching.max_batch * m.num_anchors * self.dcfg.block_size
-        return InTraining(cfg.eval, batches, gamma=m.gamma, max_query_rows=budget, best=self.best)
+        return InTraining(
+            cfg.eval, batches, gamma=m.gamma, max_query_rows=budget, best=self.best, real=real
+        )
+
+    def _real_tau(self, target: TargetModel) -> Callable[[Any], tuple[float, int, int]]:
+        """Real greedy speculative decoding of `[eval] prompts` (trainer.eval's own loop and
+        greedy check), read and rendered now so a bad file fails before training starts."""
+        from trainer.eval import default_stop_ids, load_tokenizer, target_vocab_size
+        from trainer.eval import evaluate as real_evaluate
+        from trainer.eval_prompts import PromptError, Renderer, read_prompt_set
+        from trainer.model.target import TargetError
+
+        ev = self.cfg.eval
+        assert ev.prompts is not None
+        path = self.cfg.resolve(ev.prompts)
+        try:
+            pset = read_prompt_set(path)
+            pset = dataclasses.replace(pset, prompts=pset.prompts[: ev.max_prompts])
+            tokenizer = load_tokenizer(self.target_dir, required=pset.needs_tokenizer)
+            renderer = Renderer(tokenizer, target_vocab_size(self.target_dir))
+            for prompt in pset.prompts:
+                renderer.first_ids(prompt, f"{path}:{prompt.line}")
+            stops = default_stop_ids(tokenizer, self.target_dir)
+        except (PromptError, TargetError) as exc:
+            raise assets.UserError(f"eval.prompts: {exc}") from None
+
+        def real(drafter: Any) -> tuple[float, int, int]:
+            _, summaries = real_evaluate(
+                target, drafter, [pset], renderer, max_new_tokens=ev.max_new_tokens, eos_id=stops
+            )
+            total = summaries[-1]
+            return total.tau, total.matches, total.prompts
+
+        return real
 
     def _target_dtype(self) -> torch.dtype:
         name = self.cfg.topology.target_dtype
@@ -668,6 +704,12 @@ class Run:
             return
         ev = self.evaluator.event(step, res)
         self.reporter.line(format_eval_line(ev))
+        if res.greedy_match is not None and res.greedy_match[0] < res.greedy_match[1]:
+            same, n = res.greedy_match
+            self.reporter.error(
+                f"eval.prompts: {n - same} of {n} speculative outputs differ from greedy "
+                f"decoding at step {step} (a decoding bug: tau_real is not trustworthy)"
+            )
         share = self.evaluator.share()
         self.record(
             last_eval=ev.model_dump(mode="json", exclude={"kind", "extra"}),
