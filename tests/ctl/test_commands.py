@@ -172,3 +172,35 @@ def test_write_file_atomic_writes_stdin_with_mode(tmp_path) -> None:
     assert target.read_bytes() == b"tok\n"
     assert target.stat().st_mode & 0o777 == 0o600
     assert [p.name for p in target.parent.iterdir()] == ["secret"]
+
+
+@pytest.mark.parametrize("form", ["stream", "bounded"])
+def test_no_abandoned_command_outlives_its_guard_under_load(tmp_path, form: str) -> None:
+    """Commands whose channel closes at once, 6 at a time: the node guard signals timeout's
+    whole group and reaps what is left, so none of their children survives (signalling
+    timeout's pid alone leaked ~1 in 4 of them under load)."""
+    tag = "7793" if form == "stream" else "7794"
+    script = tmp_path / "hang.sh"
+    script.write_text(f"cat >/dev/null & sleep {tag}; wait\n")
+    argv = (
+        C.node_guarded(["sh", str(script)])
+        if form == "stream"
+        else C.bounded(["sh", str(script)], 300, watch_channel=True)
+    )
+    for _ in range(20):
+        procs = [subprocess.Popen(argv, stdin=subprocess.PIPE) for _ in range(6)]
+        for proc in procs:
+            assert proc.stdin is not None
+            proc.stdin.close()
+        for proc in procs:
+            proc.wait(timeout=20)
+    left = ""
+    for _ in range(50):
+        left = subprocess.run(
+            ["pgrep", "-f", f"sleep {tag}"], capture_output=True, text=True
+        ).stdout
+        if not left:
+            break
+        time.sleep(0.1)
+    subprocess.run(["pkill", "-f", f"sleep {tag}"], check=False)
+    assert left == "", f"{len(left.split())} abandoned commands left running"
