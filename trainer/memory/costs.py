@@ -111,7 +111,10 @@ def activation_peak(
         saved += qr * kv_len  # the bool mask
         saved += d.layers * c * qr * kv_len  # CPU SDPA's float mask (compute dtype), per layer
     n_valid = int(qr * (d.block - 1) / d.block)
-    return saved + max(ce_backward_transient(d, n_valid, c), cast)
+    # The last layer's down_proj weight gradient, made before it is added into .grad (bf16 under
+    # autocast, then its fp32 cast), while nearly every activation is still saved.
+    wgrad = (4 + (2 if c != 4 else 0)) * d.hidden * d.intermediate
+    return saved + max(ce_backward_transient(d, n_valid, c), cast, wgrad)
 
 
 @dataclass(frozen=True)
