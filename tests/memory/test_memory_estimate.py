@@ -206,3 +206,14 @@ def test_seed_config_needs_the_budget_and_the_largest_budget_is_the_boundary() -
     largest = est.largest_budget(available)
     assert largest is not None and largest % 16 == 0 and largest >= 4096
     assert est.drafter_peak(largest)[0] <= available < est.drafter_peak(largest + 16)[0]
+
+
+def test_the_estimate_imports_no_torch() -> None:
+    """`python -m trainer.memory` runs where torch is not installed (a laptop, a jump host)."""
+    code = (
+        "import sys; import trainer.memory.cli, trainer.memory.estimate, trainer.memory.batches; "
+        "from trainer.memory.cli import main; "
+        "assert 'torch' not in sys.modules and 'transformers' not in sys.modules"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr
