@@ -235,6 +235,12 @@ class EvalConfig(BaseModel):
         ge=0,
         description="store rows held out of training, drawn by the run seed (resume-critical)",
     )
+    holdout_store: str | None = Field(
+        default=None,
+        min_length=1,
+        description="or a separate token store to evaluate on (its first max_rows rows; "
+        "relative to the config file); excludes nothing from training",
+    )
     every_steps: int | None = Field(default=None, ge=1, description="evaluate every N steps")
     every_minutes: float | None = Field(default=None, gt=0, description="and/or every N minutes")
     max_rows: int = Field(
@@ -252,8 +258,12 @@ class EvalConfig(BaseModel):
     @model_validator(mode="after")
     def _needs_rows(self) -> Self:
         when = [k for k in ("every_steps", "every_minutes") if getattr(self, k) is not None]
-        if when and self.holdout_rows == 0:
-            raise ValueError(f"{when[0]} needs holdout_rows > 0 (rows to evaluate on)")
+        if self.holdout_rows and self.holdout_store is not None:
+            raise ValueError("holdout_rows and holdout_store exclude each other: pick one")
+        if when and self.holdout_rows == 0 and self.holdout_store is None:
+            raise ValueError(
+                f"{when[0]} needs holdout_rows > 0 or holdout_store (rows to evaluate on)"
+            )
         if self.prompts is not None and not when:
             raise ValueError("prompts needs every_steps or every_minutes (when to decode them)")
         return self

@@ -104,10 +104,14 @@ def test_eval_config_errors_and_resume_critical_holdout(tiny_assets: dict[str, A
     with pytest.raises(ConfigError) as info:
         TrainConfig.from_dict({**tiny_assets, "eval": {"every_steps": 10}}, source="run.toml")
     assert str(info.value) == (
-        "run.toml: eval: Value error, every_steps needs holdout_rows > 0 (rows to evaluate on)"
+        "run.toml: eval: Value error, every_steps needs holdout_rows > 0 or holdout_store "
+        "(rows to evaluate on)"
     )
     with pytest.raises(ConfigError, match=r"run.toml: eval.max_rows: Input should be a valid"):
         TrainConfig.from_dict({**tiny_assets, "eval": {"max_rows": 2.5}}, source="run.toml")
+    both = {"holdout_rows": 4, "holdout_store": "s", "every_steps": 5}
+    with pytest.raises(ConfigError, match=r"holdout_rows and holdout_store exclude each other"):
+        TrainConfig.from_dict({**tiny_assets, "eval": both}, source="run.toml")
     with pytest.raises(ConfigError, match=r"prompts needs every_steps or every_minutes"):
         TrainConfig.from_dict(
             {**tiny_assets, "eval": {"holdout_rows": 4, "prompts": "p.jsonl"}}, source="run.toml"
@@ -437,3 +441,38 @@ def test_a_bad_prompt_file_is_refused_before_training(
         f"ERROR: eval.prompts: {tmp_path / 'prompts.jsonl'}:2: invalid JSON"
     )
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+@pytest.mark.timeout(240)
+def test_a_separate_holdout_store_is_evaluated_and_excludes_nothing(
+    tmp_path: Path, tiny_assets: dict[str, Any], run_cli: RunCli
+) -> None:
+    from .conftest import merge
+
+    other = merge(tiny_assets, {"data": {"store": str(tmp_path / "held")}})
+    other["data"]["synthetic"] = {**other["data"]["synthetic"], "rows": 40, "seed": 7}
+    assets.ensure_store(TrainConfig.from_dict(other))
+    cfg = write_config(
+        tmp_path / "run.toml",
+        tiny_assets,
+        schedule={"max_steps": 20},
+        eval={"holdout_store": "held", "every_steps": 10, "max_rows": 16},
+    )
+    run_dir = tmp_path / "run"
+    out = run_cli(cfg, run_dir)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    evals = _evals(run_dir)
+    assert [e.step for e in evals] == [0, 10, 20] and evals[0].extra["rows"] == "16"
+    assert not (run_dir / "holdout.json").exists()  # nothing held out of the training store
+    state = load_checkpoint(list_checkpoints(run_dir)[-1][1])
+    assert "excluded" not in state["sampler"]["config"]
+
+    bad = write_config(
+        tmp_path / "bad.toml",
+        tiny_assets,
+        eval={"holdout_store": "missing", "every_steps": 10},
+    )
+    out = run_cli(bad, tmp_path / "bad")
+    errors = [x for x in out.stdout.splitlines() if x.startswith("ERROR:")]
+    assert out.returncode == 2 and len(errors) == 1
+    assert errors[0].startswith(f"ERROR: eval.holdout_store: {tmp_path / 'missing'}")

@@ -234,6 +234,29 @@ class Run:
         except OSError as exc:  # the ids are a pure function of the config: training goes on
             self.reporter.error(f"cannot write {self.run_dir / 'holdout.json'}: {exc}")
 
+    def _held_out_rows(self) -> tuple[Any, np.ndarray]:
+        """(store, row ids) to evaluate: `[eval] holdout_store`'s first rows, or the first
+        `max_rows` held-out rows of the training store."""
+        from trainer.data.store import StoreError, TokenStore
+
+        ev = self.cfg.eval
+        if ev.holdout_store is None:
+            return self.store, self.holdout[: ev.max_rows]
+        path = self.cfg.resolve(ev.holdout_store)
+        try:
+            store = TokenStore.open(path)
+        except StoreError as exc:
+            raise assets.UserError(f"eval.holdout_store: {exc}") from None
+        vocab = int(assets.target_hf_config(self.target_dir).vocab_size)
+        if store.manifest.vocab_size > vocab or len(store) == 0:
+            what = (
+                "no rows"
+                if len(store) == 0
+                else (f"token ids up to {store.manifest.vocab_size - 1}, the target has {vocab}")
+            )
+            raise assets.UserError(f"eval.holdout_store: {path}: {what}")
+        return store, np.arange(min(ev.max_rows, len(store)), dtype=np.int64)
+
     def _evaluator(self) -> InTraining:
         """The held-out rows' features, captured once by a target on the drafter's device
         (main rank only; the target is dropped afterwards), and the evaluation schedule."""
@@ -246,9 +269,9 @@ class Run:
             target = TargetModel.load(
                 self.target_dir, self.layer_ids, self.drafter_device, self.target_dtype
             )
-            rows = self.holdout[: cfg.eval.max_rows]
+            store, rows = self._held_out_rows()
             batches = capture_held_out(
-                self.store,
+                store,
                 rows,
                 target,
                 token_budget=cfg.batching.token_budget,
