@@ -206,6 +206,9 @@ def test_seed_config_needs_the_budget_and_the_largest_budget_is_the_boundary() -
     largest = est.largest_budget(available)
     assert largest is not None and largest % 16 == 0 and largest >= 4096
     assert est.drafter_peak(largest)[0] <= available < est.drafter_peak(largest + 16)[0]
+    # The shipped config's own budget is the one that fits, with a margin under the boundary.
+    assert cfg.model.max_query_rows is not None and cfg.model.max_query_rows < largest
+    assert est.drafter_peak(cfg.model.max_query_rows)[0] < 0.95 * available
 
 
 def test_the_estimate_imports_no_torch() -> None:
