@@ -28,6 +28,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from trainer.data.conversations import content_text
+
 ROLES = ("system", "user", "assistant", "tool")
 # What z-lab's benchmark appends to gsm8k and MATH-500 questions (`--question-suffix zlab`).
 ZLAB_MATH_SUFFIX = "\nPlease reason step by step, and put your final answer within \\boxed{}."
@@ -92,23 +94,6 @@ def _strings(value: Any) -> list[str] | None:
     return None
 
 
-def _content_text(content: Any) -> str | None:
-    """A message content as text: a string, or OpenAI/ShareGPT text parts joined."""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        texts = []
-        for part in content:
-            if not isinstance(part, Mapping) or part.get("type") != "text":
-                return None
-            text = part.get("text", part.get("value"))
-            if not isinstance(text, str):
-                return None
-            texts.append(text)
-        return "".join(texts)
-    return None
-
-
 def _messages_prompt(row: Mapping[str, Any], where: str, line: int) -> ChatPrompt:
     messages = row["messages"]
     if not isinstance(messages, list) or not messages:
@@ -122,7 +107,7 @@ def _messages_prompt(row: Mapping[str, Any], where: str, line: int) -> ChatPromp
             )
         out = dict(msg)
         if "content" in msg and msg["content"] is not None:
-            text = _content_text(msg["content"])
+            text = content_text(msg["content"])
             if text is None:
                 raise PromptError(f"{where}: messages[{i}].content is not text")
             out["content"] = text

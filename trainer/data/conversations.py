@@ -195,7 +195,7 @@ def _normalise_turn(k: int, turn: Any) -> Message | Rejected:
         return Rejected(BAD_SCHEMA, f"message {k} tool_calls is not a list of function calls")
     if raw_content is None and tool_calls:
         raw_content = ""  # OpenAI: an assistant turn that only calls tools has content null
-    content = _content_text(raw_content)
+    content = content_text(raw_content)
     if content is None:
         return Rejected(
             BAD_SCHEMA, f"message {k} content is a JSON {_json_type(raw_content)}, not text"
@@ -263,7 +263,8 @@ def _valid_tool_calls(calls: Any) -> bool:
     return True
 
 
-def _content_text(content: Any) -> str | None:
+def content_text(content: Any) -> str | None:
+    """A message content as text: a string, or OpenAI/ShareGPT text parts joined; else None."""
     if isinstance(content, str):
         return content
     if isinstance(content, list):  # parts: [{"type": "text", "text"|"value": ...}, ...]
