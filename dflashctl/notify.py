@@ -14,7 +14,6 @@ stop because a push service is down.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
 import os
@@ -35,7 +34,6 @@ __all__ = [
     "NotifyConfigError",
     "NotifyTarget",
     "SendReport",
-    "deliver_forever",
     "load_targets",
 ]
 
@@ -177,10 +175,6 @@ class Notifier:
             (delivered if ok else failed).append(t.label)
         return SendReport(tuple(delivered), tuple(failed), attempts)
 
-    async def send_async(self, n: Notification) -> SendReport:
-        """`send` in a worker thread (apprise blocks), so the watch's loop keeps polling."""
-        return await asyncio.to_thread(self.send, n)
-
     @staticmethod
     def _send_once(t: NotifyTarget, n: Notification) -> str | None:
         """None when delivered, else a reason that names no part of the URL."""
@@ -192,15 +186,3 @@ class Notifier:
             except Exception as err:  # apprise suppresses most; a plugin bug must not escape
                 return f"{type(err).__name__}"
         return None if result else "the service refused it or could not be reached"
-
-
-async def deliver_forever(queue: asyncio.Queue[Notification], notifier: Notifier) -> None:
-    """Send queued notifications one at a time, in order (the watch runs this as one task)."""
-    while True:
-        n = await queue.get()
-        try:
-            await notifier.send_async(n)
-        except Exception:  # send never raises; belt and braces for the watch's sake
-            log.exception("notification sender failed; continuing")
-        finally:
-            queue.task_done()
