@@ -39,7 +39,7 @@ import numpy as np
 import torch
 
 from trainer.config import ConfigError, TrainConfig, config_hash, resume_critical_changes
-from trainer.events import format_eval_line
+from trainer.events import EvalEvent, StatusEvent, format_eval_line, parse_line
 from trainer.model.split_step import bounded_objective_backward
 from trainer.model.target import TargetModel
 from trainer.pipeline import assets, checkpoint, distributed
@@ -134,6 +134,9 @@ class Run:
         self._announce_lock = threading.Lock()
         self.completed = False
         self.windows = {k: RateWindow(cfg.status.rate_window_s) for k in ("tgt", "dft", "tok")}
+        self.tracker: Any = None  # trainer.tracking.MultiTracker on the main rank, once set up
+        self._tracker_lock = threading.Lock()  # the monitor and the drafter both log
+        self.last_tau: float | None = None  # the last evaluation's tau (status lines' tau=)
 
     # ------------------------------------------------------------------ setup
     def setup(self) -> None:
@@ -220,6 +223,48 @@ class Run:
         self.start_micro = self.start_step * accum
         self.end_micro = self.end_step * accum
         self.board.real_tokens = self.plan.real_tokens_before(self.start_micro)
+        if world.is_main and cfg.tracking.backends:  # last: nothing after it can refuse the run
+            from trainer.tracking import open_trackers
+
+            self.tracker = open_trackers(
+                cfg.tracking,
+                self.run_dir,
+                config=cfg.model_dump(mode="json"),
+                resume_step=self.start_step or None,
+                warn=self.reporter.warn,
+            )
+
+    # ------------------------------------------------------------------ trackers
+    def track(self, line: str) -> None:
+        """Log the figures of a printed status or Eval line, read back by the line parser (so
+        the trackers hold exactly what the TUI shows). A tracker never stops training: each
+        backend warns once and drops out (trainer.tracking); anything else is one warning here."""
+        if self.tracker is None:
+            return
+        from trainer.tracking import log_event
+
+        ev = parse_line(line)
+        if not isinstance(ev, StatusEvent | EvalEvent):
+            return
+
+        with self._tracker_lock:
+            if self.tracker is None:
+                return
+            try:
+                log_event(self.tracker, ev)
+            except Exception as exc:
+                self.tracker = None
+                self.reporter.warn(f"tracking: logging failed, trackers are off ({exc!r})")
+
+    def close_trackers(self) -> None:
+        """Every exit path (finished, stopped, failed): flush and close once."""
+        with self._tracker_lock:
+            tracker, self.tracker = self.tracker, None
+        if tracker is not None:
+            try:
+                tracker.close()
+            except Exception as exc:
+                self.reporter.warn(f"tracking: close failed ({exc!r})")
 
     def _record_holdout(self) -> None:
         """The held-out rows in run-state.json (count, digest) and RUN/holdout.json (the ids)."""
@@ -518,6 +563,7 @@ class Run:
         last_ckpt = time.monotonic()
         every_s = (cfg.checkpoint.every_minutes or math.inf) * 60
         ev = self.evaluator
+        nb = self.sampler.num_buckets
         if ev is not None:
             ev.start()
             if step == 0:  # the untrained baseline (no checkpoint, so never the best)
@@ -537,10 +583,11 @@ class Run:
                 for group in self.opt.param_groups:
                     group["lr"] = math.inf if self.faults.inf_lr_at(step) else lr
                 sums = torch.zeros(len(METRIC_KEYS), dtype=torch.float64, device=dev)
+                bucket_sums = torch.zeros(2 * nb, dtype=torch.float64, device=dev)
                 real = 0
                 for _ in range(o.grad_accum):
                     try:
-                        _, pkt = self.q_hs.get(self.sup.stop, self.dft_clock)
+                        seq, pkt = self.q_hs.get(self.sup.stop, self.dft_clock)
                     except Stopped:
                         self._stop_at_once(step, rng_at_step)
                         raise
@@ -563,6 +610,10 @@ class Run:
                     sums += torch.stack(
                         [getattr(res, k).detach().to(torch.float64) for k in METRIC_KEYS]
                     )
+                    if nb > 1:  # this rank's batch of seq comes from one length bucket
+                        i = 2 * self.plan.batch(seq).bucket
+                        pair = torch.stack([res.loss_sum.detach(), res.weight_sum.detach()])
+                        bucket_sums[i : i + 2] += pair.to(torch.float64)
                     real += pkt.real_tokens
                 flags = [
                     float(self.stop_request.is_set()),
@@ -573,7 +624,9 @@ class Run:
                 tail = torch.tensor([*flags, self.q_hs.depth()], dtype=torch.float64, device=dev)
                 depth_slots = torch.zeros(world.size, dtype=torch.float64, device=dev)
                 depth_slots[world.rank] = tail[nf]
-                red = distributed.all_reduce_sum(torch.cat([sums, tail[:nf], depth_slots]), world)
+                red = distributed.all_reduce_sum(
+                    torch.cat([sums, tail[:nf], depth_slots, bucket_sums]), world
+                )
                 vals = red.tolist()  # the one host sync per optimizer step
                 loss_sum, weight = vals[0], vals[1]
                 gnorm: float | None = None
@@ -595,9 +648,18 @@ class Run:
                 step += 1
                 micro = step * o.grad_accum
                 real_total = self.plan.real_tokens_before(micro)
-                self.board.q_hs = [int(x) for x in vals[len(METRIC_KEYS) + nf :]]
+                at = len(METRIC_KEYS) + nf
+                self.board.q_hs = [int(x) for x in vals[at : at + world.size]]
+                at += world.size
+                per_bucket = [(vals[at + 2 * j], vals[at + 2 * j + 1]) for j in range(nb)]
                 self.board.add_step(
-                    step, micro, real_total, lr, gnorm, dict(zip(METRIC_KEYS, vals, strict=False))
+                    step,
+                    micro,
+                    real_total,
+                    lr,
+                    gnorm,
+                    dict(zip(METRIC_KEYS, vals, strict=False)),
+                    per_bucket if nb > 1 and math.isfinite(loss_sum) else None,
                 )
                 if metrics_log is not None:
                     loss = loss_sum / weight if weight > 0 else None
@@ -726,7 +788,11 @@ class Run:
         if res is None or self.evaluator is None:
             return
         ev = self.evaluator.event(step, res)
-        self.reporter.line(format_eval_line(ev))
+        if ev.tau is not None:
+            self.last_tau = ev.tau  # status lines carry it from now on
+        line = format_eval_line(ev)
+        self.reporter.line(line)
+        self.track(line)
         if res.greedy_match is not None and res.greedy_match[0] < res.greedy_match[1]:
             same, n = res.greedy_match
             self.reporter.error(
@@ -796,6 +862,7 @@ class Run:
         eta = remaining / tok if tok and tok > 0 else None
         # One rank sees its own buffer live; the others' depths come with each step's reduce.
         q_hs = [self.q_hs.depth()] if self.world.size == 1 or not b.q_hs else b.q_hs
+        nb = self.sampler.num_buckets  # loss_b only when batches come from several buckets
         line = status_line(
             elapsed_s=now - self.t0,
             board=b,
@@ -809,8 +876,11 @@ class Run:
             epoch=self.plan.epoch_progress(b.micro),
             eta_s=eta,
             waits=waits,
+            tau=self.last_tau,
+            bucket_losses=b.take_bucket_losses(nb) if nb > 1 else None,
         )
         self.reporter.line(line)
+        self.track(line)
 
     # ------------------------------------------------------------------ signals
     def announce_stop(self) -> None:
@@ -942,6 +1012,7 @@ def run(opts: RunOptions) -> int:
             last_error=r.reporter.last_error,
         )
         r.ignore_signals()
+        r.close_trackers()  # finished, stopped or failed: after the last status line
         r.reporter.close()
         distributed.close_world(world)
 

@@ -21,14 +21,19 @@ from typing import Any, TextIO
 
 from trainer.events import (
     BOTTLENECK_KEY,
+    BUCKET_LOSS_KEY,
     GNORM_KEY,
+    TAU_KEY,
     StatusEvent,
+    format_bucket_losses,
     format_checkpoint_line,
     format_error_line,
     format_phase_line,
     format_status_line,
 )
 from trainer.pipeline.channels import WaitClock
+
+WARNING_PREFIX = "WARNING: "  # a raw line to every reader: never the run's last error
 
 
 class Reporter:
@@ -73,6 +78,11 @@ class Reporter:
 
     def checkpoint(self, step: int, path: Path) -> None:
         self.line(format_checkpoint_line(step, str(path)))
+
+    def warn(self, message: str) -> None:
+        """One plain ``WARNING:`` line (a problem that does not stop the run and is not its
+        error: ``last_error``, which dflashctl status shows, is left alone)."""
+        self.line(WARNING_PREFIX + " ".join(message.split()))
 
     def error(self, message: str, tb: str | None = None) -> None:
         """Traceback to stderr and console.log, then one ERROR line everywhere."""
@@ -125,6 +135,8 @@ class Board:
     q_hs: list[int] = field(default_factory=list)  # reorder-buffer depth per rank (last step)
     sums: dict[str, float] = field(default_factory=dict)  # since the last status line
     last: dict[str, float | None] = field(default_factory=dict)  # last shown loss/acc/streak
+    # (loss_sum, weight_sum) per length bucket since the last status line (finite steps only)
+    bucket_sums: list[list[float]] = field(default_factory=list)
 
     def add_step(
         self,
@@ -134,6 +146,7 @@ class Board:
         lr: float,
         gnorm: float | None,
         sums: dict[str, float],
+        bucket_sums: list[tuple[float, float]] | None = None,
     ) -> None:
         with self.lock:
             self.step, self.micro, self.real_tokens, self.lr = step, micro, real, lr
@@ -141,6 +154,21 @@ class Board:
                 self.gnorm = gnorm
             for k, v in sums.items():
                 self.sums[k] = self.sums.get(k, 0.0) + v
+            for i, (loss_sum, weight) in enumerate(bucket_sums or ()):
+                while len(self.bucket_sums) <= i:
+                    self.bucket_sums.append([0.0, 0.0])
+                self.bucket_sums[i][0] += loss_sum
+                self.bucket_sums[i][1] += weight
+
+    def take_bucket_losses(self, num_buckets: int) -> list[float | None]:
+        """Mean loss per bucket over the steps since the last call (None: no batch of it)."""
+        with self.lock:
+            s, self.bucket_sums = self.bucket_sums, []
+        out: list[float | None] = [None] * num_buckets
+        for i, (loss_sum, weight) in enumerate(s[:num_buckets]):
+            if weight > 0:
+                out[i] = loss_sum / weight
+        return out
 
     def take_metrics(self) -> dict[str, float | None]:
         """Loss/acc/streak over the steps since the last call (previous values if none)."""
@@ -193,13 +221,21 @@ def status_line(
     epoch: float | None,
     eta_s: float | None,
     waits: dict[str, float] | None,
+    tau: float | None = None,
+    bucket_losses: list[float | None] | None = None,
 ) -> str:
+    """The status line. ``tau`` (the last eval's) and ``loss_b`` follow ``gnorm``, in the order
+    events' fast path expects; ``nonfinite`` (rare) comes last."""
     extra: dict[str, str] = {}
     if waits is not None:
         extra = {k: f"{v:.1f}%" for k, v in waits.items()}
         extra[BOTTLENECK_KEY] = bottleneck(waits["w_tgt_in"], waits["w_tgt_out"], waits["w_dft_in"])
     if board.gnorm is not None:
         extra[GNORM_KEY] = f"{board.gnorm:.3f}"
+    if tau is not None:
+        extra[TAU_KEY] = f"{tau:.3f}"
+    if bucket_losses is not None:
+        extra[BUCKET_LOSS_KEY] = format_bucket_losses(bucket_losses)
     if board.nonfinite:
         extra["nonfinite"] = str(board.nonfinite)
     return format_status_line(
