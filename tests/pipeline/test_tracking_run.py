@@ -189,3 +189,23 @@ def test_only_rank_zero_logs_under_two_gloo_ranks(
     got = _tb_scalars(run_dir / "tb")
     _assert_same_series(got, _expected(_events(run_dir)))
     assert [s for s, _ in got["eval/tau"]] == [0, 3, 6]
+
+
+def test_a_resumed_run_replaces_the_steps_it_retrains_in_tensorboard(
+    tmp_path: Path, tiny_assets: dict[str, Any], run_cli: RunCli
+) -> None:
+    """The resume step reaches TensorBoard as purge_step: the first attempt's points from the
+    checkpoint's step on are dropped, so each step shows once, the resumed run's."""
+    run_dir = tmp_path / "run"
+    over: dict[str, Any] = {"eval": EVAL, "tracking": TRACK, "status": {"interval_s": 0.25}}
+    first = write_config(tmp_path / "a.toml", tiny_assets, schedule={"max_steps": 20}, **over)
+    assert run_cli(first, run_dir).returncode == 0
+    before = _events(run_dir)
+    more = write_config(tmp_path / "b.toml", tiny_assets, schedule={"max_steps": 40}, **over)
+    out = run_cli(more, run_dir)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    after = _events(run_dir)[len(before) :]
+    got = _tb_scalars(run_dir / "tb")
+    kept = [e for e in before if getattr(e, "step", 0) < 20]
+    _assert_same_series(got, _expected(kept + after))
+    assert [s for s, _ in got["eval/tau"]] == [0, 10, 30, 40]
