@@ -130,6 +130,8 @@ async def cmd_deploy(args: argparse.Namespace) -> int:
 
     host = _host(args)
     config = Path(args.config) if args.config else host.run_config
+    if args.no_memory_check and config is not None:
+        print(f"{host.name}: memory checks skipped (--no-memory-check)")
 
     async def go(t: Any) -> int:
         release = build_release(Path(args.tree)) if args.tree else None
@@ -141,6 +143,7 @@ async def cmd_deploy(args: argparse.Namespace) -> int:
             release=release,
             fresh=args.fresh,
             break_stale_lock=args.break_lock,
+            memory_check=not args.no_memory_check,
         )
         print(res.summary())
         for rel in res.pruned:
@@ -662,6 +665,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--break-lock",
         action="store_true",
         help="remove a deploy lock left by a dead deploy (refused while that deploy runs)",
+    )
+    sp.add_argument(
+        "--no-memory-check",
+        action="store_true",
+        help="skip the memory estimate (GPU fit, checkpoints vs free disk) of the pushed config",
     )
     sp = add("start", cmd_start, "start the trainer in tmux")
     sp.add_argument("--fresh", action="store_true", help="archive checkpoints, start from step 0")

@@ -30,10 +30,13 @@ from pathlib import Path
 from dflashctl.inventory import HostConfig
 from dflashctl.preflight import (
     GIB,
+    MEMORY_SCRIPT,
     PROBE_SCRIPT,
     Preflight,
+    judge_memory,
     judge_probe,
     parse_probe_output,
+    smallest_gpu,
 )
 from dflashctl.release import VERIFY_SCRIPT, Release, build_release
 from dflashctl.remote.commands import write_file_atomic
@@ -335,6 +338,39 @@ async def run_preflight(
     return judge_probe(host.name, host.python, host.workdir, probe, min_free_bytes=min_free_bytes)
 
 
+def memory_argv(
+    python: str, workdir: str, release: str, device_memory_mib: int | None
+) -> list[str]:
+    device = f"{device_memory_mib}MiB" if device_memory_mib else "-"
+    return [python, "-c", MEMORY_SCRIPT, workdir, release, device]
+
+
+async def memory_preflight(
+    transport: Transport,
+    host: HostConfig,
+    release: str,
+    config: Path,
+    pre: Preflight,
+    progress: Progress | None = None,
+) -> None:
+    """The release's memory estimate in the container: fit on its smallest GPU, checkpoints on
+    its disk. Emits the notes; raises DeployError with one line per refusal."""
+    gpu = smallest_gpu(pre.gpus)
+    res = await transport.run(
+        memory_argv(host.python, host.workdir, release, gpu[1] if gpu else None),
+        input=config.read_bytes(),
+        timeout=300,
+    )
+    probe = parse_probe_output(res.stdout)
+    if probe is None:
+        raise DeployError(f"{host.name}: memory check failed: {res.error_line()}")
+    verdict = judge_memory(host.name, str(config), host.run_dir, pre.gpus, probe)
+    for note in verdict.notes:
+        _emit(progress, note)
+    if verdict.failures:
+        raise DeployError("\n".join(verdict.failures))
+
+
 async def push_config_file(transport: Transport, host: HostConfig, path: Path) -> None:
     """Validate locally, then write WORKDIR/run/config.toml atomically."""
     from dflashctl.runconfig import validate_config
@@ -415,6 +451,7 @@ async def deploy(
     fresh: bool = False,
     resume_checked: bool = False,
     break_stale_lock: bool = False,
+    memory_check: bool = False,
 ) -> DeployResult:
     """Deploy the trainer tree (default: the installed `trainer` package) to `host`.
 
@@ -422,6 +459,8 @@ async def deploy(
     made it (`resume_checked`, restart) or the run is meant to start over (`fresh`).
     `import_check=False` reads module versions from metadata instead of importing them (fast;
     for tests and benchmarks that deploy repeatedly). The CLI always imports.
+    `memory_check` runs the release's memory estimate on the pushed config before the switch
+    (`memory_preflight`); the CLI does unless `--no-memory-check`.
     """
     if config is not None:  # a bad config fails here, before anything touches the host
         from dflashctl.runconfig import validate_config
@@ -476,6 +515,8 @@ async def deploy(
             if not res.ok:
                 raise DeployError(f"{host.name}: unpacking release {rel.id}: {res.error_line()}")
             sent = len(rel.tar)
+        if memory_check and config is not None:
+            await memory_preflight(transport, host, rel.id, config, pre, progress)
         res = await transport.run(
             switch_argv(
                 host.workdir,

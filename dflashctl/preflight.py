@@ -135,3 +135,176 @@ def parse_probe_output(stdout: str) -> dict[str, Any] | None:
                 return None
             return value if isinstance(value, dict) else None
     return None
+
+
+# --- the memory checks: will the run fit the GPUs, will its checkpoints fit the disk ---------
+
+MIB = 1024**2
+MEMORY_KEY = "model.max_query_rows"
+
+# argv: WORKDIR RELEASE_ID DEVICE_MEMORY ("-": the estimator's default). The run config comes on
+# stdin and is written next to run/config.toml (its relative paths resolve the same), removed
+# after. Runs the release's `python -m trainer.memory --json` and prints one JSON object: the
+# estimator's exit status, its report, its last stderr line, free bytes of the run dir and the
+# bytes of the checkpoints already there (retention replaces them).
+MEMORY_SCRIPT = r"""
+import glob, json, os, subprocess, sys
+workdir, release, device = sys.argv[1], sys.argv[2], sys.argv[3]
+rel = os.path.join(workdir, "releases", release)
+run = os.path.join(workdir, "run")
+os.makedirs(run, exist_ok=True)
+out = {"tmp": None}
+if not os.path.isfile(os.path.join(rel, "trainer", "memory", "__main__.py")):
+    out["absent"] = True
+else:
+    tmp = os.path.join(run, ".config.memory-check.%d.toml" % os.getpid())
+    out["tmp"] = tmp
+    with open(tmp, "wb") as fh:
+        fh.write(sys.stdin.buffer.read())
+    argv = [sys.executable, "-m", "trainer.memory", "--config", tmp, "--json"]
+    if device != "-":
+        argv += ["--device-memory", device]
+    env = dict(os.environ, PYTHONPATH=rel)
+    try:
+        res = subprocess.run(argv, capture_output=True, text=True, env=env, cwd=workdir,
+                             timeout=240)
+        out["rc"] = res.returncode
+        try:
+            out["report"] = json.loads(res.stdout)
+        except ValueError:
+            out["report"] = None
+        err = [l for l in res.stderr.splitlines() if l.strip()]
+        out["error"] = err[-1][:300] if err else ""
+    except subprocess.TimeoutExpired:
+        out["rc"], out["report"], out["error"] = 124, None, "timed out after 240 s"
+    finally:
+        os.unlink(tmp)
+st = os.statvfs(run)
+out["free_bytes"] = st.f_bavail * st.f_frsize
+out["existing_bytes"] = sum(
+    os.path.getsize(p) for p in glob.glob(os.path.join(run, "checkpoints", "step-*.pt"))
+    if os.path.isfile(p) and not os.path.islink(p)
+)
+print(json.dumps(out))
+"""
+
+
+@dataclass(frozen=True)
+class MemoryVerdict:
+    failures: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+
+def smallest_gpu(gpus: list[str]) -> tuple[str, int] | None:
+    """(name, memory.total MiB) of the smallest GPU in `index, name, memory.total` CSV lines."""
+    best: tuple[str, int] | None = None
+    for line in gpus:
+        parts = [p.strip() for p in line.split(",")]
+        if len(parts) < 3 or not parts[-1].isdigit():
+            continue
+        mib = int(parts[-1])
+        if best is None or mib < best[1]:
+            best = (", ".join(parts[1:-1]), mib)
+    return best
+
+
+def _mib(n: float) -> str:
+    return f"{n / MIB:,.0f} MiB"
+
+
+def judge_fit(host: str, config: str, gpu: tuple[str, int], rep: dict[str, Any]) -> list[str]:
+    """The fit verdict: [] when every device fits, else one line naming the key and the value."""
+    if rep.get("fits"):
+        return []
+    name, mib = gpu
+    d = rep.get("drafter", {})
+    largest = d.get("largest_max_query_rows")
+    configured = d.get("configured", {}).get("max_query_rows")
+    where = f"{host}: {config} does not fit the container's {name} ({mib} MiB)"
+    bad = [dev for dev in rep.get("devices", []) if not dev.get("fits")]
+    if bad and all("drafter" not in dev.get("roles", []) for dev in bad):
+        dev = bad[0]
+        return [
+            f"{where}: target device {dev.get('device')} needs {_mib(dev.get('peak', 0))}, "
+            f"{MEMORY_KEY} does not change that; use more target devices or smaller batches"
+        ]
+    if largest is None:
+        return [
+            f"{where}: no {MEMORY_KEY} fits (fixed costs and staged packets alone exceed it; "
+            f"lower topology.hidden_depth or the batch token budget)"
+        ]
+    return [f"{where}: {MEMORY_KEY} = {configured}; the largest that fits is {largest}"]
+
+
+def judge_disk(
+    host: str, run_dir: str, probe: dict[str, Any], rep: dict[str, Any]
+) -> MemoryVerdict:
+    """Free space in the run dir against (checkpoint.keep_last + 1) checkpoints; warn within 2x."""
+    ck = rep.get("checkpoint")
+    if not isinstance(ck, dict) or "bytes" not in ck:
+        return MemoryVerdict(
+            notes=[
+                f"{host}: the release's estimate has no checkpoint size: "
+                "checkpoint disk check skipped"
+            ]
+        )
+    size, keep = int(ck["bytes"]), int(ck.get("keep_last", 1))
+    needed = max(0, size * (keep + 1) - int(probe.get("existing_bytes", 0)))
+    free = int(probe.get("free_bytes", 0))
+    what = (
+        f"{_mib(free)} free under {run_dir}, checkpoints need {_mib(needed)} "
+        f"(checkpoint.keep_last = {keep}, +1 being written, {_mib(size)} each"
+        + (", less those already there" if probe.get("existing_bytes") else "")
+        + ")"
+    )
+    every = ck.get("keep_every_steps")
+    extra = f"; checkpoint.keep_every_steps = {every} keeps more on top" if every else ""
+    if free < needed:
+        return MemoryVerdict(
+            failures=[f"{host}: {what}; free space or lower checkpoint.keep_last{extra}"]
+        )
+    if free < 2 * needed:
+        return MemoryVerdict(notes=[f"{host}: warning: only {what}, less than twice that{extra}"])
+    return MemoryVerdict(notes=[f"{host}: checkpoints fit: {what}{extra}"])
+
+
+def judge_memory(
+    host: str, config: str, run_dir: str, gpus: list[str], probe: dict[str, Any]
+) -> MemoryVerdict:
+    """Both memory checks from the memory probe's output (MEMORY_SCRIPT)."""
+    if probe.get("absent"):
+        return MemoryVerdict(
+            notes=[f"{host}: the release has no trainer.memory: fit and disk checks skipped"]
+        )
+    rc, rep = probe.get("rc"), probe.get("report")
+    if rc not in (0, 1) or not isinstance(rep, dict):
+        err = str(probe.get("error") or f"exit status {rc}")
+        if probe.get("tmp"):
+            err = err.replace(str(probe["tmp"]), config)
+        return MemoryVerdict(
+            notes=[
+                f"{host}: memory estimate failed (exit {rc}): {err}; fit and checkpoint disk "
+                f"checks not made"
+            ]
+        )
+    failures: list[str] = []
+    notes: list[str] = []
+    gpu = smallest_gpu(gpus)
+    if gpu is None:
+        notes.append(
+            f"{host}: nvidia-smi gave no memory.total ({gpus[0]!r}): memory fit check skipped"
+            if gpus
+            else f"{host}: no GPU in the container: memory fit check skipped"
+        )
+    else:
+        fit = judge_fit(host, config, gpu, rep)
+        failures += fit
+        if not fit:
+            d = rep.get("drafter", {})
+            peak = max((dev.get("peak", 0) for dev in rep.get("devices", [])), default=0)
+            notes.append(
+                f"{host}: fits the container's {gpu[0]} ({gpu[1]} MiB): peak {_mib(peak)}; "
+                f"largest {MEMORY_KEY} that fits: {d.get('largest_max_query_rows')}"
+            )
+    disk = judge_disk(host, run_dir, probe, rep)
+    return MemoryVerdict(failures + disk.failures, notes + disk.notes)

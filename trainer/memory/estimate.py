@@ -234,6 +234,13 @@ def report(est: Estimator, device_memory: int, reserve: int) -> dict[str, Any]:
             "largest_max_query_rows": largest,
         },
         "target": {"params": est.target.params, "peak": tgt_peak},
+        # one checkpoint file: the fp32 drafter weights and AdamW's two moments (the preflight
+        # multiplies it by what retention keeps)
+        "checkpoint": {
+            "bytes": fixed["master_weights_fp32"] + fixed["adamw_moments_fp32"],
+            "keep_last": cfg.checkpoint.keep_last,
+            "keep_every_steps": cfg.checkpoint.keep_every_steps,
+        },
         "devices": devices,
         "fits": all(d["fits"] for d in devices),
         "key": "model.max_query_rows",
