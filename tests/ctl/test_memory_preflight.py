@@ -21,7 +21,7 @@ import pytest
 from dflashctl.cli import main as cli_main
 from dflashctl.deploy import DeployError, deploy
 from dflashctl.inventory import HostConfig
-from dflashctl.preflight import MIB, judge_memory, smallest_gpu
+from dflashctl.preflight import MIB, judge_disk, judge_memory, smallest_gpu
 from dflashctl.release import Release, build_release
 from dflashctl.remote.ssh import SshTransport
 from tests.ctl import parts as P
@@ -134,6 +134,19 @@ def test_smallest_gpu_and_a_failed_estimate_is_a_note_naming_the_host() -> None:
         "node3: memory estimate failed (exit 2): error: run.toml: model.target_dir: no "
         "config.json; fit and checkpoint disk checks not made"
     ]
+
+
+def test_disk_warns_within_twice_and_counts_checkpoints_already_there() -> None:
+    rep = {"checkpoint": {"bytes": 100 * MIB, "keep_last": 3, "keep_every_steps": None}}
+    tight = judge_disk("n", "/w/run", {"free_bytes": 700 * MIB, "existing_bytes": 0}, rep)
+    assert tight.failures == [] and tight.notes[0].startswith(
+        "n: warning: only 700 MiB free under /w/run, checkpoints need 400 MiB"
+    )
+    short = judge_disk("n", "/w/run", {"free_bytes": 250 * MIB, "existing_bytes": 0}, rep)
+    assert short.failures[0].startswith("n: 250 MiB free under /w/run, checkpoints need 400 MiB")
+    # three checkpoints already on disk are replaced by retention: one more is needed
+    resumed = judge_disk("n", "/w/run", {"free_bytes": 250 * MIB, "existing_bytes": 300 * MIB}, rep)
+    assert resumed.failures == [] and "checkpoints need 100 MiB" in resumed.notes[0]
 
 
 async def test_fit_check_on_the_containers_gpu(
