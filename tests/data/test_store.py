@@ -235,3 +235,20 @@ def test_store_published_meanwhile_is_kept(tmp_path: Path) -> None:
         writer.commit(**_fields())
     assert TokenStore.open(target, verify=True).lengths.tolist() == [4, 3, 6]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["s"]
+
+
+def test_errors_naming_a_sample_trace_it_to_its_input_line(tmp_path: Path) -> None:
+    """`sample 1` in a planner/sampler error becomes `sample 1 (input line 7)` for a store that
+    kept its source lines; a store without them leaves the message as it is."""
+    traced = tmp_path / "traced"
+    with StoreWriter(traced) as writer:
+        for line, tokens in ((3, [5, 6]), (7, [5, 6, 7, 8]), (9, [5])):
+            writer.add(tokens, [1] * len(tokens), source_line=line)
+        writer.commit(**_fields())
+    store = TokenStore.open(traced)
+    msg = "sample 1 has 4 tokens, more than token_budget 3; resample 12 and sample 9"
+    assert store.name_rows(msg) == (
+        "sample 1 (input line 7) has 4 tokens, more than token_budget 3; resample 12 and sample 9"
+    )
+    plain = TokenStore.open(write_store(tmp_path / "plain"))
+    assert plain.name_rows(msg) == msg

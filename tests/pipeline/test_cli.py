@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 from trainer.events import (
@@ -215,3 +216,29 @@ def test_non_utf8_config_is_one_line_with_the_byte_offset_and_exit_2(
         "invalid continuation byte 0xe9"
     ]
     assert not (tmp_path / "run").exists()  # refused before anything was created
+
+
+def test_a_sample_over_the_budget_names_its_input_line(
+    tmp_path: Path, tiny_assets: dict[str, Any], run_cli: RunCli
+) -> None:
+    """The sampler's `sample N` refusal is traced to the import's input line (lines.i64)."""
+    from trainer.data.store import StoreWriter, TokenStore
+
+    src = TokenStore.open(tiny_assets["data"]["store"])
+    longest = int(np.argmax(src.lengths))
+    with StoreWriter(tmp_path / "store") as writer:
+        for i in range(len(src)):
+            tokens, mask = src.row(i)
+            writer.add(tokens, mask, source_line=10 * i + 3)
+        keep = {"kind", "source", "vocab_size", "max_length", "reserved_token_ids"}
+        writer.commit(**src.manifest.model_dump(include=keep | {"mask_token_id", "mask_strategy"}))
+    budget = int(src.lengths[longest]) - 1
+    cfg = write_config(
+        tmp_path / "run.toml",
+        tiny_assets,
+        data={"store": str(tmp_path / "store")},
+        batching={"token_budget": budget},
+    )
+    out = run_cli(cfg, tmp_path / "run")
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert f"sample {longest} (input line {10 * longest + 3})" in out.stdout, out.stdout

@@ -22,6 +22,7 @@ import errno
 import hashlib
 import json
 import os
+import re
 import secrets
 import shutil
 from array import array
@@ -43,6 +44,7 @@ MASK = "mask.u8"
 OFFSETS = "offsets.i64"
 LENGTHS = "lengths.i32"
 LINES = "lines.i64"
+_SAMPLE_RE = re.compile(r"\bsample (\d+)\b")
 DATA_FILES: dict[str, np.dtype[Any]] = {
     TOKENS: np.dtype("<i4"),
     MASK: np.dtype("u1"),
@@ -267,6 +269,20 @@ class TokenStore:
         if not -n <= i < n:
             raise IndexError(f"row {i} out of range for {self.path} with {n} rows")
         return int(self.lines[i % n])
+
+    def name_rows(self, message: str) -> str:
+        """`message` with each "sample N" that names a row of this store followed by the input
+        line it came from (`sample 122 (input line 517)`), so a planner or sampler error can be
+        traced to the JSONL; unchanged for stores without source lines."""
+        lines = self.lines
+        if lines is None:
+            return message
+
+        def traced(m: re.Match[str]) -> str:
+            i = int(m.group(1))
+            return f"{m.group(0)} (input line {int(lines[i])})" if i < len(lines) else m.group(0)
+
+        return _SAMPLE_RE.sub(traced, message)
 
     def __iter__(self) -> Iterator[tuple[np.ndarray, np.ndarray]]:
         for i in range(len(self)):

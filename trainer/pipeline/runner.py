@@ -181,7 +181,7 @@ class Run:
                 exclude=self.holdout,
             )
         except (PlanError, SamplerError) as exc:
-            raise assets.UserError(f"batching: {exc}") from None
+            raise assets.UserError(f"batching: {self.store.name_rows(str(exc))}") from None
         if len(self.holdout) and world.is_main:
             self._record_holdout()
         self.plan = BatchPlan(self.sampler, cfg.schedule.epochs)
