@@ -29,7 +29,7 @@ from dflashctl.deploy import (
     push_config_file,
     switch_note,
 )
-from dflashctl.inventory import NAME_RE, HostConfig
+from dflashctl.inventory import NAME_RE, HostConfig, InventoryError
 from dflashctl.release import Release
 from dflashctl.remote.commands import (
     SETTLED_PANE_FN,
@@ -607,13 +607,20 @@ class RunControl:
         res = await self._run(tmux_settled_pane_state(self.host.session))
         return parse_pane_state(res.stdout) if res.ok else None
 
-    async def status(self) -> RunStatus:
-        """Never raises for transport problems: an unreachable host is a state."""
+    async def status(self, *, setup_errors: bool = False) -> RunStatus:
+        """Never raises for transport problems: an unreachable host is a state.
+
+        A local SSH setup problem (missing identity file, unreadable known_hosts: an
+        InventoryError) is that host's state too, except with `setup_errors`, which the
+        single-host commands pass so it reaches the user as the config error it is (exit 2).
+        """
         from dflashctl.runconfig import config_hash_of_text
 
         try:
             res = await self._run(status_argv(self.host.workdir, self.host.session))
         except TransportError as err:
+            if setup_errors and isinstance(err, InventoryError):
+                raise
             return RunStatus(host=self.host.name, state="unreachable", message=str(err))
         if not res.ok:
             msg = res.error_line()
@@ -660,7 +667,7 @@ class RunControl:
         the supervisor is about to restart it: "started" must never be said of a run that is
         already dead. `wait_s=0` skips the wait.
         """
-        st = await self.status()
+        st = await self.status(setup_errors=True)
         if st.state == "unreachable":
             raise HostUnreachable(st.message or f"{self.host.name}: unreachable")
         argv = trainer_argv(self.host.python, fresh, resume)
@@ -783,7 +790,7 @@ class RunControl:
         The C-c reaches the pane's process: the supervisor forwards it to the trainer once (a
         graceful stop, never restarted) or, in a restart backoff, exits without another attempt.
         """
-        st = await self.status()
+        st = await self.status(setup_errors=True)
         if st.state == "unreachable":
             raise HostUnreachable(st.message or f"{self.host.name}: unreachable")
         if st.state not in LIVE_STATES:

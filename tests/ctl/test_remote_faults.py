@@ -283,8 +283,9 @@ def test_missing_identity_file_names_the_inventory_and_exits_2(
     text = inv.read_text().replace(str(real_parts.sshd.client_key), str(tmp_path / "no-such-key"))
     inv.write_text(text)
     expected = f"{inv}: host 'ct': identity_file: {tmp_path / 'no-such-key'} does not exist"
-    assert cli_main(["--hosts", str(inv), "deploy", "ct"]) == 2
-    assert capsys.readouterr().err.strip() == f"dflashctl: {expected}"
+    for command in (["deploy", "ct"], ["start", "ct"], ["stop", "ct"], ["restart", "ct"]):
+        assert cli_main(["--hosts", str(inv), *command]) == 2, command
+        assert capsys.readouterr().err.strip() == f"dflashctl: {expected}", command
     cli_main(["--hosts", str(inv), "status", "ct"])  # a per-host state there: the same line
     assert expected in capsys.readouterr().out
 
