@@ -879,6 +879,7 @@ class RunControl:
             progress=progress,
             release=release,
             resume_checked=True,
+            memory_check=True,  # refuse a config that cannot fit before the run is stopped
         )
         stopped = await self.stop(stop_timeout)
         started = await self.start(fresh=fresh, resume=resume, wait_s=wait_s, progress=progress)
