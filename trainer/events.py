@@ -84,6 +84,7 @@ PHASE_TEXTS: dict[str, str] = {
     "restarting": "Restarting trainer:",
     "not_restarting": "Not restarting trainer:",
     "gave_up": "Supervisor gave up",
+    "low_disk": "Run disk space:",  # detail "low: ..." or "ok again: ..."
 }
 CHECKPOINT_PREFIX = "Checkpoint saved: "
 ERROR_PREFIX = "ERROR: "

@@ -10,6 +10,11 @@ stop. Stall watchdog: no new step, checkpoint or phase line in RUN/status.log fo
 trainer's thread stacks (SIGUSR1, faulthandler) into RUN/console.log, SIGINT, SIGKILL after
 `--kill-grace-s`, then the policy.
 
+Disk: free space in RUN against the newest checkpoint's size, at start, every `--disk-check-s`
+while the trainer runs (a `low_disk` phase line once per change, `low_disk` in the state; the
+trainer is not stopped for it) and before every restart (too little: not restarted, since the
+restart would fail its first checkpoint the same way).
+
 Signals: the trainer runs in its own session, so a Ctrl-C in the tmux pane reaches it exactly
 once, forwarded by the supervisor (SIGINT, SIGTERM, SIGHUP). A signal during a backoff ends the
 supervisor without another attempt. State: RUN/supervisor.json (this process is its only
@@ -32,7 +37,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from trainer.events import format_phase_line
-from trainer.supervision import procinfo
+from trainer.supervision import disk, procinfo
 from trainer.supervision.policy import (
     RESTART_CHOICES,
     Ending,
@@ -49,6 +54,7 @@ EXIT_USAGE = 2
 TICK_S = 0.1
 FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 PREFIX = "Supervisor: "
+DISK_CHECK_S = 30.0
 
 
 def _positive(text: str) -> float:
@@ -102,6 +108,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--backoff-max-s", type=_positive, default=d.backoff_max_s)
     p.add_argument("--kill-grace-s", type=_positive, default=d.kill_grace_s)
     p.add_argument("--run-dir", type=Path, help="default: the trainer argv's --run-dir")
+    p.add_argument(
+        "--disk-check-s",
+        type=_positive,
+        default=DISK_CHECK_S,
+        help="seconds between free-space checks of the run directory while the trainer runs",
+    )
     return p
 
 
@@ -114,9 +126,16 @@ def _set_parent_death_signal() -> None:
 
 class Supervisor:
     def __init__(
-        self, policy: Policy, argv: list[str], run_dir: Path, out: TextIO = sys.stdout
+        self,
+        policy: Policy,
+        argv: list[str],
+        run_dir: Path,
+        out: TextIO = sys.stdout,
+        disk_check_s: float = DISK_CHECK_S,
     ) -> None:
         self.policy, self.argv, self.run_dir, self.out = policy, argv, run_dir, out
+        self.disk_check_s = disk_check_s
+        self.disk_checked = -float("inf")  # monotonic time of the last free-space check
         self.child: subprocess.Popen[bytes] | None = None
         self.stop_signal: str | None = None
         self.signals = 0
@@ -137,6 +156,7 @@ class Supervisor:
             "gave_up": False,
             "detail": None,
             "exit_status": None,
+            "low_disk": None,  # {free_mib, needed_mib, since} while free < one checkpoint
         }
         self._write_problem: str | None = None
 
@@ -158,6 +178,36 @@ class Supervisor:
         if problem and problem != self._write_problem:
             print(f"ERROR: {problem}", file=self.out, flush=True)
         self._write_problem = problem
+
+    # ------------------------------------------------------------------ disk
+    def check_disk(self) -> disk.Disk | None:
+        """Free space against one checkpoint; a phase line and the state entry on each change."""
+        self.disk_checked = time.monotonic()
+        d = disk.check(self.run_dir)
+        if d is None:
+            return None
+        was = self.state["low_disk"]
+        if d.low:
+            since = was["since"] if was else now_iso()
+            entry = {**d.as_json(), "since": since}
+            if was is None:
+                self.say(
+                    format_phase_line(
+                        "low_disk",
+                        f"low: {d.text()} on {self.run_dir}; the next checkpoint will fail "
+                        "unless space is freed",
+                    ),
+                    status_log=True,
+                )
+            if entry != was:
+                self.save(low_disk=entry)
+        elif was is not None:
+            self.say(
+                format_phase_line("low_disk", f"ok again: {d.text()} on {self.run_dir}"),
+                status_log=True,
+            )
+            self.save(low_disk=None)
+        return d
 
     # ------------------------------------------------------------------ signals
     def _on_signal(self, signum: int, _frame: object) -> None:
@@ -231,6 +281,8 @@ class Supervisor:
             time.sleep(TICK_S)
             now = time.monotonic()
             self._feed(tail, progress, now)
+            if now - self.disk_checked >= self.disk_check_s:
+                self.check_disk()
             if self.stop_signal is not None:
                 continue  # a stop is the trainer's to finish; the watchdog stands down
             limit = progress.idle_limit(self.policy.stall_timeout_s, self.policy.startup_timeout_s)
@@ -275,6 +327,7 @@ class Supervisor:
     def run(self) -> int:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.install_signals()
+        self.check_disk()
         argv = list(self.argv)
         last_checkpoint: int | None = None
         while self.stop_signal is None:
@@ -301,6 +354,15 @@ class Supervisor:
                 self.say(format_phase_line("not_restarting", why), status_log=True)
                 self.save(state="not-restarted", detail=why, exit_status=status)
                 return status
+            space = self.check_disk()
+            if space is not None and space.low:
+                detail = (
+                    f"no space left on {self.run_dir} ({space.text()}) after {why}: a restart "
+                    f"would fail its next checkpoint; free space there, then dflashctl start HOST"
+                )
+                self.say(format_phase_line("not_restarting", detail), status_log=True)
+                self.save(state="not-restarted", detail=detail, exit_status=status or 1)
+                return status or 1
             now = time.monotonic()
             self.failures.append((now, why))
             window = self.policy.restart_window_s
@@ -397,7 +459,8 @@ def main(argv: list[str] | None = None) -> int:
     run_dir = args.run_dir or (Path(r) if (r := run_dir_of(trainer)) else None)
     if run_dir is None:
         parser.error("the trainer argv has no --run-dir and --run-dir was not given")
-    return Supervisor(parse_policy(parser, args), trainer, run_dir).run()
+    policy = parse_policy(parser, args)
+    return Supervisor(policy, trainer, run_dir, disk_check_s=args.disk_check_s).run()
 
 
 if __name__ == "__main__":

@@ -1,0 +1,135 @@
+"""The supervisor's free-space checks on a real, small tmpfs run directory (needs root to mount):
+a restart that would hit the same full disk is not made; low disk while the trainer runs is one
+phase line per change and an entry in supervisor.json, and the trainer keeps running."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import require_part
+from trainer.supervision.disk import MIB, checkpoint_need
+
+from .test_supervise import Sup, _phases, _script, _sup_argv, _sup_state, _until, sups
+
+__all__ = ["sups"]  # the fixture, used by name
+
+# Writes RUN/checkpoints/step-00000001.pt of SIZE bytes (a stand-in for the trainer's), appends
+# a line to RUN/../starts, then exits 1 (or, with WAIT, runs until RUN/done exists and exits 0).
+CHILD = (
+    "import os, sys, time\n"
+    "run, size, wait = sys.argv[1], int(sys.argv[2]), sys.argv[3] == 'wait'\n"
+    "os.makedirs(run + '/checkpoints', exist_ok=True)\n"
+    "open(run + '/checkpoints/step-00000001.pt', 'wb').write(b'\\0' * size)\n"
+    "open(run + '/../starts', 'a').write('start\\n')\n"
+    "while wait and not os.path.exists(run + '/done'): time.sleep(0.05)\n"
+    "sys.exit(0 if wait else 1)\n"
+)
+
+
+@pytest.fixture
+def small_fs(tmp_path: Path) -> Iterator[Path]:
+    """A fresh 4 MiB tmpfs mounted at tmp_path/fs, unmounted afterwards."""
+    mnt = tmp_path / "fs"
+    mnt.mkdir()
+    ok = os.geteuid() == 0 and (
+        subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mnt)], capture_output=True
+        ).returncode
+        == 0
+    )
+    require_part(ok, "cannot mount a tmpfs (needs root and mount permission)")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+def _free(path: Path) -> int:
+    st = os.statvfs(path)
+    return st.f_bavail * st.f_frsize
+
+
+def test_checkpoint_need_is_the_newest_complete_checkpoint(tmp_path: Path) -> None:
+    assert checkpoint_need(tmp_path) == 0  # no checkpoints dir yet
+    ck = tmp_path / "checkpoints"
+    ck.mkdir()
+    (ck / "step-00000002.pt").write_bytes(b"x" * 200)
+    (ck / "step-00000010.pt").write_bytes(b"x" * 300)
+    (ck / ".step-00000020.pt.tmp-7").write_bytes(b"x" * 900)  # a write in progress
+    (ck / "best.pt").write_bytes(b"x" * 800)
+    assert checkpoint_need(tmp_path) == 300
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(("size_mib", "restarted"), [(3, False), (1, True)])
+def test_a_restart_onto_a_disk_without_room_for_a_checkpoint_is_not_made(
+    small_fs: Path, sups: list[Sup], size_mib: int, restarted: bool
+) -> None:
+    """3 MiB checkpoint on a 4 MiB disk: < 1 MiB left, no restart; 1 MiB: restarts as usual."""
+    run = small_fs / "run"
+    argv = _sup_argv(
+        run, "--max-restarts", "1", "--backoff-s", "0.05",
+        child=[*_script(CHILD), str(run), str(size_mib * MIB), "exit"],
+    )  # fmt: skip
+    s = Sup(argv, small_fs.parent / "out")
+    sups.append(s)
+    assert s.wait(30) == 1
+    starts = (small_fs / "starts").read_text().count("start")
+    state = _sup_state(run)
+    if restarted:
+        assert starts == 2 and state["state"] == "gave-up" and state["low_disk"] is None
+        return
+    assert starts == 1 and state["restarts"] == [] and state["state"] == "not-restarted"
+    (line,) = _phases(run, "not_restarting")
+    assert line.detail.startswith(f"no space left on {run} (")
+    assert ", checkpoint needs 3.0) after exit 1: " in line.detail
+    assert line.detail.endswith("free space there, then dflashctl start HOST")
+    assert state["detail"] == line.detail
+    low = state["low_disk"]
+    assert low["needed_mib"] == 3.0 and low["free_mib"] <= 1.0 and low["since"]
+    assert s.text().count("Not restarting trainer: no space left") == 1
+
+
+@pytest.mark.timeout(60)
+def test_low_disk_while_training_is_one_line_per_change_and_the_trainer_keeps_running(
+    small_fs: Path, sups: list[Sup]
+) -> None:
+    run, filler = small_fs / "run", small_fs / "filler"
+    argv = _sup_argv(
+        run, "--disk-check-s", "0.1",
+        child=[*_script(CHILD), str(run), str(MIB), "wait"],
+    )  # fmt: skip
+    s = Sup(argv, small_fs.parent / "out")
+    sups.append(s)
+    _until(lambda: (small_fs / "starts").exists(), 30, "the child's checkpoint")
+    _until(lambda: _sup_state(run).get("state") == "running", 30, "the supervisor")
+    filler.write_bytes(b"\0" * (_free(small_fs) - MIB // 2))  # 0.5 MiB left, 1 MiB needed
+    _until(lambda: len(_phases(run, "low_disk")) == 1, 30, "the low_disk line")
+    (line,) = _phases(run, "low_disk")
+    assert line.detail.startswith("low: 0.") and ", checkpoint needs 1.0 on " in line.detail
+    first = _sup_state(run)["low_disk"]
+    assert first["needed_mib"] == 1.0 and first["free_mib"] < 1.0
+    # Still low, less free: later checks update the entry (same `since`) without a second line.
+    with open(filler, "ab") as fh:
+        fh.write(b"\0" * (MIB // 4))
+    _until(
+        lambda: (_sup_state(run).get("low_disk") or {}).get("free_mib", 9) < first["free_mib"],
+        30,
+        "a later check",
+    )
+    assert _sup_state(run)["low_disk"]["since"] == first["since"]
+    assert len(_phases(run, "low_disk")) == 1
+    assert _sup_state(run)["state"] == "running"  # not stopped for it
+    filler.unlink()
+    _until(lambda: _sup_state(run).get("low_disk", 0) is None, 30, "the low_disk entry to clear")
+    (run / "done").touch()
+    assert s.wait(30) == 0
+    details = [p.detail for p in _phases(run, "low_disk")]
+    assert len(details) == 2 and details[1].startswith("ok again: ")
+    assert _sup_state(run)["state"] == "finished"
+    assert (small_fs / "starts").read_text().count("start") == 1
