@@ -78,7 +78,16 @@ LIVE_STATES = frozenset({"running", "restarting", "stalled"})
 """States whose pane process (the supervisor, or an unsupervised trainer) is alive: stop acts,
 start is a no-op. restarting: the trainer died and the supervisor waits out its backoff;
 stalled: the watchdog is stopping a trainer that made no progress."""
-SUPERVISOR_KEYS = ("state", "gave_up", "attempt", "trainer_pid", "detail", "exit_status", "policy")
+SUPERVISOR_KEYS = (
+    "state",
+    "gave_up",
+    "attempt",
+    "trainer_pid",
+    "detail",
+    "exit_status",
+    "policy",
+    "low_disk",  # {free_mib, needed_mib, since} while RUN has less free than one checkpoint
+)
 
 
 class ControlError(Exception):

@@ -101,6 +101,14 @@ def test_gave_up_is_its_own_state_with_the_detail() -> None:
     assert f"supervisor: {detail}" in format_run_status(st)
 
 
+def test_low_disk_reaches_status_json_and_clears_with_the_file() -> None:
+    low = {"free_mib": 0.5, "needed_mib": 1.0, "since": "2026-12-01T03:00:00Z"}
+    d = status(out("0|||40", sup(40, "running", low_disk=low))).to_json_dict()
+    assert d["state"] == "running" and d["supervisor"]["low_disk"] == low
+    d = status(out("0|||40", sup(40, "running", low_disk=None))).to_json_dict()
+    assert d["supervisor"]["low_disk"] is None
+
+
 def test_an_operator_stop_in_a_backoff_is_stopped_not_crashed() -> None:
     st = status(out("1|1||40", sup(40, "stopped", [RESTART], exit_status=1)))
     assert st.state == "stopped"
