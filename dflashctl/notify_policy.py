@@ -31,6 +31,7 @@ _SEVERITY: dict[EventKind, str] = {
     EventKind.NONFINITE: "failure",
     EventKind.UNREACHABLE: "warning",
     EventKind.RESTARTED: "warning",
+    EventKind.LOW_DISK: "warning",
     EventKind.FINISHED: "success",
     EventKind.RECOVERED: "success",
     EventKind.GPU_ERROR: "failure",

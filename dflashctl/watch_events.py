@@ -14,6 +14,9 @@ Rules (issue 12 item 4):
   (the run is not back yet); `finished` is emitted and closes an open alert.
 - Each restart record the supervisor adds is one RESTARTED event with its reason; a shorter list
   (a fresh run) only re-baselines.
+- Low disk (the supervisor's `low_disk` entry: RUN has less free than one checkpoint) is one
+  LOW_DISK event when it appears and one RECOVERED when it goes; it is no condition of its own
+  (the trainer keeps running), so it never opens or closes a condition's alert.
 - A host seen for the first time reports only an alert it is already in (a crashed host at
   watch start is news), never its history.
 """
@@ -73,6 +76,7 @@ class EventKind(StrEnum):
     FINISHED = "finished"
     UNREACHABLE = "unreachable"
     RECOVERED = "recovered"
+    LOW_DISK = "low-disk"  # RUN has less free space than one checkpoint (supervisor.json)
     # from dflashctl.gpu_health (`as_watch_events`): already once per change of a reading
     GPU_ERROR = "gpu-error"  # uncorrected ECC errors rose, an Xid
     GPU_THROTTLED = "gpu-throttled"  # a harmful clock-event reason became active
@@ -111,6 +115,7 @@ class HostSnapshot:
     step: int | None = None
     detail: str | None = None  # last error / stall detail, shown with the event
     restarts: tuple[Restart, ...] = ()
+    low_disk: str | None = None  # "0.5 MiB free, checkpoint needs 1.0" while the disk is low
 
 
 @dataclass(frozen=True)
@@ -121,6 +126,7 @@ class HostTrack:
     unreachable_since: float | None = None
     unreachable_alerted: bool = False
     step: int | None = None
+    low_disk: bool = False
 
 
 @dataclass(frozen=True)
@@ -222,6 +228,11 @@ def _fold_host(
             )
         restarts_seen = n
 
+    if snap.low_disk and not t.low_disk:
+        events.append(WatchEvent(host, EventKind.LOW_DISK, at, snap.low_disk, step=snap.step))
+    elif t.low_disk and not snap.low_disk:
+        events.append(WatchEvent(host, EventKind.RECOVERED, at, "low disk cleared", step=snap.step))
+
     open_alert = t.open_alert
     if cond != t.condition or first:
         if cond in ALERT_CONDITIONS:
@@ -253,7 +264,12 @@ def _fold_host(
             )
             open_alert = None
     new = replace(
-        t, condition=cond, open_alert=open_alert, restarts_seen=restarts_seen, step=snap.step
+        t,
+        condition=cond,
+        open_alert=open_alert,
+        restarts_seen=restarts_seen,
+        step=snap.step,
+        low_disk=snap.low_disk is not None,
     )
     return new, events
 
@@ -339,7 +355,14 @@ def snapshot_from_status(d: Mapping[str, Any], at: float) -> HostSnapshot:
         raw_restarts = ()
     restarts = tuple(_restart(r) for r in raw_restarts if isinstance(r, Mapping))
     detail = last_error if cond in ALERT_CONDITIONS else None
-    return HostSnapshot(host, at, True, cond, exit_status, step, detail, restarts)
+    low = supervisor.get("low_disk")
+    low_disk = (
+        f"{low.get('free_mib', '?')} MiB free on the run directory, checkpoint needs "
+        f"{low.get('needed_mib', '?')}"
+        if isinstance(low, Mapping)
+        else None
+    )
+    return HostSnapshot(host, at, True, cond, exit_status, step, detail, restarts, low_disk)
 
 
 def _restart(r: Mapping[str, Any]) -> Restart:

@@ -172,6 +172,37 @@ def test_snapshot_from_status_with_the_supervisor() -> None:
     assert snapshot_from_status(gave, T0).condition == C.GAVE_UP
 
 
+def test_low_disk_is_one_event_per_change_and_no_condition() -> None:
+    low = "0.5 MiB free on the run directory, checkpoint needs 1.0"
+    snaps = [
+        up("a", T0, C.RUNNING),
+        up("a", T0 + 1, C.RUNNING, low_disk=low),
+        up("a", T0 + 2, C.RUNNING, low_disk=low),  # still low: nothing new
+        down("a", T0 + 3),  # unreachable says nothing about the disk
+        up("a", T0 + 4, C.RUNNING, low_disk=low),
+        up("a", T0 + 5, C.CRASHED, exit_status=1, low_disk=low),  # the crash is its own alert
+        up("a", T0 + 6, C.RUNNING),
+    ]
+    assert run(snaps) == [
+        ("a", K.LOW_DISK),
+        ("a", K.CRASHED),
+        ("a", K.RECOVERED),
+        ("a", K.RECOVERED),
+    ]
+    sup = {"state": "running", "low_disk": {"free_mib": 0.5, "needed_mib": 1.0, "since": "x"}}
+    snap = snapshot_from_status({"host": "a", "state": "running", "supervisor": sup}, T0)
+    assert snap.condition == C.RUNNING and snap.low_disk == low
+    _, evs = derive(WatchState(), [snap], T0)  # already low at watch start: news
+    assert [(e.kind, e.detail) for e in evs] == [(K.LOW_DISK, low)]
+    assert format_event_line(evs[0]).endswith(f"a low-disk: {low}")
+    cleared = {
+        "host": "a",
+        "state": "running",
+        "supervisor": {"state": "running", "low_disk": None},
+    }
+    assert snapshot_from_status(cleared, T0).low_disk is None
+
+
 # --- properties ------------------------------------------------------------------------------
 
 _conds = st.sampled_from(list(Condition))
