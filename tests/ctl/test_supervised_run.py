@@ -87,6 +87,9 @@ def tiny_config(base: Path, name: str, extra_schedule: str = "") -> Path:
     text = (REPO / "configs" / "tiny-cpu.toml").read_text()
     text = re.sub(r"(?m)^every_steps = \d+", "every_steps = 10", text)
     text = re.sub(r"(?m)^interval_s = \S+", "interval_s = 1", text)
+    # long enough that no test's run finishes its plan under it (a loaded CI machine included);
+    # the one that wants a finished run sets max_steps
+    text = re.sub(r"(?m)^epochs = \d+", "epochs = 200", text)
     if extra_schedule:
         text = re.sub(r"(?m)^(min_lr = .*)$", r"\1\n" + extra_schedule, text)
     path = base / name
