@@ -29,7 +29,7 @@ import sys
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -45,6 +45,9 @@ from trainer.bucketing.dp import (
 from trainer.bucketing.estimate import BucketEstimate, estimate_bucket, histogram
 from trainer.data.lengths import LengthsError, as_lengths, load_lengths
 from trainer.sampler import BatchSampler, SamplerError
+
+if TYPE_CHECKING:
+    from trainer.config import BatchingConfig
 
 DEFAULT_K_MAX = 16
 REFINE_PASSES = 4  # grid search: re-solve around the cuts until they stop moving (1-2 in practice)
@@ -155,6 +158,39 @@ def evaluate_boundaries(
         values, counts = histogram(inside)
         out.append(estimate_bucket(values, counts, token_budget, max_batch))
     return out
+
+
+def sampler_for(
+    batching: BatchingConfig,
+    lengths: np.ndarray,
+    *,
+    seed: int,
+    rank: int = 0,
+    world_size: int = 1,
+    exclude: np.ndarray | None = None,
+) -> BatchSampler:
+    """The sampler a run config's `[batching]` describes, planning `boundaries = "plan"` first.
+
+    One builder for the trainer and for every tool that must see the trainer's exact batches
+    (the memory estimate). Raises PlanError or SamplerError (one line).
+    """
+    bounds = batching.boundaries
+    if bounds == "plan" and batching.strategy == "bucketed":
+        bounds = plan_buckets(
+            lengths, batching.num_buckets, batching.token_budget, batching.max_batch, simulate=False
+        ).boundaries
+    return BatchSampler(
+        lengths,
+        strategy=batching.strategy,
+        boundaries=None if bounds == "plan" else list(bounds),
+        token_budget=batching.token_budget,
+        max_batch=batching.max_batch,
+        seed=seed,
+        rank=rank,
+        world_size=world_size,
+        pool_size=batching.pool_size,
+        exclude=exclude,
+    )
 
 
 def _check_inputs(lengths: np.ndarray, token_budget: int, max_batch: int) -> np.ndarray:

@@ -99,26 +99,13 @@ def load_lengths_and_eligible(cfg: TrainConfig) -> tuple[np.ndarray, np.ndarray,
 
 def batch_shapes(cfg: TrainConfig) -> Shapes:
     """Distinct packet shapes over every epoch the schedule trains (all data-parallel ranks)."""
-    from trainer.buckets import PlanError, plan_buckets
-    from trainer.sampler import BatchSampler, SamplerError
+    from trainer.buckets import PlanError, sampler_for
+    from trainer.sampler import SamplerError
 
     lengths, eligible, source, exact = load_lengths_and_eligible(cfg)
-    b = cfg.batching
     try:
-        bounds = b.boundaries
-        if bounds == "plan" and b.strategy == "bucketed":
-            bounds = plan_buckets(
-                lengths, b.num_buckets, b.token_budget, b.max_batch, simulate=False
-            ).boundaries
-        sampler = BatchSampler(
-            lengths,
-            strategy=b.strategy,
-            boundaries=None if bounds == "plan" else list(bounds),
-            token_budget=b.token_budget,
-            max_batch=b.max_batch,
-            seed=cfg.seed,
-            world_size=len(cfg.topology.drafter_devices),
-            pool_size=b.pool_size,
+        sampler = sampler_for(
+            cfg.batching, lengths, seed=cfg.seed, world_size=len(cfg.topology.drafter_devices)
         )
     except (PlanError, SamplerError) as exc:
         raise MemoryEstimateError(f"batching: {exc}") from None

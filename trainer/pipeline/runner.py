@@ -148,9 +148,9 @@ class Run:
             target_dir = assets.ensure_target(cfg)
         distributed.barrier(world)
         store_path, target_dir = assets.ensure_store(cfg), assets.ensure_target(cfg)
-        from trainer.buckets import PlanError, plan_buckets
+        from trainer.buckets import PlanError, sampler_for
         from trainer.data.store import StoreError, TokenStore
-        from trainer.sampler import BatchSampler, SamplerError, holdout_rows
+        from trainer.sampler import SamplerError, holdout_rows
 
         try:
             self.store = TokenStore.open(store_path)
@@ -161,23 +161,13 @@ class Run:
             self.holdout = holdout_rows(len(lengths), cfg.eval.holdout_rows, cfg.seed)
         except SamplerError as exc:
             raise assets.UserError(f"eval.holdout_rows: {exc}") from None
-        b = cfg.batching
         try:
-            bounds = b.boundaries
-            if bounds == "plan" and b.strategy == "bucketed":
-                bounds = plan_buckets(
-                    lengths, b.num_buckets, b.token_budget, b.max_batch, simulate=False
-                ).boundaries
-            self.sampler = BatchSampler(
+            self.sampler = sampler_for(
+                cfg.batching,
                 lengths,
-                strategy=b.strategy,
-                boundaries=None if bounds == "plan" else list(bounds),
-                token_budget=b.token_budget,
-                max_batch=b.max_batch,
                 seed=cfg.seed,
                 rank=world.rank,
                 world_size=world.size,
-                pool_size=b.pool_size,
                 exclude=self.holdout,
             )
         except (PlanError, SamplerError) as exc:
