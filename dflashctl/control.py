@@ -911,7 +911,7 @@ class RunControl:
     async def gpus(self) -> list[GpuSample]:
         """GPU samples from nvidia-smi in the container ([] when it has none)."""
         res = await self._run(
-            ["nvidia-smi", f"--query-gpu={GPU_QUERY}", "--format=csv,noheader,nounits"], timeout=30
+            ["nvidia-smi", f"--query-gpu={GPU_QUERY}", "--format=csv,noheader,nounits"]
         )
         if res.rc == 127 or "not found" in res.stderr or "No such file" in res.stderr:
             return []
@@ -929,7 +929,7 @@ class RunControl:
     async def _log_started_over(self, lines_read: int) -> bool:
         """Is run/status.log now shorter than the lines already read from it (or gone)?"""
         try:
-            res = await self._run(["wc", "-l", self._path("run/status.log")], timeout=30)
+            res = await self._run(["wc", "-l", self._path("run/status.log")])
         except CommandTimeout:
             return False  # unknown: keep the count (the tail itself will show what is wrong)
         if not res.ok:

@@ -377,7 +377,7 @@ async def push_config_file(transport: Transport, host: HostConfig, path: Path) -
 
     validate_config(path)
     res = await transport.run(
-        write_file_atomic(f"{host.run_dir}/config.toml", "644"), input=path.read_bytes(), timeout=60
+        write_file_atomic(f"{host.run_dir}/config.toml", "644"), input=path.read_bytes()
     )
     if not res.ok:
         raise DeployError(f"{host.name}: writing {host.run_dir}/config.toml: {res.error_line()}")
@@ -412,20 +412,20 @@ async def _take_lock_and_probe(
                 f"{host.name}: taking over a stale deploy lock: its owner ({held.owner}) is no "
                 f"longer running",
             )
-            await transport.run(take_over_argv(host.workdir, held.owner), timeout=60)
+            await transport.run(take_over_argv(host.workdir, held.owner))
     raise AssertionError("unreachable")
 
 
 async def break_lock(transport: Transport, host: HostConfig, progress: Progress | None) -> None:
     """`deploy --break-lock`: remove the lock unless its deploy is provably alive."""
-    res = await transport.run(read_lock_owner_argv(host.workdir), timeout=60)
+    res = await transport.run(read_lock_owner_argv(host.workdir))
     owner = res.stdout.strip()
     if owner and owner_alive(owner):
         raise DeployError(
             f"{host.name}: not breaking {host.workdir}/{LOCK_NAME}: its deploy is still running "
             f"({owner})"
         )
-    res = await transport.run(break_lock_argv(host.workdir), timeout=60)
+    res = await transport.run(break_lock_argv(host.workdir))
     if res.rc == 76:
         raise DeployError(
             f"{host.name}: not breaking {host.workdir}/{LOCK_NAME}: a deploy step is running in "
@@ -526,7 +526,6 @@ async def deploy(
                 owner=owner,
             ),
             input=config.read_bytes() if config is not None else None,
-            timeout=60,
         )
         if not res.ok:
             raise DeployError(f"{host.name}: switching current to {rel.id}: {res.error_line()}")
@@ -537,7 +536,7 @@ async def deploy(
                 _emit(progress, f"{host.name}: note: {note}")
         # We have the result: the switch is reported (to our caller) from here on.
         with contextlib.suppress(TransportError):
-            await transport.run(acknowledge_switch(host.workdir, owner), timeout=60)
+            await transport.run(acknowledge_switch(host.workdir, owner))
         if config is not None:
             _emit(progress, f"{host.name}: pushed {config} -> {host.run_dir}/config.toml")
         pruned = [ln.split()[1] for ln in res.stdout.splitlines() if ln.startswith("pruned ")]
@@ -556,4 +555,4 @@ async def deploy(
         # Best effort: a lost link must not mask the real error; the lock names its owner.
         if holding:
             with contextlib.suppress(TransportError):
-                await transport.run(unlock_argv(host.workdir, owner), timeout=30)
+                await transport.run(unlock_argv(host.workdir, owner))

@@ -75,6 +75,9 @@ async def test_a_hanging_pct_leaves_nothing_running_on_the_node(
                 assert st.message == (
                     "status on host ct: no answer within 1.5 s; the remote command was stopped"
                 )
+            # the GPU pane's query and the log-restart check used their own 30 s before
+            with pytest.raises(CommandTimeout, match=r"no answer within 1\.5 s"):
+                await ctl.gpus()
             results = await asyncio.gather(
                 transport.container_state(),  # first in line for a channel
                 *(ctl.status() for _ in range(12)),
