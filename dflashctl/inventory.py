@@ -32,8 +32,8 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
-from trainer.supervision.policy import Policy
-from trainer.validation import STRICT, NotUtf8Error, dotted, one_line, utf8_text
+from trainer.config.policy import Policy
+from trainer.config.validation import STRICT, NotUtf8Error, dotted, one_line, utf8_text
 
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 ENV_KEY_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")

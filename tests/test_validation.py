@@ -9,7 +9,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 
 from dflashctl.inventory import InventoryError, parse_inventory
 from trainer.config import ConfigError, TrainConfig
-from trainer.validation import STRICT, NotUtf8Error, one_line, utf8_text
+from trainer.config.validation import STRICT, NotUtf8Error, one_line, utf8_text
 
 
 class _Strict(BaseModel):

@@ -35,14 +35,13 @@ import json
 import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
 
+from trainer.config import STRATEGIES, Strategy
 from trainer.data.lengths import LengthsError, as_lengths
 
-Strategy = Literal["bucketed", "sorted", "random", "pool-sort"]
-STRATEGIES: tuple[str, ...] = ("bucketed", "sorted", "random", "pool-sort")
 STATE_VERSION = 1
 
 # Stream purposes: each gets an independent Philox stream for a given (seed, epoch).

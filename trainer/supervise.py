@@ -36,9 +36,7 @@ import time
 from pathlib import Path
 from typing import Any, TextIO
 
-from trainer.events import format_phase_line
-from trainer.supervision import disk, procinfo
-from trainer.supervision.policy import (
+from trainer.config.policy import (
     RESTART_CHOICES,
     Ending,
     Policy,
@@ -47,6 +45,8 @@ from trainer.supervision.policy import (
     restart_argv,
     run_dir_of,
 )
+from trainer.events import format_phase_line
+from trainer.supervision import disk, procinfo
 from trainer.supervision.progress import LogTail, Progress
 from trainer.supervision.statefile import now_iso, read_trainer_state, write_state
 

@@ -43,7 +43,7 @@ from dflashctl.remote.transport import (
     TransportError,
     timeout_message,
 )
-from trainer.validation import NotUtf8Error, utf8_text
+from trainer.config.validation import NotUtf8Error, utf8_text
 
 KEEPALIVE_INTERVAL = 15.0
 KEEPALIVE_COUNT_MAX = 3

@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 
 from dflashctl.inventory import InventoryError, parse_inventory
+from trainer.config.policy import Policy
 from trainer.supervise import _parser, parse_policy
-from trainer.supervision.policy import Policy
 
 HOST = '[hosts.a]\naddress = "pve"\nctid = 200\nknown_hosts = "/tmp/kh"\n'
 PATH = Path("hosts.toml")

@@ -15,7 +15,7 @@ from dflashctl.cli import format_run_status, supervisor_lines
 from dflashctl.control import MARK, STATUS_SCRIPT, parse_status
 from dflashctl.remote.commands import supervised
 from dflashctl.watch_events import Condition, snapshot_from_status
-from trainer.supervision.policy import Policy
+from trainer.config.policy import Policy
 
 RESTART = {
     "at": "2026-12-01T03:00:00Z",

@@ -18,8 +18,8 @@ from typing import Any
 import pytest
 
 from tests.conftest import require_part
+from trainer.config.policy import Ending, Policy, decide, reason, restart_argv
 from trainer.events import CheckpointEvent, PhaseEvent, StatusEvent, parse_line
-from trainer.supervision.policy import Ending, Policy, decide, reason, restart_argv
 
 from .conftest import REPO, cli_env, trainer_argv, write_config
 

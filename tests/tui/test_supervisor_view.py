@@ -18,7 +18,7 @@ from dflashctl.tui.app import DflashApp, HostBinding
 from dflashctl.tui.screens.fleet import fleet_row
 from dflashctl.tui.widgets.panes import header_text
 from tests.tui.fixtures import FIXED_NOW
-from trainer.supervision.policy import Policy
+from trainer.config.policy import Policy
 
 
 def restart(reason: str, at: str = "2027-01-15T07:56:55Z") -> dict[str, Any]:

@@ -35,7 +35,7 @@ from typing import Any, Literal, Self
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from trainer.validation import dotted, one_line
+from trainer.config.validation import dotted, one_line
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"

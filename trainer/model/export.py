@@ -24,9 +24,9 @@ import torch
 from pydantic import ValidationError
 from safetensors.torch import load_file, save_file
 
+from trainer.config.validation import dotted, one_line
 from trainer.model.drafter import DFlashDrafter, DrafterConfig
 from trainer.model.remote_code import AUTO_MAP, MODELING_FILE, write_modeling_file
-from trainer.validation import dotted, one_line
 
 CONFIG = "config.json"
 WEIGHTS = "model.safetensors"

@@ -18,9 +18,9 @@ from safetensors import safe_open
 from torch import nn
 
 from trainer.config import TrainConfig
+from trainer.config.validation import dotted, one_line
 from trainer.model.drafter import DFlashDrafter, DrafterConfig
 from trainer.model.target import default_target_layer_ids
-from trainer.validation import dotted, one_line
 
 
 class UserError(Exception):

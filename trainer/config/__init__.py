@@ -21,7 +21,7 @@ import itertools
 import json
 import tomllib
 from pathlib import Path
-from typing import Annotated, Any, Literal, Self
+from typing import Annotated, Any, Literal, Self, get_args
 
 from pydantic import (
     BaseModel,
@@ -33,7 +33,7 @@ from pydantic import (
     model_validator,
 )
 
-from trainer.validation import STRICT, NotUtf8Error, one_line, utf8_text
+from trainer.config.validation import STRICT, NotUtf8Error, one_line, utf8_text
 
 __all__ = [
     "RESUME_CRITICAL_KEYS",
@@ -50,7 +50,7 @@ class ConfigError(ValueError):
     """A bad run config; the message is one line naming the file and the dotted key."""
 
 
-# Strict types and finite floats in every section (trainer.validation.STRICT): `max_batch = true`,
+# Strict types and finite floats in every section (trainer.config.validation.STRICT): `max_batch = true`,
 # `"64"` or `64.0` is an error naming the key, not 1 or 64; `lr = inf` is refused at load. An
 # integer is still a valid float (`interval_s = 2`), as TOML writes whole numbers that way.
 _SECTION = ConfigDict(**STRICT, extra="forbid", frozen=True)
@@ -89,10 +89,15 @@ class DataConfig(BaseModel):
     )
 
 
+# The batching strategies, named once (the sampler and the tests take them from here).
+Strategy = Literal["bucketed", "sorted", "random", "pool-sort"]
+STRATEGIES: tuple[Strategy, ...] = get_args(Strategy)
+
+
 class BatchingConfig(BaseModel):
     model_config = _SECTION
 
-    strategy: Literal["bucketed", "sorted", "random", "pool-sort"] = "bucketed"
+    strategy: Strategy = "bucketed"
     boundaries: list[int] | Literal["plan"] = Field(
         default="plan", description='K+1 bucket edges, or "plan": optimal edges for num_buckets'
     )

@@ -1,0 +1,93 @@
+"""RUN/run-state.json: what the trainer knows about its run, as one typed contract.
+
+The trainer is the only writer (`trainer.pipeline.status.RunStateFile`); dflashctl is the only
+reader (`parse_run_state`). Everything the operator's side shows about a run's plan (total
+steps, end step, warmup, bucket boundaries) comes from here: the laptop never re-derives what
+the trainer already decided.
+
+Unknown keys are kept (`extra="allow"`): a newer trainer may write fields an older dflashctl
+does not know, and other writers' keys survive the trainer's rewrites. Torch-free on purpose:
+dflashctl imports it on laptops.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from trainer.events import EvalEvent
+
+RUN_STATE_FILE = "run-state.json"
+
+# starting -> running -> finished (the whole plan) | stopped (a signal, every step kept) |
+# crashed (a failure, or a signal that lost steps) | refused (a usage error before training)
+RunPhase = Literal["starting", "running", "finished", "stopped", "refused", "crashed"]
+ENDED_PHASES: frozenset[str] = frozenset({"finished", "stopped", "refused", "crashed"})
+
+
+class RunState(BaseModel):
+    """One run's RUN/run-state.json. Every field is optional: a run that has just started has
+    written only some of them, and an old file may lack the newer ones."""
+
+    model_config = ConfigDict(extra="allow")
+
+    # who and what
+    pid: int | None = None
+    config_hash: str | None = None
+    release: str | None = None
+    world_size: int | None = Field(default=None, ge=1)
+    started_at: str | None = None
+    updated_at: str | None = None
+    state: RunPhase | None = None
+    exit_status: int | None = None
+    # the plan, as the trainer computed it
+    total_steps: int | None = Field(default=None, ge=0)
+    end_step: int | None = Field(default=None, ge=0)
+    warmup_steps: int | None = Field(default=None, ge=0)
+    boundaries: list[int] | None = None
+    # checkpoints
+    last_step: int | None = Field(default=None, ge=0)
+    last_checkpoint: str | None = None
+    checkpoint_error: str | None = None
+    # how it stopped
+    stop_signal: str | None = None
+    signals: int = Field(default=0, ge=0)
+    stop_detail: str | None = None
+    lost_steps: int = Field(default=0, ge=0)
+    last_error: str | None = None
+    # held-out evaluation
+    holdout_rows: int | None = Field(default=None, ge=0)
+    holdout_sha256: str | None = None
+    eval_rows: int | None = Field(default=None, ge=0)
+    eval_seconds: float | None = None
+    eval_share: float | None = None
+    last_eval: EvalEvent | None = None
+    best_step: int | None = Field(default=None, ge=0)
+    best_tau: float | None = None
+    best_checkpoint: str | None = None
+
+    @property
+    def ended(self) -> bool:
+        """The trainer recorded how it ended (finished, stopped, refused or crashed)."""
+        return self.state in ENDED_PHASES
+
+
+def parse_run_state(text: str, name: str = RUN_STATE_FILE) -> tuple[RunState, str | None]:
+    """The file's text -> (state, None); empty text (no file yet) -> (RunState(), None); a
+    corrupted or invalid file -> (RunState(), one line saying why), never silently empty."""
+    if not text.strip():
+        return RunState(), None
+    try:
+        data = json.loads(text)
+    except ValueError as exc:
+        return RunState(), f"{name}: not JSON ({exc})"
+    if not isinstance(data, dict):
+        return RunState(), f"{name}: not a JSON object (a {type(data).__name__})"
+    try:
+        return RunState.model_validate(data), None
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        where = ".".join(str(p) for p in err["loc"]) or "(top level)"
+        return RunState(), f"{name}: key {where}: {err['msg']}"
