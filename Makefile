@@ -66,6 +66,7 @@ demo: system-deps venv
 
 test: system-deps venv
 	@$(PY) -m ruff check .
+	@$(PY) -m mypy
 	@$(PY) -m pytest $(PYTEST_ARGS)
 	@$(MAKE) --no-print-directory test-lowest
 
@@ -92,6 +93,7 @@ test-lowest: venv $(LOWEST_STAMP)
 lint: venv
 	@$(PY) -m ruff check .
 	@$(PY) -m ruff format --check .
+	@$(PY) -m mypy
 
 fmt: venv
 	@$(PY) -m ruff check --fix .
