@@ -18,7 +18,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from dflashctl.deploy import (
     RUNNING_RELEASE_FILE,
@@ -66,6 +66,9 @@ from trainer.events import (
     parse_line,
     sanitize_for_terminal,
 )
+
+if TYPE_CHECKING:
+    from dflashctl.resume import CheckpointConfig
 
 MARK = "@@dflash@@:"
 LOG_RESTARTED = "restarted: status.log started over; reading it from its first line"
@@ -213,6 +216,59 @@ class RestartResult:
     config_diff: str
     old_config_hash: str | None
     new_config_hash: str | None
+
+
+class RunService(Protocol):
+    """What the monitor, the TUI, the CLI and their test doubles use of one host's run.
+
+    `RunControl` is the implementation over a Transport; doubles (tests, replays) implement the
+    same signatures. `tail_log` is one connection's stream (it ends, or raises TransportError,
+    when that link drops); the reconnecting loop around it lives in `dflashctl.follow`.
+    """
+
+    async def status(self, *, setup_errors: bool = False) -> RunStatus: ...
+
+    async def deployed_config(self) -> str: ...
+
+    async def checkpoint_config(self, resume: str = "auto") -> CheckpointConfig | None: ...
+
+    async def gpus(self) -> list[GpuSample]: ...
+
+    async def start(
+        self,
+        *,
+        fresh: bool = False,
+        resume: str = "auto",
+        wait_s: float = DEFAULT_START_WAIT_S,
+        progress: Callable[[str], None] | None = None,
+    ) -> StartResult: ...
+
+    async def stop(self, timeout: float = 120.0) -> StopResult: ...
+
+    async def restart(
+        self,
+        fresh: bool = False,
+        *,
+        config: Path | None = None,
+        stop_timeout: float = 120.0,
+        progress: Callable[[str], None] | None = None,
+        release: Release | None = None,
+        resume: str = "auto",
+        wait_s: float = DEFAULT_START_WAIT_S,
+    ) -> RestartResult: ...
+
+    def tail_log(self, from_line: int) -> AsyncIterator[str]: ...
+
+    async def log_line_count(self) -> int | None: ...
+
+    def follow(
+        self,
+        from_line: int = 0,
+        *,
+        on_link: Callable[[str], None] | None = None,
+        delay: Callable[[int], float] | None = None,
+        max_attempts: int | None = None,
+    ) -> AsyncIterator[str]: ...
 
 
 # --- pure builders and parsers -------------------------------------------------------------
@@ -902,8 +958,8 @@ class RunControl:
             new_hash,
         )
 
-    async def checkpoint_config(self, resume: str = "auto") -> Any:
-        """The config saved in the checkpoint a resume would load (a CheckpointConfig or None)."""
+    async def checkpoint_config(self, resume: str = "auto") -> CheckpointConfig | None:
+        """The config saved in the checkpoint a resume would load (None: cannot tell)."""
         from dflashctl.resume import read_checkpoint_config
 
         return await read_checkpoint_config(self.transport, self.host, resume)
@@ -926,16 +982,35 @@ class RunControl:
             raise ControlError(f"{self.host.name}: reading run/status.log: {res.error_line()}")
         return sanitize_for_terminal(res.stdout).splitlines()
 
-    async def _log_started_over(self, lines_read: int) -> bool:
-        """Is run/status.log now shorter than the lines already read from it (or gone)?"""
+    async def log_line_count(self) -> int | None:
+        """Lines in run/status.log now: 0 when it is gone, None when it cannot be told (a
+        command timeout, an unreadable answer). A follower compares it with the lines it has
+        read to see that the log started over."""
         try:
             res = await self._run(["wc", "-l", self._path("run/status.log")])
         except CommandTimeout:
-            return False  # unknown: keep the count (the tail itself will show what is wrong)
+            return None  # unknown: keep the count (the tail itself will show what is wrong)
         if not res.ok:
-            return "No such file" in res.stderr
+            return 0 if "No such file" in res.stderr else None
         count = res.stdout.split()[:1]  # "N path"
-        return bool(count) and count[0].isdigit() and int(count[0]) < lines_read
+        return int(count[0]) if count and count[0].isdigit() else None
+
+    async def _log_started_over(self, lines_read: int) -> bool:
+        """Is run/status.log now shorter than the lines already read from it (or gone)?"""
+        count = await self.log_line_count()
+        return count is not None and count < lines_read
+
+    async def tail_log(self, from_line: int) -> AsyncIterator[str]:
+        """One connection's `tail -F` of run/status.log from 0-based `from_line`, made safe to
+        print (the one reader of the live log).
+
+        Only newline-terminated lines are delivered, so the count of lines received is the
+        resume point. It ends when the stream ends and raises TransportError (HostUnreachable,
+        HostKeyError) when the link drops; reconnecting is the caller's (dflashctl.follow).
+        """
+        path = self._path("run/status.log")
+        async for line in self.transport.stream_lines(guarded(tail_follow(path, from_line))):
+            yield sanitize_for_terminal(line)
 
     async def follow(
         self,
@@ -957,7 +1032,6 @@ class RunControl:
         delay = delay or backoff_delays()
         next_line = from_line
         attempt = 0
-        path = self._path("run/status.log")
         reconnecting = False
         while True:
             try:
@@ -968,12 +1042,10 @@ class RunControl:
                 reconnecting = True
                 if on_link:
                     on_link("connected")
-                async for line in self.transport.stream_lines(
-                    guarded(tail_follow(path, next_line))
-                ):
+                async for line in self.tail_log(next_line):
                     next_line += 1
                     attempt = 0
-                    yield sanitize_for_terminal(line)  # the one reader of the live log
+                    yield line
                 reason = "stream ended"
             except HostKeyError:
                 raise  # retrying cannot fix an unknown or changed host key
@@ -987,3 +1059,7 @@ class RunControl:
             if on_link:
                 on_link(f"lost: {reason}")
             await asyncio.sleep(delay(attempt - 1))
+
+
+if TYPE_CHECKING:
+    _: type[RunService] = RunControl  # RunControl satisfies the protocol (checked by mypy)
