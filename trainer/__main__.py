@@ -13,8 +13,11 @@ import faulthandler
 import signal
 import sys
 from pathlib import Path
+from typing import TextIO
 
-_STACKS: list = []  # the open file faulthandler writes to (it keeps only the descriptor)
+from trainer.errors import ExitCode
+
+_STACKS: list[TextIO] = []  # the open file faulthandler writes to (it keeps only the descriptor)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -46,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
         TrainConfig.load(args.config)
     except ConfigError as exc:
         print(f"ERROR: {exc}", flush=True)
-        return 2
+        return ExitCode.USAGE
     # `kill -USR1 PID` (the supervisor's stall watchdog) dumps every thread's stack to the run log.
     args.run_dir.mkdir(parents=True, exist_ok=True)
     _STACKS.append(open(args.run_dir / "console.log", "a"))  # noqa: SIM115 (kept open for faulthandler)

@@ -36,6 +36,7 @@ from typing import Any
 
 import torch
 
+from trainer.errors import ExitCode
 from trainer.eval_prompts import (
     ZLAB_MATH_SUFFIX,
     PromptError,
@@ -351,12 +352,12 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.max_new_tokens < 1:
         print("error: --max-new-tokens must be >= 1", file=sys.stderr)
-        return 2
+        return ExitCode.USAGE
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         print(
             f"error: --device {args.device} requested but no CUDA GPU is visible", file=sys.stderr
         )
-        return 2
+        return ExitCode.USAGE
     try:
         drafter_cfg = read_drafter_config(args.drafter)
         inputs = prepare_inputs(args)  # before any model loads: a bad prompt fails in seconds
@@ -380,7 +381,7 @@ def main(argv: list[str] | None = None) -> int:
         )
     except (PromptError, ExportError, TargetError) as err:
         print(f"error: {err}", file=sys.stderr)
-        return 2
+        return ExitCode.USAGE
     for s in summaries:
         print(format_summary(s))
     overall = summaries[-1]
@@ -398,8 +399,8 @@ def main(argv: list[str] | None = None) -> int:
             f"error: {overall.prompts - overall.matches} prompt(s) differ from greedy decoding",
             file=sys.stderr,
         )
-        return 1
-    return 0
+        return ExitCode.FAILED
+    return ExitCode.OK
 
 
 if __name__ == "__main__":

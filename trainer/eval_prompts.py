@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from trainer.data.conversations import content_text
+from trainer.errors import TrainerError
 
 ROLES = ("system", "user", "assistant", "tool")
 # What z-lab's benchmark appends to gsm8k and MATH-500 questions (`--question-suffix zlab`).
@@ -39,7 +40,7 @@ FORMS = (
 )
 
 
-class PromptError(ValueError):
+class PromptError(TrainerError, ValueError):
     """A prompt set (or a row of it) the evaluation cannot use; the message names file:line."""
 
 

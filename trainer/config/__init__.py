@@ -34,6 +34,7 @@ from pydantic import (
 )
 
 from trainer.config.validation import STRICT, NotUtf8Error, one_line, utf8_text
+from trainer.errors import TrainerError
 
 __all__ = [
     "RESUME_CRITICAL_KEYS",
@@ -46,7 +47,7 @@ __all__ = [
 ]
 
 
-class ConfigError(ValueError):
+class ConfigError(TrainerError, ValueError):
     """A bad run config; the message is one line naming the file and the dotted key."""
 
 

@@ -21,6 +21,8 @@ from typing import Any
 
 from pydantic import ConfigDict, ValidationError
 
+from trainer.errors import TrainerError
+
 __all__ = ["STRICT", "NotUtf8Error", "dotted", "one_line", "utf8_text"]
 
 _PLAIN = {"extra_forbidden": "unknown key (typo?)", "missing": "required key is missing"}
@@ -69,7 +71,7 @@ def one_line(
     return "; ".join(parts) + (f" (+{more} more)" if more > 0 else "")
 
 
-class NotUtf8Error(ValueError):
+class NotUtf8Error(TrainerError, ValueError):
     """A file that is not UTF-8 text; the message names the byte offset (and its line)."""
 
     def __init__(self, err: UnicodeDecodeError) -> None:

@@ -20,6 +20,7 @@ import numpy as np
 
 from trainer.data.errors import InputError
 from trainer.data.store import LineStat, Manifest, StoreError, TokenStore
+from trainer.errors import ExitCode
 
 PROGRESS_EVERY_S = 10.0
 
@@ -116,14 +117,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _run_info(args)
     except (InputError, StoreError) as exc:
         print(f"error: {exc}", file=sys.stderr)
-        return 2
+        return ExitCode.USAGE
     except KeyboardInterrupt:
         print("interrupted: nothing was written", file=sys.stderr)
         return 130
     finally:
         signal.signal(signal.SIGTERM, previous)
     print(format_summary(manifest, TokenStore.open(args.out).lengths))
-    return 0
+    return ExitCode.OK
 
 
 def _raise_interrupt(signum: int, frame: FrameType | None) -> None:
@@ -196,14 +197,14 @@ def _run_info(args: argparse.Namespace) -> int:
         store = TokenStore.open(args.store, verify=args.verify)
     except StoreError as exc:
         print(f"error: {exc}", file=sys.stderr)
-        return 2
+        return ExitCode.USAGE
     if args.json:
         print(store.manifest.model_dump_json(indent=2))
     else:
         print(format_summary(store.manifest, store.lengths, path=str(store.path)))
         if args.verify:
             print("verify     ok: sizes, sha256, token ids, mask")
-    return 0
+    return ExitCode.OK
 
 
 def _run_show(args: argparse.Namespace) -> int:
@@ -229,7 +230,7 @@ def _run_show(args: argparse.Namespace) -> int:
         where = f" (input line {line})" if line is not None else ""
         print(f"--- row {r}{where}: {tokens.size} tokens, {int(mask.sum())} supervised")
         print(render_row(tokens, mask, decode))
-    return 0
+    return ExitCode.OK
 
 
 def format_summary(m: Manifest, lengths: np.ndarray, path: str | None = None) -> str:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from trainer.errors import TrainerError
 
-class InputError(Exception):
+
+class InputError(TrainerError):
     """Bad input file, tokenizer directory or option; the message names the file or key."""

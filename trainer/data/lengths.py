@@ -16,6 +16,8 @@ from typing import Literal
 
 import numpy as np
 
+from trainer.errors import TrainerError
+
 SEED_N = 902_087
 SEED_TOTAL_TOKENS = 1_866_000_000
 SEED_KNOTS: tuple[tuple[float, int], ...] = (
@@ -32,7 +34,7 @@ SEED_KNOTS: tuple[tuple[float, int], ...] = (
 Variant = Literal["primary", "thin"]
 
 
-class LengthsError(ValueError):
+class LengthsError(TrainerError, ValueError):
     """A lengths file or array is unusable; the message names the file and the problem."""
 
 

@@ -36,6 +36,7 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from trainer.config.validation import dotted, one_line
+from trainer.errors import TrainerError
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
@@ -58,7 +59,7 @@ _TMP_MARK = ".tmp-"
 _HASH_CHUNK = 1 << 22
 
 
-class StoreError(Exception):
+class StoreError(TrainerError):
     """A store is missing, malformed or inconsistent; the message is one line naming the file."""
 
 

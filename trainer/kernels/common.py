@@ -6,6 +6,8 @@ from typing import Literal, NamedTuple
 
 import torch
 
+from trainer.errors import TrainerError
+
 Backend = Literal["auto", "triton", "chunked", "dense"]
 BACKENDS: tuple[str, ...] = ("auto", "triton", "chunked", "dense")
 
@@ -17,11 +19,11 @@ class LMHeadCE(NamedTuple):
     correct: torch.Tensor  # [N] bool: argmax over the vocabulary == label
 
 
-class KernelInputError(ValueError):
+class KernelInputError(TrainerError, ValueError):
     """A caller passed tensors the kernel cannot use (shape, dtype, device, label range)."""
 
 
-class BackendUnavailableError(RuntimeError):
+class BackendUnavailableError(TrainerError, RuntimeError):
     """An explicitly requested backend cannot run on this machine or for these tensors."""
 
 

@@ -13,6 +13,7 @@ import re
 import sys
 from pathlib import Path
 
+from trainer.errors import ExitCode
 from trainer.memory.shapes import MemoryEstimateError
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
@@ -103,9 +104,9 @@ def main(argv: list[str] | None = None) -> int:
         )
     except MemoryEstimateError as exc:
         print(f"error: {exc}", file=sys.stderr)
-        return 2
+        return ExitCode.USAGE
     print(json.dumps(rep, indent=2) if args.json else _text(rep, args.config))
-    return 0 if rep["fits"] else 1
+    return ExitCode.OK if rep["fits"] else ExitCode.FAILED
 
 
 def run(config: Path, device_memory: int, reserve: int, target_config: Path | None) -> dict:  # type: ignore[type-arg]

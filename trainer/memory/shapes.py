@@ -13,9 +13,10 @@ from pathlib import Path
 from typing import Any
 
 from trainer.config import TrainConfig
+from trainer.errors import TrainerError
 
 
-class MemoryEstimateError(ValueError):
+class MemoryEstimateError(TrainerError, ValueError):
     """A user-fixable problem; the message is one line naming the file and key."""
 
 

@@ -25,6 +25,7 @@ from pydantic import ValidationError
 from safetensors.torch import load_file, save_file
 
 from trainer.config.validation import dotted, one_line
+from trainer.errors import TrainerError
 from trainer.model.drafter import DFlashDrafter, DrafterConfig
 from trainer.model.remote_code import AUTO_MAP, MODELING_FILE, write_modeling_file
 
@@ -32,7 +33,7 @@ CONFIG = "config.json"
 WEIGHTS = "model.safetensors"
 
 
-class ExportError(ValueError):
+class ExportError(TrainerError, ValueError):
     """An export directory that cannot be read back (message names the file)."""
 
 

@@ -13,8 +13,10 @@ from typing import Any
 
 import numpy as np
 
+from trainer.errors import TrainerError
 
-class MaskTokenError(ValueError):
+
+class MaskTokenError(TrainerError, ValueError):
     """An unusable mask token id; the message names the id and the source that rejects it."""
 
 

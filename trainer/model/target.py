@@ -21,8 +21,10 @@ import torch
 from torch import Tensor, nn
 from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
 
+from trainer.errors import TrainerError
 
-class TargetError(ValueError):
+
+class TargetError(TrainerError, ValueError):
     """A target directory or layer selection that cannot work (message names the culprit)."""
 
 
