@@ -1,6 +1,8 @@
 """`dflashctl` command line: parse arguments, call the services, print, exit with a clear code.
 
-Exit codes: 0 ok, 1 operation failed, 2 usage or config error, 3 host unreachable.
+Exit codes are `dflashctl.errors.ExitCode`: 0 ok, 1 operation failed, 2 usage or config error,
+3 host unreachable. Errors are raised as `DflashctlError`s and reported by one wrapper,
+`dflashctl.fleet.run_main`.
 """
 
 from __future__ import annotations
@@ -13,34 +15,18 @@ import shlex
 import sys
 from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
-from dflashctl.inventory import (
-    GroupConfig,
-    HostConfig,
-    Inventory,
-    InventoryError,
-    load_inventory,
-)
+from dflashctl.errors import ExitCode, UsageError
+from dflashctl.fleet import print_error as _print_err
+from dflashctl.fleet import run_main
+from dflashctl.inventory import GroupConfig, HostConfig, Inventory, load_inventory
+from dflashctl.remote.connect import attach_argv, make_transport
+from dflashctl.remote.transport import Transport
 
-EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_UNREACHABLE = 0, 1, 2, 3
-
-
-class UsageError(Exception):
-    """Bad arguments (exit 2)."""
-
-
-def _print_err(msg: str) -> None:
-    """Every error line goes out here; remote text in it (stderr lines) is made safe to print."""
-    from trainer.events import sanitize_for_terminal
-
-    print(f"dflashctl: {sanitize_for_terminal(msg)}", file=sys.stderr)
-
-
-def make_transport(host: HostConfig) -> Any:
-    from dflashctl.remote.ssh import SshTransport
-
-    return SshTransport(host)
+if TYPE_CHECKING:
+    from dflashctl.control import RunStatus, StartResult
+    from dflashctl.notify import Notifier
 
 
 def _inventory(args: argparse.Namespace) -> Inventory:
@@ -54,7 +40,7 @@ def _host(args: argparse.Namespace) -> HostConfig:
     return _inventory(args).get(args.host)
 
 
-async def _with_transport(host: HostConfig, fn: Callable[[Any], Awaitable[int]]) -> int:
+async def _with_transport(host: HostConfig, fn: Callable[[Transport], Awaitable[int]]) -> int:
     transport = make_transport(host)
     try:
         return await fn(transport)
@@ -90,8 +76,8 @@ async def cmd_hosts(args: argparse.Namespace) -> int:
     if not rows:
         print(f"(no hosts in {inv.path})")
     if rows and not args.no_check and all(state.startswith("UNREACHABLE") for _, state in rows):
-        return EXIT_UNREACHABLE
-    return EXIT_OK
+        return ExitCode.UNREACHABLE
+    return ExitCode.OK
 
 
 async def cmd_trust(args: argparse.Namespace) -> int:
@@ -104,24 +90,24 @@ async def cmd_trust(args: argparse.Namespace) -> int:
     print(f"{host.name}: {host.address}:{host.port} presents {key.get_algorithm()} key {fp}")
     if any(k.get_fingerprint("sha256") == fp for k in pinned):
         print(f"already pinned in {host.known_hosts}")
-        return EXIT_OK
+        return ExitCode.OK
     if pinned:
         _print_err(
             f"{host.name}: a DIFFERENT key is pinned in {host.known_hosts} "
             f"({pinned[0].get_fingerprint('sha256')}); remove that line by hand if the host "
             f"really was reinstalled"
         )
-        return EXIT_FAILED
+        return ExitCode.FAILED
     if not args.yes:
         print("Compare with `ssh-keygen -lf /etc/ssh/ssh_host_*_key.pub` on the host.")
         print("Trust this key? [y/N] ", end="", flush=True)
         answer = sys.stdin.readline().strip().lower()
         if answer not in {"y", "yes"}:
             print("not trusted")
-            return EXIT_FAILED
+            return ExitCode.FAILED
     pin_host_key(host, key)
     print(f"pinned in {host.known_hosts}")
-    return EXIT_OK
+    return ExitCode.OK
 
 
 async def cmd_deploy(args: argparse.Namespace) -> int:
@@ -133,7 +119,7 @@ async def cmd_deploy(args: argparse.Namespace) -> int:
     if args.no_memory_check and config is not None:
         print(f"{host.name}: memory checks skipped (--no-memory-check)")
 
-    async def go(t: Any) -> int:
+    async def go(t: Transport) -> int:
         release = build_release(Path(args.tree)) if args.tree else None
         res = await deploy(
             t,
@@ -148,7 +134,7 @@ async def cmd_deploy(args: argparse.Namespace) -> int:
         print(res.summary())
         for rel in res.pruned:
             print(f"{host.name}: pruned release {rel}")
-        return EXIT_OK
+        return ExitCode.OK
 
     return await _with_transport(host, go)
 
@@ -160,7 +146,7 @@ async def cmd_start(args: argparse.Namespace) -> int:
 
     resume = _resume_choice(args)
 
-    async def go(t: Any) -> int:
+    async def go(t: Transport) -> int:
         res = await RunControl(t, host).start(
             fresh=args.fresh, resume=resume, wait_s=_wait_s(args, host), progress=print
         )
@@ -175,7 +161,7 @@ async def cmd_start(args: argparse.Namespace) -> int:
             print(_readiness(host.name, res))
         else:
             print(f"{host.name}: already running (release {res.release or '?'})")
-        return EXIT_OK
+        return ExitCode.OK
 
     return await _with_transport(host, go)
 
@@ -201,7 +187,7 @@ def _wait_s(args: argparse.Namespace, host: HostConfig) -> float:
     return float(args.wait_s)
 
 
-def _readiness(name: str, res: Any) -> str:
+def _readiness(name: str, res: StartResult) -> str:
     if res.ready is None:
         return f"{name}: not waited for (see `dflashctl status {name}`)"
     if res.ready:
@@ -217,12 +203,12 @@ async def cmd_stop(args: argparse.Namespace) -> int:
 
     host = _host(args)
 
-    async def go(t: Any) -> int:
+    async def go(t: Transport) -> int:
         res = await RunControl(t, host).stop(args.timeout)
         print(f"{host.name}: {res.summary()}")
         if not res.was_running:
-            return EXIT_OK
-        return EXIT_OK if res.checkpoint or res.outcome == "exited" else EXIT_FAILED
+            return ExitCode.OK
+        return ExitCode.OK if res.checkpoint or res.outcome == "exited" else ExitCode.FAILED
 
     return await _with_transport(host, go)
 
@@ -235,7 +221,7 @@ async def cmd_restart(args: argparse.Namespace) -> int:
     config = Path(args.config) if args.config else None
     resume = _resume_choice(args)
 
-    async def go(t: Any) -> int:
+    async def go(t: Transport) -> int:
         release = build_release(Path(args.tree)) if args.tree else None
         res = await RunControl(t, host).restart(
             fresh=args.fresh,
@@ -261,12 +247,12 @@ async def cmd_restart(args: argparse.Namespace) -> int:
             f"{' (fresh: old checkpoints archived)' if args.fresh else ''}"
         )
         print(_readiness(host.name, res.start))
-        return EXIT_OK
+        return ExitCode.OK
 
     return await _with_transport(host, go)
 
 
-def format_run_status(st: Any) -> str:
+def format_run_status(st: RunStatus) -> str:
     """`dflashctl status` text for one host: a summary line, then what it knows of the run."""
     from trainer.events import format_status_line
 
@@ -293,7 +279,7 @@ def format_run_status(st: Any) -> str:
         )
     if st.switch_note:
         lines.append(f"  note: {st.switch_note}")
-    detail, ck_error = st.run_state.get("stop_detail"), st.run_state.get("checkpoint_error")
+    detail, ck_error = st.run_state.stop_detail, st.run_state.checkpoint_error
     if st.state != "running" and isinstance(detail, str) and detail:
         lines.append(f"  stop: {detail}")
     if isinstance(ck_error, str) and ck_error:
@@ -313,7 +299,7 @@ def format_run_status(st: Any) -> str:
 DETAIL_STATES = frozenset({"restarting", "stalled", "gave-up", "not-restarted"})
 
 
-def supervisor_lines(st: Any, now: float | None = None) -> list[str]:
+def supervisor_lines(st: RunStatus, now: float | None = None) -> list[str]:
     """The supervisor's policy and restarts for `dflashctl status` (nothing for a bare run)."""
     import time
 
@@ -326,7 +312,8 @@ def supervisor_lines(st: Any, now: float | None = None) -> list[str]:
     if not sup:
         return []
     now = time.time() if now is None else now
-    policy = sup.get("policy") if isinstance(sup.get("policy"), dict) else {}
+    raw_policy = sup.get("policy")
+    policy: dict[str, object] = raw_policy if isinstance(raw_policy, dict) else {}
     head = (
         f"  supervisor: {sup.get('state')}, attempt {sup.get('attempt')}; restart = "
         f"{policy.get('restart', '?')}, at most {policy.get('max_restarts', '?')} in "
@@ -346,7 +333,7 @@ def supervisor_lines(st: Any, now: float | None = None) -> list[str]:
     return lines
 
 
-def _num(value: Any) -> str:
+def _num(value: object) -> str:
     return f"{value:g}" if isinstance(value, int | float) else "?"
 
 
@@ -356,7 +343,7 @@ async def cmd_status(args: argparse.Namespace) -> int:
     inv = _inventory(args)
     hosts = [inv.get(n) for n in args.host] if args.host else list(inv.hosts.values())
 
-    async def one(host: HostConfig) -> Any:
+    async def one(host: HostConfig) -> RunStatus:
         transport = make_transport(host)
         try:
             return await RunControl(transport, host).status()
@@ -370,8 +357,8 @@ async def cmd_status(args: argparse.Namespace) -> int:
         for r in results:
             print(format_run_status(r))
     if results and all(r.state == "unreachable" for r in results):
-        return EXIT_UNREACHABLE
-    return EXIT_OK
+        return ExitCode.UNREACHABLE
+    return ExitCode.OK
 
 
 def _watch_hosts(inv: Inventory, names: Sequence[str]) -> list[HostConfig]:
@@ -385,7 +372,7 @@ def _watch_hosts(inv: Inventory, names: Sequence[str]) -> list[HostConfig]:
     return list(hosts.values())
 
 
-def _watch_notifier(inv: Inventory) -> Any:
+def _watch_notifier(inv: Inventory) -> Notifier | None:
     """The Notifier for the inventory's notify_urls_file, or None when it names none."""
     from dflashctl.notify import Notifier, NotifyConfigError, load_targets
 
@@ -460,7 +447,7 @@ async def cmd_watch(args: argparse.Namespace) -> int:
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.remove_signal_handler(sig)
     print(f"dflashctl: {outcome.summary(args.drain_s)}", file=sys.stderr, flush=True)
-    return EXIT_OK
+    return ExitCode.OK
 
 
 def _print_line(line: str, as_json: bool) -> None:
@@ -477,7 +464,7 @@ async def cmd_logs(args: argparse.Namespace) -> int:
 
     host = _host(args)
 
-    async def go(t: Any) -> int:
+    async def go(t: Transport) -> int:
         ctl = RunControl(t, host)
         st = await ctl.status()
         if st.state == "unreachable":
@@ -488,7 +475,7 @@ async def cmd_logs(args: argparse.Namespace) -> int:
         if not args.follow:
             for line in await ctl.log_tail(start):
                 _print_line(line, args.json)
-            return EXIT_OK
+            return ExitCode.OK
         lost = False
 
         def link(state: str) -> None:
@@ -505,38 +492,9 @@ async def cmd_logs(args: argparse.Namespace) -> int:
 
         async for line in ctl.follow(start, on_link=link):
             _print_line(line, args.json)
-        return EXIT_OK
+        return ExitCode.OK
 
     return await _with_transport(host, go)
-
-
-def attach_argv(host: HostConfig, term: str) -> list[str]:
-    """The system ssh argv for an interactive attach (host key checked against our file)."""
-    from dflashctl.remote.commands import (
-        clean_env,
-        pct_exec,
-        shell_join,
-        tmux_attach,
-        with_known_term,
-    )
-
-    attach = with_known_term(tmux_attach(host.session))
-    remote = shell_join(pct_exec(host.ctid, clean_env(attach, {"TERM": term})))
-    argv = [
-        "ssh",
-        "-t",
-        "-p",
-        str(host.port),
-        "-o",
-        f"UserKnownHostsFile={host.known_hosts}",
-        "-o",
-        "StrictHostKeyChecking=yes",
-        "-o",
-        "ForwardAgent=no",
-    ]
-    if host.identity_file is not None:
-        argv += ["-i", str(host.identity_file), "-o", "IdentitiesOnly=yes"]
-    return [*argv, f"{host.user}@{host.address}", remote]
 
 
 async def cmd_attach(args: argparse.Namespace) -> int:
@@ -544,9 +502,9 @@ async def cmd_attach(args: argparse.Namespace) -> int:
     argv = attach_argv(host, os.environ.get("TERM", "xterm-256color"))
     if args.print:
         print(shlex.join(argv))
-        return EXIT_OK
+        return ExitCode.OK
     os.execvp(argv[0], argv)
-    return EXIT_FAILED  # not reached
+    return ExitCode.FAILED  # not reached
 
 
 async def cmd_buckets(args: argparse.Namespace) -> int:
@@ -557,7 +515,7 @@ async def cmd_buckets(args: argparse.Namespace) -> int:
             f"{host.name}: no data store: pass --store PATH or set data_store in hosts.toml"
         )
 
-    async def go(t: Any) -> int:
+    async def go(t: Transport) -> int:
         argv = [
             "env",
             f"PYTHONPATH={host.workdir}/current",
@@ -584,8 +542,8 @@ async def cmd_buckets(args: argparse.Namespace) -> int:
         sys.stdout.write(sanitize_for_terminal(res.stdout))  # the planner's table: remote text
         if not res.ok:
             _print_err(f"{host.name}: planner failed: {res.error_line()}")
-            return EXIT_FAILED
-        return EXIT_OK
+            return ExitCode.FAILED
+        return ExitCode.OK
 
     return await _with_transport(host, go)
 
@@ -598,10 +556,10 @@ async def cmd_secret(args: argparse.Namespace) -> int:
     if not data:
         raise UsageError("secret value is read from stdin, and stdin was empty")
 
-    async def go(t: Any) -> int:
+    async def go(t: Transport) -> int:
         path = await RunControl(t, host).put_secret(args.name, data)
         print(f"{host.name}: wrote {len(data)} bytes to {path} (mode 0600)")
-        return EXIT_OK
+        return ExitCode.OK
 
     return await _with_transport(host, go)
 
@@ -750,14 +708,11 @@ def _run_delegate(command: str, argv: Sequence[str]) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from dflashctl.control import ControlError
-    from dflashctl.deploy import DeployError
-    from dflashctl.release import ReleaseError
-    from dflashctl.remote.transport import HostUnreachable, TransportError
-    from dflashctl.resume import ResumeRefused
-    from dflashctl.runconfig import RunConfigError
+    """`dflashctl ...`: every command runs under `run_main` (one error report, one exit code)."""
+    return run_main(lambda: _main(list(sys.argv[1:] if argv is None else argv)))
 
-    args_in = list(sys.argv[1:] if argv is None else argv)
+
+def _main(args_in: list[str]) -> int:
     parser = build_parser()
     # tui/demo own their flags: hand them everything but the subcommand word, untouched.
     i = 0
@@ -774,26 +729,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(args_in)
     if args.command is None:
         return _run_delegate("tui", args_in)
-    try:
-        return asyncio.run(args.func(args))
-    except BrokenPipeError:
-        # `dflashctl status | head -1`: the reader left; say nothing more, like any filter.
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
-        return 128 + 13  # as if killed by SIGPIPE
-    except KeyboardInterrupt:
-        _print_err("interrupted")
-        return 130
-    except (InventoryError, RunConfigError, ReleaseError, UsageError) as err:
-        _print_err(str(err))
-        return EXIT_USAGE
-    except HostUnreachable as err:
-        _print_err(str(err))
-        return EXIT_UNREACHABLE
-    except (DeployError, TransportError, ControlError, ResumeRefused) as err:
-        for line in str(err).splitlines():
-            _print_err(line)
-        return EXIT_FAILED
+    return int(asyncio.run(args.func(args)))
 
 
 if __name__ == "__main__":

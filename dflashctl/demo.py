@@ -19,10 +19,13 @@ import contextlib
 import os
 import re
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
 
+from dflashctl.control import RunService
+from dflashctl.errors import DflashctlError
+from dflashctl.fleet import HostHandle, open_local, run_main
+from dflashctl.inventory import HostConfig
 from trainer.events import StatusEvent, parse_line
 
 DEMO_HOST = "demo"
@@ -37,8 +40,11 @@ HEADER = """\
 """
 
 
-class DemoError(Exception):
+class DemoError(DflashctlError):
     """The demo cannot start (one line: what and where)."""
+
+
+Say = Callable[[str], None]
 
 
 def default_dir() -> Path:
@@ -80,7 +86,7 @@ def prepare(demo_dir: Path, template: Path = REPO_CONFIG) -> Path:
     return config
 
 
-def demo_host(demo_dir: Path, config: Path, session: str) -> Any:
+def demo_host(demo_dir: Path, config: Path, session: str) -> HostConfig:
     from dflashctl.inventory import local_host
 
     host = local_host(DEMO_HOST, demo_dir / "host", python=sys.executable, session=session)
@@ -90,22 +96,23 @@ def demo_host(demo_dir: Path, config: Path, session: str) -> Any:
 DEMO_START_WAIT_S = 30.0
 
 
-async def bring_up(control: Any, transport: Any, host: Any, *, fresh: bool, say: Any) -> None:
+async def bring_up(demo: HostHandle, session: str, *, fresh: bool, say: Say) -> None:
     """Deploy the trainer tree and the config, then start the run unless it already runs."""
-    from dflashctl.deploy import deploy
-
+    control = demo.control
     status = await control.status()
     if status.state == "running":
-        say(f"demo run already running in tmux session {host.session}; following it")
+        say(f"demo run already running in tmux session {session}; following it")
         return
+    if demo.deploy is None:
+        raise DemoError(f"{demo.name}: the demo host has no deploy")
     say("deploying the trainer release locally ...")
-    await deploy(transport, host, config=host.run_config, progress=say, fresh=fresh)
+    await demo.deploy(progress=say, fresh=fresh)
     say("starting the trainer under tmux (first start builds the tiny store and target) ...")
     # a trainer that dies at once is reported here; a slow first build just goes on in the TUI
     await control.start(fresh=fresh, wait_s=DEMO_START_WAIT_S, progress=say)
 
 
-async def headless(control: Any, duration: float, say: Any) -> int:
+async def headless(control: RunService, duration: float, say: Say) -> int:
     """Follow new status lines for `duration` s, stop gracefully, print the last status line."""
     start = await control.status()
     last: str | None = None
@@ -145,98 +152,58 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     return p.parse_args(list(argv))
 
 
-async def _run(args: argparse.Namespace) -> int:
-    from dflashctl.control import RunControl
-    from dflashctl.remote.transport import LocalTransport
-
-    demo_dir = (args.dir or default_dir()).resolve()
-    config = prepare(demo_dir)
-    host = demo_host(demo_dir, config, args.session)
-    transport = LocalTransport(label="demo")
-    control = RunControl(transport, host)
-
+async def _run(args: argparse.Namespace, demo: HostHandle) -> int:
     def say(msg: str) -> None:
         print(msg, file=sys.stderr if not args.headless else sys.stdout, flush=True)
 
     try:
-        await bring_up(control, transport, host, fresh=args.fresh, say=say)
+        await bring_up(demo, args.session, fresh=args.fresh, say=say)
         if args.headless:
-            return await headless(control, args.duration, say)
+            return await headless(demo.control, args.duration, say)
     finally:
-        if args.headless:
-            await transport.close()
+        if args.headless and demo.close is not None:
+            await demo.close()
     return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point for `dflashctl demo` and `python -m dflashctl.demo`."""
-    from dflashctl.control import ControlError
-    from dflashctl.deploy import DeployError
-    from dflashctl.remote.transport import TransportError
-    from dflashctl.resume import ResumeRefused
-    from dflashctl.runconfig import RunConfigError
-
     args = parse_args(sys.argv[1:] if argv is None else argv)
-    try:
-        rc = asyncio.run(_run(args))
-        if rc or args.headless:
-            return rc
-        return run_tui(args)
-    except KeyboardInterrupt:
-        return 130
-    except (
-        DemoError,
-        ControlError,
-        DeployError,
-        TransportError,
-        RunConfigError,
-        ResumeRefused,
-    ) as exc:
-        print(f"dflashctl demo: {exc}", file=sys.stderr)
-        return 1
+    return run_main(lambda: _main(args), prog="dflashctl demo")
 
 
-def run_tui(args: argparse.Namespace) -> int:
-    """Open the TUI on the demo host; stop the run on exit unless --keep."""
-    from dflashctl.control import RunControl
-    from dflashctl.deploy import deploy
-    from dflashctl.monitor import shape_from_config
-    from dflashctl.remote.commands import tmux_attach
-    from dflashctl.remote.transport import LocalTransport
-    from dflashctl.tui.app import DflashApp, HostBinding
-
+def _main(args: argparse.Namespace) -> int:
     demo_dir = (args.dir or default_dir()).resolve()
-    config = demo_dir / "demo.toml"
-    host = demo_host(demo_dir, config, args.session)
-    transport = LocalTransport(label="demo")
-    control = RunControl(transport, host)
-    binding = HostBinding(
-        name=DEMO_HOST,
-        control=control,
-        config_path=config,
-        attach_argv=tmux_attach(host.session),
-        deploy=lambda: deploy(transport, host, config=config),
-        shape=shape_from_config(config),
-        close=transport.close,
-    )
+    host = demo_host(demo_dir, prepare(demo_dir), args.session)
+    demo = open_local(host, label=DEMO_HOST)  # one handle: bring-up, the TUI, the final stop
+    rc = asyncio.run(_run(args, demo))
+    if rc or args.headless:
+        return rc
+    return run_tui(args, demo, host.session)
+
+
+def run_tui(args: argparse.Namespace, demo: HostHandle, session: str) -> int:
+    """Open the TUI on the demo host; stop the run on exit unless --keep."""
+    from dflashctl.tui.app import DflashApp
+
     quit_action = (
         "quit (the demo run keeps going: --keep)"
         if args.keep
         else "quit and stop the demo run gracefully (--keep leaves it running)"
     )
-    DflashApp([binding], quit_action=quit_action).run()
+    DflashApp([demo], quit_action=quit_action).run()
     if args.keep:
-        print(f"demo run left running: tmux -L dflash attach -t ={host.session}")
+        print(f"demo run left running: tmux -L dflash attach -t ={session}")
         return 0
     print("stopping the demo run gracefully (use --keep to leave it running) ...")
 
     async def stop() -> None:
-        local = LocalTransport(label="demo")
         try:
-            result = await RunControl(local, host).stop(timeout=STOP_TIMEOUT_S)
+            result = await demo.control.stop(timeout=STOP_TIMEOUT_S)
             print(f"stop: {result.summary()}")
         finally:
-            await local.close()
+            if demo.close is not None:
+                await demo.close()
 
     asyncio.run(stop())
     return 0

@@ -32,6 +32,7 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
+from dflashctl.errors import UsageError
 from trainer.config.policy import Policy
 from trainer.config.validation import STRICT, NotUtf8Error, dotted, one_line, utf8_text
 
@@ -98,7 +99,7 @@ DEFAULT_INVENTORY = Path("hosts.toml")
 DEFAULT_UNREACHABLE_ALERT_S = 300.0  # dflashctl watch: an outage this long is an alert
 
 
-class InventoryError(Exception):
+class InventoryError(UsageError):
     """A user-caused inventory problem; the message is one line naming file, host and key."""
 
 

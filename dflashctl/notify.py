@@ -27,6 +27,7 @@ from typing import Any
 
 import apprise
 
+from dflashctl.errors import UsageError
 from dflashctl.notify_policy import Notification
 
 __all__ = [
@@ -53,7 +54,7 @@ _SCHEME_RE = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]{0,31})://")
 DEFAULT_BACKOFF_S: tuple[float, ...] = (2.0, 8.0, 30.0)  # waits before attempts 2, 3, 4
 
 
-class NotifyConfigError(Exception):
+class NotifyConfigError(UsageError):
     """The notification URL file cannot be used (one line naming the file)."""
 
 
@@ -114,7 +115,7 @@ def load_targets(path: str | os.PathLike[str]) -> tuple[list[NotifyTarget], list
 
 
 def _instantiate(url: str) -> Any:
-    with apprise.LogCapture(level=logging.DEBUG):
+    with apprise.LogCapture(level=logging.DEBUG):  # type: ignore[no-untyped-call]  # apprise leaves it unannotated
         try:
             return apprise.Apprise.instantiate(url, suppress_exceptions=True)
         except Exception:
@@ -178,7 +179,7 @@ class Notifier:
     @staticmethod
     def _send_once(t: NotifyTarget, n: Notification) -> str | None:
         """None when delivered, else a reason that names no part of the URL."""
-        with apprise.LogCapture(level=logging.DEBUG):
+        with apprise.LogCapture(level=logging.DEBUG):  # type: ignore[no-untyped-call]  # apprise leaves it unannotated
             try:
                 a = apprise.Apprise()
                 a.add(t.plugin)

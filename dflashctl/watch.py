@@ -44,6 +44,8 @@ from dflashctl.gpu_health import (
 from dflashctl.inventory import HostConfig
 from dflashctl.notify import Notifier
 from dflashctl.notify_policy import Notification, PolicyConfig, PolicyState, flush, plan, plan_round
+from dflashctl.remote.connect import TransportFactory
+from dflashctl.remote.transport import Transport
 from dflashctl.watch_events import HostSnapshot, WatchEvent, format_event_line, snapshot_from_status
 from trainer.events import sanitize_for_terminal
 
@@ -64,8 +66,6 @@ DEFAULT_INTERVAL_S = 30.0
 DEFAULT_DRAIN_S = 10.0
 TICK_S = 1.0  # the consumer's longest sleep: grace periods and burst windows end on time
 GPU_QUERY_TIMEOUT_S = 30.0
-
-TransportFactory = Callable[[HostConfig], Any]
 
 
 @dataclass(frozen=True)
@@ -111,7 +111,7 @@ class HostPoller:
     def __init__(self, host: HostConfig, make_transport: TransportFactory, gpu: bool = True):
         self.host = host
         self._make_transport = make_transport
-        self._transport: Any = None
+        self._transport: Transport | None = None
         self._gpu = gpu
         self._gpu_prefix = REASONS_PREFIX
         self._gpu_prev: dict[int, GpuHealth] | None = None
@@ -152,10 +152,13 @@ class HostPoller:
 
     async def _gpu_events(self, at: float) -> list[WatchEvent]:
         """Events from one nvidia-smi health query; none (and no error) without nvidia-smi."""
+        transport = self._transport
+        if transport is None:  # only asked after a status poll answered, over this transport
+            return []
         for _ in range(2):
             argv = health_query_argv(self._gpu_prefix)
             try:
-                res = await self._transport.run(
+                res = await transport.run(
                     argv, timeout=min(GPU_QUERY_TIMEOUT_S, self.host.command_timeout)
                 )
             except Exception as err:

@@ -331,7 +331,8 @@ def snapshot_from_status(d: Mapping[str, Any], at: float) -> HostSnapshot:
     if state == "unreachable":
         return HostSnapshot(host, at, reachable=False, step=step, detail=_str(d.get("message")))
     exit_status = d.get("exit_status") if isinstance(d.get("exit_status"), int) else None
-    supervisor = d.get("supervisor") if isinstance(d.get("supervisor"), Mapping) else {}
+    raw_supervisor = d.get("supervisor")
+    supervisor: Mapping[str, Any] = raw_supervisor if isinstance(raw_supervisor, Mapping) else {}
     # The supervisor is the pane's process: the pane says "running" while the trainer under it
     # is in a restart backoff or being killed for a stall, so its own state wins there.
     sup_state = _str(supervisor.get("state"))

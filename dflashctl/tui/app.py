@@ -17,17 +17,25 @@ import shlex
 import subprocess
 import sys
 import time
-from collections.abc import Awaitable, Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any, ClassVar
 
-from textual import work
 from textual.app import App, SystemCommand
 from textual.binding import Binding, BindingType
 from textual.css.query import NoMatches
+from textual.notifications import SeverityLevel
 from textual.screen import ModalScreen, Screen
+from textual.worker import Worker, WorkerState
 
+from dflashctl.errors import UsageError
+from dflashctl.fleet import (
+    ConfigWatcher,
+    HostHandle,
+    deploy_summary,
+    open_inventory,
+    restart_details,
+)
 from dflashctl.monitor import (
     HostFollower,
     RestartPlan,
@@ -35,40 +43,37 @@ from dflashctl.monitor import (
     RunState,
     apply_lines,
     plan_restart,
-    shape_from_config,
     supervisor_events,
 )
-from dflashctl.runconfig import read_config_text
 from dflashctl.tui.screens.confirm import ConfirmScreen
 from dflashctl.tui.screens.fleet import FleetScreen
 from dflashctl.tui.screens.help import QUIT_KEEPS_RUNS, HelpScreen
 from dflashctl.tui.screens.host import HostScreen
 from dflashctl.tui.screens.log import LogScreen
 from dflashctl.tui.screens.restart import Report, RestartScreen
+from dflashctl.tui.view import LiveScreen
 
 CONFIG_CHECK_S = 2.0
-DEPLOYED_REFRESH_S = 30.0
-"""Re-read the deployed config this often: someone may push from the CLI meanwhile."""
 STOP_TIMEOUT_S = 120.0
 
+HostBinding = HostHandle
+"""The app's name for a host handle (`dflashctl.fleet.HostHandle`)."""
 
-@dataclass
-class HostBinding:
-    """What the app needs per host: the run control service and the local side of the host.
+SEVERITIES: dict[str, SeverityLevel] = {
+    "information": "information",
+    "warning": "warning",
+    "error": "error",
+}
 
-    `control` is a `dflashctl.control.RunControl` (status, follow, gpus, start, stop, restart,
-    push_config, deployed_config). `deploy` and `shape` are optional: without `deploy` the `d` key
-    says so; without a shape the panes fall back to what the status lines alone show.
-    """
-
-    name: str
-    control: Any
-    config_path: Path | None = None
-    attach_argv: Sequence[str] | None = None
-    deploy: Callable[[], Awaitable[Any]] | None = None
-    shape: RunShape = field(default_factory=RunShape)
-    close: Callable[[], Awaitable[None]] | None = None
-    """Closes the host's transport when the app exits."""
+WORKER_FAILURES: dict[str, tuple[str, str]] = {
+    "restart-plan": ("Restart", "cannot read the deployed config"),
+    "stop": ("Stop", "stop failed"),
+    "deploy": ("Deploy", "deploy failed"),
+    "config": ("Config check", "config check failed"),
+    "follow": ("Follow", "following the run failed"),
+}
+"""Worker group -> (notification title, what failed): how `on_worker_state_changed` words a
+failure. A worker's name is the host it acts on."""
 
 
 class DflashApp(App[None]):
@@ -100,7 +105,7 @@ class DflashApp(App[None]):
     ) -> None:
         super().__init__()
         self.quit_action = quit_action  # what `q` does, as the help screen says it
-        self.hosts: dict[str, HostBinding] = {h.name: h for h in hosts}
+        self.hosts: dict[str, HostHandle] = {h.name: h for h in hosts}
         self.clock = clock
         self.live = live
         self.refresh_hz = refresh_hz
@@ -109,9 +114,7 @@ class DflashApp(App[None]):
         self.followers: dict[str, HostFollower] = {}
         self.dirty: set[str] = set(self.hosts)
         self.frames = 0
-        self._config_seen: dict[str, tuple[float, str | None]] = {}
-        self._deployed_cache: dict[str, tuple[str, float]] = {}
-        self._config_epoch: dict[str, int] = {}
+        self.configs = ConfigWatcher()
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -121,7 +124,7 @@ class DflashApp(App[None]):
             for name, binding in self.hosts.items():
                 follower = HostFollower(name, binding.control, self._publish, clock=self.clock)
                 self.followers[name] = follower
-                self.run_worker(follower.run(), group=f"follow:{name}", exit_on_error=False)
+                self.run_worker(follower.run(), name=name, group="follow", exit_on_error=False)
             self.set_interval(CONFIG_CHECK_S, self.check_configs)
             self.call_later(self.check_configs)
         self.set_interval(1.0 / self.refresh_hz, self.flush)
@@ -139,7 +142,7 @@ class DflashApp(App[None]):
         self.dirty.add(state.host)
         if old is not None:  # each new supervisor event once, as a toast
             for severity, text in supervisor_events(old, state):
-                self.notify(text, severity=severity, timeout=30)  # type: ignore[arg-type]
+                self.notify(text, severity=SEVERITIES.get(severity, "information"), timeout=30)
 
     def feed(self, host: str, lines: Iterable[str], now: float | None = None) -> None:
         """Fold replayed status.log lines into a host's state (tests, benchmarks, replays)."""
@@ -155,10 +158,9 @@ class DflashApp(App[None]):
         dirty, self.dirty = self.dirty, set()
         now = self.clock()
         for screen in reversed(self.screen_stack):
-            refresh = getattr(screen, "refresh_view", None)
-            if refresh is not None:
+            if isinstance(screen, LiveScreen):
                 try:
-                    refresh(self.states, now, dirty)
+                    screen.refresh_view(self.states, now, dirty)
                 except NoMatches:  # the screen is being torn down (app exiting): nothing to draw
                     return
             if not isinstance(screen, ModalScreen):
@@ -189,53 +191,20 @@ class DflashApp(App[None]):
 
     async def check_configs(self) -> None:
         """Mark hosts whose local run config differs from the deployed one ("config changed")."""
-        for name, binding in self.hosts.items():
-            if binding.config_path is None or name not in self.followers:
+        for name, handle in self.hosts.items():
+            if handle.config_path is None or name not in self.followers:
                 continue
-            self._check_config(name, binding)
+            self.run_worker(
+                self._check_config(handle), name=name, group="config", exit_on_error=False
+            )
 
-    @work(exit_on_error=False, group="config")
-    async def _check_config(self, name: str, binding: HostBinding) -> None:
-        path = binding.config_path
-        assert path is not None
-        follower = self.followers[name]
-        epoch = self._config_epoch.get(name, 0)
-        try:
-            mtime = path.stat().st_mtime
-        except OSError as exc:
-            follower.mark_config(False, f"{path}: {exc.strerror}")
+    async def _check_config(self, handle: HostHandle) -> None:
+        verdict = await self.configs.check(handle)
+        if verdict is None:
             return
-        seen = self._config_seen.get(name)
-        cached = self._deployed_cache.get(name)
-        now = time.monotonic()
-        refetch = cached is None or now - cached[1] > DEPLOYED_REFRESH_S
-        settled = seen is not None and seen[0] == mtime and not refetch
-        if settled and binding.shape.boundaries is not None:
-            return
-        try:
-            local = read_config_text(path)
-            deployed = await binding.control.deployed_config() if refetch else cached[0]  # type: ignore[index]
-        except Exception as exc:  # unreachable host or unreadable file: say so, keep going
-            follower.mark_config(False, f"{path}: {exc}")
-            return
-        if self._config_epoch.get(name, 0) != epoch:
-            return  # a push or restart happened meanwhile: this comparison is out of date
-        if not deployed:
-            follower.mark_config(False, f"{name}: deployed run/config.toml unreadable or absent")
-            return
-        self._deployed_cache[name] = (deployed, now if refetch else cached[1])  # type: ignore[index]
-        if seen is None or seen[0] != mtime or binding.shape.boundaries is None:
-            # the shape follows the config; "plan" edges appear once the store exists
-            binding.shape = await asyncio.to_thread(shape_from_config, path)
-            self.dirty.add(name)
-        self._config_seen[name] = (mtime, local)
-        follower.mark_config(local != deployed)
-
-    def _forget_config(self, host: str) -> None:
-        """After a push or restart: drop cached comparisons, and void any check in flight."""
-        self._config_epoch[host] = self._config_epoch.get(host, 0) + 1
-        self._deployed_cache.pop(host, None)
-        self._config_seen.pop(host, None)
+        if verdict.reshaped:
+            self.dirty.add(handle.name)
+        self.followers[handle.name].mark_config(verdict.changed, verdict.note)
 
     # ------------------------------------------------------------------ actions
 
@@ -267,25 +236,26 @@ class DflashApp(App[None]):
 
     async def build_restart_plan(self, host: str) -> RestartPlan:
         """Deployed config (fresh from the host) vs. the local file, through the trainer's rules."""
-        binding = self.hosts[host]
-        if binding.config_path is None:
+        handle = self.hosts[host]
+        if handle.config_path is None:
             return RestartPlan(
                 diff="", fresh=False, error=f"{host}: no run_config in the inventory"
             )
-        deployed = await binding.control.deployed_config()
-        read_checkpoint = getattr(binding.control, "checkpoint_config", None)
-        if read_checkpoint is None:  # a control that cannot read checkpoints
-            return await asyncio.to_thread(plan_restart, deployed, binding.config_path)
-        checkpoint = await read_checkpoint()
-        return await asyncio.to_thread(plan_restart, deployed, binding.config_path, checkpoint)
+        deployed = await handle.control.deployed_config()
+        checkpoint = await handle.control.checkpoint_config()
+        return await asyncio.to_thread(plan_restart, deployed, handle.config_path, checkpoint)
 
-    @work(exclusive=True, exit_on_error=False, group="restart-plan")
-    async def _open_restart(self, host: str) -> None:
-        try:
-            plan = await self.build_restart_plan(host)
-        except Exception as exc:
-            self.notify(f"{host}: cannot read the deployed config: {exc}", severity="error")
-            return
+    def _open_restart(self, host: str) -> None:
+        self.run_worker(
+            self._restart_plan(host),
+            name=host,
+            group="restart-plan",
+            exclusive=True,
+            exit_on_error=False,
+        )
+
+    async def _restart_plan(self, host: str) -> None:
+        plan = await self.build_restart_plan(host)
         self.push_screen(
             RestartScreen(host, plan, lambda report: self.do_restart(host, plan, report))
         )
@@ -293,16 +263,16 @@ class DflashApp(App[None]):
     async def do_restart(self, host: str, plan: RestartPlan, report: Report) -> str:
         """Push the local config, deploy if needed, stop gracefully, start (fresh when the plan
         says so) via `RunControl.restart`; returns the one-line result."""
-        binding = self.hosts[host]
+        handle = self.hosts[host]
         report(
             "stopping gracefully, pushing the config, starting ..."
             if plan.changed
             else "restarting ..."
         )
-        result = await binding.control.restart(
-            fresh=plan.fresh, config=binding.config_path, progress=report
+        result = await handle.control.restart(
+            fresh=plan.fresh, config=handle.config_path, progress=report
         )
-        self._forget_config(host)
+        self.configs.forget(host)
         follower = self.followers.get(host)
         if follower is not None:
             if plan.fresh:
@@ -323,21 +293,16 @@ class DflashApp(App[None]):
 
         def confirmed(ok: bool | None) -> None:
             if ok:
-                self._stop(host)
+                self.run_worker(self._stop(host), name=host, group="stop", exit_on_error=False)
 
         self.push_screen(
             ConfirmScreen(f"Stop the run on {host}? (graceful: checkpoint, then exit)", "Stop"),
             confirmed,
         )
 
-    @work(exit_on_error=False, group="stop")
     async def _stop(self, host: str) -> None:
         self.notify(f"{host}: stopping (waiting for the checkpoint) ...")
-        try:
-            await self.hosts[host].control.stop(timeout=STOP_TIMEOUT_S)
-        except Exception as exc:
-            self.notify(f"{host}: stop failed: {exc}", severity="error")
-            return
+        await self.hosts[host].control.stop(timeout=STOP_TIMEOUT_S)
         if host in self.followers:
             await self.followers[host].poll_status()
         self.notify(f"{host}: stopped")
@@ -345,22 +310,15 @@ class DflashApp(App[None]):
     def action_deploy(self) -> None:
         host = self._need_host()
         if host is not None:
-            self._deploy(host)
+            self.run_worker(self._deploy(host), name=host, group="deploy", exit_on_error=False)
 
-    @work(exit_on_error=False, group="deploy")
     async def _deploy(self, host: str) -> None:
         deploy = self.hosts[host].deploy
         if deploy is None:
             self.notify(f"{host}: deploy is not available here", severity="warning")
             return
         self.notify(f"{host}: deploying ...")
-        try:
-            result = await deploy()
-        except Exception as exc:
-            self.notify(f"{host}: deploy failed: {exc}", severity="error")
-            return
-        release = getattr(result, "release", None) or getattr(result, "release_hash", None)
-        self.notify(f"{host}: deployed" + (f" release {release}" if release else ""))
+        self.notify(deploy_summary(host, await deploy()))
         if host in self.followers:
             await self.followers[host].poll_status()
 
@@ -373,7 +331,7 @@ class DflashApp(App[None]):
             self.notify(f"{host}: no run_config in the inventory", severity="warning")
             return
         self._suspend_and_run([*shlex.split(self.editor), str(path)])
-        self._config_seen.pop(host, None)
+        self.configs.edited(host)
         self.call_later(self.check_configs)
 
     def action_attach(self) -> None:
@@ -393,6 +351,15 @@ class DflashApp(App[None]):
         except Exception as exc:  # SuspendNotSupported (headless) or the program is missing
             self.notify(f"cannot run {argv[0]}: {exc}", severity="error")
 
+    def on_worker_state_changed(self, event: Worker.StateChanged) -> None:
+        """The one place a failed service call becomes a notification, titled by what failed."""
+        worker = event.worker
+        if event.state != WorkerState.ERROR:
+            return
+        title, what = WORKER_FAILURES.get(worker.group, ("Error", f"{worker.group} failed"))
+        host = f"{worker.name}: " if worker.name else ""
+        self.notify(f"{host}{what}: {worker.error}", title=title, severity="error")
+
     def get_system_commands(self, screen: Screen[Any]) -> Iterable[SystemCommand]:
         yield from super().get_system_commands(screen)
         yield SystemCommand(
@@ -409,18 +376,6 @@ class DflashApp(App[None]):
         yield SystemCommand("Key map", "Show the keys", self.action_help)
 
 
-def restart_details(result: Any) -> str:
-    """`, checkpoint step N, release R` from a RestartResult (read by name; absent parts skipped)."""
-    parts = []
-    ckpt = getattr(getattr(result, "stop", None), "checkpoint", None)
-    if ckpt is not None:
-        parts.append(f"checkpoint step {ckpt.step}")
-    release = getattr(getattr(result, "start", None), "release", None)
-    if release:
-        parts.append(f"release {release}")
-    return "".join(f", {p}" for p in parts)
-
-
 def parse_tui_args(argv: Sequence[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="dflashctl tui", description="The live fleet TUI.")
     p.add_argument("--hosts", type=Path, default=None, help="inventory file (default hosts.toml)")
@@ -428,46 +383,16 @@ def parse_tui_args(argv: Sequence[str]) -> argparse.Namespace:
     return p.parse_args(list(argv))
 
 
-def bindings_from_inventory(inventory: Any, names: Sequence[str]) -> list[HostBinding]:
-    """One binding per inventory host: SSH transport, RunControl, local config, attach argv."""
-    from dflashctl.cli import attach_argv, make_transport
-    from dflashctl.control import RunControl
-    from dflashctl.deploy import deploy
-
-    out = []
-    for name in names or list(inventory.hosts):
-        host = inventory.get(name)
-        transport = make_transport(host)
-
-        async def do_deploy(t: Any = transport, h: Any = host) -> Any:
-            return await deploy(t, h, config=h.run_config)
-
-        out.append(
-            HostBinding(
-                name=host.name,
-                control=RunControl(transport, host),
-                config_path=host.run_config,
-                attach_argv=attach_argv(host, os.environ.get("TERM", "xterm-256color")),
-                deploy=do_deploy,
-                shape=shape_from_config(host.run_config) if host.run_config else RunShape(),
-                close=transport.close,
-            )
-        )
-    return out
-
-
 def run_app(argv: Sequence[str] | None = None) -> int:
-    """`dflashctl [tui] [--hosts FILE] [HOST...]`: the app over the inventory's hosts."""
-    from dflashctl.inventory import InventoryError, load_inventory
+    """`dflashctl [tui] [--hosts FILE] [HOST...]`: the app over the inventory's hosts.
+
+    Errors (a bad inventory, none of its hosts) raise; `dflashctl.fleet.run_main` reports them.
+    """
+    from dflashctl.inventory import load_inventory
 
     args = parse_tui_args(sys.argv[1:] if argv is None else argv)
-    try:
-        hosts = bindings_from_inventory(load_inventory(args.hosts), args.host)
-    except InventoryError as exc:
-        print(f"dflashctl: {exc}", file=sys.stderr)
-        return 2
+    hosts = open_inventory(load_inventory(args.hosts), args.host)
     if not hosts:
-        print("dflashctl: the inventory has no hosts", file=sys.stderr)
-        return 2
+        raise UsageError("the inventory has no hosts")
     DflashApp(hosts).run()
     return 0

@@ -8,9 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from dflashctl.cli import attach_argv, main
+from dflashctl.cli import main
 from dflashctl.inventory import load_inventory
 from dflashctl.remote.commands import with_known_term
+from dflashctl.remote.connect import attach_argv
 
 
 def write_inv(tmp: Path, body: str) -> str:

@@ -30,11 +30,11 @@ from pathlib import Path
 import pytest
 
 from dflashctl.cli import main as cli_main
-from dflashctl.cli import make_transport
 from dflashctl.control import RunControl
 from dflashctl.inventory import HostConfig, load_inventory, local_host
 from dflashctl.notify import Notifier, load_targets
 from dflashctl.notify_policy import PolicyConfig
+from dflashctl.remote.connect import make_transport
 from dflashctl.remote.transport import LocalTransport
 from dflashctl.watch import HostPoller, WatchSettings, run_watch
 from dflashctl.watch_events import format_event_line

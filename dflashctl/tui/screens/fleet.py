@@ -2,16 +2,17 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import ClassVar
 
 from rich.text import Text
 from textual.app import ComposeResult
 from textual.binding import BindingType
-from textual.screen import Screen
+from textual.coordinate import Coordinate
 from textual.widgets import DataTable, Footer, Header, Static
 
 from dflashctl.monitor import RunState, display_state, format_age, line_age, restart_summary
+from dflashctl.tui.view import LiveScreen
 from dflashctl.tui.widgets.panes import DASH, fmt, state_style
 from trainer.events import format_eta
 
@@ -49,7 +50,7 @@ def fleet_row(state: RunState, now: float) -> dict[str, Text | str]:
     }
 
 
-class FleetScreen(Screen[None]):
+class FleetScreen(LiveScreen[None]):
     """The overview; `enter` drills into a host, the app's keys act on the highlighted one."""
 
     BINDINGS: ClassVar[list[BindingType]] = [("enter", "open_host", "Open host")]
@@ -62,13 +63,13 @@ class FleetScreen(Screen[None]):
 
     def on_mount(self) -> None:
         self._ready = True
-        self.app.call_later(self.app.flush)  # type: ignore[attr-defined]
+        self.request_redraw()
 
     def compose(self) -> ComposeResult:
         yield Header(show_clock=False)
         yield Static("", id="fleet-summary")
         table: DataTable[Text | str] = DataTable(id="fleet", cursor_type="row", zebra_stripes=True)
-        host_width = max([4, *(len(h) for h in getattr(self.app, "hosts", {}))])
+        host_width = max([4, *(len(h) for h in self.view.hosts)])
         for key, label, width in COLUMNS:
             table.add_column(label, key=key, width=width or host_width)
         yield table
@@ -82,10 +83,12 @@ class FleetScreen(Screen[None]):
         table = self.table
         if table.row_count == 0:
             return None
-        row_key, _ = table.coordinate_to_cell_key((table.cursor_row, 0))
+        row_key, _ = table.coordinate_to_cell_key(Coordinate(table.cursor_row, 0))
         return None if row_key.value is None else str(row_key.value)
 
-    def refresh_view(self, states: dict[str, RunState], now: float, dirty: Iterable[str]) -> None:
+    def refresh_view(
+        self, states: Mapping[str, RunState], now: float, dirty: Iterable[str]
+    ) -> None:
         if not self._ready:
             return
         """Update every row: ages change every tick even when no line arrived."""
@@ -104,8 +107,8 @@ class FleetScreen(Screen[None]):
             self._shown[host] = cells
         counts: dict[str, int] = {}
         for state in states.values():
-            shown = display_state(state, now).split(" ")[0]
-            counts[shown] = counts.get(shown, 0) + 1
+            label = display_state(state, now).split(" ")[0]
+            counts[label] = counts.get(label, 0) + 1
         summary = Text(f" {len(states)} hosts  ")
         for name, n in sorted(counts.items()):
             summary.append(f"{name} {n}  ", style=state_style(name))
@@ -114,8 +117,8 @@ class FleetScreen(Screen[None]):
     def action_open_host(self) -> None:
         host = self.selected_host()
         if host is not None:
-            self.app.open_host(host)  # type: ignore[attr-defined]
+            self.view.open_host(host)
 
     def on_data_table_row_selected(self, event: DataTable.RowSelected) -> None:
         if event.row_key.value is not None:
-            self.app.open_host(str(event.row_key.value))  # type: ignore[attr-defined]
+            self.view.open_host(str(event.row_key.value))

@@ -2,16 +2,16 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import ClassVar
 
 from textual.app import ComposeResult
 from textual.binding import BindingType
 from textual.containers import Horizontal, Vertical
-from textual.screen import Screen
-from textual.widgets import Digits, Footer, Log, Static
+from textual.widgets import Digits, Footer, Static
 
 from dflashctl.monitor import RunShape, RunState
+from dflashctl.tui.view import LiveScreen
 from dflashctl.tui.widgets.panes import (
     Pane,
     eta_text,
@@ -23,11 +23,12 @@ from dflashctl.tui.widgets.panes import (
     queues_text,
     throughput_text,
 )
+from dflashctl.tui.widgets.tail_log import TailLog
 
 LOG_PANE_LINES = 200
 
 
-class HostScreen(Screen[None]):
+class HostScreen(LiveScreen[None]):
     """Panes re-rendered from the host's `RunState` on the app's coalesced tick."""
 
     BINDINGS: ClassVar[list[BindingType]] = [("escape", "app.pop_screen", "Fleet")]
@@ -35,7 +36,6 @@ class HostScreen(Screen[None]):
     def __init__(self, host: str) -> None:
         super().__init__(name=host)
         self.host = host
-        self._log_lines_seen = 0
         self._painted = False
         self._ready = False
 
@@ -53,23 +53,24 @@ class HostScreen(Screen[None]):
                 yield Pane("loss / acc / streak", id="metrics")
                 yield Pane("GPUs", id="gpus")
         with Horizontal(id="log-row"):
-            yield Log(max_lines=LOG_PANE_LINES, auto_scroll=True, id="host-log")
+            yield TailLog(LOG_PANE_LINES, id="host-log")
         yield Footer()
 
     def on_mount(self) -> None:
         self._ready = True
-        self.app.dirty.add(self.host)  # type: ignore[attr-defined]
-        self.app.call_later(self.app.flush)  # type: ignore[attr-defined]
+        self.request_redraw(self.host)
         self.query_one("#throughput").border_title = "throughput (Ktok/s)"
         self.query_one("#host-log").border_title = "log tail"
 
-    def refresh_view(self, states: dict[str, RunState], now: float, dirty: Iterable[str]) -> None:
+    def refresh_view(
+        self, states: Mapping[str, RunState], now: float, dirty: Iterable[str]
+    ) -> None:
         if not self._ready:
             return
         state = states.get(self.host)
         if state is None:
             return
-        shape: RunShape = self.app.shape_for(self.host)  # type: ignore[attr-defined]
+        shape: RunShape = self.view.shape_for(self.host)
         self.query_one("#host-header", Static).update(header_text(state, now))
         if self._painted and self.host not in set(dirty):
             return
@@ -86,11 +87,11 @@ class HostScreen(Screen[None]):
         self._pane("#queues").update(queues_text(state, shape, self._width("#queues")))
         self._pane("#metrics").update(metrics_text(state, self._width("#metrics")))
         self._pane("#gpus").update(gpus_text(state))
-        self._append_log(state)
+        self.query_one("#host-log", TailLog).show(state)
 
     def on_resize(self) -> None:
         self._painted = False  # charts are sized to their panes: redraw at the new size
-        self.app.call_later(self.app.flush)  # type: ignore[attr-defined]
+        self.request_redraw()
 
     @property
     def painted(self) -> bool:
@@ -102,16 +103,3 @@ class HostScreen(Screen[None]):
 
     def _width(self, selector: str) -> int:
         return max(8, self.query_one(selector).content_size.width)
-
-    def _append_log(self, state: RunState) -> None:
-        """Write only the lines that arrived since the last tick (the tail is bounded)."""
-        log = self.query_one("#host-log", Log)
-        new = state.lines_seen - self._log_lines_seen
-        if new == 0:
-            return
-        if new < 0 or new >= len(state.log_tail) or self._log_lines_seen == 0:
-            log.clear()
-            log.write_lines(state.log_tail[-LOG_PANE_LINES:])
-        else:
-            log.write_lines(state.log_tail[-new:])
-        self._log_lines_seen = state.lines_seen
