@@ -14,11 +14,13 @@ import json
 import random
 import re
 import signal
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
+
+from pydantic import ValidationError
 
 from dflashctl.deploy import (
     RUNNING_RELEASE_FILE,
@@ -66,6 +68,7 @@ from trainer.events import (
     parse_line,
     sanitize_for_terminal,
 )
+from trainer.events.run_state import RunState
 
 if TYPE_CHECKING:
     from dflashctl.resume import CheckpointConfig
@@ -125,7 +128,7 @@ class RunStatus:
     last_checkpoint: CheckpointEvent | None = None
     last_error: str | None = None
     log_lines: int = 0
-    run_state: dict[str, Any] = field(default_factory=dict)
+    run_state: RunState = field(default_factory=lambda: StatusRunState())
     pane_tail: list[str] = field(default_factory=list)
     message: str | None = None
     signal: str | None = None  # the signal that ended the pane's process ("SIGKILL")
@@ -152,14 +155,35 @@ class RunStatus:
         d = asdict(self)
         d["last_event"] = self.last_event.model_dump() if self.last_event else None
         d["last_checkpoint"] = self.last_checkpoint.model_dump() if self.last_checkpoint else None
+        # the file's keys as read (extras included), not the model's defaults
+        d["run_state"] = self.run_state.model_dump(mode="json", exclude_unset=True)
         d["step"] = self.step
         d["finished"] = self.finished
         return d
 
 
-def run_finished(state: str, exit_status: int | None, run_state: dict[str, Any]) -> bool:
-    """A clean exit whose run-state.json says the whole plan was trained (state "finished")."""
-    return state == "stopped" and exit_status == 0 and run_state.get("state") == "finished"
+class StatusRunState(RunState):
+    """The typed run-state, plus dict-style reads for callers not yet moved to its fields.
+
+    Transitional (issue 11): `cli.format_run_status` and `monitor` read `run_state.get(key)`
+    and test its truth like a dict's; once they read the fields this class goes.
+    """
+
+    def get(self, key: str, default: object = None) -> object:
+        return self.model_dump(exclude_unset=True).get(key, default)
+
+    def __bool__(self) -> bool:
+        return bool(self.model_fields_set)
+
+
+def run_finished(
+    state: str, exit_status: int | None, run_state: RunState | Mapping[str, object]
+) -> bool:
+    """A clean exit whose run-state.json says the whole plan was trained (state "finished").
+
+    A Mapping is accepted while `monitor` still keeps the run-state as a dict (issue 11)."""
+    phase = run_state.state if isinstance(run_state, RunState) else run_state.get("state")
+    return state == "stopped" and exit_status == 0 and phase == "finished"
 
 
 @dataclass(frozen=True)
@@ -358,38 +382,105 @@ def _clean(value: Any) -> Any:
     return value
 
 
-def parse_run_state(text: str, name: str = RUN_STATE_FILE) -> tuple[dict[str, Any], str | None]:
-    """run-state.json -> (fields, None); a corrupted file -> ({}, why), never silently {}."""
+def _json_object(text: str, name: str) -> tuple[dict[str, Any] | None, str | None]:
+    """A JSON object file's text -> (its fields, strings made safe to print, None); no text ->
+    (None, None); not a JSON object -> (None, why), never silently empty."""
     if not text.strip():
-        return {}, None
+        return None, None
     try:
         raw = json.loads(text)
     except json.JSONDecodeError as err:
-        return {}, f"{name} is corrupted: {err.msg} (byte {err.pos})"
+        return None, f"{name} is corrupted: {err.msg} (byte {err.pos})"
     if not isinstance(raw, dict):
-        return {}, f"{name} is corrupted: a JSON {type(raw).__name__}, not an object"
-    return _clean(raw), None
+        return None, f"{name} is corrupted: a JSON {type(raw).__name__}, not an object"
+    cleaned: dict[str, Any] = _clean(raw)
+    return cleaned, None
 
 
-def pane_supervisor(supervisor: dict[str, Any], pane: PaneState | None) -> dict[str, Any]:
-    """supervisor.json's fields when it is the pane's process's (same pid), else {}.
+def parse_run_state(text: str, name: str = RUN_STATE_FILE) -> tuple[RunState, str | None]:
+    """run-state.json -> (the typed contract, None); a corrupted or invalid file -> (an empty
+    RunState, why), never silently empty. Strings are made safe to print before validation."""
+    raw, error = _json_object(text, name)
+    if raw is None:
+        return StatusRunState(), error
+    try:
+        return StatusRunState.model_validate(raw), None
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        where = ".".join(str(p) for p in err["loc"]) or "(top level)"
+        return StatusRunState(), f"{name} is corrupted: key {where}: {err['msg']}"
+
+
+@dataclass(frozen=True)
+class SupervisorFile:
+    """RUN/supervisor.json as `trainer.supervise` writes it (not run-state: the supervisor is
+    its only writer). `fields` is the file's object (strings safe to print): status --json
+    passes SUPERVISOR_KEYS of it through; the properties are what run control decides on."""
+
+    fields: dict[str, Any]
+
+    @property
+    def pid(self) -> int | None:
+        return _int_or_none(self.fields.get("pid"))
+
+    @property
+    def state(self) -> str | None:
+        value = self.fields.get("state")
+        return value if isinstance(value, str) else None
+
+    @property
+    def trainer_pid(self) -> int | None:
+        return _int_or_none(self.fields.get("trainer_pid"))
+
+    @property
+    def gave_up(self) -> bool:
+        return self.fields.get("gave_up") is True or self.state == "gave-up"
+
+    @property
+    def restarts(self) -> list[dict[str, Any]]:
+        raw = self.fields.get("restarts")
+        return [r for r in raw if isinstance(r, dict)] if isinstance(raw, list) else []
+
+    @property
+    def policy(self) -> dict[str, Any]:
+        raw = self.fields.get("policy")
+        return raw if isinstance(raw, dict) else {}
+
+
+def _int_or_none(value: object) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def parse_supervisor_file(
+    text: str, name: str = SUPERVISOR_STATE_FILE
+) -> tuple[SupervisorFile | None, str | None]:
+    """supervisor.json -> (its fields, None); none -> (None, None); corrupted -> (None, why)."""
+    raw, error = _json_object(text, name)
+    return (SupervisorFile(raw) if raw is not None else None), error
+
+
+def pane_supervisor(
+    supervisor: SupervisorFile | None, pane: PaneState | None
+) -> SupervisorFile | None:
+    """supervisor.json when it is the pane's process's (same pid), else None.
 
     The file outlives its run (a stopped session, an older start): only the supervisor that is
     the pane's process speaks for the run the pane shows.
     """
-    if pane is None or pane.pid is None or supervisor.get("pid") != pane.pid:
-        return {}
+    if supervisor is None or pane is None or pane.pid is None or supervisor.pid != pane.pid:
+        return None
     return supervisor
 
 
-def supervisor_view(sup: dict[str, Any]) -> tuple[dict[str, Any] | None, list[dict[str, Any]]]:
+def supervisor_view(
+    sup: SupervisorFile | None,
+) -> tuple[dict[str, Any] | None, list[dict[str, Any]]]:
     """(`supervisor` for status, its `restarts` list): the keys status --json documents."""
-    if not sup:
+    if sup is None or not sup.fields:
         return None, []
-    raw = sup.get("restarts")
-    restarts = [r for r in raw if isinstance(r, dict)] if isinstance(raw, list) else []
-    view = {k: sup.get(k) for k in SUPERVISOR_KEYS}
-    view["gave_up"] = sup.get("gave_up") is True or sup.get("state") == "gave-up"
+    restarts = sup.restarts
+    view = {k: sup.fields.get(k) for k in SUPERVISOR_KEYS}
+    view["gave_up"] = sup.gave_up
     view["restarts"] = restarts
     return view, restarts
 
@@ -418,7 +509,7 @@ def restart_reason(record: dict[str, Any]) -> str:
 
 
 def trainer_completed_stop(
-    run_state: dict[str, Any], pane: PaneState, supervisor: dict[str, Any] | None = None
+    run_state: RunState, pane: PaneState, supervisor: SupervisorFile | None = None
 ) -> bool:
     """The pane's process recorded a stop (or the end of its plan) before it ended.
 
@@ -427,10 +518,9 @@ def trainer_completed_stop(
     of the supervisor's current trainer); its `stop_detail` says what the stop kept.
     """
     owners = {pane.pid} if pane.pid is not None else set()
-    trainer_pid = (supervisor or {}).get("trainer_pid")
-    if isinstance(trainer_pid, int):
-        owners.add(trainer_pid)
-    return run_state.get("pid") in owners and run_state.get("state") in {"stopped", "finished"}
+    if supervisor is not None and supervisor.trainer_pid is not None:
+        owners.add(supervisor.trainer_pid)
+    return run_state.pid in owners and run_state.state in {"stopped", "finished"}
 
 
 def parse_status(host: str, stdout: str, hash_text: Callable[[str], str | None]) -> RunStatus:
@@ -446,9 +536,9 @@ def parse_status(host: str, stdout: str, hash_text: Callable[[str], str | None])
     pane = parse_pane_state(s.get("pane", "")) if s.get("session") == "yes" else None
     capture = s.get("capture", "")
     run_state, run_state_error = parse_run_state(s.get("run_state", ""))
-    sup_file, sup_error = parse_run_state(s.get("supervisor", ""), SUPERVISOR_STATE_FILE)
+    sup_file, sup_error = parse_supervisor_file(s.get("supervisor", ""))
     sup = pane_supervisor(sup_file, pane)
-    sup_state = sup.get("state")
+    sup_state = sup.state if sup else None
     sig: int | None = None
     if pane is None:
         state, exit_status = "stopped", None
@@ -460,10 +550,10 @@ def parse_status(host: str, stdout: str, hash_text: Callable[[str], str | None])
         exit_status = pane.exit_status
         state = "stopped" if exit_status == 0 else "crashed"
         if state == "crashed" and trainer_completed_stop(run_state, pane, sup):
-            recorded = run_state.get("exit_status")
             state = "stopped"
-            exit_status = recorded if isinstance(recorded, int) else exit_status
-        elif sup_state == "gave-up" or sup.get("gave_up") is True:
+            if run_state.exit_status is not None:
+                exit_status = run_state.exit_status
+        elif sup is not None and sup.gave_up:
             state = "gave-up"
         elif state == "crashed" and sup_state == "stopped":
             state = "stopped"  # the operator stopped it during a restart backoff
@@ -488,14 +578,14 @@ def parse_status(host: str, stdout: str, hash_text: Callable[[str], str | None])
     config_text = s.get("config", "")
     lines = s.get("log_lines", "0").strip()
     current = s.get("current", "").strip()
-    stop_signal = run_state.get("stop_signal")
+    stop_signal = run_state.stop_signal
     return RunStatus(
         host=host,
         state=state,
         exit_status=exit_status,
         release=current.rsplit("/", 1)[-1] if current else None,
-        run_release=s.get("run_release", "").strip() or run_state.get("release"),
-        config_hash=run_state.get("config_hash"),
+        run_release=s.get("run_release", "").strip() or run_state.release,
+        config_hash=run_state.config_hash,
         deployed_config_hash=hash_text(config_text) if config_text else None,
         last_event=last_status,
         last_checkpoint=last_ckpt,
@@ -504,7 +594,7 @@ def parse_status(host: str, stdout: str, hash_text: Callable[[str], str | None])
         run_state=run_state,
         pane_tail=capture.splitlines()[-20:] if state == "crashed" else [],
         signal=signal_name(sig) if sig is not None else None,
-        stop_signal=stop_signal if isinstance(stop_signal, str) and stop_signal else None,
+        stop_signal=stop_signal or None,
         run_state_error=run_state_error,
         switch_note=switch_note(s.get("switched", ""), current),
         supervisor=supervisor,
@@ -807,18 +897,18 @@ class RunControl:
         cap = await self._run(tmux_capture(self.host.session, 300))
         error = last_error_line(log, sanitize_for_terminal(cap.stdout if cap.ok else ""))
         sup_res = await self._run(read_file(self._path(SUPERVISOR_STATE_FILE)))
-        sup_file, _ = parse_run_state(sup_res.stdout if sup_res.ok else "")
+        sup_file, _ = parse_supervisor_file(sup_res.stdout if sup_res.ok else "")
         sup = pane_supervisor(sup_file, state)
         exit_status = state.exit_status if state else None
         after = ""
         if sup and restarting:
-            _, restarts = supervisor_view(sup)
+            restarts = sup.restarts
             last = restarts[-1] if restarts else {}
             code = last.get("exit_status")
             exit_status, sig = (code, None) if isinstance(code, int) and code >= 0 else (None, None)
             if isinstance(code, int) and code < 0:
                 sig = -code
-            policy = sup.get("policy") if isinstance(sup.get("policy"), dict) else {}
+            policy = sup.policy
             wait = last.get("backoff_s")
             after = (
                 f"; its supervisor restarts it (restart {len(restarts)} of "

@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
+import json
+
 from dflashctl.cli import format_run_status
 from dflashctl.control import (
     MARK,
     parse_gpu_csv,
+    parse_run_state,
     parse_status,
+    parse_supervisor_file,
     split_sections,
     stop_wait_argv,
     trainer_argv,
 )
+from trainer.events.run_state import RunState
 
 LINE = (
     "[3m] step={step} loss=1.2000 acc=0.500 streak=1.0 lr=6.00e-04 noise=0.1000 | tgt=1.00b/s "
@@ -116,3 +121,45 @@ def test_a_clean_exit_after_the_whole_plan_is_finished_not_just_stopped() -> Non
     assert format_run_status(st).startswith("h: finished exit=0 ")
     stopped = script_output(session="yes", pane="1|0||4242", run_state='{"state": "stopped"}')
     assert not parse_status("h", stopped, fake_hash).finished
+
+
+def test_run_state_is_the_typed_contract_and_status_json_shows_the_file_as_read() -> None:
+    written = {
+        "pid": 4242,
+        "state": "running",
+        "config_hash": "cfg000000001",
+        "total_steps": 1200,
+        "boundaries": [64, 128],
+        "last_eval": {"step": 400, "tau": 3.2, "acc_at": [0.9, 0.7]},
+        "a_newer_key": {"kept": True},
+    }
+    out = script_output(session="yes", pane="0|||4242", run_state=json.dumps(written))
+    st = parse_status("h", out, fake_hash)
+    assert isinstance(st.run_state, RunState) and st.run_state_error is None
+    assert (st.run_state.total_steps, st.run_state.boundaries) == (1200, [64, 128])
+    assert st.run_state.last_eval is not None and st.run_state.last_eval.step == 400
+    assert st.to_json_dict()["run_state"] == written  # no defaults added, unknown keys kept
+    assert (
+        parse_status("h", script_output(session="no"), fake_hash).to_json_dict()["run_state"] == {}
+    )
+
+
+def test_a_run_state_with_a_wrong_type_is_reported_like_a_corrupted_one() -> None:
+    state, error = parse_run_state('{"state": "sleeping", "pid": 1}')
+    assert not state.model_fields_set and error == (
+        "run/run-state.json is corrupted: key state: "
+        "Input should be 'starting', 'running', 'finished', 'stopped', 'refused' or 'crashed'"
+    )
+    state, error = parse_run_state("[1]")
+    assert error == "run/run-state.json is corrupted: a JSON list, not an object"
+
+
+def test_supervisor_file_is_read_on_its_own_not_as_run_state() -> None:
+    sup, error = parse_supervisor_file('{"pid": 7, "trainer_pid": 8, "state": "gave-up"}')
+    assert error is None and sup is not None
+    assert (sup.pid, sup.trainer_pid, sup.gave_up, sup.restarts, sup.policy) == (7, 8, True, [], {})
+    assert parse_supervisor_file("") == (None, None)
+    assert parse_supervisor_file("{")[1] == (
+        "run/supervisor.json is corrupted: Expecting property name enclosed in double quotes "
+        "(byte 1)"
+    )

@@ -371,7 +371,7 @@ async def test_restart_pushes_config_redeploys_and_resumes(ctl: RunControl, tmp_
 
     async def resumed() -> bool:
         st = await ctl.status()
-        return st.run_state.get("last_step") == resumed_from
+        return st.run_state.last_step == resumed_from
 
     await wait_for(resumed)  # the stand-in resumed from the checkpoint the stop left
     await ctl.stop(timeout=20)

@@ -30,7 +30,7 @@ state = {
     "pid": os.getpid(),
     "config_hash": hashlib.sha256(cfg).hexdigest()[:12],
     "release": os.environ.get("DFLASH_RELEASE"),
-    "started_at": time.time(),
+    "started_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),  # as the trainer writes it
     "last_step": step,
 }
 with open(os.path.join(a.run_dir, "run-state.json"), "w") as f:
