@@ -8,7 +8,6 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from trainer import events
 from trainer.events import (
     BUCKET_LOSS_KEY,
     EVENT_ADAPTER,
@@ -19,12 +18,13 @@ from trainer.events import (
     format_bucket_losses,
     format_eval_line,
     format_line,
-    format_phase_line,
     format_status_line,
+    grammar,
     parse_bucket_losses,
     parse_line,
     parse_text,
 )
+from trainer.events.status import STATUS_RE
 
 EVAL_LINE = (
     "Eval: step=400 tau=3.214 loss=1.2345 acc=0.613 acc@1=0.912 acc@2=0.801 acc@3=0.655"
@@ -145,27 +145,22 @@ def test_parse_line_never_raises_on_eval_like_text(text: str) -> None:
     ev = parse_line(text)
     assert ev.kind in {"eval", "raw"}
     parse_text(text)
-    parse_text(text, width=17)
 
 
 # --------------------------------------------------------------------------- status extras
 
 
-def test_tau_and_bucket_losses_ride_the_trainer_fast_branch() -> None:
-    """The trainer's own tail with tau and loss_b is captured field by field (no generic split)."""
-    m = events._STATUS_FAST_RE.fullmatch(TRAINER_STATUS)
-    assert m is not None
-    groups = m.groups()
-    assert groups[-3:] == ("3.214", "[1.9021,1.3012,0.8123,---]", None)  # tau, loss_b, pairs
+def test_tau_and_bucket_losses_parse_in_print_order() -> None:
+    """The trainer's own tail with tau and loss_b comes back in the order it was printed."""
     ev = parse_line(TRAINER_STATUS)
     assert isinstance(ev, StatusEvent)
     assert list(ev.extra)[-3:] == ["gnorm", TAU_KEY, BUCKET_LOSS_KEY]
     assert ev.extra[TAU_KEY] == "3.214"
     assert parse_bucket_losses(ev.extra[BUCKET_LOSS_KEY]) == [1.9021, 1.3012, 0.8123, None]
     assert format_status_line(ev) == TRAINER_STATUS
-    # the general parser reads the same event
-    general = events._STATUS_RE.fullmatch(TRAINER_STATUS)
-    assert general is not None and events._general_extra(general.groups()[-1]) == ev.extra
+    # the line's tail, read on its own, holds the same extras
+    general = STATUS_RE.fullmatch(TRAINER_STATUS)
+    assert general is not None and grammar.parse_extras(general.groups()[-1]) == ev.extra
 
 
 def test_tau_without_gnorm_and_extras_after_loss_b_still_parse() -> None:
@@ -188,38 +183,6 @@ def test_bucket_losses_round_trip(losses: list[float | None]) -> None:
 @pytest.mark.parametrize("text", ["", "[", "1,2", "[1,,2]", "[a]", "[nan]", "[1.0 ,2]", "[inf]"])
 def test_bad_bucket_losses_are_none(text: str) -> None:
     assert parse_bucket_losses(text) is None
-
-
-def _wrap(line: str, width: int, trim: bool) -> list[str]:
-    rows = [line[i : i + width] for i in range(0, len(line), width)]
-    return [r.rstrip(" ") for r in rows] if trim else rows
-
-
-def test_status_with_tau_and_loss_b_and_eval_lines_rejoin_at_80_columns() -> None:
-    """A real 80-column capture: both long lines wrap over several rows and come back whole."""
-    lines = [format_phase_line("running"), TRAINER_STATUS, EVAL_LINE, TRAINER_STATUS]
-    for trim in (False, True):
-        rows = [row for ln in lines for row in _wrap(ln, 80, trim)]
-        assert max(len(r) for r in rows) == 80 and len(rows) > len(lines)
-        evs = parse_text("\n".join(rows) + "\n", width=80)
-        assert [format_line(e) for e in evs] == lines, trim
-        assert [e.kind for e in evs] == ["phase", "status", "eval", "status"]
-    # width inferred from the untrimmed capture
-    rows = [row for ln in lines for row in _wrap(ln, 80, False)]
-    assert [format_line(e) for e in parse_text("\n".join(rows))] == lines
-
-
-@settings(max_examples=150)
-@given(
-    st.lists(eval_events, min_size=1, max_size=3),
-    st.integers(min_value=30, max_value=200),
-    st.booleans(),
-)
-def test_eval_lines_rejoin_at_any_pane_width(evs: list[EvalEvent], width: int, trim: bool) -> None:
-    lines = [format_phase_line("running"), *(format_eval_line(e) for e in evs)]
-    rows = [row for ln in lines for row in _wrap(ln, width, trim)]
-    evs_back = parse_text("\n".join(rows) + "\n", width=width)
-    assert [format_line(e) for e in evs_back] == lines
 
 
 def test_status_tau_extra_value_is_a_number() -> None:

@@ -1,9 +1,8 @@
-"""The status-line contract: formatter, parser, tmux re-wrapping, round trips."""
+"""The status-line contract: formatter, parser, round trips."""
 
 from __future__ import annotations
 
 import re
-from pathlib import Path
 
 import pytest
 from hypothesis import example, given, settings
@@ -24,12 +23,12 @@ from trainer.events import (
     format_line,
     format_phase_line,
     format_status_line,
+    grammar,
     parse_eta,
     parse_line,
+    parse_status_line,
     parse_text,
 )
-
-FIXTURES = Path(__file__).parent / "fixtures"
 
 SEED_LINE_1 = (
     "[0m] step=0 loss=--- acc=--- streak=--- lr=--- noise=0.1000 | tgt=0.00b/s dft=0.00b/s"
@@ -39,26 +38,6 @@ SEED_LINE_2 = (
     "[0m] step=0 loss=1.3167 acc=0.000 streak=0.0 lr=6.00e-04 noise=0.1000 | tgt=0.30b/s"
     " dft=0.05b/s (1.9Ktok/s) | q_pre=[8, 6, 6, 5, 4, 4] q_hs=[4] | epoch~0.00 ETA=10.9d"
 )
-
-
-def test_seed_capture_wrapped_at_80_columns_parses() -> None:
-    """The real capture from the seed run: two wrapped status lines and a truncated third."""
-    text = (FIXTURES / "seed_capture_80col.txt").read_text()
-    for width in (80, None):
-        events = parse_text(text, width=width)
-        kinds = [e.kind for e in events]
-        assert kinds == ["phase", "phase", "status", "status", "raw"], width
-        assert [e.phase for e in events[:2]] == ["starting", "running"]
-        first, second = events[2], events[3]
-        assert isinstance(first, StatusEvent) and isinstance(second, StatusEvent)
-        assert first.loss is None and first.lr is None and first.eta_s is None
-        assert first.q_pre == [4, 4, 3, 3, 2, 2] and first.q_hs == [0]
-        assert second.loss == pytest.approx(1.3167) and second.lr == pytest.approx(6e-4)
-        assert second.ktok_s == pytest.approx(1.9)
-        assert second.eta_s == pytest.approx(10.9 * 86400)
-        assert format_status_line(first) == SEED_LINE_1
-        assert format_status_line(second) == SEED_LINE_2
-        assert events[4].text.startswith("[1m] step=2 loss=6.4079")  # truncated -> raw, kept
 
 
 def test_seed_status_line_round_trips() -> None:
@@ -211,40 +190,12 @@ def test_status_line_round_trip(ev: StatusEvent) -> None:
     assert (parsed.loss is None) == (ev.loss is None)
 
 
-def _wrap(line: str, width: int, trim: bool) -> list[str]:
-    rows = [line[i : i + width] for i in range(0, len(line), width)]
-    return [r.rstrip(" ") for r in rows] if trim else rows
-
-
-@settings(max_examples=150)
-@given(
-    st.lists(status_events, min_size=1, max_size=4),
-    st.integers(min_value=30, max_value=200),
-    st.booleans(),
-)
-def test_parse_text_rejoins_any_pane_width(evs: list[StatusEvent], width: int, trim: bool) -> None:
-    """Lines hard-wrapped at the pane width (tmux may trim trailing blanks) parse as one each."""
-    lines = [format_phase_line("running"), *(format_status_line(e) for e in evs)]
-    rows = [row for ln in lines for row in _wrap(ln, width, trim)]
-    # Without the width, trimmed rows are ambiguous, and so is a break inside an extras token
-    # whose first half already reads as a complete line; other untrimmed rows must re-join.
-    ambiguous = trim or any(
-        isinstance(parse_line(ln[:cut]), StatusEvent) and ln[cut] != " "
-        for ln in lines
-        for cut in range(width, len(ln), width)
-    )
-    for w in (width,) if ambiguous else (width, None):
-        events = parse_text("\n".join(rows) + "\n", width=w)
-        assert [format_line(e) for e in events] == lines
-
-
 @given(st.text(max_size=300))
 def test_parse_line_never_raises(text: str) -> None:
     """Arbitrary text (including control characters) yields an event, never an exception."""
     ev = parse_line(text)
     assert ev.kind in {"status", "eval", "phase", "checkpoint", "error", "raw"}
     parse_text(text)
-    parse_text(text, width=17)
 
 
 @given(st.integers(1, len(SEED_LINE_2) - 1))
@@ -255,7 +206,7 @@ def test_every_truncation_of_a_status_line_is_raw(cut: int) -> None:
 
 
 @given(status_events)
-def test_fast_constructed_status_equals_validated(ev: StatusEvent) -> None:
+def test_constructed_status_equals_validated(ev: StatusEvent) -> None:
     """The parser's validation-free construction yields the same model validation would."""
     parsed = parse_line(format_status_line(ev))
     assert isinstance(parsed, StatusEvent)
@@ -265,7 +216,7 @@ def test_fast_constructed_status_equals_validated(ev: StatusEvent) -> None:
 
 
 # The status line as first specified: every field loose, any tail.  Kept apart from the parser's
-# tuned regexes so that the comparison below checks them against the plain grammar.
+# generated grammar so that the comparison below checks it against the plain regex.
 _REFERENCE_RE = re.compile(
     r"\[(\d+)m\] step=(\d+) loss=([^ ]+) acc=([^ ]+) streak=([^ ]+) lr=([^ ]+) noise=([^ ]+)"
     r" \| tgt=([^ ]+)b/s dft=([^ ]+)b/s \(([^ ]+)Ktok/s\)"
@@ -275,17 +226,17 @@ _REFERENCE_RE = re.compile(
 
 
 def _reference_parse(line: str) -> StatusEvent | None:
-    """The general (pre-fast-path) status parser: one loose regex, findall for the extras."""
+    """The reference status parser: one loose regex, findall for the extras."""
     m = _REFERENCE_RE.fullmatch(line)
     if m is None:
         return None
     g = m.groups()
     try:
-        eta = events._status_eta(g[13])
+        eta = grammar.strict_eta(g[13])
         floats = [None if x == "---" else float(x) for x in (*g[2:10], g[12])]
     except ValueError:
         return None
-    extra = events._general_extra(g[14]) if g[14] else {}
+    extra = grammar.parse_extras(g[14]) if g[14] else {}
     if extra is None:
         return None
     loss, acc, streak, lr, noise, tgt, dft, ktok, epoch = floats
@@ -370,25 +321,28 @@ _TRAINER_TAIL = " | w_pre_out=1.0% w_tgt_in=2.0% w_tgt_out=3.0% w_dft_in=4.0% bo
 @example(ev=_SEED_EVENT, subs=[], tail=_TRAINER_TAIL.replace("target", "a|b"))
 @example(ev=_SEED_EVENT, subs=[("dft=", "1bb/s")], tail="")
 @example(ev=_SEED_EVENT, subs=[("(", "1.5Ktok/s)")], tail=_TRAINER_TAIL)
-def test_fast_path_matches_general_parser(ev: StatusEvent, subs: list, tail: str) -> None:
-    """The fast regex, the memoised numbers and the str-split extras agree with the general path."""
+def test_status_parser_matches_the_reference_parser(
+    ev: StatusEvent, subs: list[tuple[str, str]], tail: str
+) -> None:
+    """The grammar-built regex, its number fields and the extras agree with the reference."""
     line = format_status_line(ev)
     for key, value in subs:  # replace one number field's text, keeping the rest of the line
         start = line.index(key) + len(key)
         line = line[:start] + value + line[line.index(" ", start) :]
     line += tail
     expected = _reference_parse(line)
-    for _ in range(2):  # the first parse may fill the memos, the second reads them
-        got = events._parse_status(line)
+    for _ in range(2):  # parsing twice gives the same (the parser keeps no state)
+        got = parse_status_line(line)
         assert (got is None) == (expected is None), line
         if got is not None:
+            assert expected is not None
             assert got.model_dump_json() == expected.model_dump_json(), line
             assert got.model_fields_set == expected.model_fields_set
             assert format_status_line(got) == format_status_line(expected)
 
 
-def test_trainer_status_lines_take_the_trainer_branch() -> None:
-    """Lines the trainer's status_line prints hit the literal-dict branch and parse exactly."""
+def test_trainer_status_lines_parse_exactly() -> None:
+    """Lines the trainer's status_line prints parse back exactly, extras in print order."""
     from trainer.pipeline.status import Board, status_line
 
     waits = {k: 12.5 * i for i, k in enumerate(STAGE_WAIT_KEYS)}
@@ -407,48 +361,12 @@ def test_trainer_status_lines_take_the_trainer_branch() -> None:
             eta_s=5000.0,
             waits=waits,
         )
-        m = events._STATUS_FAST_RE.fullmatch(line)
-        assert m is not None and m.group(15) == "0.0%", line  # the trainer branch matched
         got = parse_line(line)
         assert isinstance(got, StatusEvent) and format_status_line(got) == line
-        assert got.model_dump_json() == _reference_parse(line).model_dump_json()
+        reference = _reference_parse(line)
+        assert reference is not None
+        assert got.model_dump_json() == reference.model_dump_json()
         assert list(got.extra) == [*events.TRAINER_EXTRA_KEYS, *(["gnorm"] if gnorm else [])]
-
-
-def test_number_memos_stay_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A memo that fills up starts over (keeping '---' -> None) and still converts correctly."""
-    monkeypatch.setattr(events, "_MEMO_SIZE", 8)
-    memo = events._Memo(float, {"---": None})
-    for i in range(50):
-        assert memo[f"{i}.5"] == i + 0.5
-        assert len(memo) <= 8
-    assert memo["---"] is None
-    with pytest.raises(ValueError):
-        memo["x"]
-    assert "x" not in memo
-    nan = memo["nan"]
-    assert nan != nan and "nan" not in memo
-
-
-@pytest.mark.parametrize("cut", [" | w_pre_out=", " w_tgt_out=", " gnorm="])
-def test_width_free_rejoin_of_a_wrap_at_a_blank_in_the_extras(cut: str) -> None:
-    """A row break at a blank in the extras leaves a complete line; the extras still re-join."""
-    ev = parse_line(SEED_LINE_2 + _TRAINER_TAIL + " gnorm=0.841")
-    assert isinstance(ev, StatusEvent)
-    line = format_status_line(ev)
-    head, tail = line.split(cut)
-    events = parse_text(f"{head}\n{cut}{tail}\n")
-    assert [format_line(e) for e in events] == [line]
-
-
-def test_width_free_rejoin_never_swallows_an_unrelated_row() -> None:
-    """A row starting with ' | ' that does not complete the status line stays its own line."""
-    ev = parse_line(SEED_LINE_2)
-    assert isinstance(ev, StatusEvent)
-    line = format_status_line(ev)
-    events = parse_text(f"{line}\n | not a key value row\n")
-    assert [e.kind for e in events] == ["status", "raw"]
-    assert format_line(events[0]) == line
 
 
 _sgr = st.lists(st.integers(0, 255), max_size=3).map(
@@ -457,7 +375,9 @@ _sgr = st.lists(st.integers(0, 255), max_size=3).map(
 
 
 @given(status_events, st.lists(st.tuples(st.integers(0, 400), _sgr), max_size=4))
-def test_colour_codes_anywhere_in_a_status_line_change_nothing(ev: StatusEvent, cuts: list) -> None:
+def test_colour_codes_anywhere_in_a_status_line_change_nothing(
+    ev: StatusEvent, cuts: list[tuple[int, str]]
+) -> None:
     """SGR sequences inserted at any positions (a pager, `capture-pane -e`): the same event."""
     line = format_status_line(ev)
     coloured = line

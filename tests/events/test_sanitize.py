@@ -90,17 +90,13 @@ def test_other_events_keep_the_stripped_text() -> None:
     assert isinstance(raw, RawLine) and raw.text == "warning: bold"
 
 
-def test_parse_text_strips_escapes_per_row_before_rejoining_wrapped_rows() -> None:
-    from trainer.events import parse_line, parse_text
+def test_parse_text_strips_escapes_line_by_line() -> None:
+    """A coloured status line parses as the plain one; an unterminated OSC on a line of its own
+    swallows nothing after it (it and an escape-only line are blank once stripped: dropped)."""
+    from trainer.events import RawLine, parse_line, parse_text
 
-    width = 80
-    rows = [STATUS[i : i + width] for i in range(0, len(STATUS), width)]
-    # `capture-pane -e` colours each row; the escape bytes do not count towards the width.
-    coloured = "\n".join(f"\x1b[32m{r}\x1b[0m" for r in rows)
-    # An unterminated OSC on a row of its own must not swallow the rows after it.
-    text = "\x1b]0;cut off\n" + coloured + "\nplain tail"
-    for w in (width, None):
-        evs = parse_text(text, w)
-        statuses = [e for e in evs if isinstance(e, StatusEvent)]
-        assert statuses == [parse_line(STATUS)], w
-        assert evs[-1].text == "plain tail"
+    text = "\x1b]0;cut off\n" + f"\x1b[32m{STATUS}\x1b[0m" + "\n\x1b[0m\nplain tail"
+    evs = parse_text(text)
+    assert [e.kind for e in evs] == ["status", "raw"]
+    assert evs[0] == parse_line(STATUS)
+    assert isinstance(evs[-1], RawLine) and evs[-1].text == "plain tail"

@@ -17,7 +17,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from trainer.events import EvalEvent
+from trainer.events.evaluation import EvalEvent
 
 RUN_STATE_FILE = "run-state.json"
 

@@ -1,0 +1,124 @@
+"""Phase, checkpoint and error lines: their models, formatters and parsers.
+
+Each keeps the line it was parsed from in ``text`` (what `format_line` prints back).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict
+
+from trainer.events.grammar import INT, Field, LineGrammar
+
+__all__ = [
+    "CHECKPOINT_PREFIX",
+    "ERROR_PREFIX",
+    "PHASE_TEXTS",
+    "CheckpointEvent",
+    "ErrorEvent",
+    "PhaseEvent",
+    "format_checkpoint_line",
+    "format_error_line",
+    "format_phase_line",
+    "parse_checkpoint_line",
+    "parse_error_line",
+    "parse_phase_line",
+]
+
+_FROZEN = ConfigDict(frozen=True, extra="forbid")
+
+# Phase lines: a fixed text per phase, optionally followed by " " + detail.
+PHASE_TEXTS: dict[str, str] = {
+    "loading": "Loading target and data...",
+    "resuming": "Resuming from checkpoint:",
+    "starting": "Starting pipeline...",
+    "running": "Pipeline running. Monitoring...",
+    "stopping": "Stopping pipeline...",
+    "finished": "Training finished.",
+    # printed by the supervisor (trainer.supervise), which runs the trainer as its child
+    "restarting": "Restarting trainer:",
+    "not_restarting": "Not restarting trainer:",
+    "gave_up": "Supervisor gave up",
+    "low_disk": "Run disk space:",  # detail "low: ..." or "ok again: ..."
+}
+CHECKPOINT_PREFIX = "Checkpoint saved: "
+ERROR_PREFIX = "ERROR: "
+
+
+class PhaseEvent(BaseModel):
+    """A lifecycle line such as ``Starting pipeline...``; ``detail`` is any text after it."""
+
+    model_config = _FROZEN
+
+    kind: Literal["phase"] = "phase"
+    phase: str
+    detail: str = ""
+    text: str
+
+
+class CheckpointEvent(BaseModel):
+    """``Checkpoint saved: step=1200 path=/run/checkpoints/step-00001200.pt``."""
+
+    model_config = _FROZEN
+
+    kind: Literal["checkpoint"] = "checkpoint"
+    step: int
+    path: str
+    text: str
+
+
+class ErrorEvent(BaseModel):
+    """``ERROR: <one-line message>``; the traceback, if any, follows as raw lines."""
+
+    model_config = _FROZEN
+
+    kind: Literal["error"] = "error"
+    message: str
+    text: str
+
+
+def format_phase_line(phase: str, detail: str = "") -> str:
+    """The line for a lifecycle phase (one of PHASE_TEXTS)."""
+    text = PHASE_TEXTS[phase]
+    return f"{text} {detail}" if detail else text
+
+
+def parse_phase_line(line: str) -> PhaseEvent | None:
+    """The PhaseEvent of a phase line, or None when it is not one."""
+    for phase, text in PHASE_TEXTS.items():
+        if line == text:
+            return PhaseEvent(phase=phase, text=line)
+        if line.startswith(text + " "):
+            return PhaseEvent(phase=phase, detail=line[len(text) + 1 :], text=line)
+    return None
+
+
+_CHECKPOINT = LineGrammar(
+    CHECKPOINT_PREFIX + "step={step} path={path}",
+    {"step": INT, "path": Field(r"(.+)", str, str)},
+    extras=False,
+)
+
+
+def format_checkpoint_line(step: int, path: str) -> str:
+    """The line printed after a checkpoint is durably on disk."""
+    return _CHECKPOINT.format({"step": step, "path": path})
+
+
+def parse_checkpoint_line(line: str) -> CheckpointEvent | None:
+    """The CheckpointEvent of a checkpoint line, or None when it is not one."""
+    values = _CHECKPOINT.parse(line)
+    return None if values is None else CheckpointEvent(**values, text=line)
+
+
+def format_error_line(message: str) -> str:
+    """One error line; newlines in the message are folded so the line stays one line."""
+    return ERROR_PREFIX + " ".join(message.split())
+
+
+def parse_error_line(line: str) -> ErrorEvent | None:
+    """The ErrorEvent of an ``ERROR: ...`` line, or None when it is not one."""
+    if not line.startswith(ERROR_PREFIX):
+        return None
+    return ErrorEvent(message=line[len(ERROR_PREFIX) :], text=line)
