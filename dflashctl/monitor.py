@@ -5,9 +5,14 @@ Two halves:
 * a pure reducer: `apply_line` / `apply_event` / `apply_status` fold `trainer.events` events and
   `RunControl.status()` results into an immutable `RunState`, so replayed status lines give the
   exact state a live stream gives, and every pane is a pure function of one `RunState`;
-* `HostFollower`: one async task per host that streams `RunControl.follow`, polls `status()` and
-  `gpus()`, and reconnects with capped exponential backoff. It never touches widgets; it publishes
-  each new `RunState` through a callback, and the app coalesces those into a few redraws a second.
+* `HostFollower`: one async task per host that follows status.log through the one follow loop
+  (`dflashctl.follow.LogFollower`, typed events, one backoff) and polls `status()` and `gpus()`.
+  It never touches widgets; it publishes each new `RunState` through a callback, and the app
+  coalesces those into a few redraws a second.
+
+What the run's plan is (total steps, end step, warmup, bucket edges) comes from the trainer's
+run-state.json (`trainer.events.run_state.RunState`, via the status poll): this side never
+re-derives what the trainer decided; before the trainer has written it, it is unknown.
 
 Plus the restart plan (`plan_restart`): the unified diff between the deployed and the local run
 config and whether the restart can resume or must start fresh (and which keys force that).
@@ -18,12 +23,26 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
-from dflashctl.control import LOG_RESTARTED, restart_reason, restart_time, run_finished
+from pydantic import ValidationError
+
+from dflashctl.control import GpuSample, restart_reason, restart_time, run_finished
+from dflashctl.follow import (
+    Backoff,
+    Connected,
+    FollowEvent,
+    Line,
+    LogFollower,
+    LogRestarted,
+    LogSource,
+    Lost,
+    any_failure,
+    describe_failure,
+)
 from trainer.events import (
     CheckpointEvent,
     ErrorEvent,
@@ -33,6 +52,7 @@ from trainer.events import (
     format_line,
     parse_line,
 )
+from trainer.events import run_state as contract
 
 HISTORY = 180
 """Points kept per history series (sparklines): 180 status lines is 15 min at one line per 5 s."""
@@ -76,9 +96,10 @@ class RunState:
     q_pre_hist: tuple[tuple[int, ...], ...] = ()
     q_hs_hist: tuple[tuple[int, ...], ...] = ()
     log_tail: tuple[str, ...] = ()
-    gpus: tuple[Any, ...] = ()
-    run_info: dict[str, Any] = field(default_factory=dict)
-    """RUN/run-state.json as last polled (total_steps, warmup_steps, boundaries when present)."""
+    gpus: tuple[GpuSample, ...] = ()
+    run_info: contract.RunState = field(default_factory=contract.RunState)
+    """RUN/run-state.json as last polled: the trainer's plan (total_steps, end_step,
+    warmup_steps, boundaries) once it has written it."""
     config_changed: bool = False
     config_note: str | None = None
     """Why the config comparison could not be made (e.g. local file unreadable), if it could not."""
@@ -142,27 +163,63 @@ def apply_lines(state: RunState, lines: Iterable[str], now: float) -> RunState:
     return state
 
 
-def apply_status(state: RunState, status: Any) -> RunState:
+class StatusView(Protocol):
+    """What the reducer reads of a `dflashctl.control.RunStatus` (test doubles have the same)."""
+
+    @property
+    def state(self) -> str: ...
+    @property
+    def exit_status(self) -> int | None: ...
+    @property
+    def release(self) -> str | None: ...
+    @property
+    def config_hash(self) -> str | None: ...
+    @property
+    def message(self) -> str | None: ...
+    @property
+    def run_state(self) -> contract.RunState | Mapping[str, object]: ...
+    @property
+    def restarts(self) -> Sequence[object]: ...
+    @property
+    def supervisor(self) -> Mapping[str, Any] | None: ...
+    @property
+    def log_lines(self) -> int | None: ...
+
+
+def as_run_state(raw: contract.RunState | Mapping[str, object] | None) -> contract.RunState:
+    """The typed run-state of a status poll (a mapping, from a double, is validated the same
+    way; one that does not validate is an unwritten run-state, never half-read)."""
+    if isinstance(raw, contract.RunState):
+        return raw
+    try:
+        return contract.RunState.model_validate(dict(raw or {}))
+    except ValidationError:
+        return contract.RunState()
+
+
+def apply_status(state: RunState, status: StatusView) -> RunState:
     """Fold a `RunControl.status()` result (a `RunStatus`) into the state.
 
-    Read by attribute so this module depends on the agreed field names only: state,
-    exit_status, release, config_hash.
+    A poll that found no run-state.json keeps the one seen before (the trainer's plan does not
+    go away because one read came back empty).
     """
-    run = str(getattr(status, "state", "unknown"))
+    run = status.state
+    restarts: tuple[dict[str, Any], ...]
     if run == "unreachable":  # what we knew stays shown: the link is down, not the run
         restarts, supervisor = state.restarts, state.supervisor
     else:
-        restarts = tuple(r for r in getattr(status, "restarts", None) or () if isinstance(r, dict))
-        sup = getattr(status, "supervisor", None)
-        supervisor = sup if isinstance(sup, dict) else None
+        restarts = tuple(dict(r) for r in status.restarts or () if isinstance(r, Mapping))
+        sup = status.supervisor
+        supervisor = dict(sup) if isinstance(sup, Mapping) else None
+    info = as_run_state(status.run_state)
     return replace(
         state,
         run=run,
-        link_error=getattr(status, "message", None) if run == "unreachable" else state.link_error,
-        exit_status=getattr(status, "exit_status", None),
-        release=getattr(status, "release", None) or state.release,
-        config_hash=getattr(status, "config_hash", None) or state.config_hash,
-        run_info=getattr(status, "run_state", None) or state.run_info,
+        link_error=status.message if run == "unreachable" else state.link_error,
+        exit_status=status.exit_status,
+        release=status.release or state.release,
+        config_hash=status.config_hash or state.config_hash,
+        run_info=info if info.model_fields_set else state.run_info,
         restarts=restarts,
         supervisor=supervisor,
     )
@@ -285,13 +342,15 @@ def bucket_labels(boundaries: Sequence[int] | None, count: int) -> list[str]:
 
 @dataclass(frozen=True, slots=True)
 class RunShape:
-    """What only the run config knows and panes need: bucket ranges, queue capacity, LR schedule."""
+    """What the local run config states and panes need: the queue capacities, the epoch count,
+    the LR schedule, and the values the config gives explicitly (bucket edges as a list,
+    schedule.max_steps, schedule.warmup_steps). The trainer's own figures (run-state.json)
+    win over those; nothing here is derived from the config the way the trainer derives it."""
 
     boundaries: tuple[int, ...] | None = None
     q_pre_capacity: int | None = None
     q_hs_capacity: int | None = None
     warmup_steps: int | None = None
-    warmup_ratio: float | None = None
     total_steps: int | None = None
     epochs: float | None = None
     schedule: Callable[[int, int, int], float] | None = None
@@ -300,10 +359,11 @@ class RunShape:
 
 
 def shape_from_config(path: Path) -> RunShape:
-    """The panes' view of a run config: bucket edges, queue capacities, the LR schedule.
+    """The panes' view of a run config: explicit bucket edges, queue capacities, the LR schedule.
 
     An unreadable or invalid config gives an empty shape (the panes then show what status lines
-    alone tell); the restart modal is where config errors are reported.
+    alone tell); the restart modal is where config errors are reported. Planned edges
+    (`boundaries = "plan"`) are the trainer's to say, in run-state.json.
     """
     from trainer.config import ConfigError, TrainConfig
 
@@ -314,39 +374,20 @@ def shape_from_config(path: Path) -> RunShape:
     bounds = cfg.batching.boundaries
     sched = cfg.schedule
     return RunShape(
-        boundaries=tuple(bounds) if isinstance(bounds, list) else planned_boundaries(cfg),
+        boundaries=tuple(bounds) if isinstance(bounds, list) else None,
         q_pre_capacity=cfg.topology.prefetch_depth,
         q_hs_capacity=cfg.topology.hidden_depth,
         warmup_steps=sched.warmup_steps,
-        warmup_ratio=sched.warmup_ratio,
         total_steps=sched.max_steps,
         epochs=sched.epochs,
         schedule=lr_schedule(cfg.optimizer.lr, sched.min_lr),
     )
 
 
-def planned_boundaries(cfg: Any) -> tuple[int, ...] | None:
-    """For `boundaries = "plan"`: the edges the trainer will plan, when the token store is
-    readable here (the demo, a shared filesystem). Same planner, same inputs, same answer; None
-    when the store is remote (then the trainer's run-state.json or b0..bN labels are used)."""
-    from trainer.buckets import plan_buckets
-    from trainer.data.store import StoreError, TokenStore
-
-    b = cfg.batching
-    if b.strategy != "bucketed":
-        return None
-    try:
-        store = TokenStore.open(cfg.resolve(cfg.data.store))
-    except (StoreError, OSError):
-        return None
-    plan = plan_buckets(store.lengths, b.num_buckets, b.token_budget, b.max_batch, simulate=False)
-    return tuple(int(x) for x in plan.boundaries)
-
-
 def lr_schedule(peak: float, floor: float) -> Callable[[int, int, int], float]:
     """The trainer's own LR schedule (torch-free `trainer.pipeline.schedule.lr_at`) bound to a
     config's peak and floor, so the curve drawn is the one the run follows."""
-    from trainer.pipeline.schedule import lr_at
+    from trainer.pipeline.schedule import lr_at  # TODO(issue 11): from a contract module
 
     def at(step: int, warmup: int, total: int) -> float:
         return lr_at(step, total_steps=total, warmup_steps=warmup, peak=peak, floor=floor)
@@ -354,53 +395,30 @@ def lr_schedule(peak: float, floor: float) -> Callable[[int, int, int], float]:
     return at
 
 
-def _reported_int(state: RunState, key: str) -> int | None:
-    """An integer the trainer reported: a status-line extra first, then run-state.json."""
-    raw = state.status.extra.get(key) if state.status is not None else None
-    if raw is None:
-        raw = state.run_info.get(key)
-    try:
-        return None if raw is None else int(raw)
-    except (TypeError, ValueError):
-        return None
-
-
 def total_steps(shape: RunShape, state: RunState) -> int | None:
-    """Total optimizer steps: as the trainer reports it, else the config's max_steps, else
-    extrapolated from the reported epoch fraction (step / epoch * epochs)."""
-    reported = _reported_int(state, "total_steps")
-    if reported:
-        return reported
-    if shape.total_steps:
-        return shape.total_steps
-    st = state.status
-    if st is not None and st.epoch and shape.epochs and st.step > 0:
-        return max(st.step, round(st.step / st.epoch * shape.epochs))
-    return None
+    """Optimizer steps of the whole schedule as the trainer computed them (run-state.json),
+    else the config's explicit max_steps; None (unknown) before either says."""
+    reported = state.run_info.total_steps
+    return reported if reported is not None else shape.total_steps
+
+
+def end_step(state: RunState) -> int | None:
+    """The step the run stops at (the schedule's end, or max_steps), as the trainer said."""
+    return state.run_info.end_step
 
 
 def warmup_steps(shape: RunShape, state: RunState) -> int | None:
-    """Warmup length as the trainer reports it, else derived from the config the way the
-    trainer derives it (explicit steps win over the ratio, capped at the run length)."""
-    reported = _reported_int(state, "warmup_steps")
-    if reported is not None:
-        return reported
-    total = total_steps(shape, state)
-    if total is None:
-        return shape.warmup_steps
-    if shape.warmup_steps is not None:
-        return min(shape.warmup_steps, total)
-    if shape.warmup_ratio:
-        return min(max(1, round(shape.warmup_ratio * total)), total)
-    return 0
+    """Warmup length as the trainer computed it (run-state.json), else the config's explicit
+    warmup_steps; None (unknown) when neither says: a ratio is the trainer's to apply."""
+    reported = state.run_info.warmup_steps
+    return reported if reported is not None else shape.warmup_steps
 
 
 def boundaries(shape: RunShape, state: RunState) -> Sequence[int] | None:
-    """Bucket edges: the planned ones the trainer reports (boundaries = "plan"), else config's."""
-    reported = state.run_info.get("boundaries")
-    if isinstance(reported, list) and all(isinstance(b, int) for b in reported):
-        return reported
-    return shape.boundaries
+    """Bucket edges: the ones the trainer reports (planned or configured), else the config's
+    explicit list; None (b0..bN labels) when neither says."""
+    reported = state.run_info.boundaries
+    return reported if reported is not None else shape.boundaries
 
 
 # ----------------------------------------------------------------------------- restart plan
@@ -480,46 +498,27 @@ def plan_restart(deployed: str, local_path: Path, checkpoint: Any = _NOT_ASKED) 
 # ----------------------------------------------------------------------------- follower
 
 
-class Control(Protocol):
-    """The slice of `dflashctl.control.RunControl` the follower uses."""
+class FollowedHost(LogSource, Protocol):
+    """The slice of `dflashctl.control.RunService` the follower uses."""
 
-    async def status(self) -> Any: ...
+    async def status(self) -> StatusView: ...
 
-    def follow(
-        self,
-        from_line: int = 0,
-        *,
-        on_link: Callable[[str], None] | None = None,
-        delay: Callable[[int], float] | None = None,
-    ) -> AsyncIterator[str]: ...
-
-    async def gpus(self) -> list[Any]: ...
-
-
-@dataclass(frozen=True, slots=True)
-class Backoff:
-    """Capped exponential reconnect delay: 1, 2, 4, ... 30 s (no jitter: the UI shows it)."""
-
-    initial: float = 1.0
-    factor: float = 2.0
-    maximum: float = 30.0
-
-    def delay(self, attempt: int) -> float:
-        return min(self.maximum, self.initial * self.factor ** max(0, attempt))
+    async def gpus(self) -> Sequence[GpuSample]: ...
 
 
 @dataclass
 class HostFollower:
-    """Keeps one host's `RunState` current over a `Control`; isolates that host's failures.
+    """Keeps one host's `RunState` current over a `FollowedHost`; isolates that host's failures.
 
-    `RunControl.follow` already survives dropped links (it re-tails from the last line it
-    delivered); the follower listens to its link reports, supplies the backoff so the UI can show
-    "retry in Ns", and restarts the stream at once on `reconnect_now`. `publish` is called with
-    every new state and must be cheap: the app stores it and marks the host dirty.
+    The stream is the one follow loop (`dflashctl.follow.LogFollower`, which owns the read
+    position): any failure is a lost link, retried after `backoff` so the UI can show
+    "retry in Ns", and `reconnect_now` connects again at once. The status and GPU pollers run
+    beside it. `publish` is called with every new state and must be cheap: the app stores it
+    and marks the host dirty.
     """
 
     host: str
-    control: Control
+    control: FollowedHost
     publish: Callable[[RunState], None]
     clock: Callable[[], float] = time.time
     backoff: Backoff = field(default_factory=Backoff)
@@ -527,12 +526,10 @@ class HostFollower:
     gpu_every: float = 10.0
     call_timeout: float = 20.0
     state: RunState = field(init=False)
-    _stream: asyncio.Task[None] | None = field(init=False, default=None)
-    _wake: asyncio.Event = field(init=False)
+    _log: LogFollower | None = field(init=False, default=None)
 
     def __post_init__(self) -> None:
         self.state = RunState(host=self.host)
-        self._wake = asyncio.Event()
 
     def _set(self, state: RunState) -> None:
         self.state = state
@@ -540,9 +537,8 @@ class HostFollower:
 
     def reconnect_now(self) -> None:
         """Drop the current stream (and any backoff wait) and follow again immediately."""
-        self._wake.set()
-        if self._stream is not None and not self._stream.done():
-            self._stream.cancel()
+        if self._log is not None:
+            self._log.reconnect_now()
 
     def mark_config(self, changed: bool, note: str | None = None) -> None:
         self._set(replace(self.state, config_changed=changed, config_note=note))
@@ -554,20 +550,23 @@ class HostFollower:
     def reset_stream(self) -> None:
         """Forget what was read: after a fresh restart status.log starts over."""
         self._set(replace(self.state, lines_seen=0))
-        self.reconnect_now()
+        if self._log is not None:
+            self._log.restart()
 
     async def poll_status(self) -> None:
         """One status poll; failures mark the host unreachable instead of raising."""
+        mark = self._log.mark() if self._log is not None else None
         try:
             status = await asyncio.wait_for(self.control.status(), self.call_timeout)
         except Exception as exc:  # any failure of one host is that host's state, not a crash
-            self._set(replace(self.state, run="unreachable", link_error=_one_line(exc)))
+            self._set(replace(self.state, run="unreachable", link_error=describe_failure(exc)))
             return
         self._set(apply_status(self.state, status))
-        log_lines = getattr(status, "log_lines", None)
         reachable = self.state.run not in {"unreachable", "unknown"}
-        if reachable and isinstance(log_lines, int) and 0 <= log_lines < self.state.lines_seen:
-            self.reset_stream()  # status.log shrank: a fresh run started it over
+        if reachable and mark is not None and self._log is not None:
+            log_lines = status.log_lines
+            if isinstance(log_lines, int) and log_lines >= 0:  # shrank: a fresh run started it
+                self._log.saw_line_count(log_lines, mark)
 
     async def _skip_to_what_is_shown(self) -> None:
         """Start the first follow LOG_TAIL lines before the end of status.log, not at line 1.
@@ -581,7 +580,7 @@ class HostFollower:
             status = await asyncio.wait_for(self.control.status(), self.call_timeout)
         except Exception:  # an unreachable host: the follow and the poller will say so
             return
-        total = getattr(status, "log_lines", None)
+        total = status.log_lines
         if isinstance(total, int) and total > LOG_TAIL and not self.state.lines_seen:
             self._set(replace(self.state, lines_seen=total - LOG_TAIL))
 
@@ -590,29 +589,22 @@ class HostFollower:
             gpus = await asyncio.wait_for(self.control.gpus(), self.call_timeout)
             self._set(replace(self.state, gpus=tuple(gpus)))
 
-    def _on_link(self, report: str) -> None:
-        if report == LOG_RESTARTED:  # the stream reads status.log again from its first line
-            self._set(replace(self.state, lines_seen=0))
-        elif report == "connected":
-            self._set(apply_link(self.state, "connecting"))
-        else:
-            self._set(apply_link(self.state, "retrying", report.removeprefix("lost: ")))
-
-    def _delay(self, attempt: int) -> float:
-        wait = self.backoff.delay(attempt)
-        self._set(replace(self.state, retry_at=self.clock() + wait))
-        return wait
-
-    async def _follow(self) -> None:
-        stream = self.control.follow(
-            from_line=self.state.lines_seen, on_link=self._on_link, delay=self._delay
-        )
-        async for line in stream:
-            state = self.state
+    async def _on_event(self, event: FollowEvent) -> None:
+        state = self.state
+        if isinstance(event, Line):
             if state.link != "live":
                 state = apply_link(state, "live")
-            self._set(apply_line(state, line, self.clock()))
-        raise ConnectionError("log stream ended")
+            state = apply_line(state, event.text, self.clock())
+            self._set(replace(state, lines_seen=event.number + 1))
+        elif isinstance(event, Connected):
+            self._set(apply_link(state, "connecting"))
+            if state.link == "retrying":  # back after a wait: say what the run did meanwhile
+                await self.poll_status()
+        elif isinstance(event, Lost):
+            retry_at = self.clock() + event.retry_in
+            self._set(apply_link(state, "retrying", event.reason, retry_at))
+        elif isinstance(event, LogRestarted):  # status.log is read again from its first line
+            self._set(replace(state, lines_seen=0))
 
     async def _poll_loop(self, every: float, poll: Callable[[], Awaitable[None]]) -> None:
         while True:
@@ -620,43 +612,32 @@ class HostFollower:
             await asyncio.sleep(every)
 
     async def run(self) -> None:
-        """Follow forever (until cancelled). A stream that fails outright (not a dropped link,
-        which `follow` handles) is retried here with the same backoff."""
-        me = asyncio.current_task()
+        """Follow forever (until cancelled): the follow loop's events fold into the state."""
         await self._skip_to_what_is_shown()
+        log = LogFollower(
+            self.control,
+            self.state.lines_seen,
+            delay=self.backoff.delay,
+            retryable=any_failure,
+            name=self.host,
+        )
+        self._log = log
         pollers = [
             asyncio.create_task(self._poll_loop(self.status_every, self.poll_status)),
             asyncio.create_task(self._poll_loop(self.gpu_every, self.poll_gpus)),
         ]
-        attempt = 0
         try:
-            while True:
-                self._wake.clear()
-                self._stream = asyncio.create_task(self._follow())
-                try:
-                    await self._stream
-                except asyncio.CancelledError:
-                    if me is not None and me.cancelling():
-                        raise
-                    attempt = 0  # reconnect_now: go again at once
-                    continue
-                except Exception as exc:
-                    wait = self.backoff.delay(attempt)
-                    attempt += 1
-                    retry_at = self.clock() + wait
-                    self._set(apply_link(self.state, "retrying", _one_line(exc), retry_at))
-                    with contextlib.suppress(TimeoutError):
-                        await asyncio.wait_for(self._wake.wait(), wait)
-                    await self.poll_status()
+            async for event in log.events():
+                await self._on_event(event)
         finally:
-            for task in [*pollers, self._stream]:
-                if task is not None:
-                    task.cancel()
-            await asyncio.gather(
-                *(t for t in [*pollers, self._stream] if t), return_exceptions=True
-            )
+            self._log = None
+            for task in pollers:
+                task.cancel()
+            await asyncio.gather(*pollers, return_exceptions=True)
 
 
-def _one_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
+if TYPE_CHECKING:
+    from dflashctl.control import RunControl, RunService
+
+    def _slices(service: RunService, control: RunControl) -> tuple[FollowedHost, FollowedHost]:
+        return service, control  # both serve a follower (checked by mypy)

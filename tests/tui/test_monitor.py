@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
+from dflashctl.follow import Backoff
 from dflashctl.monitor import (
     HISTORY,
     LOG_TAIL,
-    Backoff,
     HostFollower,
     RunShape,
     RunState,
@@ -21,6 +21,7 @@ from dflashctl.monitor import (
     boundaries,
     bucket_labels,
     display_state,
+    end_step,
     format_age,
     shape_from_config,
     total_steps,
@@ -28,6 +29,7 @@ from dflashctl.monitor import (
 )
 from tests.tui.fixtures import FIXED_NOW, ReplayControl, Status, run_lines, status_line
 from trainer.config import TrainConfig
+from trainer.events import run_state as contract
 from trainer.pipeline.schedule import lr_at
 
 REPO_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "tiny-cpu.toml"
@@ -93,7 +95,8 @@ def test_a_run_that_trained_its_whole_plan_shows_finished(
     exit_status: int, trainer_state: str, expected: str
 ) -> None:
     run = "stopped" if exit_status == 0 else "crashed"
-    state = RunState("h", run=run, exit_status=exit_status, run_info={"state": trainer_state})
+    info = contract.RunState.model_validate({"state": trainer_state})
+    state = RunState("h", run=run, exit_status=exit_status, run_info=info)
     assert display_state(state, FIXED_NOW) == expected
 
 
@@ -150,33 +153,47 @@ def test_bucket_labels_from_boundaries_or_fallback() -> None:
     assert bucket_labels(None, 1) == ["b0"]
 
 
-def test_total_and_warmup_steps_prefer_the_trainers_report() -> None:
-    shape = RunShape(total_steps=1000, warmup_ratio=0.04, epochs=6.0)
+def written_run_state(run_dir: Path, **fields: object) -> contract.RunState:
+    """run-state.json as the trainer writes it (its one writer), read back as status does."""
+    from trainer.pipeline.status import RunStateFile
+
+    run_dir.mkdir(parents=True, exist_ok=True)
+    writer = RunStateFile(run_dir)
+    assert writer.update(**fields) == []
+    parsed, problem = contract.parse_run_state(writer.path.read_text())
+    assert problem is None
+    return parsed
+
+
+def test_total_and_warmup_steps_prefer_the_trainers_report(tmp_path: Path) -> None:
+    shape = RunShape(total_steps=1000, epochs=6.0)
     state = apply_line(RunState("h"), status_line(5), FIXED_NOW)
+    state = apply_status(state, Status(run_state=written_run_state(tmp_path, warmup_steps=40)))
     assert total_steps(shape, state) == 1000
     assert warmup_steps(shape, state) == 40
-    reported = apply_line(state, status_line(6, total_steps="5000", warmup_steps="200"), FIXED_NOW)
+    info = written_run_state(tmp_path, total_steps=5000, warmup_steps=200)
+    reported = apply_status(apply_line(state, status_line(6), FIXED_NOW), Status(run_state=info))
     assert (total_steps(shape, reported), warmup_steps(shape, reported)) == (5000, 200)
-    # no config total: extrapolated from the epoch fraction the trainer reports
-    assert reported.status is not None and reported.status.epoch
-    no_total = RunShape(epochs=6.0, warmup_steps=10)
-    expected = round(reported.status.step / reported.status.epoch * 6.0)
-    assert (
-        total_steps(
-            no_total, replace(reported, status=reported.status.model_copy(update={"extra": {}}))
-        )
-        == expected
-    )
+    # nothing reported and nothing in the config: unknown, never extrapolated or derived
+    unknown = apply_line(RunState("h"), status_line(6), FIXED_NOW)
+    assert unknown.status is not None and unknown.status.epoch
+    assert (total_steps(RunShape(epochs=6.0), unknown), end_step(unknown)) == (None, None)
+    assert warmup_steps(RunShape(epochs=6.0), unknown) is None
 
 
-def test_run_state_json_supplies_total_warmup_and_planned_boundaries() -> None:
-    shape = RunShape(boundaries=None, warmup_ratio=0.04, epochs=2.0)
+def test_run_state_json_supplies_total_warmup_and_planned_boundaries(tmp_path: Path) -> None:
+    shape = RunShape(boundaries=None, epochs=2.0)
     state = apply_line(RunState("h"), status_line(5), FIXED_NOW)
-    info = {"total_steps": 1234, "warmup_steps": 49, "boundaries": [0, 24, 48, 96]}
-    state = apply_status(state, Status(run_state=info))  # type: ignore[call-arg]
+    info = written_run_state(
+        tmp_path, total_steps=1234, end_step=1000, warmup_steps=49, boundaries=[0, 24, 48, 96]
+    )
+    state = apply_status(state, Status(run_state=info))
     assert (total_steps(shape, state), warmup_steps(shape, state)) == (1234, 49)
+    assert end_step(state) == 1000
     assert boundaries(shape, state) == [0, 24, 48, 96]
     assert bucket_labels(boundaries(shape, state), 3) == ["[0,24)", "[24,48)", "[48,96)"]
+    # a later poll that found no run-state.json keeps the plan already known
+    assert apply_status(state, Status()).run_info == info
 
 
 def test_shape_from_the_bundled_config_uses_the_trainers_schedule() -> None:
@@ -184,7 +201,7 @@ def test_shape_from_the_bundled_config_uses_the_trainers_schedule() -> None:
     shape = shape_from_config(REPO_CONFIG)
     assert shape.q_pre_capacity == cfg.topology.prefetch_depth
     assert shape.q_hs_capacity == cfg.topology.hidden_depth
-    assert (shape.epochs, shape.warmup_ratio) == (cfg.schedule.epochs, cfg.schedule.warmup_ratio)
+    assert shape.epochs == cfg.schedule.epochs
     assert shape.schedule is not None
     for step in (0, 5, 39, 40, 500, 999):
         assert shape.schedule(step, 40, 1000) == lr_at(
@@ -255,7 +272,7 @@ async def test_shrunk_status_log_restarts_the_stream_from_zero() -> None:
     try:
         await _until(lambda: follower.state.lines_seen == 6)
         control.lines[:] = run_lines(1)  # a fresh run started status.log over
-        control.status_value = replace(control.status_value, log_lines=3)  # type: ignore[call-arg]
+        control.status_value = replace(control.status_value, log_lines=3)
         await follower.poll_status()
         await _until(
             lambda: (
@@ -276,8 +293,8 @@ async def test_a_log_restart_reported_by_the_stream_resets_the_line_count() -> N
     try:
         await _until(lambda: follower.state.lines_seen == 6)
         control.lines[:] = run_lines(1)  # replaced while the link was down; no poll saw it
-        follower.reconnect_now()
-        await _until(lambda: [a for n, a in control.calls if n == "follow"][-1] == 6)
+        follower.reconnect_now()  # the reconnect from line 6 asks how long the log is now
+        await _until(lambda: ("log_line_count", None) in control.calls)
         await _until(lambda: follower.state.lines_seen == 3)
         await asyncio.sleep(0.05)
     finally:
@@ -287,7 +304,7 @@ async def test_a_log_restart_reported_by_the_stream_resets_the_line_count() -> N
     assert follower.state.status is not None and follower.state.status.step == 0
 
 
-def test_planned_boundaries_match_the_trainers_planner_on_a_local_store(tmp_path: Path) -> None:
+def test_planned_boundaries_shown_are_the_trainers_from_run_state(tmp_path: Path) -> None:
     import subprocess
     import sys
 
@@ -316,16 +333,23 @@ def test_planned_boundaries_match_the_trainers_planner_on_a_local_store(tmp_path
     config = tmp_path / "run.toml"
     config.write_text(text)
     cfg = TrainConfig.load(config)
-    from trainer.buckets import plan_buckets
+    from trainer.buckets import plan_buckets, sampler_for
     from trainer.data.store import TokenStore
 
     b = cfg.batching
     expected = plan_buckets(
         TokenStore.open(store).lengths, b.num_buckets, b.token_budget, b.max_batch, simulate=False
     ).boundaries
+    # the trainer plans them (its one sampler builder) and writes them to run-state.json
+    sampler = sampler_for(cfg.batching, TokenStore.open(store).lengths, seed=cfg.seed)
+    info = written_run_state(tmp_path / "run", boundaries=list(sampler.boundaries))
     shape = shape_from_config(config)
-    assert shape.boundaries == tuple(expected) and len(expected) == b.num_buckets + 1
-    # a store that is not here (a remote host's path): no guess, the labels fall back
+    state = apply_status(RunState("h"), Status(run_state=info))
+    shown = boundaries(shape, state)
+    assert shown is not None
+    assert tuple(shown) == tuple(expected) and len(expected) == b.num_buckets + 1
+    # not reported yet (and never planned here, store or not): no guess, the labels fall back
+    assert shape.boundaries is None and boundaries(shape, RunState("h")) is None
     config.write_text(text.replace(str(store), str(tmp_path / "elsewhere")))
     assert shape_from_config(config).boundaries is None
 
@@ -335,7 +359,7 @@ async def test_first_follow_starts_where_the_panes_need_it_not_at_line_one() -> 
     lines before the end (the panes keep no more), so what is shown is the same."""
     lines = run_lines(LOG_TAIL + 600)
     control = ReplayControl(lines=lines)
-    control.status_value = replace(control.status_value, log_lines=len(lines))  # type: ignore[call-arg]
+    control.status_value = replace(control.status_value, log_lines=len(lines))
     follower = HostFollower("h", control, lambda s: None, clock=lambda: FIXED_NOW)
     task = asyncio.create_task(follower.run())
     try:
