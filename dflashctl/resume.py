@@ -20,24 +20,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from dflashctl.errors import DflashctlError, ExitCode, UsageError
 from dflashctl.inventory import HostConfig
 from dflashctl.remote.transport import Transport
+from dflashctl.runconfig import RunConfigError, validate_config
+from trainer.config import ConfigError, TrainConfig, resume_critical_changes
+
+# What the trainer requires of a checkpoint it resumes, from the contract both sides read, so
+# the reader skips what the trainer would skip.
+from trainer.events.checkpoint_layout import CHECKPOINT_VERSION, REQUIRED_KEYS
 
 RESUME_CHOICE_RE = re.compile(r"auto|never|\d+|[^-\s;][^\s;]*")
-# What the trainer requires of a checkpoint it resumes (trainer.pipeline.checkpoint, which
-# imports torch; a test keeps the two equal), so the reader skips what the trainer would skip.
-CHECKPOINT_VERSION = 1
-REQUIRED_KEYS = (
-    "step",
-    "micro",
-    "world_size",
-    "config",
-    "drafter",
-    "optimizer",
-    "sampler",
-    "rng",
-    "counters",
-)
 
 # argv: run dir (relative to the cwd = workdir), choice (auto | STEP | PATH), version, required
 # keys (comma-separated). Prints one JSON
@@ -117,12 +110,16 @@ print(json.dumps({"used": used, "skipped": skipped, "count": len(found)}))
 """
 
 
-class ResumeRefused(Exception):
-    """The config cannot resume the checkpoint a resume would load (one line, names keys)."""
+class ResumeRefused(DflashctlError):
+    """The config cannot resume the checkpoint a resume would load (one line, names keys);
+    the CLI exits 1."""
+
+    exit_code = ExitCode.FAILED
 
 
-class ResumeChoiceError(ValueError):
-    """A `--resume` value that is neither auto, never, a step nor a path."""
+class ResumeChoiceError(UsageError, ValueError):
+    """A `--resume` value that is neither auto, never, a step nor a path (a ValueError too,
+    for argparse)."""
 
 
 def validate_resume_choice(value: str) -> str:
@@ -196,15 +193,12 @@ async def read_checkpoint_config(
 
 def breaking_keys(saved: dict[str, Any], new_path: Path) -> list[str]:
     """Resume-critical keys that differ between a checkpoint's saved config and `new_path`."""
-    from dflashctl.runconfig import RunConfigError, validate_config
-    from trainer.config import ConfigError, TrainConfig, resume_critical_changes
-
     new = validate_config(new_path)
     try:
         old = TrainConfig.from_dict(saved, source="checkpoint config")
     except (ConfigError, ValueError) as err:
         raise RunConfigError(f"the checkpoint's saved config does not validate: {err}") from None
-    return list(resume_critical_changes(old, new))  # type: ignore[arg-type]
+    return list(resume_critical_changes(old, new))
 
 
 @dataclass(frozen=True)

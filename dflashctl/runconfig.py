@@ -11,9 +11,14 @@ import difflib
 import tempfile
 from pathlib import Path
 
+from dflashctl.errors import ExitCode, UsageError
+from trainer.config import ConfigError, TrainConfig, config_hash, resume_critical_changes
 
-class RunConfigError(Exception):
-    """The run config is invalid (message names the file and key)."""
+
+class RunConfigError(UsageError):
+    """The run config is invalid (message names the file and key); the CLI exits 2."""
+
+    exit_code = ExitCode.USAGE
 
 
 def read_config_text(path: Path) -> str:
@@ -34,25 +39,18 @@ def read_config_text(path: Path) -> str:
         ) from None
 
 
-def validate_config(path: Path) -> object:
+def validate_config(path: Path) -> TrainConfig:
     """Load `path` with TrainConfig.load; RunConfigError on any problem."""
     if not path.is_file():
         raise RunConfigError(f"{path}: run config not found")
     read_config_text(path)  # a non-UTF-8 file is named with its byte offset, whatever the loader
-    try:
-        from trainer.config import ConfigError, TrainConfig
-    except ImportError as err:
-        raise RunConfigError(
-            f"{path}: cannot validate: trainer.config unavailable ({err})"
-        ) from None
-
     try:
         return TrainConfig.load(path)
     except ConfigError as err:
         raise RunConfigError(str(err)) from None
 
 
-def _load_text(text: str, name: str) -> object:
+def _load_text(text: str, name: str) -> TrainConfig:
     with tempfile.TemporaryDirectory() as tmp:
         p = Path(tmp) / name
         p.write_text(text, encoding="utf-8")
@@ -60,25 +58,19 @@ def _load_text(text: str, name: str) -> object:
 
 
 def config_hash_of_file(path: Path) -> str:
-    from trainer.config import config_hash
-
-    return str(config_hash(validate_config(path)))
+    return config_hash(validate_config(path))
 
 
 def config_hash_of_text(text: str) -> str | None:
     """Hash of a config's text (None if it does not validate: a remote file we only show)."""
     try:
-        from trainer.config import config_hash
-
-        return str(config_hash(_load_text(text, "remote-config.toml")))
-    except (RunConfigError, ImportError):
+        return config_hash(_load_text(text, "remote-config.toml"))
+    except RunConfigError:
         return None
 
 
 def resume_breaking_changes(old_text: str, new_path: Path) -> list[str]:
     """Dotted keys whose change makes `--resume auto` impossible (empty if old is invalid)."""
-    from trainer.config import resume_critical_changes
-
     try:
         old = _load_text(old_text, "remote-config.toml")
     except RunConfigError:

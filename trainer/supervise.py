@@ -45,12 +45,12 @@ from trainer.config.policy import (
     restart_argv,
     run_dir_of,
 )
+from trainer.errors import ExitCode
 from trainer.events import format_phase_line
 from trainer.supervision import disk, procinfo
 from trainer.supervision.progress import LogTail, Progress
 from trainer.supervision.statefile import now_iso, read_trainer_state, write_state
 
-EXIT_USAGE = 2
 TICK_S = 0.1
 FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 PREFIX = "Supervisor: "
@@ -335,8 +335,8 @@ class Supervisor:
                 ending, progress = self.run_attempt(argv)
             except OSError as exc:
                 self.say(f"ERROR: cannot start the trainer {argv[0]!r}: {exc.strerror or exc}")
-                self.save(state="failed", detail=f"cannot start: {exc}", exit_status=EXIT_USAGE)
-                return EXIT_USAGE
+                self.save(state="failed", detail=f"cannot start: {exc}", exit_status=ExitCode.USAGE)
+                return ExitCode.USAGE
             if progress.checkpoint_step is not None:
                 last_checkpoint = progress.checkpoint_step
             verdict, why = decide(ending, self.policy)
@@ -361,8 +361,10 @@ class Supervisor:
                     f"would fail its next checkpoint; free space there, then dflashctl start HOST"
                 )
                 self.say(format_phase_line("not_restarting", detail), status_log=True)
-                self.save(state="not-restarted", detail=detail, exit_status=status or 1)
-                return status or 1
+                self.save(
+                    state="not-restarted", detail=detail, exit_status=status or ExitCode.FAILED
+                )
+                return status or ExitCode.FAILED
             now = time.monotonic()
             self.failures.append((now, why))
             window = self.policy.restart_window_s
@@ -378,9 +380,9 @@ class Supervisor:
                     state="gave-up",
                     gave_up=True,
                     detail=f"gave up {detail}",
-                    exit_status=status or 1,
+                    exit_status=status or ExitCode.FAILED,
                 )
-                return status or 1
+                return status or ExitCode.FAILED
             number = len(recent) + 1
             wait = self.policy.backoff(number)
             argv = restart_argv(self.argv, self.wrote_checkpoint)
