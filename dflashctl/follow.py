@@ -186,7 +186,7 @@ class LogFollower:
     def _started_over(count: int | None, lines_read: int) -> bool:
         return count is not None and count < lines_read
 
-    async def events(self) -> AsyncIterator[FollowEvent]:
+    async def events(self) -> AsyncGenerator[FollowEvent, None]:
         """Connected, Line..., Lost (and LogRestarted) events, forever (or until
         `max_attempts`); a failure `retryable` refuses is raised."""
         attempt = 0
