@@ -22,11 +22,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import enum
 import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeVar
 
 from pydantic import ValidationError
 
@@ -54,6 +55,9 @@ from trainer.events import (
 )
 from trainer.events import run_state as contract
 
+if TYPE_CHECKING:
+    from dflashctl.resume import CheckpointConfig
+
 HISTORY = 180
 """Points kept per history series (sparklines): 180 status lines is 15 min at one line per 5 s."""
 LOG_TAIL = 400
@@ -61,6 +65,7 @@ LOG_TAIL = 400
 STALE_AFTER_S = 60.0
 """A running host whose last line is older than this is shown as stale (with its age)."""
 DASH = "—"
+T = TypeVar("T")
 
 LinkState = Literal["connecting", "live", "retrying"]
 
@@ -109,7 +114,7 @@ class RunState:
     """status `supervisor` (policy, state, gave_up, detail) of the pane's run, if supervised."""
 
 
-def _push(hist: tuple[Any, ...], value: Any, limit: int = HISTORY) -> tuple[Any, ...]:
+def _push(hist: tuple[T, ...], value: T, limit: int = HISTORY) -> tuple[T, ...]:
     if len(hist) >= limit:
         return (*hist[len(hist) - limit + 1 :], value)
     return (*hist, value)
@@ -450,10 +455,17 @@ class RestartPlan:
         return "resume from the latest checkpoint (no resume-critical key changed)"
 
 
-_NOT_ASKED: Any = object()
+class NotAsked(enum.Enum):
+    """`plan_restart` was not told which checkpoint a resume would load."""
+
+    NOT_ASKED = enum.auto()
 
 
-def plan_restart(deployed: str, local_path: Path, checkpoint: Any = _NOT_ASKED) -> RestartPlan:
+def plan_restart(
+    deployed: str,
+    local_path: Path,
+    checkpoint: CheckpointConfig | NotAsked | None = NotAsked.NOT_ASKED,
+) -> RestartPlan:
     """Decide resume vs. fresh with the same rule `RunControl.restart` enforces.
 
     `checkpoint` is what `RunControl.checkpoint_config()` found (a CheckpointConfig, or None:
@@ -483,9 +495,9 @@ def plan_restart(deployed: str, local_path: Path, checkpoint: Any = _NOT_ASKED) 
         validate_config(local_path)
     except RunConfigError as exc:
         return RestartPlan(diff=diff, fresh=False, error=str(exc).replace("\n", " "))
-    if checkpoint is _NOT_ASKED:
+    if checkpoint is NotAsked.NOT_ASKED:
         keys = tuple(resume_breaking_changes(deployed, local_path)) if deployed else ()
-    elif checkpoint is None or getattr(checkpoint, "config", None) is None:
+    elif checkpoint is None or checkpoint.config is None:
         keys = ()  # no readable checkpoint: there is nothing a fresh start would set aside
     else:
         try:
