@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import json
 import random
-import re
 import signal
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import asdict, dataclass, field
@@ -23,10 +22,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from pydantic import ValidationError
 
 from dflashctl.deploy import (
-    RUNNING_RELEASE_FILE,
-    SWITCH_MARKER,
     DeployResult,
-    acknowledge_switch,
     deploy,
     push_config_file,
     switch_note,
@@ -34,15 +30,15 @@ from dflashctl.deploy import (
 from dflashctl.inventory import NAME_RE, HostConfig, InventoryError
 from dflashctl.release import Release
 from dflashctl.remote.commands import (
-    SETTLED_PANE_FN,
-    SUPERVISOR_FILE,
     SUPERVISOR_MODULE,
     PaneState,
     guarded,
+    line_count,
     parse_pane_state,
     read_file,
     supervised,
     tail_follow,
+    tail_from,
     tmux_capture,
     tmux_interrupt,
     tmux_kill_session,
@@ -50,6 +46,16 @@ from dflashctl.remote.commands import (
     tmux_settled_pane_state,
     write_file_atomic,
 )
+from dflashctl.remote.layout import CONFIG, STATUS_LOG, RemoteLayout
+from dflashctl.remote.layout import RUN_STATE as RUN_STATE_FILE
+from dflashctl.remote.layout import SUPERVISOR_SOURCE as SUPERVISOR_FILE
+from dflashctl.remote.layout import SUPERVISOR_STATE as SUPERVISOR_STATE_FILE
+from dflashctl.remote.release import acknowledge_switch
+from dflashctl.remote.run import MARK as MARK
+from dflashctl.remote.run import STATUS_SCRIPT as STATUS_SCRIPT
+from dflashctl.remote.run import gpu_query_argv, start_wait_argv, status_argv
+from dflashctl.remote.run import stop_wait_argv as stop_wait_argv
+from dflashctl.remote.run import trainer_argv as trainer_argv
 from dflashctl.remote.transport import (
     CommandResult,
     CommandTimeout,
@@ -59,7 +65,6 @@ from dflashctl.remote.transport import (
     TransportError,
 )
 from trainer.events import (
-    PHASE_TEXTS,
     CheckpointEvent,
     ErrorEvent,
     Event,
@@ -73,13 +78,9 @@ from trainer.events.run_state import RunState
 if TYPE_CHECKING:
     from dflashctl.resume import CheckpointConfig
 
-MARK = "@@dflash@@:"
 LOG_RESTARTED = "restarted: status.log started over; reading it from its first line"
-GPU_QUERY = "index,name,utilization.gpu,memory.used,memory.total,temperature.gpu,power.draw"
 DEFAULT_START_WAIT_S = 120.0
 """How long start/restart wait for the trainer's setup (or its exit); hosts.toml start_wait."""
-RUN_STATE_FILE = "run/run-state.json"
-SUPERVISOR_STATE_FILE = "run/supervisor.json"
 LIVE_STATES = frozenset({"running", "restarting", "stalled"})
 """States whose pane process (the supervisor, or an unsupervised trainer) is alive: stop acts,
 start is a no-op. restarting: the trainer died and the supervisor waits out its backoff;
@@ -296,28 +297,6 @@ class RunService(Protocol):
 
 
 # --- pure builders and parsers -------------------------------------------------------------
-
-# $1 workdir $2 session. Sections, each after a MARK line.
-STATUS_SCRIPT = (
-    SETTLED_PANE_FN + 'm="' + MARK + '"; cd "$1" 2>/dev/null || { echo "${m}noworkdir"; exit 0; }\n'
-    'echo "${m}session"; tmux -L dflash has-session -t "=$2" 2>/dev/null && echo yes || echo no\n'
-    'echo "${m}pane"; settled_pane "$2"\n'
-    'echo "${m}current"; readlink current 2>/dev/null\n'
-    'echo "${m}run_release"; cat ' + RUNNING_RELEASE_FILE + " 2>/dev/null\n"
-    'echo "${m}run_state"; cat run/run-state.json 2>/dev/null; echo\n'
-    'echo "${m}log_lines"; wc -l < run/status.log 2>/dev/null || echo 0\n'
-    'echo "${m}log"; tail -n 400 run/status.log 2>/dev/null; echo\n'
-    'echo "${m}config"; cat run/config.toml 2>/dev/null; echo\n'
-    'echo "${m}capture"; tmux -L dflash capture-pane -p -J -t "=$2:" -S -60 2>/dev/null\n'
-    'echo "${m}switched"; cat ' + SWITCH_MARKER + " 2>/dev/null\n"
-    'echo "${m}supervisor"; cat run/supervisor.json 2>/dev/null; echo\n'
-    'echo "${m}supervisable"; [ -f current/' + SUPERVISOR_FILE + " ] && echo yes || echo no\n"
-    "exit 0\n"
-)
-
-
-def status_argv(workdir: str, session: str) -> list[str]:
-    return ["sh", "-c", STATUS_SCRIPT, "dflash-status", workdir, session]
 
 
 def split_sections(stdout: str) -> dict[str, str]:
@@ -604,57 +583,6 @@ def parse_status(host: str, stdout: str, hash_text: Callable[[str], str | None])
     )
 
 
-def trainer_argv(python: str, fresh: bool, resume: str = "auto") -> list[str]:
-    """The trainer's argv; `resume` is passed as given (auto | never | STEP | PATH)."""
-    argv = [python, "-m", "trainer", "--config", "run/config.toml", "--run-dir", "run"]
-    return [*argv, "--fresh"] if fresh else [*argv, "--resume", resume]
-
-
-# A line that shows the trainer got past its setup (device, data, target, checkpoint loaded).
-READY_PATTERN = (
-    "^("
-    + "|".join(re.escape(PHASE_TEXTS[p]) for p in ("starting", "running"))
-    + r"|\[[0-9]+m\] step=)"
-)
-
-# The supervisor's line for a failed attempt it restarts (trainer.supervise): a start whose
-# trainer died at once is still a failed start, even though the pane lives on.
-RESTARTING_PATTERN = "^" + re.escape(PHASE_TEXTS["restarting"])
-
-# $1 workdir $2 session $3 first status.log line to scan (1-based) $4 max ticks of 0.2 s
-# $5 READY_PATTERN $6 RESTARTING_PATTERN. Prints exited | restarting | ready | waiting.
-START_WAIT_SCRIPT = r"""cd "$1"
-i=0
-while :; do
-  dead=$(tmux -L dflash display-message -p -t "=$2:" '#{pane_dead}' 2>/dev/null || echo gone)
-  if [ "$dead" != 0 ]; then echo "exited"; break; fi
-  from=$3; n=$(wc -l < run/status.log 2>/dev/null || echo 0)
-  [ "$n" -ge $((from - 1)) ] || from=1
-  if tail -n +"$from" run/status.log 2>/dev/null | grep -q -E "$6"; then echo "restarting"; break; fi
-  if tail -n +"$from" run/status.log 2>/dev/null | grep -q -E "$5"; then echo "ready"; break; fi
-  i=$((i + 1))
-  if [ "$i" -ge "$4" ]; then echo "waiting"; break; fi
-  sleep 0.2
-done
-"""
-
-
-def start_wait_argv(workdir: str, session: str, from_line: int, wait_s: float) -> list[str]:
-    ticks = max(1, int(wait_s / 0.2))
-    return [
-        "sh",
-        "-c",
-        START_WAIT_SCRIPT,
-        "dflash-start-wait",
-        workdir,
-        session,
-        str(from_line + 1),
-        str(ticks),
-        READY_PATTERN,
-        RESTARTING_PATTERN,
-    ]
-
-
 def last_error_line(log_text: str, capture: str) -> str | None:
     """The run's own ERROR line (status.log, else the pane), else the pane's last line."""
     for text in (log_text, capture):
@@ -672,37 +600,6 @@ def describe_exit(exit_status: int | None, sig: int | None) -> str:
         return "exited (no exit status)"
     what = {1: " (failed)", 2: " (refused: a user error)"}.get(exit_status, "")
     return f"exited with status {exit_status}{what}"
-
-
-# $1 workdir $2 session $3 first status.log line to scan (1-based) $4 max ticks of 0.2 s.
-STOP_WAIT_SCRIPT = r"""cd "$1"
-i=0; seen=""
-while :; do
-  dead=$(tmux -L dflash display-message -p -t "=$2:" '#{pane_dead}' 2>/dev/null || echo gone)
-  if [ "$dead" != 0 ]; then echo "exited"; break; fi
-  if [ -z "$seen" ] && tail -n +"$3" run/status.log 2>/dev/null | grep -q '^Checkpoint saved: '; then
-    seen=$i
-  fi
-  if [ -n "$seen" ] && [ $((i - seen)) -ge 25 ]; then echo "checkpointed"; break; fi
-  i=$((i + 1))
-  if [ "$i" -ge "$4" ]; then echo "timeout"; break; fi
-  sleep 0.2
-done
-"""
-
-
-def stop_wait_argv(workdir: str, session: str, from_line: int, timeout: float) -> list[str]:
-    ticks = max(1, int(timeout / 0.2))
-    return [
-        "sh",
-        "-c",
-        STOP_WAIT_SCRIPT,
-        "dflash-stop",
-        workdir,
-        session,
-        str(from_line + 1),
-        str(ticks),
-    ]
 
 
 def parse_gpu_csv(stdout: str) -> list[GpuSample]:
@@ -747,9 +644,7 @@ class RunControl:
     def __init__(self, transport: Transport, host: HostConfig) -> None:
         self.transport = transport
         self.host = host
-
-    def _path(self, rel: str) -> str:
-        return f"{self.host.workdir}/{rel}"
+        self.layout = RemoteLayout(host.workdir)
 
     async def _run(
         self, argv: list[str], *, timeout: float | None = None, input: bytes | None = None
@@ -789,7 +684,7 @@ class RunControl:
         return parse_status(self.host.name, res.stdout, config_hash_of_text)
 
     async def deployed_config(self) -> str:
-        res = await self._run(read_file(self._path("run/config.toml")))
+        res = await self._run(read_file(self.layout.config))
         return res.stdout if res.ok else ""
 
     async def push_config(self, path: Path) -> None:
@@ -799,7 +694,7 @@ class RunControl:
         """Write a secret to WORKDIR/secrets/NAME (0600) through stdin: never on a command line."""
         if not NAME_RE.match(name):
             raise ControlError(f"{self.host.name}: secret name {name!r} is not a plain name")
-        path = self._path(f"secrets/{name}")
+        path = self.layout.secret(name)
         res = await self._run(write_file_atomic(path, "600"), input=data)
         if not res.ok:
             raise ControlError(f"{self.host.name}: writing {path}: {res.error_line()}")
@@ -834,14 +729,14 @@ class RunControl:
             )
         if st.deployed_config_hash is None and not (await self.deployed_config()):
             raise ControlError(
-                f"{self.host.name}: no {self.host.run_dir}/config.toml; "
+                f"{self.host.name}: no {self.layout.config}; "
                 f"deploy with --config PATH or set run_config in hosts.toml"
             )
         if st.exit_status is not None:  # a dead pane from the last run: clear it
             await self._run(tmux_kill_session(self.host.session))
         release = st.release
         rec = await self._run(
-            write_file_atomic(self._path(RUNNING_RELEASE_FILE), "644"),
+            write_file_atomic(self.layout.running_release, "644"),
             input=f"{release}\n".encode(),
         )
         if not rec.ok:
@@ -849,7 +744,7 @@ class RunControl:
         env = {
             **self.host.env,
             "PYTHONUNBUFFERED": "1",
-            "PYTHONPATH": self._path(f"releases/{release}"),
+            "PYTHONPATH": self.layout.release_dir(release),
             "DFLASH_RELEASE": release,
         }
         notes = [st.switch_note] if st.switch_note else []
@@ -896,7 +791,7 @@ class RunControl:
             log = ""  # the pane still tells
         cap = await self._run(tmux_capture(self.host.session, 300))
         error = last_error_line(log, sanitize_for_terminal(cap.stdout if cap.ok else ""))
-        sup_res = await self._run(read_file(self._path(SUPERVISOR_STATE_FILE)))
+        sup_res = await self._run(read_file(self.layout.supervisor_state))
         sup_file, _ = parse_supervisor_file(sup_res.stdout if sup_res.ok else "")
         sup = pane_supervisor(sup_file, state)
         exit_status = state.exit_status if state else None
@@ -967,7 +862,7 @@ class RunControl:
             timeout=timeout + 30,
         )
         outcome = (waited.stdout.strip().splitlines() or ["timeout"])[-1]
-        log = await self._run(["tail", "-n", f"+{mark + 1}", self._path("run/status.log")])
+        log = await self._run(tail_from(self.layout.status_log, mark))
         cap = await self._run(tmux_capture(self.host.session, 300))
         # Only checkpoints written after the interrupt count: status.log lines past the mark, or
         # (trainers that only print) pane lines newer than the last checkpoint known before it.
@@ -1018,7 +913,7 @@ class RunControl:
         new_hash = config_hash_of_text(old_text) if old_text else None
         if path is not None:
             diff = config_diff(
-                old_text, new_text, old_name=f"{self.host.name}:run/config.toml", new_name=str(path)
+                old_text, new_text, old_name=f"{self.host.name}:{CONFIG}", new_name=str(path)
             )
             check = await check_config_push(
                 self.transport, self.host, path, fresh=fresh, resume=resume
@@ -1056,9 +951,7 @@ class RunControl:
 
     async def gpus(self) -> list[GpuSample]:
         """GPU samples from nvidia-smi in the container ([] when it has none)."""
-        res = await self._run(
-            ["nvidia-smi", f"--query-gpu={GPU_QUERY}", "--format=csv,noheader,nounits"]
-        )
+        res = await self._run(gpu_query_argv())
         if res.rc == 127 or "not found" in res.stderr or "No such file" in res.stderr:
             return []
         if not res.ok:
@@ -1067,9 +960,9 @@ class RunControl:
 
     async def log_tail(self, from_line: int) -> list[str]:
         """run/status.log from 0-based `from_line`, made safe to print."""
-        res = await self._run(["tail", "-n", f"+{from_line + 1}", self._path("run/status.log")])
+        res = await self._run(tail_from(self.layout.status_log, from_line))
         if not res.ok and "No such file" not in res.stderr:
-            raise ControlError(f"{self.host.name}: reading run/status.log: {res.error_line()}")
+            raise ControlError(f"{self.host.name}: reading {STATUS_LOG}: {res.error_line()}")
         return sanitize_for_terminal(res.stdout).splitlines()
 
     async def log_line_count(self) -> int | None:
@@ -1077,7 +970,7 @@ class RunControl:
         command timeout, an unreadable answer). A follower compares it with the lines it has
         read to see that the log started over."""
         try:
-            res = await self._run(["wc", "-l", self._path("run/status.log")])
+            res = await self._run(line_count(self.layout.status_log))
         except CommandTimeout:
             return None  # unknown: keep the count (the tail itself will show what is wrong)
         if not res.ok:
@@ -1098,7 +991,7 @@ class RunControl:
         resume point. It ends when the stream ends and raises TransportError (HostUnreachable,
         HostKeyError) when the link drops; reconnecting is the caller's (dflashctl.follow).
         """
-        path = self._path("run/status.log")
+        path = self.layout.status_log
         async for line in self.transport.stream_lines(guarded(tail_follow(path, from_line))):
             yield sanitize_for_terminal(line)
 

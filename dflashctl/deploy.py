@@ -30,8 +30,6 @@ from pathlib import Path
 from dflashctl.inventory import HostConfig
 from dflashctl.preflight import (
     GIB,
-    MEMORY_SCRIPT,
-    PROBE_SCRIPT,
     Preflight,
     judge_memory,
     judge_probe,
@@ -40,12 +38,24 @@ from dflashctl.preflight import (
 )
 from dflashctl.release import VERIFY_SCRIPT, Release, build_release
 from dflashctl.remote.commands import write_file_atomic
+from dflashctl.remote.layout import RemoteLayout
+from dflashctl.remote.probe import memory_argv, probe_argv
+from dflashctl.remote.release import (
+    LOCK_BUSY_RC,
+    LOCK_HELD_RC,
+    NO_WORKDIR_RC,
+    acknowledge_switch,
+    break_lock_argv,
+    locked_argv,
+    read_lock_owner_argv,
+    switch_argv,
+    take_over_argv,
+    unlock_argv,
+    unpack_argv,
+)
 from dflashctl.remote.transport import Transport, TransportError
 
 Progress = Callable[[str], None]
-LOCK_NAME = ".deploy.lock"
-RUNNING_RELEASE_FILE = "run/.release"
-SWITCH_MARKER = ".deploy-switched"
 OWNER_RE = re.compile(r"(?P<host>\S+) pid (?P<pid>\d+)(?: start (?P<start>\d+))? at (?P<at>\S+)")
 
 
@@ -114,43 +124,6 @@ def owner_alive(owner: str) -> bool | None:
     return b"dflashctl" in cmdline
 
 
-def take_over_argv(workdir: str, owner: str) -> list[str]:
-    """Remove the lock only if `owner` still holds it (atomic rename: one taker wins)."""
-    script = (
-        'l="$1/' + LOCK_NAME + '"; [ "$(cat "$l/owner" 2>/dev/null)" = "$2" ] || exit 75; '
-        'mv "$l" "$l.stale.$$" 2>/dev/null || exit 75; rm -rf "$l.stale.$$"'
-    )
-    return ["sh", "-c", script, "dflash-takeover", workdir, owner]
-
-
-# $1 workdir. Refuses (76) while an unpack or switch for this workdir runs in the container.
-BREAK_LOCK_SCRIPT = r"""l="$1/.deploy.lock"
-[ -d "$l" ] || { echo "no lock"; exit 0; }
-for f in /proc/[0-9]*/cmdline; do
-  c=$(tr '\0' ' ' < "$f" 2>/dev/null) || continue
-  case "$c" in
-    *"dflash-unpack $1 "*|*"dflash-switch $1 "*) p=${f#/proc/}; echo "busy: pid ${p%/cmdline}"; exit 76;;
-  esac
-done
-echo "broke: $(cat "$l/owner" 2>/dev/null)"
-rm -rf "$l"
-"""
-
-
-def break_lock_argv(workdir: str) -> list[str]:
-    return ["sh", "-c", BREAK_LOCK_SCRIPT, "dflash-break-lock", workdir]
-
-
-def read_lock_owner_argv(workdir: str) -> list[str]:
-    return [
-        "sh",
-        "-c",
-        'cat "$1/' + LOCK_NAME + '/owner" 2>/dev/null; exit 0',
-        "dflash-owner",
-        workdir,
-    ]
-
-
 # --- the switch marker ---------------------------------------------------------------------
 
 
@@ -166,16 +139,6 @@ def switch_note(marker: str, current: str) -> str | None:
         f"a deploy switched current {previous.rsplit('/', 1)[-1]} -> {new} and never reported "
         f"back ({owner}); {done}"
     )
-
-
-def acknowledge_switch(workdir: str, owner: str | None = None) -> list[str]:
-    """Remove the switch marker (only if `owner` wrote it, when given): it has been reported."""
-    script = (
-        'm="$1/' + SWITCH_MARKER + '"; '
-        'if [ -z "$2" ] || [ "$(head -n 1 "$m" 2>/dev/null | cut -f 1)" = "$2" ]; then '
-        'rm -f "$m"; fi'
-    )
-    return ["sh", "-c", script, "dflash-ack", workdir, owner or ""]
 
 
 @dataclass(frozen=True)
@@ -200,94 +163,6 @@ class DeployResult:
             f"current {self.previous} -> {self.release}" if self.switched else "current unchanged"
         )
         return f"{self.host}: release {self.release}: {sent}; {switch}"
-
-
-def locked_argv(workdir: str, owner: str, argv: list[str]) -> list[str]:
-    """Take WORKDIR/.deploy.lock (mkdir is atomic), then exec argv: one round trip.
-
-    Exit 75 with "held by: OWNER" when another deploy holds it; any other exit status means we
-    hold it (even if argv itself failed) and must release it.
-    """
-    script = (
-        'mkdir -p "$1" || exit 74; '
-        'if ! mkdir "$1/' + LOCK_NAME + '" 2>/dev/null; then '
-        'echo "held by: $(cat "$1/' + LOCK_NAME + '/owner" 2>/dev/null)"; exit 75; fi; '
-        'printf "%s\\n" "$2" > "$1/' + LOCK_NAME + '/owner"; shift 2; exec "$@"'
-    )
-    return ["sh", "-c", script, "dflash-lock", workdir, owner, *argv]
-
-
-def unlock_argv(workdir: str, owner: str) -> list[str]:
-    """Remove the deploy lock only if it is ours (its owner line matches)."""
-    script = (
-        'l="$1/' + LOCK_NAME + '"; '
-        'if [ "$(cat "$l/owner" 2>/dev/null)" = "$2" ]; then rm -rf "$l"; fi'
-    )
-    return ["sh", "-c", script, "dflash-unlock", workdir, owner]
-
-
-def probe_argv(python: str, workdir: str, release: str, *, import_check: bool = True) -> list[str]:
-    mode = "import" if import_check else "metadata"
-    return [python, "-c", PROBE_SCRIPT, workdir, release, mode]
-
-
-# $1 workdir, $2 release id, $3 python, $4 verify script. Tar archive on stdin.
-UNPACK_SCRIPT = r"""set -e
-cd "$1"
-mkdir -p releases
-rm -rf releases/.tmp-*
-tmp="releases/.tmp-$2-$$"
-mkdir "$tmp"
-tar -x -f - -C "$tmp" --no-same-owner
-got=$("$3" -c "$4" "$tmp" trainer)
-if [ "$got" != "$2" ]; then
-  rm -rf "$tmp"
-  echo "unpacked tree hashes to $got, expected $2 (transfer corrupted?)" >&2
-  exit 3
-fi
-touch "$tmp/.complete"
-rm -rf "releases/$2"
-mv -T "$tmp" "releases/$2"
-"""
-
-
-def unpack_argv(workdir: str, release: str, python: str) -> list[str]:
-    return ["sh", "-c", UNPACK_SCRIPT, "dflash-unpack", workdir, release, python, VERIFY_SCRIPT]
-
-
-# $1 workdir, $2 release id, $3 releases to keep, $4 "config" when the run config comes on stdin,
-# $5 owner. Writes the config (temp + rename), records the switch in .deploy-switched (an older,
-# unreported one is printed first), switches `current`, prunes, and releases the deploy lock
-# last; `set -e` leaves the lock for the caller's cleanup if anything fails.
-SWITCH_SCRIPT = r"""set -e
-cd "$1"
-test -f "releases/$2/.complete"
-if [ "$4" = config ]; then
-  mkdir -p run
-  cat > "run/.config.toml.tmp.$$"
-  mv -f "run/.config.toml.tmp.$$" run/config.toml
-fi
-if [ -s .deploy-switched ]; then printf 'unreported: %s\n' "$(cat .deploy-switched)"; fi
-printf '%s\t%s\t%s\n' "$5" "$(readlink current 2>/dev/null || true)" "$2" > .deploy-switched
-ln -s "releases/$2" ".current.tmp.$$"
-mv -T ".current.tmp.$$" current
-keep="$2 $(cat run/.release 2>/dev/null || true)"
-n=0
-for m in $(ls -1t releases/*/.complete 2>/dev/null); do
-  d=${m%/.complete}; h=${d#releases/}
-  case " $keep " in *" $h "*) continue;; esac
-  n=$((n+1))
-  if [ "$n" -ge "$3" ]; then rm -rf "$d"; echo "pruned $h"; fi
-done
-rm -rf .deploy.lock
-"""
-
-
-def switch_argv(
-    workdir: str, release: str, keep: int, *, with_config: bool = False, owner: str = "-"
-) -> list[str]:
-    flag = "config" if with_config else "-"
-    return ["sh", "-c", SWITCH_SCRIPT, "dflash-switch", workdir, release, str(keep), flag, owner]
 
 
 def _emit(progress: Progress | None, msg: str) -> None:
@@ -317,15 +192,15 @@ async def run_preflight(
     if owner is not None:
         argv = locked_argv(host.workdir, owner, argv)
     res = await transport.run(argv, timeout=180)
-    if owner is not None and res.rc == 75:
+    if owner is not None and res.rc == LOCK_HELD_RC:
         held = res.stdout.strip().removeprefix("held by:").strip()
         raise LockHeld(
-            f"{host.name}: another deploy holds {host.workdir}/{LOCK_NAME} "
+            f"{host.name}: another deploy holds {RemoteLayout(host.workdir).deploy_lock} "
             f"(held by: {held or 'unknown owner'}); if no deploy is running there: "
             f"dflashctl deploy {host.name} --break-lock",
             held,
         )
-    if res.rc == 74:
+    if res.rc == NO_WORKDIR_RC:
         raise DeployError(f"{host.name}: cannot create {host.workdir}: {res.error_line()}")
     if res.rc in (126, 127) or ("No such file" in res.stderr and res.rc != 0):
         raise DeployError(
@@ -336,13 +211,6 @@ async def run_preflight(
     if probe is None:
         raise DeployError(f"{host.name}: preflight probe failed: {res.error_line()}")
     return judge_probe(host.name, host.python, host.workdir, probe, min_free_bytes=min_free_bytes)
-
-
-def memory_argv(
-    python: str, workdir: str, release: str, device_memory_mib: int | None
-) -> list[str]:
-    device = f"{device_memory_mib}MiB" if device_memory_mib else "-"
-    return [python, "-c", MEMORY_SCRIPT, workdir, release, device]
 
 
 async def memory_preflight(
@@ -377,10 +245,12 @@ async def push_config_file(transport: Transport, host: HostConfig, path: Path) -
 
     validate_config(path)
     res = await transport.run(
-        write_file_atomic(f"{host.run_dir}/config.toml", "644"), input=path.read_bytes()
+        write_file_atomic(RemoteLayout(host.workdir).config, "644"), input=path.read_bytes()
     )
     if not res.ok:
-        raise DeployError(f"{host.name}: writing {host.run_dir}/config.toml: {res.error_line()}")
+        raise DeployError(
+            f"{host.name}: writing {RemoteLayout(host.workdir).config}: {res.error_line()}"
+        )
 
 
 async def _take_lock_and_probe(
@@ -422,13 +292,13 @@ async def break_lock(transport: Transport, host: HostConfig, progress: Progress 
     owner = res.stdout.strip()
     if owner and owner_alive(owner):
         raise DeployError(
-            f"{host.name}: not breaking {host.workdir}/{LOCK_NAME}: its deploy is still running "
+            f"{host.name}: not breaking {RemoteLayout(host.workdir).deploy_lock}: its deploy is still running "
             f"({owner})"
         )
     res = await transport.run(break_lock_argv(host.workdir))
-    if res.rc == 76:
+    if res.rc == LOCK_BUSY_RC:
         raise DeployError(
-            f"{host.name}: not breaking {host.workdir}/{LOCK_NAME}: a deploy step is running in "
+            f"{host.name}: not breaking {RemoteLayout(host.workdir).deploy_lock}: a deploy step is running in "
             f"container {host.ctid} ({res.stdout.strip().removeprefix('busy: ')})"
         )
     if not res.ok:
@@ -510,7 +380,9 @@ async def deploy(
         if not pre.release_complete:
             _emit(progress, f"{host.name}: sending {len(rel.tar)} bytes")
             res = await transport.run(
-                unpack_argv(host.workdir, rel.id, host.python), input=rel.tar, timeout=600
+                unpack_argv(host.workdir, rel.id, host.python, VERIFY_SCRIPT),
+                input=rel.tar,
+                timeout=600,
             )
             if not res.ok:
                 raise DeployError(f"{host.name}: unpacking release {rel.id}: {res.error_line()}")
@@ -538,7 +410,7 @@ async def deploy(
         with contextlib.suppress(TransportError):
             await transport.run(acknowledge_switch(host.workdir, owner))
         if config is not None:
-            _emit(progress, f"{host.name}: pushed {config} -> {host.run_dir}/config.toml")
+            _emit(progress, f"{host.name}: pushed {config} -> {RemoteLayout(host.workdir).config}")
         pruned = [ln.split()[1] for ln in res.stdout.splitlines() if ln.startswith("pruned ")]
         return DeployResult(
             host=host.name,

@@ -9,10 +9,15 @@ same algorithm to verify what it unpacked.
 
 from __future__ import annotations
 
+import importlib.util
 import io
 import tarfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import cast
+
+from dflashctl.errors import UsageError
 
 HASH_LEN = 12
 
@@ -55,14 +60,14 @@ def tree_hash(root, prefix="trainer"):
 
 _ns: dict[str, object] = {}
 exec(compile(TREE_HASH_SOURCE, "dflashctl.release.TREE_HASH_SOURCE", "exec"), _ns)
-_tree_files = _ns["tree_files"]
-_tree_hash = _ns["tree_hash"]
+_tree_files = cast(Callable[[str, str], list[tuple[str, str]]], _ns["tree_files"])
+_tree_hash = cast(Callable[[str, str], str], _ns["tree_hash"])
 
 VERIFY_SCRIPT = TREE_HASH_SOURCE + "\nimport sys\nprint(tree_hash(sys.argv[1], sys.argv[2]))\n"
 
 
-class ReleaseError(Exception):
-    """The tree to ship is missing or unreadable (names the path)."""
+class ReleaseError(UsageError):
+    """The tree to ship is missing or unreadable (names the path): exit 2, the user's input."""
 
 
 @dataclass(frozen=True)
@@ -75,14 +80,18 @@ class Release:
 
 
 def tree_hash(root: Path, prefix: str = "trainer") -> str:
-    return str(_tree_hash(str(root), prefix))  # type: ignore[operator]
+    return str(_tree_hash(str(root), prefix))
 
 
 def package_root() -> Path:
-    """The directory that contains the `trainer` package this dflashctl ships."""
-    import trainer
+    """The directory that contains the `trainer` package this dflashctl ships.
 
-    return Path(trainer.__file__).resolve().parent.parent
+    Found, not imported: dflashctl imports only trainer's contract modules (events, config,
+    buckets), and importing the package would run its `__init__`."""
+    spec = importlib.util.find_spec("trainer")
+    if spec is None or spec.origin is None:
+        raise ReleaseError("trainer package not found (is it installed next to dflashctl?)")
+    return Path(spec.origin).resolve().parent.parent
 
 
 def build_release(root: Path | None = None, prefix: str = "trainer") -> Release:
@@ -90,7 +99,7 @@ def build_release(root: Path | None = None, prefix: str = "trainer") -> Release:
     root = root or package_root()
     if not (root / prefix).is_dir():
         raise ReleaseError(f"{root / prefix}: trainer package not found")
-    files: list[tuple[str, str]] = _tree_files(str(root), prefix)  # type: ignore[operator]
+    files = _tree_files(str(root), prefix)
     buf = io.BytesIO()
     with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tar:
         for rel, full in files:

@@ -12,6 +12,8 @@ import shlex
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from dflashctl.remote.layout import SUPERVISOR_SOURCE
+
 TMUX_SOCKET = "dflash"
 # A clean, explicit environment inside the container: `pct exec` carries the SSH session's
 # environment over by default (--keep-env), which differs between PVE versions.
@@ -249,7 +251,7 @@ def parse_pane_state(stdout: str) -> PaneState | None:
 # --- the in-container supervisor ----------------------------------------------------------
 
 SUPERVISOR_MODULE = "trainer.supervise"
-SUPERVISOR_FILE = "trainer/supervise.py"  # in a release: a tree deployed before it has none
+SUPERVISOR_FILE = SUPERVISOR_SOURCE  # in a release: a tree deployed before it has none
 
 
 def supervised(python: str, policy_args: Sequence[str], trainer: Sequence[str]) -> list[str]:
@@ -263,6 +265,16 @@ def supervised(python: str, policy_args: Sequence[str], trainer: Sequence[str]) 
 
 
 # --- files ---------------------------------------------------------------------------------
+
+
+def tail_from(path: str, from_line: int = 0) -> list[str]:
+    """`path` from 0-based line `from_line` to its end (one read)."""
+    return ["tail", "-n", f"+{int(from_line) + 1}", path]
+
+
+def line_count(path: str) -> list[str]:
+    """`wc -l PATH`: prints `N PATH`."""
+    return ["wc", "-l", path]
 
 
 def tail_follow(path: str, from_line: int = 0) -> list[str]:
@@ -370,7 +382,7 @@ def describe(argv: Sequence[str]) -> str:
     if prog in _FILE_WORDS and args[-1].startswith("/"):
         return _FILE_WORDS[prog].format(args[-1])
     if prog.startswith("python") and args[1:2] == ["-c"] and len(args) > 2:
-        from dflashctl.preflight import PROBE_SCRIPT
+        from dflashctl.remote.probe import PROBE_SCRIPT
 
         return "preflight" if args[2] == PROBE_SCRIPT else f"the {prog} script"
     return prog

@@ -384,7 +384,7 @@ async def test_failed_preflight_releases_only_our_own_lock(local, tmp_path: Path
         await deploy(transport, host, release=rel, min_free_bytes=10**18, import_check=False)
     assert not (Path(host.workdir) / ".deploy.lock").exists()
     # an unlock for somebody else's lock leaves it alone
-    from dflashctl.deploy import unlock_argv
+    from dflashctl.remote.release import unlock_argv
 
     lock = Path(host.workdir) / ".deploy.lock"
     lock.mkdir()
@@ -599,7 +599,7 @@ async def test_a_switch_nobody_reported_is_reported_by_the_next_command(
 ) -> None:
     """A client killed while its switch ran: `current` moved and the client never said so. The
     switch it sent is run here exactly as the dead client's last command ran."""
-    from dflashctl.deploy import switch_argv
+    from dflashctl.remote.release import switch_argv
 
     tree = standin_copy(tmp_path)
     first = build_release(tree)
