@@ -23,7 +23,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from dflashctl.control import RunService
-from dflashctl.errors import DflashctlError
+from dflashctl.errors import DflashctlError, ExitCode
 from dflashctl.fleet import HostHandle, open_local, run_main
 from dflashctl.inventory import HostConfig
 from trainer.events import StatusEvent, parse_line
@@ -134,9 +134,9 @@ async def headless(control: RunService, duration: float, say: Say) -> int:
         tail = [ln for ln in before.pane_tail if ln.strip()]
         why = before.last_error or (tail[-1] if tail else None) or f"run is {before.state}"
         print(f"dflashctl demo: no status line within {duration:g} s ({why})", file=sys.stderr)
-        return 1
+        return ExitCode.FAILED
     print(last)
-    return 0
+    return ExitCode.OK
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
@@ -163,7 +163,7 @@ async def _run(args: argparse.Namespace, demo: HostHandle) -> int:
     finally:
         if args.headless and demo.close is not None:
             await demo.close()
-    return 0
+    return ExitCode.OK
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -194,7 +194,7 @@ def run_tui(args: argparse.Namespace, demo: HostHandle, session: str) -> int:
     DflashApp([demo], quit_action=quit_action).run()
     if args.keep:
         print(f"demo run left running: tmux -L dflash attach -t ={session}")
-        return 0
+        return ExitCode.OK
     print("stopping the demo run gracefully (use --keep to leave it running) ...")
 
     async def stop() -> None:
@@ -206,7 +206,7 @@ def run_tui(args: argparse.Namespace, demo: HostHandle, session: str) -> int:
                 await demo.close()
 
     asyncio.run(stop())
-    return 0
+    return ExitCode.OK
 
 
 if __name__ == "__main__":

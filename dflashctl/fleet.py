@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
 import sys
 import time
 from collections.abc import Awaitable, Callable, Sequence
@@ -256,15 +257,15 @@ def run_main(fn: Callable[[], int], *, prog: str = "dflashctl") -> int:
     Ctrl-C is 130; a reader that left the pipe (`dflashctl status | head -1`) ends it quietly."""
     legacy = _legacy_errors()
     try:
-        return fn()
+        return int(fn())
     except BrokenPipeError:
-        # the reader left; say nothing more, like any filter
+        # the reader left; say nothing more
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())
-        return 128 + 13  # as if killed by SIGPIPE
+        return 128 + signal.SIGPIPE  # as if killed by SIGPIPE, like any filter
     except KeyboardInterrupt:
         print_error("interrupted", prog)
-        return 130
+        return 128 + signal.SIGINT
     except DflashctlError as err:
         _report(err, prog)
         return int(err.exit_code)

@@ -28,7 +28,7 @@ from textual.notifications import SeverityLevel
 from textual.screen import ModalScreen, Screen
 from textual.worker import Worker, WorkerState
 
-from dflashctl.errors import UsageError
+from dflashctl.errors import ExitCode, UsageError
 from dflashctl.fleet import (
     ConfigWatcher,
     HostHandle,
@@ -121,8 +121,8 @@ class DflashApp(App[None]):
     def on_mount(self) -> None:
         self.push_screen(FleetScreen())
         if self.live:
-            for name, binding in self.hosts.items():
-                follower = HostFollower(name, binding.control, self._publish, clock=self.clock)
+            for name, handle in self.hosts.items():
+                follower = HostFollower(name, handle.control, self._publish, clock=self.clock)
                 self.followers[name] = follower
                 self.run_worker(follower.run(), name=name, group="follow", exit_on_error=False)
             self.set_interval(CONFIG_CHECK_S, self.check_configs)
@@ -131,10 +131,10 @@ class DflashApp(App[None]):
         self.call_later(self.flush)
 
     async def on_unmount(self) -> None:
-        for binding in self.hosts.values():
-            if binding.close is not None:
+        for handle in self.hosts.values():
+            if handle.close is not None:
                 with contextlib.suppress(Exception):
-                    await binding.close()
+                    await handle.close()
 
     def _publish(self, state: RunState) -> None:
         old = self.states.get(state.host)
@@ -395,4 +395,4 @@ def run_app(argv: Sequence[str] | None = None) -> int:
     if not hosts:
         raise UsageError("the inventory has no hosts")
     DflashApp(hosts).run()
-    return 0
+    return ExitCode.OK

@@ -21,8 +21,13 @@ ResultT = TypeVar("ResultT")
 class AppView(Protocol):
     """The app as its screens see it: the hosts, the dirty set, the redraw, navigation."""
 
-    hosts: Mapping[str, HostHandle]
-    dirty: set[str]
+    @property
+    def hosts(self) -> Mapping[str, HostHandle]: ...
+
+    @property
+    def dirty(self) -> set[str]:
+        """Hosts whose state changed since the last redraw (screens add to it)."""
+        ...
 
     def flush(self) -> None: ...
 

@@ -9,6 +9,8 @@ from pathlib import Path
 import pytest
 
 from dflashctl.cli import main
+from dflashctl.errors import DflashctlError, ExitCode, UsageError
+from dflashctl.fleet import run_main
 from dflashctl.inventory import load_inventory
 from dflashctl.remote.commands import with_known_term
 from dflashctl.remote.connect import attach_argv
@@ -186,3 +188,45 @@ def test_start_wait_comes_from_the_inventory_and_is_checked(
     assert _wait_s(argparse.Namespace(wait_s=0.0), host) == 0.0
     assert main(["--hosts", inv, "start", "a", "--wait-s", "-1"]) == 2
     assert "--wait-s -1: must be 0 (do not wait) or more" in capsys.readouterr().err
+
+
+class _Refused(DflashctlError):
+    exit_code = ExitCode.UNREACHABLE
+
+
+def _raise(err: BaseException) -> int:
+    raise err
+
+
+def test_run_main_reports_a_dflashctl_error_as_lines_plus_hint_and_its_exit_code(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    err = _Refused("kpro6: connection refused\nsecond line", hint="is sshd up?")
+    assert run_main(lambda: _raise(err)) == ExitCode.UNREACHABLE
+    assert capsys.readouterr().err.splitlines() == [
+        "dflashctl: kpro6: connection refused",
+        "dflashctl: second line",
+        "dflashctl: hint: is sshd up?",
+    ]
+    assert run_main(lambda: _raise(UsageError("bad flag")), prog="dflashctl demo") == 2
+    assert capsys.readouterr().err == "dflashctl demo: bad flag\n"
+
+
+def test_run_main_ctrl_c_is_130_and_other_exceptions_propagate(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert run_main(lambda: _raise(KeyboardInterrupt())) == 130
+    assert capsys.readouterr().err == "dflashctl: interrupted\n"
+    with pytest.raises(ZeroDivisionError):  # a bug is a traceback, not a one-line "error"
+        run_main(lambda: 1 // 0)
+    assert run_main(lambda: ExitCode.FAILED) == 1
+
+
+def test_the_usage_errors_of_this_layer_share_the_one_base() -> None:
+    from dflashctl.demo import DemoError
+    from dflashctl.inventory import InventoryError
+    from dflashctl.notify import NotifyConfigError
+
+    assert issubclass(InventoryError, UsageError) and InventoryError.exit_code == 2
+    assert issubclass(NotifyConfigError, UsageError)
+    assert issubclass(DemoError, DflashctlError) and DemoError.exit_code == ExitCode.FAILED

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from dflashctl.inventory import GroupConfig, HostConfig, InventoryError, parse_inventory
+from dflashctl.inventory import GroupConfig, HostConfig, Inventory, InventoryError, parse_inventory
 
 HOSTS = """
 [defaults]
@@ -35,7 +35,7 @@ ctid = 400
 """
 
 
-def parse(text: str, tmp_path: Path):
+def parse(text: str, tmp_path: Path) -> Inventory:
     return parse_inventory(text, tmp_path / "hosts.toml")
 
 
@@ -260,4 +260,4 @@ def test_the_commented_group_example_in_hosts_toml_loads_when_uncommented() -> N
     pair = inv.groups["pair"]
     assert pair.hosts == ("pve-a", "pve-b") and pair.rdzv_port == 29400
     # documentation addresses only (RFC 5737), never a real private network
-    assert all(node.node_address.startswith("192.0.2.") for node in pair.nodes)
+    assert all((node.node_address or "").startswith("192.0.2.") for node in pair.nodes)

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from dflashctl.inventory import InventoryError, parse_inventory
+from dflashctl.inventory import HostConfig, InventoryError, parse_inventory
 from trainer.config.policy import Policy
 from trainer.supervise import _parser, parse_policy
 
@@ -14,7 +14,7 @@ HOST = '[hosts.a]\naddress = "pve"\nctid = 200\nknown_hosts = "/tmp/kh"\n'
 PATH = Path("hosts.toml")
 
 
-def host_with(extra: str, defaults: str = ""):
+def host_with(extra: str, defaults: str = "") -> HostConfig:
     return parse_inventory(f"[defaults]\n{defaults}\n{HOST}{extra}\n", PATH).get("a")
 
 

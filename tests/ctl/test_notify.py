@@ -9,6 +9,7 @@ import threading
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -25,7 +26,7 @@ class Receiver:
     def __init__(self, fail_first: int = 0) -> None:
         self.fail_first = fail_first
         self.requests = 0
-        self.received: list[dict] = []
+        self.received: list[dict[str, Any]] = []
         self.paths: list[str] = []
         rx = self
 

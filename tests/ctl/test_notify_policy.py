@@ -5,7 +5,14 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dflashctl.notify_policy import PolicyConfig, PolicyState, flush, plan, plan_round
+from dflashctl.notify_policy import (
+    Notification,
+    PolicyConfig,
+    PolicyState,
+    flush,
+    plan,
+    plan_round,
+)
 from dflashctl.watch_events import Condition, EventKind, HostSnapshot, WatchEvent
 
 T0 = 1_800_000_000.0
@@ -80,7 +87,9 @@ _kinds = st.sampled_from(list(EventKind))
     ),
     st.integers(2, 5),
 )
-def test_every_event_is_sent_exactly_once_in_order(rounds, summarize_at) -> None:
+def test_every_event_is_sent_exactly_once_in_order(
+    rounds: list[tuple[list[tuple[str, EventKind]], float]], summarize_at: int
+) -> None:
     cfg = PolicyConfig(burst_s=30, summarize_at=summarize_at)
     state, now, sent, made = PolicyState(), T0, [], []
     for batch, dt in rounds:
@@ -96,7 +105,7 @@ def test_every_event_is_sent_exactly_once_in_order(rounds, summarize_at) -> None
     assert sorted(map(id, sent)) == sorted(map(id, made))  # each once, none lost
 
 
-def check(out) -> None:
+def check(out: list[Notification]) -> None:
     firsts = [n.events[0].at for n in out]
     assert firsts == sorted(firsts)  # messages go in the order their first event happened
     for n in out:

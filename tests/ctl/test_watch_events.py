@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -22,7 +24,7 @@ C = Condition
 K = EventKind
 
 
-def up(host: str, at: float, cond: Condition, *, restarts: int = 0, **kw) -> HostSnapshot:
+def up(host: str, at: float, cond: Condition, *, restarts: int = 0, **kw: Any) -> HostSnapshot:
     rs = tuple(Restart(T0 + i, f"exit {i + 1}", i + 1, 10 * i) for i in range(restarts))
     return HostSnapshot(host, at, True, cond, restarts=rs, **kw)
 
@@ -214,16 +216,18 @@ _snap = st.one_of(
 
 @settings(max_examples=300, deadline=None)
 @given(st.lists(st.tuples(st.sampled_from("ab"), _snap), max_size=40))
-def test_events_only_on_changes_and_recovered_only_after_an_alert(seq) -> None:
+def test_events_only_on_changes_and_recovered_only_after_an_alert(
+    seq: list[tuple[str, tuple[Any, ...]]],
+) -> None:
     state, t = WatchState(), T0
     open_alerts: dict[str, set[str]] = {"a": set(), "b": set()}
-    prev: dict[str, tuple] = {}
+    prev: dict[str, tuple[object, ...]] = {}
     restarts: dict[str, int] = {"a": 0, "b": 0}
     for host, item in seq:
         if item[0] == "down":
             t += item[1]
             snap = down(host, t)
-            key: tuple = ("down",)
+            key: tuple[object, ...] = ("down",)
         else:
             cond, dt, add = item
             t += dt
@@ -292,7 +296,9 @@ _keys = st.sampled_from(
     ),
     st.dictionaries(st.sampled_from(["state", "gave_up", "restarts"]), _json, max_size=3),
 )
-def test_snapshot_from_status_never_raises_on_any_json(d, sup) -> None:
+def test_snapshot_from_status_never_raises_on_any_json(
+    d: dict[str, Any], sup: dict[str, Any]
+) -> None:
     """A host with a strange status dict must not stop the watch of the others."""
     d = dict(d)
     if sup:

@@ -13,11 +13,14 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, cast
 
-from dflashctl.control import LOG_RESTARTED
+from dflashctl.control import LOG_RESTARTED, RunService
+from dflashctl.deploy import DeployResult
 from dflashctl.monitor import RunShape, lr_schedule
+from dflashctl.preflight import Preflight
 from trainer.events import StatusEvent, format_status_line
+from trainer.events import run_state as contract
 
 FIXED_NOW = 1_800_000_000.0
 BOUNDARIES = (0, 770, 1216, 1728, 2432, 3296, 8192)
@@ -84,7 +87,7 @@ class Status:
     release: str | None = "3f9a1c2b7d10"
     config_hash: str | None = "a1b2c3d4e5f6"
     last_event: Any = None
-    run_state: dict[str, Any] = field(default_factory=dict)
+    run_state: contract.RunState = field(default_factory=contract.RunState)
     log_lines: int | None = None
     """None: this double does not count status.log lines (the shrink check is skipped)."""
     message: str | None = None
@@ -134,6 +137,22 @@ class ReplayControl:
         if self.hold_open:
             await asyncio.Event().wait()
 
+    async def tail_log(self, from_line: int) -> AsyncIterator[str]:
+        """One connection's tail from `from_line` (what `dflashctl.follow.LogFollower` drives),
+        recorded as a ("follow", from_line) call: a follow from that line."""
+        self.calls.append(("follow", from_line))
+        if self.fail_follow > 0:
+            self.fail_follow -= 1
+            raise ConnectionRefusedError("ssh: connect to host kpro6 port 22: Connection refused")
+        for line in self.lines[from_line:]:
+            yield line
+        if self.hold_open:
+            await asyncio.Event().wait()
+
+    async def log_line_count(self) -> int | None:
+        self.calls.append(("log_line_count", None))
+        return len(self.lines)
+
     async def gpus(self) -> list[Any]:
         return []
 
@@ -150,7 +169,7 @@ class ReplayControl:
             return None
         from dflashctl.runconfig import _load_text
 
-        saved = _load_text(text, "saved.toml").model_dump(mode="json")  # type: ignore[attr-defined]
+        saved = _load_text(text, "saved.toml").model_dump(mode="json")
         return SimpleNamespace(path="run/checkpoints/step-00001200.pt", step=1200, config=saved)
 
     async def restart(
@@ -175,3 +194,34 @@ class ReplayControl:
         self.calls.append(("stop", timeout))
         self.status_value = Status(state="stopped")
         return SimpleNamespace(outcome="checkpointed")
+
+
+def service(control: ReplayControl | None = None) -> RunService:
+    """`control` (a fresh idle double by default) where a `RunService` is expected.
+
+    The double is duck-typed: its `Status` mirrors `RunStatus` by field name (with `log_lines`
+    None meaning "not counted") and its stop/restart results carry only the fields the app
+    reads, so it is handed over as what it stands for rather than checked against it.
+    """
+    return cast(RunService, ReplayControl() if control is None else control)
+
+
+def deploy_result(release: str, host: str = "kpro6") -> DeployResult:
+    """What a deploy that switched `current` to `release` returns."""
+    preflight = Preflight(
+        python="3.12.3",
+        modules={},
+        free_bytes=1 << 40,
+        gpus=[],
+        release_complete=True,
+        current=None,
+    )
+    return DeployResult(
+        host=host,
+        release=release,
+        transferred_bytes=0,
+        files=0,
+        switched=True,
+        previous=None,
+        preflight=preflight,
+    )

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 from dataclasses import replace
 from pathlib import Path
-from types import SimpleNamespace
+from typing import NoReturn
 
 from rich.console import Console
 from rich.text import Text
@@ -14,6 +14,7 @@ from textual.notifications import Notify
 from textual.widgets import DataTable, Digits, Log, Static
 
 from dflashctl.control import parse_gpu_csv
+from dflashctl.deploy import DeployResult, Progress
 from dflashctl.monitor import RestartPlan, RunState, apply_lines, apply_status
 from dflashctl.tui.app import DflashApp, HostBinding
 from dflashctl.tui.screens.confirm import ConfirmScreen
@@ -28,8 +29,10 @@ from tests.tui.fixtures import (
     WARMUP,
     ReplayControl,
     Status,
+    deploy_result,
     run_lines,
     seed_shape,
+    service,
     status_line,
 )
 from trainer.events import StatusEvent, parse_line
@@ -37,7 +40,7 @@ from trainer.events import StatusEvent, parse_line
 SIZE = (120, 40)
 
 
-def _cell(table: DataTable, host: str, column: str) -> str:
+def _cell(table: DataTable[Text | str], host: str, column: str) -> str:
     value = table.get_cell(host, column)
     return value.plain if isinstance(value, Text) else str(value)
 
@@ -49,7 +52,10 @@ async def _until(pilot, predicate, timeout: float = 5.0) -> None:  # type: ignor
 
 
 def _live_app(**controls: ReplayControl) -> DflashApp:
-    hosts = [HostBinding(name, control, shape=seed_shape()) for name, control in controls.items()]
+    hosts = [
+        HostBinding(name, service(control), shape=seed_shape())
+        for name, control in controls.items()
+    ]
     return DflashApp(hosts, clock=lambda: FIXED_NOW)
 
 
@@ -77,7 +83,7 @@ async def test_fleet_rows_come_from_the_streamed_status_lines() -> None:
 
 async def test_coalesced_refresh_draws_the_latest_line_not_every_line() -> None:
     app = DflashApp(
-        [HostBinding("h", None, shape=seed_shape())], clock=lambda: FIXED_NOW, live=False
+        [HostBinding("h", service(), shape=seed_shape())], clock=lambda: FIXED_NOW, live=False
     )
     async with app.run_test(size=SIZE) as pilot:
         await pilot.pause()
@@ -164,6 +170,32 @@ async def test_keys_open_log_help_and_stop_confirm() -> None:
         await _until(pilot, lambda: app.states["kpro6"].run == "stopped")
 
 
+async def test_a_failed_service_call_is_one_titled_error_notification() -> None:
+    """Workers raise; the app's one router words the failure (host, what failed, the error)."""
+
+    class Refusing(ReplayControl):
+        async def stop(self, timeout: float = 120.0) -> NoReturn:
+            raise RuntimeError("pct: container 206 is locked")
+
+    control = Refusing(lines=run_lines(1))
+    app = _live_app(kpro6=control)
+    seen: list[Message] = []
+    async with app.run_test(size=SIZE, message_hook=seen.append) as pilot:
+        await _until(pilot, lambda: app.states["kpro6"].lines_seen == 3)
+        await pilot.press("s", "y")
+
+        def failures() -> list[tuple[str, str, str]]:
+            return [
+                (m.notification.title, m.notification.message, m.notification.severity)
+                for m in seen
+                if isinstance(m, Notify) and m.notification.severity == "error"
+            ]
+
+        await _until(pilot, lambda: bool(failures()))
+        assert failures() == [("Stop", "kpro6: stop failed: pct: container 206 is locked", "error")]
+        assert isinstance(app.screen, FleetScreen)  # the app goes on
+
+
 async def test_reconnect_key_restarts_the_stream() -> None:
     control = ReplayControl(lines=run_lines(2))
     app = _live_app(kpro6=control)
@@ -210,7 +242,7 @@ async def _restart_via_keys(
     deployed, local = _configs(tmp_path, old, new)
     control = ReplayControl(lines=run_lines(3), deployed=deployed)
     app = DflashApp(
-        [HostBinding("kpro6", control, config_path=local, shape=seed_shape())],
+        [HostBinding("kpro6", service(control), config_path=local, shape=seed_shape())],
         clock=lambda: FIXED_NOW,
     )
     async with app.run_test(size=SIZE) as pilot:
@@ -220,6 +252,7 @@ async def _restart_via_keys(
         await pilot.press("r")
         await _until(pilot, lambda: isinstance(app.screen, RestartScreen))
         modal = app.screen
+        assert isinstance(modal, RestartScreen)
         shown = modal.query_one("#diff", Static).content
         diff = getattr(shown, "code", str(shown))  # a rich Syntax holding the unified diff
         verdict = str(modal.query_one("#verdict", Static).content)
@@ -268,7 +301,9 @@ async def test_restart_verdict_compares_with_the_checkpoint_not_the_last_push(
     local = tmp_path / "kpro6.toml"
     local.write_text(checkpoint_text.replace("interval_s = 2", "interval_s = 1"))
     control = ReplayControl(lines=run_lines(2), deployed=deployed, checkpoint_text=checkpoint_text)
-    app = DflashApp([HostBinding("kpro6", control, config_path=local)], clock=lambda: FIXED_NOW)
+    app = DflashApp(
+        [HostBinding("kpro6", service(control), config_path=local)], clock=lambda: FIXED_NOW
+    )
     plan = await app.build_restart_plan("kpro6")
     assert not plan.fresh and plan.critical_keys == ()
     assert "resume from the latest checkpoint" in plan.verdict
@@ -281,7 +316,9 @@ async def test_restart_verdict_compares_with_the_checkpoint_not_the_last_push(
 async def test_invalid_local_config_refuses_restart_naming_file_and_key(tmp_path: Path) -> None:
     deployed, local = _configs(tmp_path, "num_buckets = 4", "num_buckets = 0")
     control = ReplayControl(lines=run_lines(2), deployed=deployed)
-    app = DflashApp([HostBinding("kpro6", control, config_path=local)], clock=lambda: FIXED_NOW)
+    app = DflashApp(
+        [HostBinding("kpro6", service(control), config_path=local)], clock=lambda: FIXED_NOW
+    )
     async with app.run_test(size=SIZE) as pilot:
         await _until(pilot, lambda: app.states["kpro6"].lines_seen == 4)
         await pilot.press("r")
@@ -311,13 +348,16 @@ def test_gpu_pane_shows_each_gpu_from_nvidia_smi_samples() -> None:
 async def test_deploy_key_runs_the_hosts_deploy_and_reports_the_release() -> None:
     deployed: list[str] = []
 
-    async def deploy() -> object:
+    async def deploy(*, progress: Progress | None = None, fresh: bool = False) -> DeployResult:
         deployed.append("kpro6")
-        return SimpleNamespace(release="3f9a1c2b7d10")
+        return deploy_result("3f9a1c2b7d10")
 
     control = ReplayControl(lines=run_lines(2))
     app = DflashApp(
-        [HostBinding("kpro6", control, deploy=deploy), HostBinding("kpro7", ReplayControl())],
+        [
+            HostBinding("kpro6", service(control), deploy=deploy),
+            HostBinding("kpro7", service()),
+        ],
         clock=lambda: FIXED_NOW,
     )
     seen: list[Message] = []
@@ -359,7 +399,7 @@ async def test_a_dead_host_over_real_ssh_is_unreachable_and_never_blocks_the_app
     app = DflashApp(
         [
             HostBinding("kpro9", RunControl(transport, host), close=transport.close),
-            HostBinding("kpro6", live, shape=seed_shape()),
+            HostBinding("kpro6", service(live), shape=seed_shape()),
         ]
     )
     async with app.run_test(size=SIZE) as pilot:
@@ -374,7 +414,7 @@ async def test_a_dead_host_over_real_ssh_is_unreachable_and_never_blocks_the_app
 async def test_help_says_what_quit_does_in_this_app() -> None:
     """The demo stops its run on `q`; the help must not promise that runs keep going there."""
     stops = "quit and stop the demo run gracefully"
-    host = HostBinding("demo", ReplayControl(lines=run_lines(2)), shape=seed_shape())
+    host = HostBinding("demo", service(ReplayControl(lines=run_lines(2))), shape=seed_shape())
     app = DflashApp([host], clock=lambda: FIXED_NOW, quit_action=stops)
     async with app.run_test(size=SIZE) as pilot:
         await pilot.press("question_mark")

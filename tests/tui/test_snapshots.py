@@ -8,12 +8,12 @@ from __future__ import annotations
 import asyncio
 from dataclasses import replace
 
-from dflashctl.monitor import RestartPlan, RunState, apply_lines, apply_status
+from dflashctl.monitor import LinkState, RestartPlan, RunState, apply_lines, apply_status
 from dflashctl.runconfig import config_diff
 from dflashctl.tui.app import DflashApp, HostBinding
 from dflashctl.tui.screens.host import HostScreen
 from dflashctl.tui.screens.restart import RestartScreen
-from tests.tui.fixtures import FIXED_NOW, Status, run_lines, seed_shape
+from tests.tui.fixtures import FIXED_NOW, Status, run_lines, seed_shape, service
 
 SIZE = (120, 40)
 
@@ -65,11 +65,11 @@ def fleet_app() -> DflashApp:
     """Four hosts in the four states that matter: live, stale, crashed, unreachable."""
     names = ["kpro6", "kpro7", "kpro8", "kpro9"]
     app = DflashApp(
-        [HostBinding(n, None, shape=seed_shape()) for n in names],
+        [HostBinding(n, service(), shape=seed_shape()) for n in names],
         clock=lambda: FIXED_NOW,
         live=False,
     )
-    states = {
+    states: dict[str, tuple[Status, list[str], float, LinkState, bool]] = {
         "kpro6": (
             Status(restarts=[KILLED], supervisor=SUPERVISED),
             run_lines(40),

@@ -17,7 +17,7 @@ from dflashctl.tui import app as app_module
 from dflashctl.tui.app import DflashApp, HostBinding
 from dflashctl.tui.screens.fleet import fleet_row
 from dflashctl.tui.widgets.panes import header_text
-from tests.tui.fixtures import FIXED_NOW
+from tests.tui.fixtures import FIXED_NOW, service
 from trainer.config.policy import Policy
 
 
@@ -83,7 +83,7 @@ class Recording(DflashApp):
 
 
 async def test_the_app_toasts_each_new_restart_once() -> None:
-    app = Recording([HostBinding("h", None)], clock=lambda: FIXED_NOW, live=False)
+    app = Recording([HostBinding("h", service())], clock=lambda: FIXED_NOW, live=False)
     async with app.run_test(size=(120, 30)) as pilot:
         base = apply_status(RunState("h"), polled("running", []))
         app.set_state(base)
