@@ -10,12 +10,18 @@ accumulates grad_hidden += dlogits_chunk @ W_chunk in fp32. Costs one extra LM-h
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Protocol
 
 import torch
 from torch.autograd.function import once_differentiable
 
-from trainer.kernels.common import add_chunk_grad
+from trainer.kernels.common import (
+    CEContext,
+    LMHeadCE,
+    add_chunk_grad,
+    ce_backward_inputs,
+    ce_forward_epilogue,
+)
 
 DEFAULT_CHUNK_BYTES = 256 * 2**20
 """fp32 bytes one [N, chunk] logits tile may take; sets the default chunk width."""
@@ -98,35 +104,47 @@ def chunked_grad_hidden(
     return grad
 
 
+class _ChunkedContext(CEContext, Protocol):
+    chunk_size: int
+
+
 class ChunkedLMHeadCE(torch.autograd.Function):
     """Autograd wrapper: saves hidden, labels and the log-sum-exp, never the logits."""
 
     @staticmethod
-    def forward(  # type: ignore[override]
-        ctx: Any,
+    def forward(
+        ctx: _ChunkedContext,
         hidden: torch.Tensor,
         weight: torch.Tensor,
         labels: torch.Tensor,
         ignore_index: int,
         chunk_size: int,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        lse, label_logit, argmax = chunked_forward(hidden, weight, labels, chunk_size)
-        valid = labels != ignore_index
-        loss = torch.where(valid, lse - label_logit, torch.zeros_like(lse))
-        correct = (argmax == labels) & valid
-        ctx.save_for_backward(hidden, weight, labels, lse, valid)
+        stats = chunked_forward(hidden, weight, labels, chunk_size)
         ctx.chunk_size = chunk_size
-        ctx.mark_non_differentiable(correct)
-        return loss, correct
+        return ce_forward_epilogue(ctx, hidden, weight, labels, ignore_index, stats)
 
     @staticmethod
     @once_differentiable
-    def backward(  # type: ignore[override]
-        ctx: Any, grad_loss: torch.Tensor | None, _grad_correct: torch.Tensor | None
+    def backward(
+        ctx: _ChunkedContext, grad_loss: torch.Tensor | None, _grad_correct: torch.Tensor | None
     ) -> tuple[torch.Tensor | None, None, None, None, None]:
-        if grad_loss is None or not ctx.needs_input_grad[0]:
+        saved = ce_backward_inputs(ctx, grad_loss)
+        if saved is None:
             return None, None, None, None, None
-        hidden, weight, labels, lse, valid = ctx.saved_tensors
-        grad_rows = torch.where(valid, grad_loss.float(), torch.zeros_like(lse))
-        grad = chunked_grad_hidden(hidden, weight, labels, lse, grad_rows, ctx.chunk_size)
-        return grad.to(hidden.dtype), None, None, None, None
+        h, w, labels, lse, grad_rows = saved
+        grad = chunked_grad_hidden(h, w, labels, lse, grad_rows, ctx.chunk_size)
+        return grad.to(h.dtype), None, None, None, None
+
+
+def chunked_lm_head_cross_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    ignore_index: int,
+    chunk_size: int,
+) -> LMHeadCE:
+    """Validated inputs in, LMHeadCE out (the chunked backend of `lm_head_cross_entropy`)."""
+    # torch's Function.apply is unannotated; the types are forward's.
+    loss, correct = ChunkedLMHeadCE.apply(hidden, weight, labels, ignore_index, chunk_size)  # type: ignore[no-untyped-call]
+    return LMHeadCE(loss=loss, correct=correct)

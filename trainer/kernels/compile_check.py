@@ -17,15 +17,18 @@ import json
 import os
 import re
 import sys
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:  # importing triton_ce imports triton, and main checks TRITON_INTERPRET first
+    from trainer.kernels.triton_ce import JitFunction
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 ROW_STRIDES = ("stride_hn", "stride_wv", "stride_on", "D")
 
 
-def compile_kernel(kernel: Any, dtype_name: str, arch: int) -> dict[str, object]:
+def compile_kernel(kernel: JitFunction[..., None], dtype_name: str, arch: int) -> dict[str, object]:
     """Compile one kernel with the shipped tiles; report shared memory, tensor cores, pipelining."""
     import triton
     from triton.backends.compiler import GPUTarget

@@ -17,11 +17,11 @@ Argmax ties resolve to the lowest vocabulary index on every backend (torch.argma
 from __future__ import annotations
 
 import os
-from types import ModuleType
+from typing import Protocol
 
 import torch
 
-from trainer.kernels.chunked import ChunkedLMHeadCE, default_chunk_size
+from trainer.kernels.chunked import chunked_lm_head_cross_entropy, default_chunk_size
 from trainer.kernels.common import (
     BACKENDS,
     Backend,
@@ -73,8 +73,7 @@ def lm_head_cross_entropy(
     if chosen == "triton":
         return _triton().triton_lm_head_cross_entropy(hidden, weight, labels, ignore_index)
     width = chunk_size or default_chunk_size(hidden.shape[0], weight.shape[0])
-    loss, correct = ChunkedLMHeadCE.apply(hidden, weight, labels, ignore_index, width)
-    return LMHeadCE(loss=loss, correct=correct)
+    return chunked_lm_head_cross_entropy(hidden, weight, labels, ignore_index, width)
 
 
 def select_backend(backend: str, device: torch.device, dtype: torch.dtype = torch.float32) -> str:
@@ -119,7 +118,17 @@ def triton_unavailable_reason(
     )
 
 
-def _triton() -> ModuleType:
+class _TritonModule(Protocol):
+    """What this module uses of `trainer.kernels.triton_ce` (a module satisfies a Protocol)."""
+
+    INTERPRETED: bool
+
+    def triton_lm_head_cross_entropy(
+        self, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, ignore_index: int
+    ) -> LMHeadCE: ...
+
+
+def _triton() -> _TritonModule:
     """Import the Triton module lazily: importing triton costs ~1 s and is pointless on CPU."""
     from trainer.kernels import triton_ce
 

@@ -21,16 +21,23 @@ kernels were built in.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
-from typing import Any
+from typing import ParamSpec, Protocol, TypeVar
 
 import torch
 import triton
 import triton.language as tl
 from torch.autograd.function import once_differentiable
 
-from trainer.kernels.common import LMHeadCE, add_chunk_grad
+from trainer.kernels.common import (
+    CEContext,
+    LMHeadCE,
+    add_chunk_grad,
+    ce_backward_inputs,
+    ce_forward_epilogue,
+)
 
 DLOGITS_CHUNK_BYTES = 256 * 2**20
 """Bytes of the reusable [N, chunk] dlogits buffer of the backward pass."""
@@ -38,24 +45,59 @@ MAX_DLOGITS_CHUNK = 16384
 """Widest backward chunk: wide enough for efficient GEMMs, small enough for small-N calls."""
 
 
-@triton.jit
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+_R_co = TypeVar("_R_co", covariant=True)
+
+
+class JitFunction(Protocol[_P, _R_co]):
+    """A `triton.jit` function: launched as `kernel[grid](..., num_warps=...)` from the host, called
+    as `f(...)` from another kernel."""
+
+    __name__: str
+    arg_names: list[str]
+
+    def __call__(self, *args: _P.args, **kwargs: _P.kwargs) -> _R_co: ...
+
+    def __getitem__(self, grid: tuple[int, ...]) -> Callable[..., object]: ...
+
+
+def _jit(
+    *, do_not_specialize: Sequence[str] | None = None
+) -> Callable[[Callable[_P, _R]], JitFunction[_P, _R]]:
+    """`triton.jit`, typed: triton ships no type information, so its decorator is untyped.
+
+    Kernel parameters are annotated `tl.tensor` (what a non-constexpr argument is inside a kernel):
+    the jit reads annotations, and a builtin name (`int`, `float`) would become a Triton type
+    ("i32", "fp32") and change how the argument is specialised.
+    """
+
+    def wrap(fn: Callable[_P, _R]) -> JitFunction[_P, _R]:
+        names = list(do_not_specialize) if do_not_specialize is not None else None
+        jitted: JitFunction[_P, _R] = triton.jit(fn, do_not_specialize=names)
+        return jitted
+
+    return wrap
+
+
+@_jit()
 def _logits_tile(
-    h_ptr,
-    w_ptr,
-    rows,
-    row_ok,
-    cols,
-    col_ok,
-    D,
-    stride_hn,
-    stride_hd,
-    stride_wv,
-    stride_wd,
+    h_ptr: tl.tensor,
+    w_ptr: tl.tensor,
+    rows: tl.tensor,
+    row_ok: tl.tensor,
+    cols: tl.tensor,
+    col_ok: tl.tensor,
+    D: tl.tensor,
+    stride_hn: tl.tensor,
+    stride_hd: tl.tensor,
+    stride_wv: tl.tensor,
+    stride_wd: tl.tensor,
     BLOCK_N: tl.constexpr,
     BLOCK_V: tl.constexpr,
     BLOCK_D: tl.constexpr,
     PRECISION: tl.constexpr,
-):
+) -> tl.tensor:
     """[BLOCK_N, BLOCK_V] fp32 logits of rows x cols; out-of-range rows/cols read zeros."""
     acc = tl.zeros([BLOCK_N, BLOCK_V], dtype=tl.float32)
     rows64 = rows.to(tl.int64)
@@ -77,29 +119,29 @@ def _logits_tile(
     return acc
 
 
-@triton.jit(do_not_specialize=["N", "V", "v_per_split"])
+@_jit(do_not_specialize=["N", "V", "v_per_split"])
 def _forward_kernel(
-    h_ptr,
-    w_ptr,
-    labels_ptr,
-    max_ptr,
-    sum_ptr,
-    label_logit_ptr,
-    best_ptr,
-    best_idx_ptr,
-    N,
-    V,
-    D,
-    v_per_split,
-    stride_hn,
-    stride_hd,
-    stride_wv,
-    stride_wd,
+    h_ptr: tl.tensor,
+    w_ptr: tl.tensor,
+    labels_ptr: tl.tensor,
+    max_ptr: tl.tensor,
+    sum_ptr: tl.tensor,
+    label_logit_ptr: tl.tensor,
+    best_ptr: tl.tensor,
+    best_idx_ptr: tl.tensor,
+    N: tl.tensor,
+    V: tl.tensor,
+    D: tl.tensor,
+    v_per_split: tl.tensor,
+    stride_hn: tl.tensor,
+    stride_hd: tl.tensor,
+    stride_wv: tl.tensor,
+    stride_wd: tl.tensor,
     BLOCK_N: tl.constexpr,
     BLOCK_V: tl.constexpr,
     BLOCK_D: tl.constexpr,
     PRECISION: tl.constexpr,
-):
+) -> None:
     """Partial (max, sum-exp, label logit, best logit, best id) of one row block over one split."""
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
@@ -141,28 +183,28 @@ def _forward_kernel(
     tl.store(best_idx_ptr + out, best_idx, mask=row_ok)
 
 
-@triton.jit(do_not_specialize=["N", "v_start", "v_width"])
+@_jit(do_not_specialize=["N", "v_start", "v_width"])
 def _dlogits_kernel(
-    h_ptr,
-    w_ptr,
-    labels_ptr,
-    lse_ptr,
-    grad_rows_ptr,
-    out_ptr,
-    N,
-    D,
-    v_start,
-    v_width,
-    stride_hn,
-    stride_hd,
-    stride_wv,
-    stride_wd,
-    stride_on,
+    h_ptr: tl.tensor,
+    w_ptr: tl.tensor,
+    labels_ptr: tl.tensor,
+    lse_ptr: tl.tensor,
+    grad_rows_ptr: tl.tensor,
+    out_ptr: tl.tensor,
+    N: tl.tensor,
+    D: tl.tensor,
+    v_start: tl.tensor,
+    v_width: tl.tensor,
+    stride_hn: tl.tensor,
+    stride_hd: tl.tensor,
+    stride_wv: tl.tensor,
+    stride_wd: tl.tensor,
+    stride_on: tl.tensor,
     BLOCK_N: tl.constexpr,
     BLOCK_V: tl.constexpr,
     BLOCK_D: tl.constexpr,
     PRECISION: tl.constexpr,
-):
+) -> None:
     """out[n, j] = grad_rows[n] * (softmax[n, v_start + j] - [label[n] == v_start + j])."""
     pid_n = tl.program_id(0)
     pid_v = tl.program_id(1)
@@ -232,7 +274,7 @@ def _default_splits(n_blocks: int, vocab_tiles: int, device: torch.device) -> in
     if device.type != "cuda":
         return min(2, vocab_tiles)
     sms = torch.cuda.get_device_properties(device).multi_processor_count
-    return max(1, min(vocab_tiles, triton.cdiv(2 * sms, n_blocks)))
+    return max(1, min(vocab_tiles, -(-2 * sms // n_blocks)))  # ceil division (triton.cdiv)
 
 
 def triton_forward(
@@ -303,12 +345,17 @@ def triton_grad_hidden(
     return grad
 
 
+class _TritonContext(CEContext, Protocol):
+    tiles: TileConfig
+    chunk: int | None
+
+
 class TritonLMHeadCE(torch.autograd.Function):
     """Autograd wrapper over the Triton kernels; saves the log-sum-exp, never the logits."""
 
     @staticmethod
-    def forward(  # type: ignore[override]
-        ctx: Any,
+    def forward(
+        ctx: _TritonContext,
         hidden: torch.Tensor,
         weight: torch.Tensor,
         labels: torch.Tensor,
@@ -318,27 +365,22 @@ class TritonLMHeadCE(torch.autograd.Function):
         chunk: int | None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         labels = labels.contiguous()
-        lse, label_logit, argmax = triton_forward(hidden, weight, labels, tiles, num_splits)
-        valid = labels != ignore_index
-        loss = torch.where(valid, lse - label_logit, torch.zeros_like(lse))
-        correct = (argmax == labels) & valid
-        ctx.save_for_backward(hidden, weight, labels, lse, valid)
+        stats = triton_forward(hidden, weight, labels, tiles, num_splits)
         ctx.tiles, ctx.chunk = tiles, chunk
-        ctx.mark_non_differentiable(correct)
-        return loss, correct
+        return ce_forward_epilogue(ctx, hidden, weight, labels, ignore_index, stats)
 
     @staticmethod
     @once_differentiable
-    def backward(  # type: ignore[override]
-        ctx: Any, grad_loss: torch.Tensor | None, _grad_correct: torch.Tensor | None
+    def backward(
+        ctx: _TritonContext, grad_loss: torch.Tensor | None, _grad_correct: torch.Tensor | None
     ) -> tuple[torch.Tensor | None, None, None, None, None, None, None]:
-        if grad_loss is None or not ctx.needs_input_grad[0]:
+        saved = ce_backward_inputs(ctx, grad_loss)
+        if saved is None:
             return None, None, None, None, None, None, None
-        hidden, weight, labels, lse, valid = ctx.saved_tensors
-        grad_rows = torch.where(valid, grad_loss.float(), torch.zeros_like(lse)).contiguous()
-        with _on_device(hidden.device):  # autograd may run backward on another thread/device
-            grad = triton_grad_hidden(hidden, weight, labels, lse, grad_rows, ctx.tiles, ctx.chunk)
-        return grad.to(hidden.dtype), None, None, None, None, None, None
+        h, w, labels, lse, grad_rows = saved
+        with _on_device(h.device):  # autograd may run backward on another thread/device
+            grad = triton_grad_hidden(h, w, labels, lse, grad_rows, ctx.tiles, ctx.chunk)
+        return grad.to(h.dtype), None, None, None, None, None, None
 
 
 def triton_lm_head_cross_entropy(
@@ -354,7 +396,8 @@ def triton_lm_head_cross_entropy(
     """Validated inputs in, LMHeadCE out; tiles/splits/chunk are exposed for tests and tuning."""
     tiles = tiles or default_tiles(hidden.dtype)
     with _on_device(hidden.device):
-        loss, correct = TritonLMHeadCE.apply(
+        # torch's Function.apply is unannotated; the types are forward's.
+        loss, correct = TritonLMHeadCE.apply(  # type: ignore[no-untyped-call]
             hidden, weight, labels, ignore_index, tiles, num_splits, chunk
         )
     return LMHeadCE(loss=loss, correct=correct)
