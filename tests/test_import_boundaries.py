@@ -218,7 +218,6 @@ def describe_cycle(cycle: list[Edge]) -> str:
 # goes with it. (path, imported module)
 KNOWN_WRONG_EDGES: set[tuple[str, str]] = {
     ("dflashctl/monitor.py", "trainer.pipeline.schedule"),  # the laptop-side lr/warmup rule
-    ("dflashctl/release.py", "trainer"),  # the release's version string
 }
 
 
