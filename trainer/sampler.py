@@ -14,7 +14,9 @@ Strategies (all pack greedily under a token budget, so no batch ever pads past i
 
 Every epoch is a pure function of (lengths, config, seed, epoch): each purpose draws from its own
 Philox stream keyed by a SeedSequence, never from global RNG state, so any machine and any worker
-count give the same batches, and resuming is (epoch, batches consumed) plus a fingerprint.
+count give the same batches. The sampler keeps no position: the resume position is the global
+micro-batch sequence number `trainer.pipeline.plan.BatchPlan` numbers these epochs with, checked
+against this sampler's `fingerprint()` (`check_state`).
 
 Sharding policy (world_size > 1): batches are dealt in groups of world_size. Inside each bucket
 (strategy segment) consecutive batches form a group, so the ranks of one step train on the same
@@ -33,9 +35,8 @@ import heapq
 import itertools
 import json
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 
@@ -170,7 +171,9 @@ def rows_digest(ids: np.ndarray) -> str:
 
 
 class BatchSampler:
-    """Deterministic, resumable, sharded batches under a token budget (see module docstring).
+    """Deterministic, sharded batches under a token budget (see module docstring): every epoch is
+    a pure function of (seed, epoch), recomputed on each call (callers that need an epoch more
+    than once keep it: `BatchPlan` does).
 
     Args:
         lengths: tokens per sample (any integer array; validated, copied as int64).
@@ -258,9 +261,7 @@ class BatchSampler:
         bucket = bucket[self._train]
         counts = np.bincount(bucket, minlength=self.num_buckets)
         self._members = np.split(order, np.cumsum(counts)[:-1])
-        self.position: tuple[int, int] = (0, 0)
-        self._cache: dict[int, tuple[list[list[Batch]], np.ndarray]] = {}
-        self._fingerprint_config = self._config()
+        self.fingerprint_config: dict[str, object] = self._config()
         note = pool_sort_warning(len(self.lengths), self.pool_size)
         self.warnings: tuple[str, ...] = (note,) if strategy == "pool-sort" and note else ()
         for text in self.warnings:  # reaches the trainer's log (stderr) as well as callers
@@ -297,8 +298,6 @@ class BatchSampler:
 
     def _global(self, epoch: int) -> tuple[list[list[Batch]], np.ndarray]:
         """All ranks' batches for `epoch` as step groups of world_size, plus dropped sample ids."""
-        if epoch in self._cache:
-            return self._cache[epoch]
         if epoch < 0:
             raise SamplerError(f"epoch must be >= 0, got {epoch}")
         ids, seg = self._ordered(epoch)
@@ -332,9 +331,6 @@ class BatchSampler:
         ]
         perm = rng_for(self.seed, epoch, _BATCH_ORDER).permutation(len(full)).tolist()
         groups = [batches[g * w : (g + 1) * w] for g in perm]
-        if len(self._cache) >= 2:
-            self._cache.pop(min(self._cache))
-        self._cache[epoch] = (groups, dropped)
         return groups, dropped
 
     def global_batches(self, epoch: int) -> list[list[Batch]]:
@@ -353,20 +349,10 @@ class BatchSampler:
         """Steps (batches per rank) in `epoch`; equal on every rank."""
         return len(self._global(epoch)[0])
 
-    # ----- iteration and resume -----------------------------------------------------------
-    def __iter__(self) -> Iterator[Batch]:
-        """Endless batches from the current position; `position` counts what was handed out."""
-        while True:
-            epoch, done = self.position
-            batches = self.epoch_batches(epoch)
-            for i in range(done, len(batches)):
-                self.position = (epoch, i + 1)
-                yield batches[i]
-            self.position = (epoch + 1, 0)
-
-    def _config(self) -> dict[str, Any]:
+    # ----- resume check ---------------------------------------------------------------------
+    def _config(self) -> dict[str, object]:
         digest = hashlib.sha256(self.lengths.astype("<i8").tobytes()).hexdigest()[:16]
-        return {
+        config: dict[str, object] = {
             "strategy": self.strategy,
             "boundaries": self.boundaries if self.strategy == "bucketed" else None,
             "token_budget": self.token_budget,
@@ -376,44 +362,29 @@ class BatchSampler:
             "pool_size": self.pool_size if self.strategy == "pool-sort" else None,
             "num_samples": len(self.lengths),
             "lengths_sha256": digest,
-        } | (
-            {"excluded": f"{self.excluded.size}:{rows_digest(self.excluded)}"}
-            if self.excluded.size
-            else {}  # no exclusion: the fingerprint of every earlier checkpoint
-        )
+        }
+        if self.excluded.size:  # no exclusion: the fingerprint of every earlier checkpoint
+            config["excluded"] = f"{self.excluded.size}:{rows_digest(self.excluded)}"
+        return config
 
     def fingerprint(self) -> str:
         """sha256-16 of the lengths and every setting that shapes the batches (not the rank)."""
-        blob = json.dumps(self._fingerprint_config, sort_keys=True).encode()
+        blob = json.dumps(self.fingerprint_config, sort_keys=True).encode()
         return hashlib.sha256(blob).hexdigest()[:16]
 
-    def state_dict(self, position: tuple[int, int] | None = None) -> dict[str, Any]:
-        """Resume state: a position plus what it is only valid for (JSON-serializable).
-
-        Args:
-            position: (epoch, batches trained) to record instead of `self.position`; a pipeline
-                that prefetches ahead of training passes the count it actually trained on.
-        """
-        epoch, done = self.position if position is None else position
-        return {
-            "version": STATE_VERSION,
-            "epoch": epoch,
-            "position": done,
-            "fingerprint": self.fingerprint(),
-            "config": dict(self._fingerprint_config),
-        }
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Resume exactly where `state` left off; refuse state from other data or settings."""
+    def check_state(self, state: Mapping[str, object]) -> None:
+        """Refuse a saved sampler state (`BatchPlan.state_dict`) from other data or settings:
+        SamplerError naming each setting that differs."""
         if state.get("version") != STATE_VERSION:
             raise SamplerError(
                 f"sampler state version {state.get('version')!r} is not {STATE_VERSION}"
             )
         if state.get("fingerprint") != self.fingerprint():
-            saved = state.get("config") or {}
+            saved = state.get("config")
+            saved = saved if isinstance(saved, dict) else {}
             diffs = [
                 f"{key} is {saved.get(key)!r} in the saved state but {now!r} now"
-                for key, now in self._fingerprint_config.items()
+                for key, now in self.fingerprint_config.items()
                 if saved.get(key) != now
             ]
             raise SamplerError(
@@ -421,10 +392,6 @@ class BatchSampler:
                 + ("; ".join(diffs) or "fingerprint differs")
                 + "): resuming would replay different batches"
             )
-        epoch, done = int(state["epoch"]), int(state["position"])
-        if epoch < 0 or not 0 <= done <= self.steps_per_epoch(epoch):
-            raise SamplerError(f"sampler state position ({epoch}, {done}) is out of range")
-        self.position = (epoch, done)
 
 
 def _equalize(

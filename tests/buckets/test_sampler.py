@@ -4,14 +4,17 @@ from __future__ import annotations
 
 import itertools
 import json
+from typing import Any
 
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from trainer.config import STRATEGIES
 from trainer.data.lengths import seed_shaped_lengths
-from trainer.sampler import STRATEGIES, BatchSampler, SamplerError, greedy_batch_sizes
+from trainer.pipeline.plan import BatchPlan, Position
+from trainer.sampler import BatchSampler, SamplerError, greedy_batch_sizes
 
 # Generated configs include pool-sort pools larger than the data: legal, warned, tested in test_cli.
 pytestmark = pytest.mark.filterwarnings("ignore::trainer.sampler.SamplerWarning")
@@ -34,7 +37,7 @@ def naive_greedy(ordered: list[int], segment: list[int], budget: int, max_batch:
 
 
 @st.composite
-def configs(draw: st.DrawFn) -> dict:
+def configs(draw: st.DrawFn) -> dict[str, Any]:
     n = draw(st.integers(1, 300))
     lengths = draw(st.lists(st.integers(1, 500), min_size=n, max_size=n))
     budget = draw(st.integers(max(lengths), 3000))
@@ -52,7 +55,7 @@ def configs(draw: st.DrawFn) -> dict:
     }
 
 
-def ranks(cfg: dict) -> list[BatchSampler]:
+def ranks(cfg: dict[str, Any]) -> list[BatchSampler]:
     return [BatchSampler(**cfg, rank=r) for r in range(cfg["world_size"])]
 
 
@@ -70,7 +73,9 @@ def test_vector_greedy_packer_equals_the_one_at_a_time_rule(data: st.DataObject)
 
 @given(configs())
 @FAST
-def test_every_sample_once_per_epoch_across_ranks_and_never_over_budget(cfg: dict) -> None:
+def test_every_sample_once_per_epoch_across_ranks_and_never_over_budget(
+    cfg: dict[str, Any],
+) -> None:
     """Union over ranks is every sample exactly once (minus reported drops); no batch over T or B."""
     samplers = ranks(cfg)
     for epoch in (0, 1):
@@ -90,7 +95,7 @@ def test_every_sample_once_per_epoch_across_ranks_and_never_over_budget(cfg: dic
 
 @given(configs())
 @FAST
-def test_drops_happen_only_when_every_batch_is_a_single_sample(cfg: dict) -> None:
+def test_drops_happen_only_when_every_batch_is_a_single_sample(cfg: dict[str, Any]) -> None:
     """Equal shares are made by splitting batches; dropping is the last resort."""
     s = BatchSampler(**cfg)
     if len(s.dropped(0)):
@@ -99,7 +104,7 @@ def test_drops_happen_only_when_every_batch_is_a_single_sample(cfg: dict) -> Non
 
 @given(configs(), st.integers(0, 3))
 @FAST
-def test_same_seed_and_epoch_give_the_same_batches(cfg: dict, epoch: int) -> None:
+def test_same_seed_and_epoch_give_the_same_batches(cfg: dict[str, Any], epoch: int) -> None:
     """Two independent samplers agree batch for batch (no hidden global RNG)."""
     np.random.seed(epoch)  # global state must not matter
     a = BatchSampler(**cfg).epoch_batches(epoch)
@@ -108,43 +113,52 @@ def test_same_seed_and_epoch_give_the_same_batches(cfg: dict, epoch: int) -> Non
     assert [x.indices.tolist() for x in a] == [y.indices.tolist() for y in b]
 
 
+def plan_of(cfg: dict[str, Any], micro_batches: int) -> BatchPlan:
+    """A plan of whole epochs holding at least `micro_batches`."""
+    epochs = 1
+    while (plan := BatchPlan(BatchSampler(**cfg), epochs)).total < micro_batches:
+        epochs *= 2
+    return plan
+
+
 @given(configs(), st.integers(0, 120))
 @FAST
-def test_resume_from_state_dict_continues_identically(cfg: dict, taken: int) -> None:
-    """Take k, save, restore into a fresh sampler: the next batches equal the uninterrupted run."""
-    first = BatchSampler(**cfg)
-    it = iter(first)
-    for _ in range(taken):
-        next(it)
-    state = json.loads(json.dumps(first.state_dict()))  # must survive a JSON checkpoint
-    expected = [next(it).indices.tolist() for _ in range(25)]
-    second = BatchSampler(**cfg)
-    second.load_state_dict(state)
-    resumed = iter(second)
-    assert [next(resumed).indices.tolist() for _ in range(25)] == expected
+def test_resume_from_state_dict_continues_identically(cfg: dict[str, Any], taken: int) -> None:
+    """Take k, save, restore into a fresh plan: the next batches equal the uninterrupted run."""
+    first = plan_of(cfg, taken + 25)
+    uninterrupted = [
+        b.indices.tolist()
+        for e in range(len(first.steps))
+        for b in BatchSampler(**cfg).epoch_batches(e)
+    ]
+    taken_batches = [first.batch(seq).indices.tolist() for seq in range(taken)]
+    assert taken_batches == uninterrupted[:taken]
+    state = json.loads(json.dumps(first.state_dict(taken)))  # must survive a JSON checkpoint
+    expected = uninterrupted[taken : taken + 25]
+    second = BatchPlan(BatchSampler(**cfg), len(first.steps))
+    seq = second.load_state_dict(state)
+    assert [second.batch(s).indices.tolist() for s in range(seq, seq + 25)] == expected
 
 
 def test_position_counts_batches_and_rolls_into_the_next_epoch() -> None:
-    """position is (epoch, batches handed out) and the iterator crosses epochs by itself."""
+    """position is (epoch, batches handed out) and the sequence crosses epochs by itself."""
     s = BatchSampler(np.arange(1, 41), token_budget=80, max_batch=4, seed=3)
     steps = s.steps_per_epoch(0)
-    it = iter(s)
-    for _ in range(steps):
-        next(it)
-    assert s.position == (0, steps)
-    nxt = next(it)
-    assert s.position == (1, 1) and nxt.indices.tolist() == s.epoch_batches(1)[0].indices.tolist()
+    plan = BatchPlan(s, 2)
+    assert plan.locate(steps - 1) == Position(0, steps - 1)
+    nxt = plan.batch(steps)
+    assert plan.locate(steps) == Position(1, 0)
+    assert nxt.indices.tolist() == s.epoch_batches(1)[0].indices.tolist()
+    assert (plan.state_dict(steps + 1)["epoch"], plan.state_dict(steps + 1)["position"]) == (1, 1)
 
 
 def test_state_can_record_the_trained_position_behind_a_prefetcher() -> None:
     """A pipeline that pulled ahead saves the position it trained to and resumes from there."""
-    s = BatchSampler(np.arange(1, 200), token_budget=400, max_batch=8, seed=2)
-    it = iter(s)
-    pulled = [next(it) for _ in range(10)]  # 10 prefetched, only 6 trained
-    state = s.state_dict(position=(0, 6))
-    fresh = BatchSampler(np.arange(1, 200), token_budget=400, max_batch=8, seed=2)
-    fresh.load_state_dict(state)
-    assert next(iter(fresh)).indices.tolist() == pulled[6].indices.tolist()
+    plan = BatchPlan(BatchSampler(np.arange(1, 200), token_budget=400, max_batch=8, seed=2), 1)
+    pulled = [plan.batch(seq) for seq in range(10)]  # 10 prefetched, only 6 trained
+    state = plan.state_dict(6)
+    fresh = BatchPlan(BatchSampler(np.arange(1, 200), token_budget=400, max_batch=8, seed=2), 1)
+    assert fresh.batch(fresh.load_state_dict(state)).indices.tolist() == pulled[6].indices.tolist()
 
 
 def test_mismatched_state_is_refused_naming_the_setting() -> None:
@@ -152,14 +166,15 @@ def test_mismatched_state_is_refused_naming_the_setting() -> None:
     x = seed_shaped_lengths(5000)
     a = BatchSampler(x, boundaries=SEED_BOUNDS, token_budget=49_152, max_batch=64, seed=0)
     b = BatchSampler(x, boundaries=SEED_BOUNDS, token_budget=32_768, max_batch=64, seed=0)
+    saved = BatchPlan(a, 1).state_dict(0)
     with pytest.raises(SamplerError, match="token_budget is 49152 in the saved state but 32768"):
-        b.load_state_dict(a.state_dict())
+        BatchPlan(b, 1).load_state_dict(saved)
     c = BatchSampler(x[:-1], boundaries=SEED_BOUNDS, token_budget=49_152, max_batch=64, seed=0)
     with pytest.raises(SamplerError, match="lengths_sha256"):
-        c.load_state_dict(a.state_dict())
-    state = a.state_dict() | {"position": 10**9}
+        BatchPlan(c, 1).load_state_dict(saved)
+    state = saved | {"position": 10**9}
     with pytest.raises(SamplerError, match="out of range"):
-        a.load_state_dict(state)
+        BatchPlan(a, 1).load_state_dict(state)
 
 
 def test_a_sample_longer_than_the_budget_is_refused_at_construction() -> None:
@@ -179,9 +194,14 @@ def test_a_sample_longer_than_the_budget_is_refused_at_construction() -> None:
         ({"seed": -1}, "seed must be"),
     ],
 )
-def test_bad_arguments_are_named(kwargs: dict, needle: str) -> None:
+def test_bad_arguments_are_named(kwargs: dict[str, Any], needle: str) -> None:
     """Each invalid argument produces a one-line error naming it."""
-    base = {"boundaries": SEED_BOUNDS, "token_budget": 49_152, "max_batch": 64, "seed": 0}
+    base: dict[str, Any] = {
+        "boundaries": SEED_BOUNDS,
+        "token_budget": 49_152,
+        "max_batch": 64,
+        "seed": 0,
+    }
     with pytest.raises(SamplerError, match=needle):
         BatchSampler(seed_shaped_lengths(2000), **(base | kwargs))
 
@@ -205,7 +225,7 @@ def test_bucketed_composition_changes_each_epoch_but_sorted_stays_static() -> No
     def pairs(s: BatchSampler, epoch: int) -> set[frozenset[int]]:
         return {frozenset(b.indices.tolist()) for b in s.epoch_batches(epoch)}
 
-    kw = {"token_budget": 49_152, "max_batch": 64, "seed": 0}
+    kw: dict[str, Any] = {"token_budget": 49_152, "max_batch": 64, "seed": 0}
     srt = BatchSampler(x, strategy="sorted", **kw)
     assert pairs(srt, 0) == pairs(srt, 1)
     assert [b.indices.tolist() for b in srt.epoch_batches(0)] != [

@@ -13,7 +13,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from trainer.config import ConfigError, TrainConfig, resume_critical_changes
+from trainer.config import STRATEGIES, ConfigError, TrainConfig, resume_critical_changes
 from trainer.data.store import TokenStore
 from trainer.events import EvalEvent, parse_line
 from trainer.model.fit import Row, teacher_forced_streaks, walk_accept_lengths
@@ -30,7 +30,7 @@ from trainer.pipeline.checkpoint import (
 )
 from trainer.pipeline.evaluate import supervised_spans
 from trainer.pipeline.plan import BatchPlan
-from trainer.sampler import STRATEGIES, BatchSampler, holdout_rows
+from trainer.sampler import BatchSampler, holdout_rows
 
 from .conftest import RunCli, write_config
 
@@ -94,7 +94,7 @@ def test_no_exclusion_is_the_sampler_every_earlier_checkpoint_knew() -> None:
     held = BatchSampler(lengths, exclude=holdout_rows(200, 10, 5), **kw)
     assert held.fingerprint() != old.fingerprint()
     with pytest.raises(Exception, match="does not match"):
-        held.load_state_dict(old.state_dict())  # another held-out set: other batches
+        BatchPlan(held, 1).load_state_dict(BatchPlan(old, 1).state_dict(0))  # other batches
 
 
 # --- config ---------------------------------------------------------------------------------

@@ -19,11 +19,12 @@ from torch import nn
 
 from trainer.config import TrainConfig
 from trainer.config.validation import dotted, one_line
+from trainer.errors import TrainerError
 from trainer.model.drafter import DFlashDrafter, DrafterConfig
 from trainer.model.target import default_target_layer_ids
 
 
-class UserError(Exception):
+class UserError(TrainerError):
     """A problem the user can fix (config, data, checkpoint); one line, exit status 2."""
 
 
@@ -154,7 +155,8 @@ def _tensor(target_dir: Path, names: tuple[str, ...]) -> torch.Tensor | None:
         for name in names:
             if name in weight_map:
                 with safe_open(target_dir / weight_map[name], framework="pt") as fh:
-                    return fh.get_tensor(name)
+                    found: torch.Tensor = fh.get_tensor(name)
+                    return found
         return None
     single = target_dir / "model.safetensors"
     if not single.is_file():
@@ -163,7 +165,8 @@ def _tensor(target_dir: Path, names: tuple[str, ...]) -> torch.Tensor | None:
         keys = set(fh.keys())
         for name in names:
             if name in keys:
-                return fh.get_tensor(name)
+                tensor: torch.Tensor = fh.get_tensor(name)
+                return tensor
     return None
 
 
@@ -180,7 +183,7 @@ def load_borrowed(
         if not getattr(hf, "tie_word_embeddings", False):
             raise UserError(f"{target_dir}: no lm_head.weight and embeddings are not tied")
         head_w = embed_w
-    embed = nn.Embedding(*embed_w.shape, device=device, dtype=dtype)
+    embed = nn.Embedding(embed_w.shape[0], embed_w.shape[1], device=device, dtype=dtype)
     head = nn.Linear(head_w.shape[1], head_w.shape[0], bias=False, device=device, dtype=dtype)
     with torch.no_grad():
         embed.weight.copy_(embed_w)

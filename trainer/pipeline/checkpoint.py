@@ -30,31 +30,23 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import IO, Any, cast
 
 import numpy as np
 import torch
 
-CHECKPOINT_VERSION = 1
+from trainer.errors import TrainerError
+from trainer.events.checkpoint_layout import CHECKPOINT_VERSION as CHECKPOINT_VERSION
+from trainer.events.checkpoint_layout import REQUIRED_KEYS as REQUIRED_KEYS
+
 _NAME = re.compile(r"step-(\d{8,})\.pt")
-REQUIRED_KEYS = (
-    "step",
-    "micro",
-    "world_size",
-    "config",
-    "drafter",
-    "optimizer",
-    "sampler",
-    "rng",
-    "counters",
-)
 REJECTED = "rejected"
 BEST = "best.pt"
 _DISK_FULL = {errno.ENOSPC, errno.EFBIG, errno.EDQUOT}
 _MIB = 1024 * 1024
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(TrainerError, RuntimeError):
     """A checkpoint cannot be used; one line naming the file (`reason` without the path)."""
 
     def __init__(self, path: Path, reason: str) -> None:
@@ -62,7 +54,7 @@ class CheckpointError(RuntimeError):
         self.path, self.reason = path, reason
 
 
-class CheckpointWriteError(RuntimeError):
+class CheckpointWriteError(TrainerError, RuntimeError):
     """A checkpoint was not written (disk full, non-finite state); the earlier ones are intact."""
 
 
@@ -133,14 +125,15 @@ def state_bytes(state: dict[str, Any]) -> int:
 def free_bytes(path: Path) -> int:
     """Bytes an unprivileged writer can still use on the filesystem holding `path`."""
     st = os.statvfs(path)
-    return st.f_bavail * st.f_frsize
+    return int(st.f_bavail * st.f_frsize)
 
 
 class _Recorder:
     """File wrapper that keeps the OSError torch's zip writer turns into 'unexpected pos'."""
 
-    def __init__(self, fh: Any) -> None:
-        self.fh, self.error = fh, None
+    def __init__(self, fh: IO[bytes]) -> None:
+        self.fh = fh
+        self.error: OSError | None = None
 
     def write(self, data: bytes) -> int:
         try:
@@ -233,7 +226,8 @@ def save_checkpoint(
     try:
         with open(tmp, "wb") as fh:
             rec = _Recorder(fh)
-            torch.save({"version": CHECKPOINT_VERSION, **state}, rec)
+            # duck-typed file: torch's writer only calls write() and flush()
+            torch.save({"version": CHECKPOINT_VERSION, **state}, cast(IO[bytes], rec))
             fh.flush()
             os.fsync(fh.fileno())
         os.replace(tmp, final)

@@ -460,7 +460,7 @@ class Run:
         from trainer.sampler import SamplerError
 
         try:
-            self.sampler.load_state_dict(state["sampler"])
+            self.resume_seq = self.plan.load_state_dict(state["sampler"])
         except SamplerError as exc:
             raise assets.UserError(f"{path}: {exc}") from None
 
@@ -713,8 +713,6 @@ class Run:
         if not self.world.is_main:
             return True
         micro = step * self.cfg.optimizer.grad_accum
-        pos = self.plan.locate(micro) if micro < self.plan.total else None
-        self.sampler.position = (pos.epoch, pos.index) if pos else (len(self.plan.steps), 0)
         state = {
             "step": step,
             "micro": micro,
@@ -725,7 +723,7 @@ class Run:
             "drafter": self.drafter.state_dict(),
             "optimizer": self.opt.state_dict(),
             "schedule": {"total_steps": self.total_steps, "warmup_steps": self.warmup},
-            "sampler": self.sampler.state_dict(),
+            "sampler": self.plan.state_dict(micro),
             "rng": rng,
             "counters": {"nonfinite": self.board.nonfinite},
             "eval": {"holdout_rows": len(self.holdout), "best": self.best},

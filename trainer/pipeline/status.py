@@ -17,7 +17,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TextIO
+from typing import TextIO
 
 from trainer.events import (
     BOTTLENECK_KEY,
@@ -31,6 +31,7 @@ from trainer.events import (
     format_phase_line,
     format_status_line,
 )
+from trainer.events.run_state import RUN_STATE_FILE, RunState
 from trainer.pipeline.channels import WaitClock
 
 WARNING_PREFIX = "WARNING: "  # a raw line to every reader: never the run's last error
@@ -259,14 +260,15 @@ def status_line(
     )
 
 
-RUN_STATE = "run-state.json"
+RUN_STATE = RUN_STATE_FILE
+_FIELDS = frozenset(RunState.model_fields)
 
 
 def _now() -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
 
 
-def _read_state(path: Path) -> tuple[dict[str, Any], str | None]:
+def _read_state(path: Path) -> tuple[dict[str, object], str | None]:
     """The file's object and None, or ({}, why it is unusable) (missing is not a problem)."""
     try:
         text = path.read_text(encoding="utf-8")
@@ -283,7 +285,7 @@ def _read_state(path: Path) -> tuple[dict[str, Any], str | None]:
     return state, None
 
 
-def _write_state(path: Path, state: dict[str, Any]) -> None:
+def _write_state(path: Path, state: dict[str, object]) -> None:
     """Temp file + rename; on a full disk, rewrite in place (the old blocks are reused) rather
     than leave a stale `running` behind. Raises OSError only when both fail."""
     blob = json.dumps(state, indent=2, sort_keys=True) + "\n"
@@ -299,26 +301,38 @@ def _write_state(path: Path, state: dict[str, Any]) -> None:
 
 
 class RunStateFile:
-    """RUN/run-state.json as the trainer owns it (read by dflashctl status).
+    """RUN/run-state.json as the trainer owns it (read by dflashctl status): the one writer of
+    the `trainer.events.run_state.RunState` contract.
 
-    The trainer keeps every field it owns in memory and writes all of them each time, over
-    what it finds on disk (keys other writers own, e.g. a supervisor's, are kept), so a file
-    that was corrupted or truncated is rewritten whole by the next update. Each update returns
-    the problems met (a corrupted file found, a write that failed) as one-line messages, for
-    the caller to report; it never raises.
+    Every update is checked against `RunState` first: a key the contract does not name, or a
+    value of the wrong type, is a bug in the trainer and raises (ValueError) before anything
+    is written. The trainer keeps every field it owns in memory and writes all of them each
+    time, over what it finds on disk (keys other writers own, e.g. a supervisor's, are kept),
+    so a file that was corrupted or truncated is rewritten whole by the next update. Each update
+    returns the problems met (a corrupted file found, a write that failed) as one-line
+    messages, for the caller to report; it never raises for those.
     """
 
     def __init__(self, run_dir: Path) -> None:
         self.path = run_dir / RUN_STATE
-        self.owned: dict[str, Any] = {}
+        self.owned: dict[str, object] = {}
         self._lock = threading.Lock()
+
+    @staticmethod
+    def check(fields: dict[str, object]) -> RunState:
+        """`fields` as the contract reads them; ValueError naming a key it does not know."""
+        unknown = sorted(set(fields) - _FIELDS)
+        if unknown:
+            raise ValueError(f"{RUN_STATE}: not a RunState field: {', '.join(unknown)}")
+        return RunState.model_validate(fields)
 
     def heal(self) -> list[str]:
         """Rewrite the file whole if it is gone or no longer a JSON object (else one small read)."""
         _, why = _read_state(self.path)
         return self.update() if why or not self.path.exists() else []
 
-    def update(self, **fields: Any) -> list[str]:
+    def update(self, **fields: object) -> list[str]:
+        self.check(fields)
         problems: list[str] = []
         with self._lock:
             self.owned.update(fields)
@@ -331,10 +345,3 @@ class RunStateFile:
             except OSError as exc:
                 problems.append(f"{self.path}: cannot write: {exc.strerror or exc}")
         return problems
-
-
-def write_run_state(run_dir: Path, **fields: Any) -> None:
-    """Merge `fields` into RUN/run-state.json (a one-shot writer; the trainer uses RunStateFile)."""
-    path = run_dir / RUN_STATE
-    state, _ = _read_state(path)
-    _write_state(path, {**state, **fields, "updated_at": _now()})
