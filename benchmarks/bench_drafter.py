@@ -14,13 +14,14 @@ from __future__ import annotations
 
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 from trainer.kernels import lm_head_cross_entropy
 from trainer.model.drafter import DFlashDrafter, DrafterConfig
-from trainer.model.masks import sample_anchors
+from trainer.model.masks import Anchors, sample_anchors
 from trainer.model.objective import block_labels, dflash_objective
 from trainer.model.target import TargetModel
 from trainer.model.tiny import build_tiny_target
@@ -28,7 +29,7 @@ from trainer.model.tiny import build_tiny_target
 ROWS, SEQ, BLOCK = 2, 512, 16
 
 
-def timed(fn, reps: int = 3) -> float:
+def timed(fn: Callable[[], object], reps: int = 3) -> float:
     fn()  # warm-up
     start = time.perf_counter()
     for _ in range(reps):
@@ -53,14 +54,14 @@ def main() -> int:
     for n in (8, 32, 128):
         anchors = sample_anchors(loss, attn, n, torch.Generator().manual_seed(1))
 
-        def one_pass(anchors=anchors) -> None:
+        def one_pass(anchors: Anchors = anchors) -> None:
             drafter.zero_grad(set_to_none=True)
             res = dflash_objective(
                 drafter, target, ids, loss, attn, feats, anchors=anchors, attn_backend="sdpa"
             )
-            res.loss_sum.backward()
+            torch.autograd.backward(res.loss_sum)
 
-        def per_anchor(anchors=anchors) -> None:
+        def per_anchor(anchors: Anchors = anchors) -> None:
             drafter.zero_grad(set_to_none=True)
             labels, valid = block_labels(ids, loss, attn, anchors, BLOCK)
             total = torch.zeros(())
@@ -74,7 +75,7 @@ def main() -> int:
                         out[0, 1:][keep], target.lm_head.weight, labels[r, j][keep]
                     )
                     total = total + ce.loss.sum()
-            total.backward()
+            torch.autograd.backward(total)
 
         t_one = timed(one_pass)
         if n > 32:  # the loop grows linearly; skip it where it alone would take minutes

@@ -19,13 +19,15 @@ so it is one core's work), so another job on the machine does not skew them; row
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -68,7 +70,10 @@ def write_chats(path: Path, rng: np.random.Generator) -> None:
             fh.write(json.dumps({"messages": messages}) + "\n")
 
 
-def timed(fn):  # type: ignore[no-untyped-def]
+R = TypeVar("R")
+
+
+def timed(fn: Callable[[], R]) -> tuple[R, float]:
     """CPU seconds of this process (all its threads): robust to a shared, loaded machine."""
     start = time.process_time()
     result = fn()
@@ -92,14 +97,20 @@ def main() -> None:
             ("tagged copy (generation-tags)", tagged, False),
             ("real template, --per-turn", qwen3, True),
         )
-        stores = {}
+        stores: dict[str, TokenStore] = {}
         for name, directory, per_turn in runs:
             out = tmp / f"s-{len(stores)}"
             secs = float("inf")
             for _ in range(2):  # best of two: the machine is shared
                 manifest, took = timed(
-                    lambda d=directory, o=out, p=per_turn: import_chat_jsonl(
-                        chats, d, 8192, o, per_turn=p, overwrite=True
+                    functools.partial(
+                        import_chat_jsonl,
+                        chats,
+                        directory,
+                        8192,
+                        out,
+                        per_turn=per_turn,
+                        overwrite=True,
                     )
                 )
                 secs = min(secs, took)

@@ -28,6 +28,7 @@ from collections.abc import Callable
 import torch
 
 from trainer.kernels import lm_head_cross_entropy
+from trainer.kernels.common import Backend
 from trainer.kernels.peak_memory import cpu_peak_bytes, cuda_peak_bytes
 
 QWEN3_VOCAB = 151_936
@@ -63,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     n = args.positions or (8192 if cuda else 512)
     d = args.hidden or (4096 if cuda else 256)
     dtype = torch.bfloat16 if cuda else torch.float32
-    backends = ["dense", "chunked", "triton"] if cuda else ["dense", "chunked"]
+    backends: list[Backend] = ["dense", "chunked", "triton"] if cuda else ["dense", "chunked"]
 
     gen = torch.Generator().manual_seed(0)
     hidden = torch.randn(n, d, generator=gen).to(args.device, dtype).requires_grad_(True)
@@ -77,18 +78,19 @@ def main(argv: list[str] | None = None) -> int:
         f"V={args.vocab}  (fp32 [N, V] logits alone = {dense_bytes / 2**20:.0f} MiB)"
     )
 
-    results: dict[str, tuple[int, float, float]] = {}
-    outputs: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+    results: dict[Backend, tuple[int, float, float]] = {}
+    outputs: dict[Backend, tuple[torch.Tensor, torch.Tensor]] = {}
     for backend in backends:
 
-        def fwd(backend: str = backend) -> None:
+        def fwd(backend: Backend = backend) -> None:
             with torch.no_grad():
                 lm_head_cross_entropy(hidden, weight, labels, backend=backend)
 
-        def fwd_bwd(backend: str = backend) -> None:
+        def fwd_bwd(backend: Backend = backend) -> None:
             hidden.grad = None
             out = lm_head_cross_entropy(hidden, weight, labels, backend=backend)
-            (out.loss * upstream).sum().backward()
+            torch.autograd.backward((out.loss * upstream).sum())
+            assert hidden.grad is not None
             outputs[backend] = (out.loss.detach(), hidden.grad.detach().clone())
 
         t_fwd = median_seconds(fwd, args.repeats, args.device)

@@ -21,11 +21,10 @@ import tomllib
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "tests" / "pipeline"))
-
-from conftest import dump_toml, merge  # noqa: E402
+sys.path.insert(0, str(REPO))
 
 from trainer.config import TrainConfig  # noqa: E402
+from trainer.config.overlay import TomlTable, dump_toml, merge  # noqa: E402
 from trainer.events import StatusEvent, parse_line  # noqa: E402
 
 SCENARIOS = {
@@ -34,7 +33,7 @@ SCENARIOS = {
 }
 
 
-def _config(root: Path) -> dict:
+def _config(root: Path) -> TomlTable:
     raw = tomllib.loads((REPO / "configs" / "tiny-cpu.toml").read_text())
     raw = merge(
         raw,
@@ -54,7 +53,7 @@ def _config(root: Path) -> dict:
     return raw
 
 
-def _run(root: Path, raw: dict, name: str, delay: str, steps: int) -> list[StatusEvent]:
+def _run(root: Path, raw: TomlTable, name: str, delay: str, steps: int) -> list[StatusEvent]:
     cfg = root / f"{name}.toml"
     cfg.write_text(dump_toml(merge(raw, {"schedule": {"max_steps": steps}})))
     env = {**os.environ, "DFLASH_STAGE_DELAY": delay, "OMP_NUM_THREADS": "1"}

@@ -9,11 +9,14 @@ two mask strategies are timed side by side on the same rows.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 import numpy as np
 
@@ -63,7 +66,8 @@ def build_tokenizer(directory: Path, template: str, corpus: list[str]) -> Path:
         show_progress=False,
     )
     core.train_from_iterator(corpus, trainer)
-    fast = PreTrainedTokenizerFast(
+    # transformers leaves the fast tokenizer's __init__ unannotated.
+    fast = PreTrainedTokenizerFast(  # type: ignore[no-untyped-call]
         tokenizer_object=core, eos_token="<|im_end|>", pad_token="<|endoftext|>"
     )
     fast.chat_template = template
@@ -86,7 +90,10 @@ def write_chats(path: Path, rng: np.random.Generator, vocab: list[str]) -> None:
             fh.write(json.dumps({"conversations": turns}) + "\n")
 
 
-def timed(fn):  # type: ignore[no-untyped-def]
+R = TypeVar("R")
+
+
+def timed(fn: Callable[[], R]) -> tuple[R, float]:
     start = time.perf_counter()
     result = fn()
     return result, time.perf_counter() - start
@@ -108,9 +115,7 @@ def main() -> None:
         for name, workers in runs:
             out = tmp / f"s-{name}-{workers}"
             manifest, secs = timed(
-                lambda name=name, workers=workers, out=out: import_chat_jsonl(
-                    chats, toks[name], 4096, out, workers=workers
-                )
+                functools.partial(import_chat_jsonl, chats, toks[name], 4096, out, workers=workers)
             )
             assert manifest.mask_strategy == name
             print(

@@ -30,12 +30,17 @@ import tomllib
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "tests" / "pipeline"))
-
-from conftest import dump_toml, merge  # noqa: E402
+sys.path.insert(0, str(REPO))
 
 from trainer.config import TrainConfig  # noqa: E402
-from trainer.events import CheckpointEvent, PhaseEvent, StatusEvent, parse_line  # noqa: E402
+from trainer.config.overlay import dump_toml, merge  # noqa: E402
+from trainer.events import (  # noqa: E402
+    CheckpointEvent,
+    Event,
+    PhaseEvent,
+    StatusEvent,
+    parse_line,
+)
 from trainer.supervision import procinfo  # noqa: E402
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
@@ -70,7 +75,7 @@ class Log:
     def __init__(self, path: Path) -> None:
         self.path, self.offset, self.partial = path, 0, b""
 
-    def new(self) -> list:
+    def new(self) -> list[Event]:
         try:
             with open(self.path, "rb") as fh:
                 fh.seek(self.offset)
@@ -107,8 +112,22 @@ def _wait_checkpoint(log: Log, deadline: float) -> None:
     raise SystemExit("no checkpoint within the deadline")
 
 
+def _cpu(pid: int) -> float:
+    seconds = procinfo.cpu_seconds(pid)
+    if seconds is None:
+        raise SystemExit(f"no CPU time for pid {pid} (it exited?)")
+    return seconds
+
+
+def _rss(pid: int) -> tuple[int, int]:
+    kib = procinfo.rss_kib(pid)
+    if kib is None:
+        raise SystemExit(f"no memory figures for pid {pid} (it exited?)")
+    return kib
+
+
 def _trainer_pid(run: Path) -> int:
-    return json.loads((run / "supervisor.json").read_text())["trainer_pid"]
+    return int(json.loads((run / "supervisor.json").read_text())["trainer_pid"])
 
 
 def _p50(xs: list[float]) -> str:
@@ -143,11 +162,11 @@ def main() -> None:
                 _wait_checkpoint(log, time.monotonic() + 300)
                 if trial == 0:  # cost while training: the first attempt, no kills
                     tpid = _trainer_pid(run)
-                    c0 = procinfo.cpu_seconds(sup.pid), procinfo.cpu_seconds(tpid), time.time()
+                    c0 = _cpu(sup.pid), _cpu(tpid), time.time()
                     time.sleep(args.steady_s)
-                    c1 = procinfo.cpu_seconds(sup.pid), procinfo.cpu_seconds(tpid), time.time()
+                    c1 = _cpu(sup.pid), _cpu(tpid), time.time()
                     wall = c1[2] - c0[2]
-                    rss = procinfo.rss_kib(sup.pid), procinfo.rss_kib(tpid)
+                    rss = _rss(sup.pid), _rss(tpid)
                     cost = (wall, (c1[0] - c0[0]) / wall, (c1[1] - c0[1]) / wall, *rss)
                     _wait_checkpoint(log, time.monotonic() + 120)
                 os.kill(_trainer_pid(run), signal.SIGKILL)

@@ -25,6 +25,7 @@ Test hooks: `--fail` raises at the start, `--stall` sleeps until killed.
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import json
 import math
@@ -39,13 +40,20 @@ import tomllib
 import traceback
 import xml.etree.ElementTree as ET
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:  # the GPU machine runs from a bare copy of the tree
     sys.path.insert(0, str(REPO))
+
+from trainer.config.overlay import dump_toml, merge  # noqa: E402 (torch-free)
+from trainer.memory.shapes import DrafterShape  # noqa: E402 (torch-free)
+
+if TYPE_CHECKING:
+    from trainer.kernels.common import Backend
+    from trainer.model.drafter import DrafterConfig
 
 QWEN3_VOCAB = 151_936
 GiB = 2**30
@@ -254,22 +262,10 @@ def step_env(ctx: Ctx) -> dict[str, Any]:
 
 
 # ----------------------------------------------------------------------------------- drafter
-@dataclass(frozen=True)
-class DrafterShape:
-    hidden: int
-    intermediate: int
-    layers: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    vocab: int
-    block: int
-    num_target_layers: int
-    features: int
-
-
-REAL_DRAFTER = DrafterShape(4096, 12288, 5, 32, 8, 128, QWEN3_VOCAB, 16, 36, 5)
-SMOKE_DRAFTER = DrafterShape(64, 128, 2, 4, 2, 16, 512, 4, 8, 2)
+REAL_DRAFTER = DrafterShape(4096, 12288, 5, 32, 8, 128, QWEN3_VOCAB, 16, 5)
+SMOKE_DRAFTER = DrafterShape(64, 128, 2, 4, 2, 16, 512, 4, 2)
+TARGET_LAYERS = {REAL_DRAFTER: 36, SMOKE_DRAFTER: 8}
+"""Decoder layers of the target each drafter serves (Qwen3-8B has 36): sets the capture ids."""
 # (rows, context length, anchors per row); query rows = rows x anchors x block. Rows >= 2
 # throughout: dynamo specialises size 1, so a rows=1 rung would cost a recompile.
 REAL_RUNGS = [(2, 2048, 64), (2, 2048, 256), (2, 2048, 512), (4, 2048, 512), (8, 2048, 512)]
@@ -277,24 +273,11 @@ REAL_RUNGS += [(16, 2048, 512), (32, 2048, 512), (64, 2048, 512)]
 SMOKE_RUNGS = [(2, 64, 4), (2, 64, 8), (4, 64, 8)]
 
 
-def drafter_config(shape: DrafterShape) -> Any:
+def drafter_config(shape: DrafterShape) -> DrafterConfig:
     """The DrafterConfig of `shape` (the seed's Qwen3-8B drafter for REAL_DRAFTER)."""
-    from trainer.model.drafter import DrafterConfig
-    from trainer.model.target import default_target_layer_ids
+    from trainer.memory.measure import drafter_config
 
-    return DrafterConfig(
-        hidden_size=shape.hidden,
-        intermediate_size=shape.intermediate,
-        num_layers=shape.layers,
-        num_attention_heads=shape.heads,
-        num_key_value_heads=shape.kv_heads,
-        head_dim=shape.head_dim,
-        vocab_size=shape.vocab,
-        block_size=shape.block,
-        mask_token_id=shape.vocab - 1,
-        target_layer_ids=default_target_layer_ids(shape.num_target_layers, shape.features),
-        num_target_layers=shape.num_target_layers,
-    )
+    return drafter_config(shape, TARGET_LAYERS[shape])
 
 
 def _drafter_model(shape: DrafterShape, device: Any) -> Any:
@@ -352,7 +335,7 @@ def step_drafter(ctx: Ctx) -> dict[str, Any]:
     fixed = int(torch.cuda.memory_allocated()) if device.type == "cuda" else None
     ctx.rec(
         "model",
-        shape=shape.__dict__,
+        shape={**asdict(shape), "num_target_layers": TARGET_LAYERS[shape]},
         params=params,
         master_fp32_bytes=4 * params,
         adamw_state_bytes=8 * params,
@@ -508,32 +491,6 @@ def step_kernel_tests(ctx: Ctx) -> dict[str, Any]:
 
 
 # ----------------------------------------------------------------------------------- pipeline
-def _toml_value(value: Any) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, str):
-        return json.dumps(value)  # a TOML basic string is a JSON string for these values
-    if isinstance(value, list | tuple):
-        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
-    return repr(value)
-
-
-def dump_toml(d: dict[str, Any], prefix: str = "") -> str:
-    lines = [f"{k} = {_toml_value(v)}" for k, v in d.items() if not isinstance(v, dict)]
-    out = ([f"[{prefix}]"] if prefix else []) + lines
-    for k, v in d.items():
-        if isinstance(v, dict):
-            out.append(dump_toml(v, f"{prefix}.{k}" if prefix else k))
-    return "\n".join(out) + "\n"
-
-
-def merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
-    out = dict(base)
-    for k, v in over.items():
-        out[k] = merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
-    return out
-
-
 def pipeline_config(root: Path, smoke: bool, steps: int) -> dict[str, Any]:
     """configs/tiny-cpu.toml at absolute paths under `root`, checkpointing at steps/2, split
     steps on; on the GPU a wider random target, block 16 and every stage on cuda:0."""
@@ -638,7 +595,9 @@ def step_pipeline(ctx: Ctx) -> dict[str, Any]:
         lb = _losses(root / "resumed")
         tail_steps = range(steps // 2 + 1, steps + 1)
         diffs = [
-            abs(la[s] - lb[s]) if la.get(s) is not None and lb.get(s) is not None else math.inf
+            abs(a - b)
+            if (a := la.get(s)) is not None and (b := lb.get(s)) is not None
+            else math.inf
             for s in tail_steps
         ]
         sa = load_checkpoint(list_checkpoints(root / "whole")[-1][1])["drafter"]
@@ -664,44 +623,35 @@ def step_pipeline(ctx: Ctx) -> dict[str, Any]:
 # ----------------------------------------------------------------------------------- capture
 def step_capture(ctx: Ctx) -> dict[str, Any]:
     import torch
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+    from transformers import Qwen3ForCausalLM
 
+    from trainer.config import TinyTarget
     from trainer.model.target import TargetModel
+    from trainer.model.tiny import tiny_config
 
     device = _device(ctx.smoke)
     if ctx.smoke:
-        hf = Qwen3Config(
-            vocab_size=512,
-            hidden_size=64,
-            intermediate_size=128,
-            num_hidden_layers=4,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            head_dim=16,
-            tie_word_embeddings=False,
-            attn_implementation="sdpa",
-        )
+        spec = TinyTarget(vocab_size=512, hidden_size=64, num_layers=4)
+        hf = tiny_config(spec, init_std=0.02)
         shapes = [(2, 32), (4, 16)]
         dtype, reps = torch.float32, 2
     else:
-        hf = Qwen3Config(
+        spec = TinyTarget(
             vocab_size=QWEN3_VOCAB,
             hidden_size=4096,
             intermediate_size=12288,
-            num_hidden_layers=4,
-            num_attention_heads=32,
-            num_key_value_heads=8,
+            num_layers=4,
+            num_heads=32,
+            num_kv_heads=8,
             head_dim=128,
-            tie_word_embeddings=False,
-            max_position_embeddings=40960,
-            attn_implementation="sdpa",
         )
+        hf = tiny_config(spec, init_std=0.02, max_position_embeddings=40960)
         shapes = [(16, 3072), (64, 768), (4, 12288)]  # each 49,152 tokens: the seed's budget
         dtype, reps = torch.bfloat16, 3
     torch.manual_seed(0)
     with torch.device(device):
         model = Qwen3ForCausalLM(hf)
-    model.to(dtype)
+    model.to(dtype)  # type: ignore[arg-type]  # transformers types `to` as if self were the arg
     layers = hf.num_hidden_layers
     target = TargetModel(model, list(range(1, layers)))  # deepest id = last layer: all run
     ctx.rec("model", layers=layers, hidden=hf.hidden_size, dtype=str(dtype))
@@ -714,7 +664,7 @@ def step_capture(ctx: Ctx) -> dict[str, Any]:
         attn = torch.ones(rows, seq, dtype=torch.long, device=device)
         base = _peak_reset(device)
         try:
-            times = _timed(lambda ids=ids, attn=attn: target.capture(ids, attn), device, reps)
+            times = _timed(functools.partial(target.capture, ids, attn), device, reps)
         except Exception as exc:
             if not _is_oom(exc):
                 raise
@@ -742,7 +692,7 @@ def step_capture(ctx: Ctx) -> dict[str, Any]:
 
 
 # ----------------------------------------------------------------------------------- ce
-def _ce_case(ctx: Ctx, n: int, d: int, weight: Any, backends: list[str], seed: int) -> None:
+def _ce_case(ctx: Ctx, n: int, d: int, weight: Any, backends: Sequence[Backend], seed: int) -> None:
     """Forward+backward of every backend at one N, recorded side by side (kind "kernel")."""
     import torch
 
@@ -760,9 +710,9 @@ def _ce_case(ctx: Ctx, n: int, d: int, weight: Any, backends: list[str], seed: i
             ctx.rec("skipped", n=n, backend=backend, left_s=ctx.left())
             return
 
-        def call(backend: str = backend) -> None:
+        def call(backend: Backend = backend) -> None:
             out = lm_head_cross_entropy(hidden, weight, labels, backend=backend)
-            (out.loss * upstream).sum().backward()
+            torch.autograd.backward((out.loss * upstream).sum())
             hidden.grad = None
 
         base = _peak_reset(device)
@@ -795,7 +745,7 @@ def step_ce(ctx: Ctx) -> dict[str, Any]:
     device = _device(ctx.smoke)
     if ctx.smoke:
         small, large, d, vocab, dtype = 64, 256, 32, 1000, torch.float32
-        fast = ["chunked"]
+        fast: list[Backend] = ["chunked"]
     else:
         # 8,192 = 512 anchors x 16; 115,200 = the seed's median step (122,880 query rows) x 15/16
         small, large, d, vocab, dtype = 8192, 115_200, 4096, QWEN3_VOCAB, torch.bfloat16

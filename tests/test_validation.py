@@ -96,3 +96,16 @@ def test_utf8_text_names_the_first_bad_byte_and_its_line() -> None:
         utf8_text(b"a = 1\nb = '\xff'\n")
     assert str(info.value) == "not UTF-8 text at byte 11 (line 2): invalid start byte 0xff"
     assert (info.value.offset, info.value.line) == (11, 2)
+
+
+def test_overlay_merges_tables_and_writes_toml_that_reads_back() -> None:
+    import tomllib
+
+    from trainer.config.overlay import dump_toml, merge
+
+    base = {"a": 1, "t": {"x": 'q"uote', "keep": [1, 2]}, "u": {"v": True}}
+    out = merge(base, {"t": {"x": "new", "y": (3, 4)}, "u": 5})
+    assert out == {"a": 1, "t": {"x": "new", "keep": [1, 2], "y": (3, 4)}, "u": 5}
+    assert base["t"] == {"x": 'q"uote', "keep": [1, 2]}  # base untouched
+    assert tomllib.loads(dump_toml(base)) == base
+    assert tomllib.loads(dump_toml(out))["t"]["y"] == [3, 4]

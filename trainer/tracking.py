@@ -19,11 +19,13 @@ in the environment, and scrubbed from every warning.
 
 from __future__ import annotations
 
+import functools
 import os
 import secrets
 import sys
 from collections.abc import Callable, Mapping
 from pathlib import Path
+from types import ModuleType
 from typing import Any, Protocol
 
 from trainer.config import TrackingConfig
@@ -281,6 +283,14 @@ def wandb_run_id(run_dir: Path) -> str:
     return run_id
 
 
+class _WandbRun(Protocol):
+    """What WandbTracker uses of a `wandb.Run` (wandb is imported only when enabled)."""
+
+    def log(self, data: dict[str, float], step: int) -> None: ...
+
+    def finish(self) -> None: ...
+
+
 class WandbTracker:
     """A W&B run (online or offline) under ``RUN/wandb/``; stdout is left alone (console off)."""
 
@@ -315,7 +325,16 @@ class WandbTracker:
                 f" to {run_dir / 'wandb'} (upload later with `wandb sync`)"
             )
 
-    def _init(self, wandb, run_dir, project, mode, key, name, config):  # type: ignore[no-untyped-def]
+    def _init(
+        self,
+        wandb: ModuleType,
+        run_dir: Path,
+        project: str,
+        mode: str,
+        key: str | None,
+        name: str | None,
+        config: Mapping[str, Any] | None,
+    ) -> _WandbRun:
         settings = wandb.Settings(
             silent=True,
             console="off",  # dflashctl parses the trainer's stdout: never wrapped
@@ -324,7 +343,7 @@ class WandbTracker:
             init_timeout=self._init_timeout,
             **({"api_key": key} if key else {}),
         )
-        return wandb.init(
+        run: _WandbRun = wandb.init(
             project=project,
             id=self.run_id,
             resume="allow",
@@ -335,6 +354,7 @@ class WandbTracker:
             settings=settings,
             reinit="create_new",
         )
+        return run
 
     def log_scalars(self, step: int, scalars: Mapping[str, float]) -> None:
         self._run.log(dict(scalars), step=step)
@@ -343,7 +363,9 @@ class WandbTracker:
         self._run.finish()
 
 
-def _open(name: str, build: Callable[[], Tracker], warn: Warn, scrub: str | None) -> list:
+def _open(
+    name: str, build: Callable[[], Tracker], warn: Warn, scrub: str | None
+) -> list[GuardedTracker]:
     try:
         return [GuardedTracker(name, build(), warn, scrub)]
     except Exception as exc:
@@ -391,7 +413,8 @@ def open_trackers(
             mode = resolve_wandb_mode(cfg.wandb_mode, key)
             trackers += _open(
                 "wandb",
-                lambda mode=mode, key=key: WandbTracker(
+                functools.partial(
+                    WandbTracker,
                     run_dir,
                     project=cfg.wandb_project,
                     mode=mode,

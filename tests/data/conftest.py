@@ -9,6 +9,7 @@ HF renders templates with trim_blocks, hence the explicit '\\n' literals.
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -59,7 +60,8 @@ def build_tokenizer(directory: Path, template: str) -> Path:
         show_progress=False,
     )
     core.train_from_iterator(CORPUS * 20, trainer)
-    fast = PreTrainedTokenizerFast(
+    # transformers leaves the fast tokenizer's __init__ unannotated.
+    fast = PreTrainedTokenizerFast(  # type: ignore[no-untyped-call]
         tokenizer_object=core,
         eos_token="<|im_end|>",
         pad_token="<|endoftext|>",
@@ -80,7 +82,7 @@ def generation_tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tokenizer(tmp_path_factory.mktemp("tok-gen"), GENERATION_TEMPLATE)
 
 
-def write_jsonl(path: Path, rows: list[object]) -> Path:
+def write_jsonl(path: Path, rows: Sequence[object]) -> Path:
     """Rows may be objects (dumped as JSON) or raw bytes (written verbatim, for bad input)."""
     with path.open("wb") as fh:
         for row in rows:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import gzip
 import hashlib
 import json
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -16,7 +17,7 @@ from tests.data.conftest import write_jsonl
 from trainer.data.chat_import import import_chat_jsonl, load_tokenizer
 from trainer.data.chat_mask import ChatEncoder, mask_from_spans
 from trainer.data.errors import InputError
-from trainer.data.store import FIRST_LINES_KEPT, TokenStore, sha256_file
+from trainer.data.store import FIRST_LINES_KEPT, Manifest, TokenStore, sha256_file
 
 CHAT = [
     {"role": "system", "content": "You are terse."},
@@ -34,11 +35,20 @@ def _runs(mask: np.ndarray) -> list[tuple[int, int]]:
     return list(zip(edges[::2].tolist(), edges[1::2].tolist(), strict=True))
 
 
-def _import(tmp_path: Path, tok_dir: Path, rows: list[object], max_length: int = 256, **kw):
+def _import(
+    tmp_path: Path,
+    tok_dir: Path,
+    rows: Sequence[object],
+    max_length: int = 256,
+    mask_token_id: int | None = None,
+    chat_template: Path | None = None,
+) -> tuple[TokenStore, Manifest]:
     tmp_path.mkdir(parents=True, exist_ok=True)
     source = write_jsonl(tmp_path / "chats.jsonl", rows)
     out = tmp_path / "store"
-    manifest = import_chat_jsonl(source, tok_dir, max_length, out, **kw)
+    manifest = import_chat_jsonl(
+        source, tok_dir, max_length, out, mask_token_id=mask_token_id, chat_template=chat_template
+    )
     return TokenStore.open(out, verify=True), manifest
 
 

@@ -296,15 +296,14 @@ def test_template_kwargs_reach_every_render(tmp_path: Path, qwen3_tokenizer_dir:
     )
     path = tmp_path / "persona.jinja"
     path.write_text(custom)
-    base = dict(chat_template=path)
-    a = import_chat_jsonl(OPENAI, qwen3_tokenizer_dir, 4096, tmp_path / "a", **base)
+    a = import_chat_jsonl(OPENAI, qwen3_tokenizer_dir, 4096, tmp_path / "a", chat_template=path)
     b = import_chat_jsonl(
         OPENAI,
         qwen3_tokenizer_dir,
         4096,
         tmp_path / "b",
         template_kwargs={"persona": "terse"},
-        **base,
+        chat_template=path,
     )
     assert a.files[LINES].sha256 == b.files[LINES].sha256
     assert a.files["tokens.i32"].sha256 != b.files["tokens.i32"].sha256

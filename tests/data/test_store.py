@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import pickle
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -40,7 +41,9 @@ def _fields(**over: object) -> dict[str, object]:
     return base
 
 
-def write_store(path: Path, rows=ROWS, **over: object) -> Path:
+def write_store(
+    path: Path, rows: Iterable[tuple[list[int], list[int]]] = ROWS, **over: object
+) -> Path:
     with StoreWriter(path) as writer:
         for tokens, mask in rows:
             writer.add(tokens, mask)
@@ -105,7 +108,7 @@ def test_empty_store_opens(tmp_path: Path) -> None:
 def test_exception_mid_write_leaves_nothing(tmp_path: Path) -> None:
     target = tmp_path / "s"
 
-    def rows():
+    def rows() -> Iterator[tuple[list[int], list[int]]]:
         yield from ROWS[:2]
         raise RuntimeError("tokenizer exploded")
 
@@ -188,7 +191,9 @@ def test_row_longer_than_max_length_is_refused(tmp_path: Path) -> None:
         ),
     ],
 )
-def test_open_rejects_damage_naming_the_file(tmp_path: Path, damage, message: str) -> None:
+def test_open_rejects_damage_naming_the_file(
+    tmp_path: Path, damage: Callable[[Path], object], message: str
+) -> None:
     root = write_store(tmp_path / "s")
     damage(root)
     with pytest.raises(StoreError, match=message) as info:

@@ -28,5 +28,8 @@ def test_makefile_tests_the_transformers_floor_pyproject_declares() -> None:
     pin = re.search(r"tokenizers==([0-9.]+)", makefile)
     assert pin
     tok_floor = _floor(reqs["tokenizers"], "tokenizers")
-    as_tuple = lambda v: tuple(int(x) for x in v.split("."))  # noqa: E731
+
+    def as_tuple(version: str) -> tuple[int, ...]:
+        return tuple(int(x) for x in version.split("."))
+
     assert as_tuple(pin.group(1)) >= as_tuple(tok_floor)

@@ -8,6 +8,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+from transformers import PreTrainedTokenizerBase
 
 from tests.model.conftest import QWEN3_EOS, QWEN3_VOCAB
 from tests.model.helpers import make_drafter
@@ -33,10 +34,22 @@ OPENAI = FIXTURES / "openai_messages.jsonl"
 QWEN3_MASK = QWEN3_VOCAB - 1  # a padding row past the tokenizer's ids, never emitted
 
 
-def _tokenizer(path: Path):  # type: ignore[no-untyped-def]
+def _tokenizer(path: Path) -> PreTrainedTokenizerBase:
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(path, local_files_only=True)
+    tok: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    return tok
+
+
+def _decode(tok: PreTrainedTokenizerBase, ids: list[int]) -> str:
+    text = tok.decode(ids)  # one sequence in, one string out
+    assert isinstance(text, str)
+    return text
+
+
+def _chat(prompt: TokenPrompt | ChatPrompt) -> ChatPrompt:
+    assert isinstance(prompt, ChatPrompt)
+    return prompt
 
 
 # --- reading prompt sets (no tokenizer, no model) ---------------------------------------------
@@ -53,7 +66,9 @@ def test_published_prompt_formats_parse_as_conversations() -> None:
 
     gsm = read_prompt_set(GSM8K)
     assert gsm.forms == {"gsm8k": 2}
-    assert gsm.prompts[0].turns == [json.loads(GSM8K.read_text().splitlines()[0])["question"]]
+    assert _chat(gsm.prompts[0]).turns == [
+        json.loads(GSM8K.read_text().splitlines()[0])["question"]
+    ]
 
     oa = read_prompt_set(OPENAI)
     sys_row, tool_row = oa.prompts
@@ -68,12 +83,12 @@ def test_question_suffix_reaches_gsm8k_and_math_questions(tmp_path: Path) -> Non
     """z-lab appends its "reason step by step ... \\boxed{}" suffix to gsm8k and MATH-500."""
     path = tmp_path / "p.jsonl"
     path.write_text('{"problem": "1 + 1?", "answer": "2"}\n{"turns": ["hi"]}\n')
-    math, chat = read_prompt_set(path, question_suffix=ZLAB_MATH_SUFFIX).prompts
+    math, chat = map(_chat, read_prompt_set(path, question_suffix=ZLAB_MATH_SUFFIX).prompts)
     assert math.turns == [
         "1 + 1?\nPlease reason step by step, and put your final answer within \\boxed{}."
     ]
     assert chat.turns == ["hi"]  # MT-Bench-style turns are sent as they are
-    gsm = read_prompt_set(GSM8K, question_suffix=" Answer briefly.").prompts[0]
+    gsm = _chat(read_prompt_set(GSM8K, question_suffix=" Answer briefly.").prompts[0])
     assert gsm.turns[0].endswith("left? Answer briefly.")
 
 
@@ -114,24 +129,24 @@ def test_chat_template_and_template_kwargs_reach_the_prompt(qwen3_tokenizer_dir:
     """The first MT-Bench turn is rendered by Qwen3's own template; enable_thinking=false adds
     the empty think block Qwen3 expects in non-thinking mode."""
     tok = _tokenizer(qwen3_tokenizer_dir)
-    prompt = read_prompt_set(MT_BENCH).prompts[1]
+    prompt = _chat(read_prompt_set(MT_BENCH).prompts[1])
     question = prompt.turns[0]
     default = Renderer(tok, QWEN3_VOCAB).first_ids(prompt, "q:2")
-    assert tok.decode(default) == (
+    assert _decode(tok, default) == (
         f"<|im_start|>user\n{question}<|im_end|>\n<|im_start|>assistant\n"
     )
     no_think = Renderer(tok, QWEN3_VOCAB, {"enable_thinking": False}).first_ids(prompt, "q:2")
-    assert tok.decode(no_think).endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    assert _decode(tok, no_think).endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
 
 
 def test_openai_rows_render_system_and_tools(qwen3_tokenizer_dir: Path) -> None:
     tok = _tokenizer(qwen3_tokenizer_dir)
     renderer = Renderer(tok, QWEN3_VOCAB)
     sys_row, tool_row = read_prompt_set(OPENAI).prompts
-    text = tok.decode(renderer.first_ids(sys_row, "o:1"))
+    text = _decode(tok, renderer.first_ids(sys_row, "o:1"))
     assert text.startswith("<|im_start|>system\nYou are a terse assistant.<|im_end|>")
     assert "23" not in text
-    tools_text = tok.decode(renderer.first_ids(tool_row, "o:2"))
+    tools_text = _decode(tok, renderer.first_ids(tool_row, "o:2"))
     assert "<tools>" in tools_text and '"name": "get_weather"' in tools_text
 
 
@@ -140,8 +155,10 @@ def test_mt_bench_feeds_the_models_own_first_answer_back(qwen3_tokenizer_dir: Pa
     special tokens (what z-lab's benchmark and FastChat do)."""
     tok = _tokenizer(qwen3_tokenizer_dir)
     renderer = Renderer(tok, QWEN3_VOCAB)
-    prompt = read_prompt_set(MT_BENCH).prompts[0]
-    answers = [tok("Lisbon: sardines, and the view from the castle.")["input_ids"] + [151645]]
+    prompt = _chat(read_prompt_set(MT_BENCH).prompts[0])
+    answers: list[list[int]] = [
+        tok("Lisbon: sardines, and the view from the castle.")["input_ids"] + [151645]
+    ]
     answers.append(tok("Lovely Lisbon.")["input_ids"] + [151645])
     seen: list[list[int]] = []
 
@@ -151,7 +168,7 @@ def test_mt_bench_feeds_the_models_own_first_answer_back(qwen3_tokenizer_dir: Pa
 
     turn_ids = run_turns(prompt, renderer, "q:1", generate)
     assert turn_ids == seen and len(seen) == 2
-    second = tok.decode(seen[1])
+    second = _decode(tok, seen[1])
     assert second == (
         f"<|im_start|>user\n{prompt.turns[0]}<|im_end|>\n"
         "<|im_start|>assistant\nLisbon: sardines, and the view from the castle.<|im_end|>\n"
@@ -303,7 +320,8 @@ def test_raw_text_rows_skip_the_template(tmp_path: Path) -> None:
     vocab = {"[UNK]": 0, "hello": 1, "tiny": 2, "world": 3}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]")
+    # transformers leaves the fast tokenizer's __init__ unannotated.
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]")  # type: ignore[no-untyped-call]
     path = tmp_path / "p.jsonl"
     path.write_text('{"text": "hello tiny world"}\n[7]\n')
     renderer = Renderer(fast, 512)

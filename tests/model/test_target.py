@@ -134,7 +134,7 @@ def test_capture_stops_after_the_deepest_layer(target: TargetModel) -> None:
 def test_embedding_and_head_are_the_targets_own_frozen_modules(target: TargetModel) -> None:
     """No copies: the drafter must see exactly the target's tensors, with no gradient."""
     assert target.embed_tokens is target.model.get_input_embeddings()
-    assert target.lm_head is target.model.get_output_embeddings()
+    assert target.lm_head is target.model.get_output_embeddings()  # type: ignore[no-untyped-call]  # unannotated in transformers
     assert not any(p.requires_grad for p in target.model.parameters())
     assert not target.model.training
     assert (target.vocab_size, target.hidden_size, target.num_layers) == (512, 64, 8)

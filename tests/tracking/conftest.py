@@ -6,6 +6,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -25,7 +26,7 @@ def _wandb_sandbox(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("HOME", str(sandbox))
 
 
-def wandb_records(run_file: Path) -> list[dict]:
+def wandb_records(run_file: Path) -> list[dict[str, Any]]:
     """The records of a ``.wandb`` transaction log, read by wandb's own reader (leet inspect)."""
     res = subprocess.run(
         [sys.executable, "-m", "wandb", "leet", "inspect", "--json", str(run_file)],

@@ -38,16 +38,19 @@ EVAL = (
 
 def _events(steps: range) -> list[StatusEvent | EvalEvent]:
     """Status lines every step, an eval line every other step, parsed from their real text."""
-    out = []
+    out: list[StatusEvent | EvalEvent] = []
     for s in steps:
-        out.append(parse_line(STATUS.format(step=s, loss=4.0 / (s + 1))))
+        lines = [STATUS.format(step=s, loss=4.0 / (s + 1))]
         if s % 2 == 0:
-            out.append(parse_line(EVAL.format(step=s, tau=1.0 + s / 10)))
-    assert all(isinstance(e, StatusEvent | EvalEvent) for e in out)
-    return out  # type: ignore[return-value]
+            lines.append(EVAL.format(step=s, tau=1.0 + s / 10))
+        for line in lines:
+            event = parse_line(line)
+            assert isinstance(event, StatusEvent | EvalEvent)
+            out.append(event)
+    return out
 
 
-def _expected(events: list) -> dict[str, dict[int, float]]:
+def _expected(events: list[StatusEvent | EvalEvent]) -> dict[str, dict[int, float]]:
     """tag -> step -> value, as the trackers should have recorded them."""
     out: dict[str, dict[int, float]] = {}
     for ev in events:
@@ -73,7 +76,9 @@ def _wandb_by_tag(run_file: Path) -> dict[str, dict[int, float]]:
     return out
 
 
-def _assert_same(got: dict, want: dict, rel: float) -> None:
+def _assert_same(
+    got: dict[str, dict[int, float]], want: dict[str, dict[int, float]], rel: float
+) -> None:
     assert set(got) == set(want)
     for tag in want:
         assert sorted(got[tag]) == sorted(want[tag]), tag
@@ -115,7 +120,9 @@ def test_nonfinite_count_is_logged_when_the_line_carries_it() -> None:
     ev = parse_line(STATUS.format(step=7, loss=1.5) + " nonfinite=3")
     assert isinstance(ev, StatusEvent)
     assert status_scalars(ev)["train/nonfinite"] == 3.0
-    assert "train/nonfinite" not in status_scalars(parse_line(STATUS.format(step=7, loss=1.5)))
+    plain = parse_line(STATUS.format(step=7, loss=1.5))
+    assert isinstance(plain, StatusEvent)
+    assert "train/nonfinite" not in status_scalars(plain)
 
 
 def test_missing_fields_are_left_out_not_zero() -> None:

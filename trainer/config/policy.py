@@ -27,7 +27,7 @@ class Policy:
 
     def backoff(self, restart_number: int) -> float:
         """Seconds before restart number n (1-based) of the window: doubles, capped."""
-        return min(self.backoff_max_s, self.backoff_s * 2 ** max(0, restart_number - 1))
+        return min(self.backoff_max_s, self.backoff_s * 2.0 ** max(0, restart_number - 1))
 
     def cli_args(self) -> list[str]:
         """The `python -m trainer.supervise` flags that give this policy (for dflashctl start)."""

@@ -35,7 +35,7 @@ import json
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import numpy as np
 
@@ -63,6 +63,7 @@ _THINK_LOOKBACK = 32
 
 Span = tuple[int, int]
 T = TypeVar("T")
+In = TypeVar("In")
 
 
 @dataclass(frozen=True)
@@ -142,8 +143,8 @@ class ChatEncoder:
         plans: dict[int, _Plan | Rejected] = {}
         for members in groups.values():
             batch = [rows[i] for i in members]
-            plan = self._plan_tags if self.strategy == GENERATION_TAGS else self._plan_diff
-            for i, p in zip(members, _isolated(plan, batch, TEMPLATE_ERROR), strict=True):
+            planner = self._plan_tags if self.strategy == GENERATION_TAGS else self._plan_diff
+            for i, p in zip(members, _isolated(planner, batch, TEMPLATE_ERROR), strict=True):
                 plans[i] = p
         ready = [i for i in sorted(plans) if not isinstance(plans[i], Rejected)]
         texts = [_text(plans[i]) for i in ready]
@@ -205,13 +206,21 @@ class ChatEncoder:
         from transformers.utils.chat_template_utils import render_jinja_template
 
         tools = batch[0].tools
-        texts, indices = render_jinja_template(
-            conversations=[row.messages for row in batch],
-            tools=tools,
-            chat_template=self.tokenizer.get_chat_template(None, tools),
-            return_assistant_tokens_mask=True,
-            add_generation_prompt=False,
-            **{**self.tokenizer.special_tokens_map, **self.template_kwargs},
+        hf_tools: list[dict[Any, Any] | Callable[..., Any]] | None = (
+            None if tools is None else list(tools)
+        )
+        # transformers annotates `-> str`; with return_assistant_tokens_mask it returns
+        # (texts, per-text generation spans).
+        texts, indices = cast(
+            tuple[list[str], list[list[tuple[int, int]]]],
+            render_jinja_template(
+                conversations=[row.messages for row in batch],
+                tools=hf_tools,
+                chat_template=self.tokenizer.get_chat_template(None, tools),
+                return_assistant_tokens_mask=True,
+                add_generation_prompt=False,
+                **{**self.tokenizer.special_tokens_map, **self.template_kwargs},
+            ),
         )
         plans = []
         for row, text, spans in zip(batch, texts, indices, strict=True):
@@ -382,12 +391,13 @@ def _trained(row: Conversation) -> list[Message]:
 def _reasoning_text(message: Message) -> str:
     if message.get("reasoning_content"):
         return str(message["reasoning_content"])
-    head = message["content"].split(THINK_CLOSE)[0]
+    content: str = message["content"]
+    head = content.split(THINK_CLOSE)[0]
     return head.split(THINK_OPEN)[-1]
 
 
 def _isolated(
-    work: Callable[[list[Any]], list[T]], items: list[Any], reason: str
+    work: Callable[[list[In]], Sequence[T]], items: list[In], reason: str
 ) -> list[T | Rejected]:
     """`work` over the whole batch (fast path); if that raises, item by item, so only the items
     that fail themselves become Rejected (a property of the row, never of the import)."""

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Literal
 
 import numpy as np
+from numpy.typing import NDArray
 
 from trainer.errors import TrainerError
 
@@ -39,11 +40,11 @@ class LengthsError(TrainerError, ValueError):
 
 
 def _boxcox(x: np.ndarray, lam: float) -> np.ndarray:
-    return np.log(x) if abs(lam) < 1e-12 else (np.power(x, lam) - 1.0) / lam
+    return np.asarray(np.log(x) if abs(lam) < 1e-12 else (np.power(x, lam) - 1.0) / lam)
 
 
 def _inv_boxcox(y: np.ndarray, lam: float) -> np.ndarray:
-    return np.exp(y) if abs(lam) < 1e-12 else np.power(lam * y + 1.0, 1.0 / lam)
+    return np.asarray(np.exp(y) if abs(lam) < 1e-12 else np.power(lam * y + 1.0, 1.0 / lam))
 
 
 class _Grid:
@@ -69,7 +70,8 @@ class _Grid:
         q = _inv_boxcox(lo + self.t * (hi - lo), lam)
         if self.top.any():
             q[self.top] = self.top_q
-        return np.clip(np.rint(q), self.qs[0], self.qs[-1]).astype(np.int64)
+        lengths: NDArray[np.int64] = np.clip(np.rint(q), self.qs[0], self.qs[-1]).astype(np.int64)
+        return lengths
 
 
 def seed_shaped_lengths(n: int = SEED_N, seed: int = 0, variant: Variant = "primary") -> np.ndarray:
@@ -104,8 +106,8 @@ def fit_lambda(n: int = SEED_N, variant: Variant = "primary") -> tuple[float, np
     grid = _Grid(n, variant)
     target = round(SEED_TOTAL_TOKENS * n / SEED_N)
     lo, hi = -1.0, 2.0
-    f_lo = int(grid.sample(lo).sum()) - target
-    f_hi = int(grid.sample(hi).sum()) - target
+    f_lo: float = int(grid.sample(lo).sum()) - target
+    f_hi: float = int(grid.sample(hi).sum()) - target
     mid, best, side = lo, grid.sample(lo), 0
     for _ in range(100):
         mid = hi - f_hi * (hi - lo) / (f_hi - f_lo) if f_hi != f_lo else 0.5 * (lo + hi)

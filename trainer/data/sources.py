@@ -16,9 +16,9 @@ import gzip
 import hashlib
 import json
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, cast
 
 from trainer.data.conversations import (
     MALFORMED_JSON,
@@ -38,6 +38,12 @@ PARSE_ERROR = "parse_error"
 PROBE_BYTES = 1 << 16
 MAX_ELEMENT_CHARS = 1 << 28  # one row past 256 Mi characters is a broken array, not a row
 _WS = re.compile(r"[ \t\n\r]*")
+
+
+def _skip_ws(buf: str, pos: int = 0) -> int:
+    """Index of the first non-JSON-whitespace character at or after `pos`."""
+    m = _WS.match(buf, pos)
+    return m.end() if m else pos  # `_WS` matches the empty string, so m is never None
 
 
 class ChatSource:
@@ -80,8 +86,9 @@ class ChatSource:
             raise InputError(f"{self.path}: read failed: {' '.join(str(exc).split())}") from None
 
     def _open(self) -> IO[bytes]:
-        opener: Callable[..., IO[bytes]] = gzip.open if self.path.suffix == ".gz" else open
-        return opener(self.path, "rb")
+        if self.path.suffix == ".gz":
+            return cast(IO[bytes], gzip.open(self.path, "rb"))  # a GzipFile reads like IO[bytes]
+        return open(self.path, "rb")
 
     def _jsonl(self, first: bytes, fh: IO[bytes]) -> Iterator[tuple[int, Parsed]]:
         if first:
@@ -100,7 +107,7 @@ class ChatSource:
         except UnicodeDecodeError:
             raise _NotAnArray from None
         elements = 0
-        pos = _WS.match(buf).end() + 1  # past '['
+        pos = _skip_ws(buf) + 1  # past '['
         line = 1 + buf.count("\n", 0, pos)
         eof = False
 
@@ -118,7 +125,7 @@ class ChatSource:
         try:
             expect_value = True
             while True:
-                skip = _WS.match(buf, pos).end()
+                skip = _skip_ws(buf, pos)
                 line += buf.count("\n", pos, skip)
                 pos = skip
                 if pos >= len(buf):
@@ -169,7 +176,7 @@ class ChatSource:
         else:  # closed: anything but whitespace after the ']' is reported, never dropped unseen
             pos += 1
             while True:
-                skip = _WS.match(buf, pos).end()
+                skip = _skip_ws(buf, pos)
                 line += buf.count("\n", pos, skip)
                 pos = skip
                 if pos < len(buf):

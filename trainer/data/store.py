@@ -30,7 +30,7 @@ from collections.abc import Iterator, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
 from types import TracebackType
-from typing import Any, Literal, Self
+from typing import Any, Final, Literal, Self
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -38,7 +38,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from trainer.config.validation import dotted, one_line
 from trainer.errors import TrainerError
 
-FORMAT_VERSION = 1
+FORMAT_VERSION: Final = 1
 MANIFEST = "manifest.json"
 TOKENS = "tokens.i32"
 MASK = "mask.u8"
@@ -370,7 +370,7 @@ class _HashingWriter:
         self.bytes = 0
 
     def write(self, array: np.ndarray) -> None:
-        data = memoryview(np.ascontiguousarray(array)).cast("B")
+        data = np.ascontiguousarray(array).data.cast("B")
         self._fh.write(data)
         self._digest.update(data)
         self.bytes += data.nbytes
@@ -492,7 +492,7 @@ class StoreWriter:
         offsets = np.zeros(lengths.size + 1, dtype=np.int64)
         np.cumsum(lengths, out=offsets[1:])
         files = {TOKENS: self._tokens.finish(), MASK: self._mask.finish()}
-        columns = [(OFFSETS, offsets), (LENGTHS, lengths)]
+        columns: list[tuple[str, np.ndarray]] = [(OFFSETS, offsets), (LENGTHS, lengths)]
         if self._lines and len(self._lines) == self.num_rows:
             columns.append((LINES, np.frombuffer(self._lines, dtype=np.int64)))
         elif self._lines:

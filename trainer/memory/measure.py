@@ -18,13 +18,21 @@ from trainer.memory.shapes import DrafterShape
 from trainer.model.drafter import DFlashDrafter, DrafterConfig
 from trainer.model.masks import Anchors
 from trainer.model.objective import dflash_objective
+from trainer.model.target import default_target_layer_ids
 
 
-def measured_peak(d: DrafterShape, piece: Piece, *, bf16: bool, seed: int = 0) -> int:
-    """Peak bytes above the model state of one step at `piece`'s shape (SDPA, chunked CE)."""
-    g = torch.Generator().manual_seed(seed)
-    torch.manual_seed(seed)
-    cfg = DrafterConfig(
+def drafter_config(d: DrafterShape, num_target_layers: int | None = None) -> DrafterConfig:
+    """The DrafterConfig at shape `d`, mask token the last id.
+
+    With `num_target_layers`, the capture layers are DFlash's default for a target that deep;
+    without, layers 0..features-1 of a target 3 layers deeper (which layers does not change a
+    step's memory).
+    """
+    if num_target_layers is None:
+        layer_ids, num_target_layers = list(range(d.features)), d.features + 3
+    else:
+        layer_ids = default_target_layer_ids(num_target_layers, d.features)
+    return DrafterConfig(
         hidden_size=d.hidden,
         intermediate_size=d.intermediate,
         num_layers=d.layers,
@@ -34,9 +42,16 @@ def measured_peak(d: DrafterShape, piece: Piece, *, bf16: bool, seed: int = 0) -
         vocab_size=d.vocab,
         block_size=d.block,
         mask_token_id=d.vocab - 1,
-        target_layer_ids=list(range(d.features)),
-        num_target_layers=d.features + 3,
+        target_layer_ids=layer_ids,
+        num_target_layers=num_target_layers,
     )
+
+
+def measured_peak(d: DrafterShape, piece: Piece, *, bf16: bool, seed: int = 0) -> int:
+    """Peak bytes above the model state of one step at `piece`'s shape (SDPA, chunked CE)."""
+    g = torch.Generator().manual_seed(seed)
+    torch.manual_seed(seed)
+    cfg = drafter_config(d)
     dtype = torch.bfloat16 if bf16 else torch.float32
     emb = nn.Embedding(d.vocab, d.hidden, dtype=dtype).requires_grad_(False)
     head = nn.Linear(d.hidden, d.vocab, bias=False, dtype=dtype).requires_grad_(False)
@@ -62,7 +77,7 @@ def measured_peak(d: DrafterShape, piece: Piece, *, bf16: bool, seed: int = 0) -
                 attn_backend="sdpa",
                 ce_backend="chunked",
             )
-        res.loss_sum.float().backward()
+        torch.autograd.backward(res.loss_sum.float())
 
     step()
     return cpu_peak_bytes(step)

@@ -56,8 +56,9 @@ def build_mask(anchors: Tensor, context_valid: Tensor, block_size: int, backend:
 def _flex_fn(device_type: str) -> Callable[..., Tensor]:
     from torch.nn.attention.flex_attention import flex_attention
 
+    flex: Callable[..., Tensor] = flex_attention  # without return_lse it returns one Tensor
     # Compiled on CUDA (the fused kernel); eager elsewhere (reference path, tests only).
-    return torch.compile(flex_attention, dynamic=True) if device_type == "cuda" else flex_attention
+    return torch.compile(flex, dynamic=True) if device_type == "cuda" else flex
 
 
 def attend(q: Tensor, k: Tensor, v: Tensor, mask: AttnMask, scale: float) -> Tensor:

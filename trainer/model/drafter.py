@@ -221,7 +221,7 @@ class DFlashDrafter(nn.Module):
         self.layers = nn.ModuleList(DrafterLayer(config) for _ in range(config.num_layers))
         self.norm = RMSNorm(h, config.rms_norm_eps)
         self.rotary = Rotary(config.head_dim, config.rope_theta)
-        self._borrowed: dict[str, nn.Module] = {}
+        self._borrowed: tuple[nn.Embedding, nn.Linear] | None = None
         # Activation checkpointing per layer (training memory, not shape): off unless the run
         # config asks (`model.drafter.checkpoint_layers`); never in state_dict or exports.
         self.checkpoint_layers = False
@@ -248,25 +248,25 @@ class DFlashDrafter(nn.Module):
             )
         if lm_head.weight.shape[1] != cfg.hidden_size:
             raise ValueError(f"target lm_head width {lm_head.weight.shape[1]} != {cfg.hidden_size}")
-        self._borrowed = {"embed_tokens": embed_tokens, "lm_head": lm_head}
+        self._borrowed = (embed_tokens, lm_head)
 
-    def _borrow(self, name: str) -> nn.Module:
-        try:
-            return self._borrowed[name]
-        except KeyError:
-            raise RuntimeError("drafter is not bound to a target: call bind_target()") from None
+    def _borrow(self) -> tuple[nn.Embedding, nn.Linear]:
+        if self._borrowed is None:
+            raise RuntimeError("drafter is not bound to a target: call bind_target()")
+        return self._borrowed
 
     @property
     def embed_tokens(self) -> nn.Embedding:
-        return self._borrow("embed_tokens")  # type: ignore[return-value]
+        return self._borrow()[0]
 
     @property
     def lm_head(self) -> nn.Linear:
-        return self._borrow("lm_head")  # type: ignore[return-value]
+        return self._borrow()[1]
 
     def project_context(self, features: Tensor) -> Tensor:
         """hidden_norm(fc(features)): the fused context, shared by all layers."""
-        return self.hidden_norm(self.fc(features.to(self.fc.weight.dtype)))
+        fused: Tensor = self.hidden_norm(self.fc(features.to(self.fc.weight.dtype)))
+        return fused
 
     def block_input_ids(self, anchor_ids: Tensor) -> Tensor:
         """[x_a, mask, ..., mask] for anchor token ids [..., N] -> [..., N * B]."""
@@ -328,8 +328,10 @@ class DFlashDrafter(nn.Module):
         if cache is not None:
             cache.layers = new_kv
             cache.length = start + features.shape[1]
-        return self.norm(z)
+        out: Tensor = self.norm(z)
+        return out
 
     def logits(self, hidden: Tensor) -> Tensor:
         """Full-vocabulary logits through the target's LM head (inference / small tests)."""
-        return self.lm_head(hidden.to(self.lm_head.weight.dtype))
+        logits: Tensor = self.lm_head(hidden.to(self.lm_head.weight.dtype))
+        return logits

@@ -141,7 +141,7 @@ def fit(
         )
         loss = res.loss_sum / res.weight_sum.clamp(min=1e-6)
         opt.zero_grad(set_to_none=True)
-        loss.backward()
+        torch.autograd.backward(loss)
         torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)
         opt.step()
         history.append(to_metrics(step, res))

@@ -55,8 +55,11 @@ def drafter_config_from_hf(config: Any) -> DrafterConfig:
     )
 
 
-class DFlashDraftModel(PreTrainedModel):
+# transformers leaves PreTrainedModel.__init_subclass__ and post_init unannotated.
+class DFlashDraftModel(PreTrainedModel):  # type: ignore[no-untyped-call]
     """A DFlash drafter loadable with `AutoModel.from_pretrained(..., trust_remote_code=True)`."""
+
+    _core: DFlashDrafter  # set outside the module tree (see __init__)
 
     config_class = Qwen3Config
     base_model_prefix = "dflash"
@@ -78,7 +81,7 @@ class DFlashDraftModel(PreTrainedModel):
         self.block_size = core.config.block_size
         self.mask_token_id = core.config.mask_token_id
         self.target_layer_ids = list(core.config.target_layer_ids)
-        self.post_init()
+        self.post_init()  # type: ignore[no-untyped-call]
 
     def _init_weights(self, module: nn.Module) -> None:
         std = self.drafter_config.initializer_range
@@ -112,7 +115,10 @@ class DFlashDraftModel(PreTrainedModel):
         cache: DrafterCache | None = None,
     ) -> Tensor:
         """The project drafter's forward (see `DFlashDrafter.forward`): normed block states."""
-        return self._core(features, block_ids, block_positions, mask, context_positions, cache)
+        out: Tensor = self._core(
+            features, block_ids, block_positions, mask, context_positions, cache
+        )
+        return out
 
     def logits(self, hidden: Tensor) -> Tensor:
         """Full-vocabulary logits through the borrowed target LM head."""
@@ -124,7 +130,7 @@ class DFlashDraftModel(PreTrainedModel):
         input_ids: Tensor,
         max_new_tokens: int,
         temperature: float = 0.0,
-        target: nn.Module | None = None,
+        target: PreTrainedModel | None = None,
         stop_token_ids: list[int] | None = None,
         mask_token_id: int | None = None,
     ) -> Tensor:
@@ -142,7 +148,7 @@ class DFlashDraftModel(PreTrainedModel):
                 f"mask_token_id {mask_token_id} differs from the trained one ({self.mask_token_id})"
             )
         # One capture wrapper per target (its forward hooks stay registered, idle when unused).
-        wrapped = self.__dict__.get("_spec_target")
+        wrapped: TargetModel | None = self.__dict__.get("_spec_target")
         if wrapped is None or wrapped.model is not target:
             wrapped = TargetModel(target, self.target_layer_ids)
             self.__dict__["_spec_target"] = wrapped

@@ -40,7 +40,8 @@ class SwiGLU(nn.Module):
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        out: Tensor = self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return out
 
 
 class Rotary(nn.Module):
@@ -49,6 +50,8 @@ class Rotary(nn.Module):
     Positions are explicit because block queries sit at a..a+B-1 while context keys sit at
     0..S-1 in the same attention call.
     """
+
+    inv_freq: Tensor  # a non-persistent buffer
 
     def __init__(self, head_dim: int, theta: float) -> None:
         super().__init__()

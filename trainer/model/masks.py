@@ -13,9 +13,13 @@ masked (a fully masked row is NaN in softmax, and 0 * NaN poisons the loss).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
+
+if TYPE_CHECKING:  # flex_attention is imported only where a flex mask is built
+    from torch.nn.attention.flex_attention import BlockMask
 
 
 @dataclass(frozen=True)
@@ -93,7 +97,7 @@ def dense_dflash_mask(anchors: Tensor, context_valid: Tensor, block_size: int) -
     return torch.cat([ctx_vis, blk_vis], dim=2)[:, None]
 
 
-def flex_dflash_block_mask(anchors: Tensor, context_valid: Tensor, block_size: int) -> object:
+def flex_dflash_block_mask(anchors: Tensor, context_valid: Tensor, block_size: int) -> BlockMask:
     """The same mask as a flex_attention BlockMask (H=None: no per-head materialisation)."""
     from torch.nn.attention.flex_attention import create_block_mask
 

@@ -15,11 +15,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, fields
+from typing import cast
 
 import torch
 from torch import Tensor
 
 from trainer.kernels import lm_head_cross_entropy
+from trainer.kernels.common import Backend
 from trainer.model.attention import build_mask
 from trainer.model.drafter import DFlashDrafter, default_gamma
 from trainer.model.masks import Anchors, sample_anchors
@@ -86,7 +88,7 @@ def dflash_objective(
     generator: torch.Generator | None = None,
     anchors: Anchors | None = None,
     attn_backend: str = "auto",
-    ce_backend: str = "auto",
+    ce_backend: Backend = "auto",
 ) -> StepResult:
     """Weighted CE sums and teacher-forced metrics for one micro-batch.
 
@@ -159,7 +161,7 @@ def _noise_like(hidden: Tensor, std: float, generator: torch.Generator | None) -
 
 def _empty_result(drafter: DFlashDrafter, bsz: int, device: torch.device) -> StepResult:
     """No eligible anchor in the batch: zero sums that still backprop (DDP needs a graph)."""
-    zero = sum(p.sum() for p in drafter.parameters()) * 0.0
+    zero = cast(Tensor, sum(p.sum() for p in drafter.parameters())) * 0.0  # >= 1 parameter
     z = torch.zeros((), dtype=torch.float32, device=device)
     zi = torch.zeros((), dtype=torch.long, device=device)
     zk = torch.zeros(bsz - 1, dtype=torch.long, device=device)

@@ -23,6 +23,7 @@ from dataclasses import fields
 import torch
 from torch import Tensor
 
+from trainer.kernels.common import Backend
 from trainer.model.drafter import DFlashDrafter
 from trainer.model.masks import Anchors, sample_anchors
 from trainer.model.objective import StepResult, _noise_like, dflash_objective
@@ -83,7 +84,7 @@ def bounded_objective_backward(
     generator: torch.Generator | None = None,
     autocast: contextlib.AbstractContextManager[object] | None = None,
     attn_backend: str = "auto",
-    ce_backend: str = "auto",
+    ce_backend: Backend = "auto",
     loss_transform: Callable[[Tensor], Tensor] | None = None,
 ) -> StepResult:
     """Forward+backward of one packet in pieces of at most `max_query_rows` query rows.
@@ -120,7 +121,7 @@ def bounded_objective_backward(
                 ce_backend=ce_backend,
             )
         loss = res.loss_sum if loss_transform is None else loss_transform(res.loss_sum)
-        loss.float().backward()
+        torch.autograd.backward(loss.float())
         res.loss_sum = loss
         total = _detached(res) if total is None else _add(total, res)
     assert total is not None

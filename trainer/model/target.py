@@ -15,11 +15,11 @@ import threading
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, suppress
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch import Tensor, nn
-from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
+from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache, PreTrainedModel
 
 from trainer.errors import TrainerError
 
@@ -76,14 +76,16 @@ def default_dtype(device: torch.device | str) -> torch.dtype:
     return torch.float32 if torch.device(device).type == "cpu" else torch.bfloat16
 
 
-def _decoder_of(model: nn.Module) -> nn.Module:
-    decoder = getattr(model, "model", None)
+def _decoder_of(model: nn.Module) -> tuple[nn.Module, nn.ModuleList]:
+    """The decoder (`model.model`, else `get_decoder()`) and its layer list."""
+    decoder: object = getattr(model, "model", None)
     if decoder is None or not hasattr(decoder, "layers"):
         get = getattr(model, "get_decoder", None)
         decoder = get() if callable(get) else None
-    if decoder is None or not isinstance(getattr(decoder, "layers", None), nn.ModuleList):
+    layers = getattr(decoder, "layers", None)
+    if not isinstance(decoder, nn.Module) or not isinstance(layers, nn.ModuleList):
         raise TargetError(f"{type(model).__name__} has no decoder layer list (model.layers)")
-    return decoder
+    return decoder, layers
 
 
 def cache_keyword(model: nn.Module) -> str:
@@ -94,9 +96,20 @@ def cache_keyword(model: nn.Module) -> str:
     return "cache" if "cache" in params else "past_key_values"
 
 
-def _layer_output(output: Any) -> Tensor:
+def _layer_output(output: Tensor | tuple[Tensor, ...]) -> Tensor:
     # transformers 5 decoder layers return a tensor; older ones return (hidden, ...).
     return output[0] if isinstance(output, tuple) else output
+
+
+_M = TypeVar("_M", bound=nn.Module)
+
+
+def _own_module(model: nn.Module, module: object, kind: type[_M], what: str) -> _M:
+    if not isinstance(module, kind):
+        raise TargetError(
+            f"{type(model).__name__}: {what} is a {type(module).__name__}, not nn.{kind.__name__}"
+        )
+    return module
 
 
 class TargetModel:
@@ -106,16 +119,18 @@ class TargetModel:
     drafter; every parameter has `requires_grad=False`.
     """
 
-    def __init__(self, model: nn.Module, layer_ids: Sequence[int]) -> None:
-        model.eval()
+    def __init__(self, model: PreTrainedModel, layer_ids: Sequence[int]) -> None:
+        model.train(False)  # eval(); transformers leaves eval unannotated
         model.requires_grad_(False)
         self.model = model
-        self.decoder = _decoder_of(model)
-        self.layers: nn.ModuleList = self.decoder.layers
+        self.decoder, self.layers = _decoder_of(model)
         self.num_layers = len(self.layers)
         self.layer_ids = validate_layer_ids(layer_ids, self.num_layers)
-        self.embed_tokens: nn.Embedding = model.get_input_embeddings()
-        self.lm_head: nn.Linear = model.get_output_embeddings()
+        self.embed_tokens = _own_module(
+            model, model.get_input_embeddings(), nn.Embedding, "the input embedding"
+        )
+        head = model.get_output_embeddings()  # type: ignore[no-untyped-call]  # unannotated in transformers
+        self.lm_head = _own_module(model, head, nn.Linear, "the LM head")
         self.hidden_size = int(self.embed_tokens.weight.shape[1])
         # Embedding rows (padded vocab), which is what a mask token id must index.
         self.vocab_size = int(self.embed_tokens.weight.shape[0])
@@ -163,11 +178,12 @@ class TargetModel:
                 # transformers restores it itself; a loader that did not must not leak bf16.
                 if torch.get_default_dtype() != before:
                     torch.set_default_dtype(before)
-        model.to(device)  # outside the lock: copies to several devices may overlap
+        # transformers types `to` through a decorator as if `self` were the argument.
+        model.to(device)  # type: ignore[arg-type]  # outside the lock: copies to several devices may overlap
         if layer_ids is None:
             if num_draft_layers is None:
                 raise TargetError("give layer_ids or num_draft_layers")
-            layer_ids = default_target_layer_ids(len(_decoder_of(model).layers), num_draft_layers)
+            layer_ids = default_target_layer_ids(len(_decoder_of(model)[1]), num_draft_layers)
         return cls(model, layer_ids)
 
     @property
@@ -203,12 +219,12 @@ class TargetModel:
             self._captured = None
             self._stop_after = None
 
-    def new_cache(self) -> Any:
+    def new_cache(self) -> DynamicCache:
         """An empty KV cache for `forward_with_capture`."""
         return DynamicCache(config=self.config)
 
     @staticmethod
-    def crop_cache(cache: Any, length: int) -> None:
+    def crop_cache(cache: DynamicCache, length: int) -> None:
         """Drop cached positions >= `length` (rejected draft tokens after a verify step)."""
         have = cache.get_seq_length()
         if have < length:
@@ -218,9 +234,11 @@ class TargetModel:
             # transformers 4.x reads as crop(0), "keep 0 positions".
             cache.crop(length - have)
 
-    def logits(self, input_ids: Tensor, cache: Any) -> Tensor:
+    def logits(self, input_ids: Tensor, cache: DynamicCache) -> Tensor:
         """Logits [B, T, V] of a forward that extends `cache` in place (greedy decoding)."""
-        return self.model(input_ids=input_ids, use_cache=True, **{self._cache_kw: cache}).logits
+        out = self.model(input_ids=input_ids, use_cache=True, **{self._cache_kw: cache})
+        logits: Tensor = out.logits
+        return logits
 
     def _concat(self, captured: dict[int, Tensor]) -> Tensor:
         return torch.cat([captured[i] for i in self.layer_ids], dim=-1)
@@ -244,7 +262,7 @@ class TargetModel:
         self,
         input_ids: Tensor,
         *,
-        cache: Any = None,
+        cache: DynamicCache | None = None,
         attention_mask: Tensor | None = None,
     ) -> tuple[Tensor, Tensor]:
         """Full forward (logits for every position) that also returns the captured features.

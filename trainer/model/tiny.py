@@ -21,78 +21,69 @@ import sys
 from pathlib import Path
 
 import torch
+from pydantic import ValidationError
 from transformers import Qwen3Config, Qwen3ForCausalLM
+
+from trainer.config import TinyTarget
+from trainer.config.validation import one_line
+from trainer.errors import ExitCode
+
+INIT_STD = 0.04
+"""Weight init std of the tiny target (see the module docstring for why 0.04)."""
 
 
 def tiny_config(
+    spec: TinyTarget | None = None,
     *,
-    vocab_size: int = 512,
-    hidden_size: int = 64,
-    num_layers: int = 8,
-    num_heads: int = 4,
-    num_kv_heads: int = 2,
-    head_dim: int = 16,
-    intermediate_size: int = 128,
+    init_std: float = INIT_STD,
     max_position_embeddings: int = 1024,
-    init_std: float = 0.04,
 ) -> Qwen3Config:
-    """The smallest Qwen3 that still has GQA, QK-norm and RoPE (reference §6)."""
+    """The smallest Qwen3 that still has GQA, QK-norm and RoPE (reference §6), at `spec`'s shape
+    (`[model.tiny_target]`; None: its defaults)."""
+    t = spec or TinyTarget()
     return Qwen3Config(
-        vocab_size=vocab_size,
-        hidden_size=hidden_size,
-        intermediate_size=intermediate_size,
-        num_hidden_layers=num_layers,
-        num_attention_heads=num_heads,
-        num_key_value_heads=num_kv_heads,
-        head_dim=head_dim,
+        vocab_size=t.vocab_size,
+        hidden_size=t.hidden_size,
+        intermediate_size=t.intermediate_size,
+        num_hidden_layers=t.num_layers,
+        num_attention_heads=t.num_heads,
+        num_key_value_heads=t.num_kv_heads,
+        head_dim=t.head_dim,
         max_position_embeddings=max_position_embeddings,
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
         rms_norm_eps=1e-6,
         tie_word_embeddings=False,
         initializer_range=init_std,
-        attn_implementation="sdpa",
         # No special tokens: the synthetic data reserves the top ids itself.
         bos_token_id=None,
         eos_token_id=None,
         pad_token_id=None,
+        # Taken through **kwargs by PreTrainedConfig, so Qwen3Config's signature lacks it.
+        attn_implementation="sdpa",  # type: ignore[call-arg]
     )
 
 
-def build_tiny_target(
+def write_tiny_target(
     out_dir: str | Path,
+    spec: TinyTarget | None = None,
     *,
-    seed: int = 0,
-    vocab_size: int = 512,
-    hidden_size: int = 64,
-    num_layers: int = 8,
-    num_heads: int = 4,
-    num_kv_heads: int = 2,
-    head_dim: int = 16,
-    intermediate_size: int = 128,
-    init_std: float = 0.04,
+    init_std: float = INIT_STD,
     reserved_top: int = 8,
 ) -> Path:
-    """Build a seeded random Qwen3ForCausalLM and save it to `out_dir` (safetensors).
+    """Build the seeded random Qwen3ForCausalLM of `spec` (`[model.tiny_target]`; None: its
+    defaults) and save it to `out_dir` (safetensors).
 
     The same arguments always give bit-identical weights, so tests can rebuild it freely.
 
     Returns:
         The output directory.
     """
+    t = spec or TinyTarget()
     out = Path(out_dir)
-    config = tiny_config(
-        vocab_size=vocab_size,
-        hidden_size=hidden_size,
-        num_layers=num_layers,
-        num_heads=num_heads,
-        num_kv_heads=num_kv_heads,
-        head_dim=head_dim,
-        intermediate_size=intermediate_size,
-        init_std=init_std,
-    )
+    config = tiny_config(t, init_std=init_std)
     cpu_rng = torch.random.get_rng_state()
     try:
-        torch.manual_seed(seed)
+        torch.manual_seed(t.seed)
         model = Qwen3ForCausalLM(config)
         # Norm weights start at 1.0; jitter them so every layer differs from the next.
         with torch.no_grad():
@@ -100,13 +91,22 @@ def build_tiny_target(
                 if name.endswith("norm.weight"):
                     param.add_(torch.randn_like(param) * 0.1)
             if reserved_top > 0:
-                model.lm_head.weight[vocab_size - reserved_top :] = 0.0
+                model.lm_head.weight[t.vocab_size - reserved_top :] = 0.0
     finally:
         torch.random.set_rng_state(cpu_rng)
-    model.eval()
+    model.train(False)  # eval(); transformers leaves eval unannotated
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out, safe_serialization=True)
     return out
+
+
+def build_tiny_target(
+    out_dir: str | Path, *, init_std: float = INIT_STD, reserved_top: int = 8, **shape: int
+) -> Path:
+    """`write_tiny_target` with the `TinyTarget` fields as keywords (`seed=1`, `vocab_size=...`);
+    an unknown or out-of-range field is a pydantic ValidationError."""
+    spec = TinyTarget.model_validate(shape)
+    return write_tiny_target(out_dir, spec, init_std=init_std, reserved_top=reserved_top)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -123,19 +123,22 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     try:
-        out = build_tiny_target(
-            args.out,
+        spec = TinyTarget(
             seed=args.seed,
             vocab_size=args.vocab_size,
             hidden_size=args.hidden_size,
             num_layers=args.num_layers,
-            reserved_top=args.reserved_top,
         )
+    except ValidationError as err:
+        print(f"error: {one_line(err)}", file=sys.stderr)
+        return ExitCode.USAGE
+    try:
+        out = write_tiny_target(args.out, spec, reserved_top=args.reserved_top)
     except OSError as err:
         print(f"error: cannot write tiny target to {args.out}: {err}", file=sys.stderr)
-        return 1
+        return ExitCode.FAILED
     print(out)
-    return 0
+    return ExitCode.OK
 
 
 if __name__ == "__main__":
