@@ -28,7 +28,7 @@ from textual.notifications import SeverityLevel
 from textual.screen import ModalScreen, Screen
 from textual.worker import Worker, WorkerState
 
-from dflashctl.errors import ExitCode, UsageError
+from dflashctl.errors import DflashctlError, ExitCode, UsageError
 from dflashctl.fleet import (
     ConfigWatcher,
     HostHandle,
@@ -357,8 +357,10 @@ class DflashApp(App[None]):
         if event.state != WorkerState.ERROR:
             return
         title, what = WORKER_FAILURES.get(worker.group, ("Error", f"{worker.group} failed"))
+        err = worker.error
+        why = err.one_line() if isinstance(err, DflashctlError) else str(err)
         host = f"{worker.name}: " if worker.name else ""
-        self.notify(f"{host}{what}: {worker.error}", title=title, severity="error")
+        self.notify(f"{host}{what}: {why}", title=title, severity="error")
 
     def get_system_commands(self, screen: Screen[Any]) -> Iterable[SystemCommand]:
         yield from super().get_system_commands(screen)
