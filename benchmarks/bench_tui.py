@@ -19,11 +19,16 @@ import argparse
 import asyncio
 import math
 import statistics
+import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # for tests.tui.fixtures
 
 from dflashctl.monitor import RunShape
 from dflashctl.tui.app import DflashApp, HostBinding
+from tests.tui.fixtures import service
 from trainer.events import StatusEvent, format_status_line
 
 HOSTS = 16
@@ -83,7 +88,8 @@ async def scenario(
         schedule=warmup_cosine,
     )
     names = [f"kpro{i:02d}" for i in range(HOSTS)]
-    app = DflashApp([HostBinding(n, None, shape=shape) for n in names], live=False)
+    # live=False: the app never calls the run service; an idle test double stands in.
+    app = DflashApp([HostBinding(n, service(), shape=shape) for n in names], live=False)
     flush_ms: list[float] = []
     original = app.flush
 
