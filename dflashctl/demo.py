@@ -75,7 +75,10 @@ def demo_config_text(template: str, cache_dir: Path) -> str:
 
 def prepare(demo_dir: Path, template: Path = REPO_CONFIG) -> Path:
     """Create the demo dir and its editable config (kept across runs: user edits survive)."""
-    demo_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        demo_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise DemoError(f"{demo_dir}: cannot create the demo directory: {exc.strerror}") from None
     config = demo_dir / "demo.toml"
     if not config.exists():
         try:

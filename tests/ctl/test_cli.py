@@ -230,3 +230,13 @@ def test_the_usage_errors_of_this_layer_share_the_one_base() -> None:
     assert issubclass(InventoryError, UsageError) and InventoryError.exit_code == 2
     assert issubclass(NotifyConfigError, UsageError)
     assert issubclass(DemoError, DflashctlError) and DemoError.exit_code == ExitCode.FAILED
+
+
+def test_a_demo_that_cannot_start_is_one_line_exit_1(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    taken = tmp_path / "file"
+    taken.write_text("")
+    assert main(["demo", "--dir", str(taken), "--headless"]) == 1
+    err = capsys.readouterr().err
+    assert err == f"dflashctl demo: {taken}: cannot create the demo directory: File exists\n"
