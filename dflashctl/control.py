@@ -10,8 +10,8 @@ prunes it).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
-import random
 import signal
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import asdict, dataclass, field
@@ -27,6 +27,7 @@ from dflashctl.deploy import (
     push_config_file,
     switch_note,
 )
+from dflashctl.follow import Backoff, Connected, Line, LogFollower, LogRestarted, Lost
 from dflashctl.inventory import NAME_RE, HostConfig, InventoryError
 from dflashctl.release import Release
 from dflashctl.remote.commands import (
@@ -59,7 +60,6 @@ from dflashctl.remote.run import trainer_argv as trainer_argv
 from dflashctl.remote.transport import (
     CommandResult,
     CommandTimeout,
-    HostKeyError,
     HostUnreachable,
     Transport,
     TransportError,
@@ -79,6 +79,9 @@ if TYPE_CHECKING:
     from dflashctl.resume import CheckpointConfig
 
 LOG_RESTARTED = "restarted: status.log started over; reading it from its first line"
+FOLLOW_JITTER = 0.2
+"""`follow`'s reconnect delays vary by +-20 %, so many clients of one host do not reconnect in
+step."""
 DEFAULT_START_WAIT_S = 120.0
 """How long start/restart wait for the trainer's setup (or its exit); hosts.toml start_wait."""
 LIVE_STATES = frozenset({"running", "restarting", "stalled"})
@@ -628,13 +631,6 @@ def parse_gpu_csv(stdout: str) -> list[GpuSample]:
     return out
 
 
-def backoff_delays(base: float = 1.0, cap: float = 30.0) -> Callable[[int], float]:
-    def delay(attempt: int) -> float:
-        return min(cap, base * 2**attempt) * (0.8 + 0.4 * random.random())
-
-    return delay
-
-
 # --- the service ---------------------------------------------------------------------------
 
 
@@ -978,11 +974,6 @@ class RunControl:
         count = res.stdout.split()[:1]  # "N path"
         return int(count[0]) if count and count[0].isdigit() else None
 
-    async def _log_started_over(self, lines_read: int) -> bool:
-        """Is run/status.log now shorter than the lines already read from it (or gone)?"""
-        count = await self.log_line_count()
-        return count is not None and count < lines_read
-
     async def tail_log(self, from_line: int) -> AsyncIterator[str]:
         """One connection's `tail -F` of run/status.log from 0-based `from_line`, made safe to
         print (the one reader of the live log).
@@ -1005,43 +996,30 @@ class RunControl:
     ) -> AsyncIterator[str]:
         """Lines of run/status.log from 0-based `from_line`, forever, across dropped links.
 
-        One long-lived `tail -F` per connection. The count of lines delivered is the resume
-        point, and only newline-terminated lines are delivered, so a reconnect neither repeats
-        nor skips a line. A log found shorter than that count on reconnect was started over
-        (deleted, replaced): it is read again from its first line (reported as LOG_RESTARTED),
-        because skipping the new run's first lines would be worse than repeating a few.
-        `on_link` hears "connected"/"lost: ..." (and LOG_RESTARTED) for the UI.
+        The one follow loop (`dflashctl.follow.LogFollower`) over `tail_log`, as plain lines:
+        no line repeated or skipped on a reconnect, a log that started over read again from
+        its first line. `on_link` hears "connected", "lost: REASON" and LOG_RESTARTED (for
+        callers not yet on the typed events); `delay` defaults to a jittered backoff.
         """
-        delay = delay or backoff_delays()
-        next_line = from_line
-        attempt = 0
-        reconnecting = False
-        while True:
-            try:
-                if reconnecting and next_line > 0 and await self._log_started_over(next_line):
-                    next_line = 0
-                    if on_link:
-                        on_link(LOG_RESTARTED)
-                reconnecting = True
-                if on_link:
+        follower = LogFollower(
+            self,
+            from_line,
+            delay=delay or Backoff(jitter=FOLLOW_JITTER).delay,
+            max_attempts=max_attempts,
+            name=self.host.name,
+        )
+        async with contextlib.aclosing(follower.events()) as events:
+            async for event in events:
+                if isinstance(event, Line):
+                    yield event.text
+                elif on_link is None:
+                    continue
+                elif isinstance(event, Connected):
                     on_link("connected")
-                async for line in self.tail_log(next_line):
-                    next_line += 1
-                    attempt = 0
-                    yield line
-                reason = "stream ended"
-            except HostKeyError:
-                raise  # retrying cannot fix an unknown or changed host key
-            except HostUnreachable as err:
-                reason = str(err)
-            attempt += 1
-            if max_attempts is not None and attempt > max_attempts:
-                raise HostUnreachable(
-                    f"{self.host.name}: giving up after {max_attempts} attempts: {reason}"
-                )
-            if on_link:
-                on_link(f"lost: {reason}")
-            await asyncio.sleep(delay(attempt - 1))
+                elif isinstance(event, Lost):
+                    on_link(f"lost: {event.reason}")
+                elif isinstance(event, LogRestarted):
+                    on_link(LOG_RESTARTED)
 
 
 if TYPE_CHECKING:
