@@ -12,6 +12,7 @@ import pytest
 
 from trainer.bucketing.compare import pair_keys, repeat_share
 from trainer.buckets import format_plan_table, main
+from trainer.config import Strategy
 from trainer.data.lengths import seed_shaped_lengths
 from trainer.sampler import Batch
 
@@ -32,7 +33,9 @@ def run(args: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, 
     return rc, out.out, out.err
 
 
-def test_plan_json_has_the_documented_keys(lengths_file: Path, capsys) -> None:
+def test_plan_json_has_the_documented_keys(
+    lengths_file: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     """--json prints one object whose fields agree with each other and with the data."""
     rc, out, _ = run(
         [
@@ -63,7 +66,9 @@ def test_plan_json_has_the_documented_keys(lengths_file: Path, capsys) -> None:
         assert (b["lo"], b["hi"]) == (lo, hi) and b["max"] < hi and b["mean_batch_size"] >= 1
 
 
-def test_plan_table_is_what_format_plan_table_renders(lengths_file: Path, capsys) -> None:
+def test_plan_table_is_what_format_plan_table_renders(
+    lengths_file: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     """Without --json the same plan prints as the table dflashctl also uses."""
     base = [
         "plan",
@@ -82,7 +87,9 @@ def test_plan_table_is_what_format_plan_table_renders(lengths_file: Path, capsys
     assert "padding efficiency: predicted" in table and "efficiency by K" in table
 
 
-def test_compare_runs_all_four_strategies_side_by_side(lengths_file: Path, capsys) -> None:
+def test_compare_runs_all_four_strategies_side_by_side(
+    lengths_file: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     """Sorted is static (pairs repeat), random pads most, bucketed sits between, none over T."""
     rc, out, _ = run(
         [
@@ -114,7 +121,10 @@ def test_compare_runs_all_four_strategies_side_by_side(lengths_file: Path, capsy
 
 def test_pair_keys_count_each_co_batched_pair_once() -> None:
     """Pair hashing matches a hand count, and repeat share compares two epochs."""
-    mk = lambda *ids: Batch(np.array(ids, dtype=np.int64), 0, 1, len(ids))  # noqa: E731
+
+    def mk(*ids: int) -> Batch:
+        return Batch(np.array(ids, dtype=np.int64), 0, 1, len(ids))
+
     e0 = pair_keys([mk(0, 1, 2), mk(3, 4), mk(5)], n=6)
     e1 = pair_keys([mk(2, 1), mk(0, 3, 4, 5)], n=6)
     assert e0.tolist() == sorted([0 * 6 + 1, 0 * 6 + 2, 1 * 6 + 2, 3 * 6 + 4])
@@ -130,7 +140,9 @@ def test_pair_keys_count_each_co_batched_pair_once() -> None:
         (["--token-budget", "100"], "--token-budget: token budget 100 is smaller than the longest"),
     ],
 )
-def test_bad_input_exits_2_with_one_line_naming_the_flag(tmp_path: Path, capsys, argv, needle):
+def test_bad_input_exits_2_with_one_line_naming_the_flag(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], argv: list[str], needle: str
+) -> None:
     """Missing file, non-integer lengths, K too large, budget below the longest sample."""
     floats = tmp_path / "floats.npy"
     np.save(floats, np.array([1.5, 2.0]))
@@ -147,7 +159,7 @@ def test_bad_input_exits_2_with_one_line_naming_the_flag(tmp_path: Path, capsys,
     assert re.search(needle, err), err
 
 
-def test_bad_boundaries_are_named(lengths_file: Path, capsys) -> None:
+def test_bad_boundaries_are_named(lengths_file: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """compare --boundaries must be increasing integers."""
     rc, _, err = run(
         [
@@ -188,7 +200,9 @@ def test_module_entry_point_runs_without_torch(tmp_path: Path) -> None:
     assert len(json.loads(proc.stdout)["boundaries"]) == 3
 
 
-def test_compare_plans_its_own_boundaries_and_prints_a_table(lengths_file: Path, capsys) -> None:
+def test_compare_plans_its_own_boundaries_and_prints_a_table(
+    lengths_file: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     """--buckets K plans with the DP; one epoch prints the table with diversity left blank."""
     rc, out, _ = run(
         [
@@ -216,7 +230,7 @@ def test_compare_plans_its_own_boundaries_and_prints_a_table(lengths_file: Path,
 
 
 def test_compare_names_its_columns_and_warns_when_pool_sort_is_just_sorted(
-    lengths_file: Path, capsys
+    lengths_file: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """`max batch` was padded tokens, not samples; a pool >= the data is the sorted strategy."""
     base = ["compare", "--lengths", str(lengths_file), "--token-budget", "49152"]
@@ -248,7 +262,12 @@ def test_the_sampler_warns_about_a_pool_holding_every_sample() -> None:
             x, strategy="pool-sort", token_budget=4096, max_batch=8, seed=0, pool_size=100
         )
     assert len(s.warnings) == 1
-    for strategy, pool in (("pool-sort", 99), ("sorted", 100), ("bucketed", 10_000)):
+    cases: tuple[tuple[Strategy, int], ...] = (
+        ("pool-sort", 99),
+        ("sorted", 100),
+        ("bucketed", 10_000),
+    )
+    for strategy, pool in cases:
         kept = BatchSampler(
             x, strategy=strategy, token_budget=4096, max_batch=8, seed=0, pool_size=pool
         )
@@ -256,7 +275,7 @@ def test_the_sampler_warns_about_a_pool_holding_every_sample() -> None:
 
 
 def test_the_candidate_count_is_a_flag_and_the_output_says_which_search_ran(
-    lengths_file: Path, capsys
+    lengths_file: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """--candidates N: exact when every distinct length fits, else a labelled refined grid."""
     base = ["plan", "--lengths", str(lengths_file), "--token-budget", "49152", "--max-batch", "64"]

@@ -97,6 +97,7 @@ def test_a_grid_search_says_so_and_never_beats_the_exact_one(
     s = grid.search
     assert not s.exact and s.grid_step == 64 and s.distinct_lengths == exact.search.candidates - 1
     assert s.candidates > 129  # the coarse grid plus the windows around the cuts
+    assert s.grid_efficiency is not None
     assert s.grid_efficiency <= grid.padding_efficiency <= exact.padding_efficiency + 1e-12
     line = grid.to_json_dict()["search"]["description"]
     assert line.startswith("search: GRID, not proven optimal")
@@ -123,7 +124,9 @@ def min_kernels(draw: st.DrawFn) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 
 @given(min_kernels())
 @settings(max_examples=200, deadline=None)
-def test_the_stationary_recurrence_equals_a_dense_solve(kernel) -> None:
+def test_the_stationary_recurrence_equals_a_dense_solve(
+    kernel: tuple[np.ndarray, np.ndarray, np.ndarray],
+) -> None:
     """pi K = pi for K[s0, s1] = pc[s1] (g[s0] - phi[max(s0, s1)]), rows normalized."""
     g, phi, pc = kernel
     pi = stationary_min_kernel(g, phi, pc)

@@ -39,7 +39,9 @@ def small_problems(draw: st.DrawFn) -> tuple[np.ndarray, int, int, int]:
 
 @given(small_problems(), st.sampled_from([0.0, 0.1, 0.3]))
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-def test_dp_optimum_equals_brute_force_over_all_boundary_subsets(problem, min_share) -> None:
+def test_dp_optimum_equals_brute_force_over_all_boundary_subsets(
+    problem: tuple[np.ndarray, int, int, int], min_share: float
+) -> None:
     """On every distinct length as a candidate, the DP finds the best of all C(C-1, K-1) cuts."""
     x, budget, max_batch, k = problem
     distinct = np.unique(x).tolist()
@@ -66,7 +68,9 @@ def test_dp_optimum_equals_brute_force_over_all_boundary_subsets(problem, min_sh
     st.integers(2**31, 2**34),
 )
 @settings(max_examples=40, deadline=None)
-def test_bucket_estimate_scales_exactly_past_2_pow_31(values, weights, scale) -> None:
+def test_bucket_estimate_scales_exactly_past_2_pow_31(
+    values: list[int], weights: list[int], scale: int
+) -> None:
     """Counts far beyond int32: tokens stay exact ints and padding scales linearly with counts."""
     v = np.sort(np.array(values, dtype=np.int64))
     c = np.array(weights[: len(v)], dtype=np.int64)
@@ -84,6 +88,7 @@ def test_plan_and_simulation_with_more_than_2_pow_31_tokens() -> None:
     total = int(x.astype(np.int64).sum())
     assert total > 2**31 and plan.total_tokens == total
     assert sum(b.tokens for b in plan.buckets) == total
+    assert plan.simulated_efficiency is not None
     assert 0 < plan.padding_efficiency <= 1 and 0 < plan.simulated_efficiency <= 1
     assert plan.simulated_efficiency == pytest.approx(plan.padding_efficiency, abs=0.005)
 
@@ -185,7 +190,7 @@ def test_dp_handles_the_grid_path_and_min_share_masks() -> None:
         ({"k": 2, "max_candidates": 1}, "must be >= 2"),
     ],
 )
-def test_bad_plan_arguments_are_named(args: dict, needle: str) -> None:
+def test_bad_plan_arguments_are_named(args: dict[str, int], needle: str) -> None:
     """Each user error is a PlanError naming the argument."""
     kw = {"token_budget": 1000, "max_batch": 8} | args
     with pytest.raises(PlanError, match=needle):
@@ -194,7 +199,9 @@ def test_bad_plan_arguments_are_named(args: dict, needle: str) -> None:
 
 @given(small_problems(), st.integers(1, 40))
 @settings(max_examples=40, deadline=None)
-def test_batched_segment_costs_equal_the_one_segment_estimator(problem, min_count) -> None:
+def test_batched_segment_costs_equal_the_one_segment_estimator(
+    problem: tuple[np.ndarray, int, int, int], min_count: int
+) -> None:
     """The shared-normalizer batch path computes exactly what estimate_bucket computes."""
     x, budget, max_batch, _ = problem
     grid = make_grid(x)

@@ -119,7 +119,7 @@ def compare_strategies(
             warnings.simplefilter("ignore", SamplerWarning)
             sampler = BatchSampler(
                 lengths,
-                strategy=strategy,  # type: ignore[arg-type]
+                strategy=strategy,
                 boundaries=boundaries,
                 token_budget=token_budget,
                 max_batch=max_batch,

@@ -337,7 +337,8 @@ def _chunk(
     ez = np.where(present, ez / np.where(present, ccount, 1.0), 0.0)
     pc = ccount / n_j[:, None]
     pi = stationary_min_kernel(g, phi, pc)
-    return n_j * (pi * (A + ez)).sum(axis=1) / (pi * (g + (c_lo - 1))).sum(axis=1)
+    cost: np.ndarray = n_j * (pi * (A + ez)).sum(axis=1) / (pi * (g + (c_lo - 1))).sum(axis=1)
+    return cost
 
 
 def stationary_min_kernel(g: np.ndarray, phi: np.ndarray, pc: np.ndarray) -> np.ndarray:
@@ -368,4 +369,5 @@ def stationary_min_kernel(g: np.ndarray, phi: np.ndarray, pc: np.ndarray) -> np.
         qt[s] = qt[s - 1] - dt[s - 1] * L
         L += wt[s] * qt[s]
     pi = pc * q.T
-    return pi / pi.sum(axis=1, keepdims=True)
+    law: np.ndarray = pi / pi.sum(axis=1, keepdims=True)  # (numpy types the division as Any)
+    return law

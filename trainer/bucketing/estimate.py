@@ -159,4 +159,5 @@ def _stationary(K: np.ndarray) -> np.ndarray:
     except np.linalg.LinAlgError:
         pi = np.linalg.lstsq(A, b, rcond=None)[0]
     pi = np.clip(pi, 0.0, None)
-    return pi / pi.sum()
+    law: np.ndarray = pi / pi.sum()  # (numpy types the division as Any)
+    return law
