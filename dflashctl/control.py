@@ -27,6 +27,7 @@ from dflashctl.deploy import (
     push_config_file,
     switch_note,
 )
+from dflashctl.errors import DflashctlError, ExitCode
 from dflashctl.follow import Backoff, Connected, Line, LogFollower, LogRestarted, Lost
 from dflashctl.inventory import NAME_RE, HostConfig, InventoryError
 from dflashctl.release import Release
@@ -100,8 +101,10 @@ SUPERVISOR_KEYS = (
 )
 
 
-class ControlError(Exception):
+class ControlError(DflashctlError):
     """A run-control operation failed (one line naming the host)."""
+
+    exit_code = ExitCode.FAILED
 
 
 class StartFailed(ControlError):

@@ -27,6 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from dflashctl.errors import DflashctlError, ExitCode
 from dflashctl.inventory import HostConfig
 from dflashctl.preflight import (
     GIB,
@@ -59,8 +60,10 @@ Progress = Callable[[str], None]
 OWNER_RE = re.compile(r"(?P<host>\S+) pid (?P<pid>\d+)(?: start (?P<start>\d+))? at (?P<at>\S+)")
 
 
-class DeployError(Exception):
+class DeployError(DflashctlError):
     """A deploy failed; str() is one line per problem, each naming the host."""
+
+    exit_code = ExitCode.FAILED
 
 
 class LockHeld(DeployError):

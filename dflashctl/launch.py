@@ -21,6 +21,7 @@ from __future__ import annotations
 import ipaddress
 from dataclasses import dataclass, field
 
+from dflashctl.errors import UsageError
 from dflashctl.inventory import GroupConfig, HostConfig
 
 RDZV_BACKEND = "static"
@@ -36,8 +37,9 @@ IFNAME_ENV = {
 }
 
 
-class LaunchError(ValueError):
-    """A launch that cannot be built (bad rank or device count, a node without an address)."""
+class LaunchError(UsageError, ValueError):
+    """A launch that cannot be built (bad rank or device count, a node without an address):
+    the inventory or the arguments are wrong (exit 2). Still a ValueError for its callers."""
 
 
 @dataclass(frozen=True)

@@ -15,15 +15,20 @@ from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
+from dflashctl.errors import DflashctlError, ExitCode
 from dflashctl.remote.commands import describe
 
 
-class TransportError(Exception):
+class TransportError(DflashctlError):
     """A remote operation failed for transport reasons (one-line message naming the host)."""
+
+    exit_code = ExitCode.FAILED
 
 
 class HostUnreachable(TransportError):
     """The host could not be reached or the link dropped: CLI exit code 3."""
+
+    exit_code = ExitCode.UNREACHABLE
 
 
 class HostKeyError(HostUnreachable):
