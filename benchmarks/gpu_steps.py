@@ -42,7 +42,7 @@ import xml.etree.ElementTree as ET
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:  # the GPU machine runs from a bare copy of the tree
@@ -51,9 +51,13 @@ if str(REPO) not in sys.path:  # the GPU machine runs from a bare copy of the tr
 from trainer.config.overlay import dump_toml, merge  # noqa: E402 (torch-free)
 from trainer.memory.shapes import DrafterShape  # noqa: E402 (torch-free)
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # torch is imported inside the steps that use it
+    import torch
+
     from trainer.kernels.common import Backend
-    from trainer.model.drafter import DrafterConfig
+    from trainer.model.drafter import DFlashDrafter, DrafterConfig
+
+Rung = TypeVar("Rung")
 
 QWEN3_VOCAB = 151_936
 GiB = 2**30
@@ -85,14 +89,16 @@ class Ctx:
         return self.deadline - time.monotonic()
 
 
-def _sync(device: Any) -> None:
+def _sync(device: torch.device) -> None:
     import torch
 
     if getattr(device, "type", device) == "cuda":
         torch.cuda.synchronize()
 
 
-def _timed(fn: Callable[[], object], device: Any, reps: int, *, warmup: bool = True) -> list[float]:
+def _timed(
+    fn: Callable[[], object], device: torch.device, reps: int, *, warmup: bool = True
+) -> list[float]:
     """Wall seconds of `reps` calls, after one untimed warm-up call (compilation, allocator)."""
     if warmup:
         fn()
@@ -106,7 +112,7 @@ def _timed(fn: Callable[[], object], device: Any, reps: int, *, warmup: bool = T
     return out
 
 
-def _device(smoke: bool) -> Any:
+def _device(smoke: bool) -> torch.device:
     import torch
 
     if smoke:
@@ -122,7 +128,7 @@ def _is_oom(exc: BaseException) -> bool:
     return isinstance(exc, torch.OutOfMemoryError) or "out of memory" in str(exc).lower()
 
 
-def _free(device: Any) -> None:
+def _free(device: torch.device) -> None:
     import torch
 
     gc.collect()
@@ -130,7 +136,7 @@ def _free(device: Any) -> None:
         torch.cuda.empty_cache()
 
 
-def _peak_reset(device: Any) -> int:
+def _peak_reset(device: torch.device) -> int:
     import torch
 
     if device.type != "cuda":
@@ -140,7 +146,7 @@ def _peak_reset(device: Any) -> int:
     return int(torch.cuda.memory_allocated())
 
 
-def _peak(device: Any) -> int | None:
+def _peak(device: torch.device) -> int | None:
     import torch
 
     if device.type != "cuda":
@@ -151,11 +157,11 @@ def _peak(device: Any) -> int | None:
 
 # ----------------------------------------------------------------------------------- ladder
 def run_ladder(
-    rungs: Sequence[Any],
-    run_rung: Callable[[Any], dict[str, Any]],
+    rungs: Sequence[Rung],
+    run_rung: Callable[[Rung], dict[str, Any]],
     ctx: Ctx,
     *,
-    cost: Callable[[Any], float],
+    cost: Callable[[Rung], float],
 ) -> dict[str, Any]:
     """Run rungs in order until the first OOM, error-free; stops early when the next rung's
     predicted time (last rung's seconds scaled by `cost`) exceeds what the budget has left.
@@ -164,9 +170,9 @@ def run_ladder(
     kind "oom". Returns the largest rung that fitted, the one that ran out of memory (or None)
     and why the ladder ended ("top", "oom" or "budget").
     """
-    fitted: Any = None
-    failed: Any = None
-    last: tuple[Any, float] | None = None
+    fitted: Rung | None = None
+    failed: Rung | None = None
+    last: tuple[Rung, float] | None = None
     ended = "top"
     for rung in rungs:
         if last is not None:
@@ -280,7 +286,7 @@ def drafter_config(shape: DrafterShape) -> DrafterConfig:
     return drafter_config(shape, TARGET_LAYERS[shape])
 
 
-def _drafter_model(shape: DrafterShape, device: Any) -> Any:
+def _drafter_model(shape: DrafterShape, device: torch.device) -> DFlashDrafter:
     """fp32 master weights on `device`, bound to a random frozen embedding and LM head."""
     import torch
     from torch import nn
@@ -692,7 +698,9 @@ def step_capture(ctx: Ctx) -> dict[str, Any]:
 
 
 # ----------------------------------------------------------------------------------- ce
-def _ce_case(ctx: Ctx, n: int, d: int, weight: Any, backends: Sequence[Backend], seed: int) -> None:
+def _ce_case(
+    ctx: Ctx, n: int, d: int, weight: torch.Tensor, backends: Sequence[Backend], seed: int
+) -> None:
     """Forward+backward of every backend at one N, recorded side by side (kind "kernel")."""
     import torch
 

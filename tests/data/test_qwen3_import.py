@@ -29,7 +29,7 @@ from trainer.data.chat_mask import (
     Encoded,
 )
 from trainer.data.cli import main
-from trainer.data.conversations import Conversation, Rejected, normalise_conversation
+from trainer.data.conversations import Conversation, Message, Rejected, normalise_conversation
 from trainer.data.sources import ChatSource
 from trainer.data.store import LINES, MANIFEST, TokenStore
 
@@ -424,7 +424,7 @@ def test_arbitrary_unicode_never_breaks_an_import_on_either_path(
     reasoning: str | None,
     last_only: bool,
 ) -> None:
-    messages: list[dict[str, Any]] = []
+    messages: list[Message] = []
     for user, reply in turns:
         messages += [{"role": "user", "content": user}, {"role": "assistant", "content": reply}]
     if reasoning:
@@ -489,7 +489,9 @@ def test_a_malformed_row_from_any_caller_is_rejected_alone(
     encoder = _encoder(tagged_dir if tagged else qwen3_tokenizer_dir)
     good = normalise_conversation(json.loads(MIXED.read_text().splitlines()[1]))
     assert isinstance(good, Conversation)
-    odd = Conversation([{"role": "user", "content": 5}, {"role": "assistant", "content": "x"}])
+    odd = Conversation(
+        json.loads('[{"role": "user", "content": 5}, {"role": "assistant", "content": "x"}]')
+    )
     results = encoder.encode_batch([good, odd, good])
     assert [type(r).__name__ for r in results] == ["Encoded", "Rejected", "Encoded"]
 

@@ -214,7 +214,8 @@ class ChatEncoder:
         texts, indices = cast(
             tuple[list[str], list[list[tuple[int, int]]]],
             render_jinja_template(
-                conversations=[row.messages for row in batch],
+                # transformers' ChatType is list[dict[str, Any]]; a Message is such a dict.
+                conversations=cast(list[list[dict[str, Any]]], [row.messages for row in batch]),
                 tools=hf_tools,
                 chat_template=self.tokenizer.get_chat_template(None, tools),
                 return_assistant_tokens_mask=True,
@@ -431,7 +432,7 @@ def _all_turn_sentinels(messages: list[Message]) -> list[Message] | None:
         if message["role"] == "assistant":
             if has_reasoning(message):
                 return None
-            message = _without_tool_calls(dict(message, content=f"\ue004dflash-turn-{k}\ue005"))
+            message = _without_tool_calls({**message, "content": f"\ue004dflash-turn-{k}\ue005"})
             k += 1
         out.append(message)
     return out
@@ -446,7 +447,7 @@ def _without_tool_calls(message: Message) -> Message:
 
 def _with_sentinels(messages: list[Message], i: int) -> list[Message]:
     original = messages[i]
-    turn = _without_tool_calls(dict(original, content=CONTENT_SENTINEL))
+    turn = _without_tool_calls({**original, "content": CONTENT_SENTINEL})
     if "reasoning_content" in turn:
         turn["reasoning_content"] = REASONING_SENTINEL
     elif THINK_CLOSE in original["content"]:

@@ -23,7 +23,7 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NotRequired, TypedDict
 
 # Skip reasons, in the order rows are checked; these keys appear in the manifest.
 NOT_UTF8 = "not_utf8"
@@ -56,7 +56,16 @@ ROLE_ALIASES: dict[str, str] = {
     FUNCTION_CALL: "assistant",
 }
 
-Message = dict[str, Any]  # role, content[, reasoning_content][, tool_calls]
+
+class Message(TypedDict):
+    """One canonical chat message, as the chat template receives it."""
+
+    role: str  # system | user | assistant | tool
+    content: str
+    reasoning_content: NotRequired[str]
+    tool_calls: NotRequired[list[dict[str, Any]]]  # OpenAI function calls, as given
+
+
 _SURROGATE_RE = re.compile("[\ud800-\udfff]")
 
 
