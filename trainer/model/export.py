@@ -28,6 +28,7 @@ from trainer.config.validation import dotted, one_line
 from trainer.errors import TrainerError
 from trainer.model.drafter import DFlashDrafter, DrafterConfig
 from trainer.model.remote_code import AUTO_MAP, MODELING_FILE, write_modeling_file
+from trainer.model.target import TargetModel
 
 CONFIG = "config.json"
 WEIGHTS = "model.safetensors"
@@ -135,7 +136,7 @@ def read_drafter_config(path: str | Path) -> DrafterConfig:
 def load_drafter(
     path: str | Path,
     *,
-    target: Any = None,
+    target: TargetModel | None = None,
     device: torch.device | str = "cpu",
     dtype: torch.dtype | None = None,
 ) -> DFlashDrafter:

@@ -9,7 +9,6 @@ reason). The token store records the ids it guarantees absent in its manifest.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
 
 import numpy as np
 
@@ -61,7 +60,7 @@ def validate_mask_token_id(
 
 
 def mask_token_id_from_manifest(
-    manifest: Any, embedding_rows: int, explicit: int | None = None, *, source: str = "manifest"
+    manifest: object, embedding_rows: int, explicit: int | None = None, *, source: str = "manifest"
 ) -> int:
     """Resolve the mask id from a token-store manifest, checking an explicit id against it.
 
