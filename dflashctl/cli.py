@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import shlex
@@ -460,9 +461,13 @@ def _print_line(line: str, as_json: bool) -> None:
 
 
 async def cmd_logs(args: argparse.Namespace) -> int:
-    from dflashctl.control import LOG_RESTARTED, RunControl
+    from dflashctl.control import FOLLOW_JITTER, LOG_RESTARTED, RunControl
+    from dflashctl.follow import Backoff, Connected, Line, LogFollower, LogRestarted, Lost
 
     host = _host(args)
+
+    def say(text: str) -> None:
+        print(f"dflashctl: {text}", file=sys.stderr, flush=True)
 
     async def go(t: Transport) -> int:
         ctl = RunControl(t, host)
@@ -476,22 +481,23 @@ async def cmd_logs(args: argparse.Namespace) -> int:
             for line in await ctl.log_tail(start):
                 _print_line(line, args.json)
             return ExitCode.OK
+        follower = LogFollower(
+            ctl, start, delay=Backoff(jitter=FOLLOW_JITTER).delay, name=host.name
+        )
         lost = False
-
-        def link(state: str) -> None:
-            nonlocal lost
-            if state == LOG_RESTARTED:
-                print(f"dflashctl: {host.name}: {state}", file=sys.stderr, flush=True)
-            elif state == "connected":
-                if lost:
-                    print(f"dflashctl: {host.name}: reconnected", file=sys.stderr, flush=True)
-                lost = False
-            else:
-                lost = True
-                print(f"dflashctl: {state}; reconnecting", file=sys.stderr, flush=True)
-
-        async for line in ctl.follow(start, on_link=link):
-            _print_line(line, args.json)
+        async with contextlib.aclosing(follower.events()) as events:
+            async for event in events:
+                if isinstance(event, Line):
+                    _print_line(event.text, args.json)
+                elif isinstance(event, Connected):
+                    if lost:
+                        say(f"{host.name}: reconnected")
+                    lost = False
+                elif isinstance(event, Lost):
+                    lost = True
+                    say(f"lost: {event.reason}; reconnecting")
+                elif isinstance(event, LogRestarted):
+                    say(f"{host.name}: {LOG_RESTARTED}")
         return ExitCode.OK
 
     return await _with_transport(host, go)

@@ -24,7 +24,7 @@ from typing import Protocol
 
 from dflashctl.control import RestartResult, RunControl, RunService
 from dflashctl.deploy import DeployResult, Progress, deploy
-from dflashctl.errors import DflashctlError, ExitCode
+from dflashctl.errors import DflashctlError
 from dflashctl.inventory import HostConfig, Inventory
 from dflashctl.monitor import RunShape, shape_from_config
 from dflashctl.remote.commands import tmux_attach
@@ -215,28 +215,6 @@ class ConfigWatcher:
 # --- the one entry-point wrapper ---------------------------------------------------------------
 
 
-def _legacy_errors() -> tuple[tuple[type[BaseException], ExitCode], ...]:
-    """Error classes that do not derive from DflashctlError yet, with the exit code the CLI has
-    always given them (most specific first). Shrinks to nothing as their modules adopt the base."""
-    from dflashctl.control import ControlError
-    from dflashctl.deploy import DeployError
-    from dflashctl.release import ReleaseError
-    from dflashctl.remote.transport import HostUnreachable, TransportError
-    from dflashctl.resume import ResumeRefused
-    from dflashctl.runconfig import RunConfigError
-
-    table: tuple[tuple[type[BaseException], ExitCode], ...] = (
-        (HostUnreachable, ExitCode.UNREACHABLE),
-        (RunConfigError, ExitCode.USAGE),
-        (ReleaseError, ExitCode.USAGE),
-        (DeployError, ExitCode.FAILED),
-        (TransportError, ExitCode.FAILED),
-        (ControlError, ExitCode.FAILED),
-        (ResumeRefused, ExitCode.FAILED),
-    )
-    return tuple((cls, code) for cls, code in table if not issubclass(cls, DflashctlError))
-
-
 def print_error(message: str, prog: str = "dflashctl") -> None:
     """Every error line goes out here; remote text in it (stderr lines) is made safe to print."""
     from trainer.events import sanitize_for_terminal
@@ -244,18 +222,16 @@ def print_error(message: str, prog: str = "dflashctl") -> None:
     print(f"{prog}: {sanitize_for_terminal(message)}", file=sys.stderr)
 
 
-def _report(err: BaseException, prog: str) -> None:
+def _report(err: DflashctlError, prog: str) -> None:
     for line in str(err).splitlines() or [type(err).__name__]:
         print_error(line, prog)
-    hint = err.hint if isinstance(err, DflashctlError) else None
-    if hint:
-        print_error(f"hint: {hint}", prog)
+    if err.hint:
+        print_error(f"hint: {err.hint}", prog)
 
 
 def run_main(fn: Callable[[], int], *, prog: str = "dflashctl") -> int:
     """Run an entry point: a DflashctlError is its message (and hint) on stderr and its exit code;
     Ctrl-C is 130; a reader that left the pipe (`dflashctl status | head -1`) ends it quietly."""
-    legacy = _legacy_errors()
     try:
         return int(fn())
     except BrokenPipeError:
@@ -269,6 +245,3 @@ def run_main(fn: Callable[[], int], *, prog: str = "dflashctl") -> int:
     except DflashctlError as err:
         _report(err, prog)
         return int(err.exit_code)
-    except tuple(cls for cls, _ in legacy) as err:
-        _report(err, prog)
-        return int(next(code for cls, code in legacy if isinstance(err, cls)))
