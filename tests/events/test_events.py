@@ -387,3 +387,30 @@ def test_colour_codes_anywhere_in_a_status_line_change_nothing(
     plain = parse_line(line)
     assert isinstance(plain, StatusEvent)
     assert parse_line(coloured) == plain
+
+
+@pytest.mark.parametrize(
+    ("template", "fields"),
+    [
+        ("step={step:d}", {"step": grammar.INT}),  # a format spec: the slot prints itself
+        ("step={step} at={at}", {"step": grammar.INT}),  # a slot without a field
+        ("step={step}", {"step": grammar.INT, "at": grammar.INT}),  # a field without a slot
+        ("step={step} again={step}", {"step": grammar.INT}),  # one field, two slots
+    ],
+)
+def test_a_grammar_whose_slots_and_fields_differ_is_refused(
+    template: str, fields: dict[str, grammar.Slot[int]]
+) -> None:
+    with pytest.raises(ValueError, match="slot"):
+        grammar.LineGrammar(template, fields, extras=False)
+
+
+def test_a_grammar_parses_what_it_formats() -> None:
+    """The formatter and the parser come from one template: a line kind of two slots."""
+    g = grammar.LineGrammar(
+        "at {step}: {eta}", {"step": grammar.INT, "eta": grammar.ETA}, extras=True
+    )
+    line = g.format({"step": 12, "eta": 5400.0}, {"k": "v"})
+    assert line == "at 12: 1.5h | k=v"
+    assert g.parse(line) == {"step": 12, "eta": 5400.0, "extra": {"k": "v"}}
+    assert g.parse("at 12: 1.5h | k") is None and g.parse("at x: 1.5h") is None

@@ -16,8 +16,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from trainer.events.grammar import INT, MISSING, LineGrammar, check_extra, number
-from trainer.events.grammar import Field as Slot
+from trainer.events.grammar import INT, MISSING, LineGrammar, Slot, check_extra, number
 
 __all__ = ["EVAL_PREFIX", "EvalEvent", "format_eval_line", "parse_eval_line"]
 

@@ -2,7 +2,7 @@
 its parser are derived from that one template, so the printer and the readers cannot drift apart.
 
 A template is literal text with ``{name}`` slots (`LineGrammar`); each slot is a model field,
-printed and read back by its `Field` (a regex group, a formatter, a parser). A line kind that
+printed and read back by its `Slot` (a regex group, a formatter, a parser). A line kind that
 takes free ``key=value`` pairs ends in the extras tail, `` | k=v k=v`` (`format_extras`,
 `parse_extras`). The parser is lenient about numbers: ``float()`` decides, so it reads back
 anything the formatter prints (and a little more, e.g. ``1_0``).
@@ -23,8 +23,8 @@ __all__ = [
     "MISSING",
     "QUEUE",
     "UNKNOWN_ETA",
-    "Field",
     "LineGrammar",
+    "Slot",
     "check_extra",
     "format_eta",
     "format_extras",
@@ -41,7 +41,7 @@ T = TypeVar("T")
 
 
 @dataclass(frozen=True, slots=True)
-class Field(Generic[T]):
+class Slot(Generic[T]):
     """How one slot's value is printed and read back.
 
     ``pattern`` holds exactly one capturing group, which always takes part in a match (an
@@ -61,16 +61,18 @@ class LineGrammar:
     the slot values (and ``extra`` when the kind has a tail) of a line of this kind, or None.
     """
 
-    def __init__(self, template: str, fields: Mapping[str, Field[Any]], *, extras: bool) -> None:
+    def __init__(self, template: str, fields: Mapping[str, Slot[Any]], *, extras: bool) -> None:
         pattern: list[str] = []
-        slots: list[tuple[str, Field[Any]]] = []
+        slots: list[tuple[str, Slot[Any]]] = []
         for literal, name, spec, conversion in string.Formatter().parse(template):
             pattern.append(re.escape(literal))
             if name is not None:
-                assert not spec and conversion is None, f"{template!r}: slot {name} has a spec"
+                if spec or conversion or name not in fields:
+                    raise ValueError(f"{template!r}: slot {{{name}}} is not a plain field slot")
                 slots.append((name, fields[name]))
                 pattern.append(fields[name].pattern)
-        assert {n for n, _ in slots} == set(fields), f"{template!r}: slots != fields"
+        if sorted(n for n, _ in slots) != sorted(fields):
+            raise ValueError(f"{template!r}: its slots are not exactly {', '.join(fields)}")
         self._template = template
         self._slots = tuple(slots)
         self._parsers = tuple((name, f.parse) for name, f in slots)
@@ -81,7 +83,7 @@ class LineGrammar:
     def format(self, values: Mapping[str, Any], extra: Mapping[str, str] | None = None) -> str:
         """The line (one line, no trailing newline)."""
         line = self._template.format_map({n: f.format(values[n]) for n, f in self._slots})
-        return line + format_extras(extra) if extra else line
+        return line + format_extras(extra)
 
     def parse(self, line: str) -> dict[str, Any] | None:
         """The slot values of ``line`` (plus ``extra`` for a kind with a tail); None if it is
@@ -147,12 +149,12 @@ def _opt_float(text: str) -> float | None:
     return None if text == MISSING else float(text)
 
 
-def number(spec: str) -> Field[float | None]:
+def number(spec: str) -> Slot[float | None]:
     """A number printed with ``spec`` (``---`` for None)."""
-    return Field(r"([^ ]+)", lambda v: _fmt(v, spec), _opt_float)
+    return Slot(r"([^ ]+)", lambda v: _fmt(v, spec), _opt_float)
 
 
-INT: Field[int] = Field(r"(\d+)", str, int)
+INT: Slot[int] = Slot(r"(\d+)", str, int)
 
 
 def _format_queue(depths: Iterable[int]) -> str:
@@ -163,7 +165,7 @@ def _parse_queue(text: str) -> list[int]:
     return [int(d) for d in text[1:-1].split(", ")] if len(text) > 2 else []
 
 
-QUEUE: Field[list[int]] = Field(r"(\[(?:\d+(?:, \d+)*)?\])", _format_queue, _parse_queue)
+QUEUE: Slot[list[int]] = Slot(r"(\[(?:\d+(?:, \d+)*)?\])", _format_queue, _parse_queue)
 
 
 def format_eta(seconds: float | None) -> str:
@@ -206,4 +208,4 @@ def parse_eta(text: str) -> float | None:
         return None
 
 
-ETA: Field[float | None] = Field(r"([^ ]+)", format_eta, strict_eta)
+ETA: Slot[float | None] = Slot(r"([^ ]+)", format_eta, strict_eta)

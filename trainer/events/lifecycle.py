@@ -9,7 +9,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict
 
-from trainer.events.grammar import INT, Field, LineGrammar
+from trainer.events.grammar import INT, LineGrammar, Slot
 
 __all__ = [
     "CHECKPOINT_PREFIX",
@@ -96,7 +96,7 @@ def parse_phase_line(line: str) -> PhaseEvent | None:
 
 _CHECKPOINT = LineGrammar(
     CHECKPOINT_PREFIX + "step={step} path={path}",
-    {"step": INT, "path": Field(r"(.+)", str, str)},
+    {"step": INT, "path": Slot(r"(.+)", str, str)},
     extras=False,
 )
 
