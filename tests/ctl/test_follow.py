@@ -7,6 +7,7 @@ local transport are driven through `RunControl.follow` in test_faults.py / test_
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -75,10 +76,11 @@ def _source(log: ScriptedLog) -> LogSource:
 async def take(follower: LogFollower, n_lines: int) -> list[FollowEvent]:
     """Events until `n_lines` Line events have arrived."""
     out: list[FollowEvent] = []
-    async for ev in follower.events():
-        out.append(ev)
-        if sum(isinstance(e, Line) for e in out) == n_lines:
-            break
+    async with contextlib.aclosing(follower.events()) as events:
+        async for ev in events:
+            out.append(ev)
+            if sum(isinstance(e, Line) for e in out) == n_lines:
+                break
     return out
 
 
@@ -109,12 +111,13 @@ async def test_a_log_found_shorter_on_reconnect_is_read_from_its_first_line() ->
     log = ScriptedLog([f"line {i}" for i in range(20)], drop_every=7)
     follower = LogFollower(_source(log), delay=lambda a: 0.0)
     got: list[FollowEvent] = []
-    async for ev in follower.events():
-        got.append(ev)
-        if ev == Line("line 13", 13):
-            log.lines = [f"new {i}" for i in range(5)]  # replaced while the link is down
-        if ev == Line("new 4", 4):
-            break
+    async with contextlib.aclosing(follower.events()) as events:
+        async for ev in events:
+            got.append(ev)
+            if ev == Line("line 13", 13):
+                log.lines = [f"new {i}" for i in range(5)]  # replaced while the link is down
+            if ev == Line("new 4", 4):
+                break
     assert texts(got) == [f"line {i}" for i in range(14)] + [f"new {i}" for i in range(5)]
     restarted = got.index(LogRestarted())
     assert isinstance(got[restarted - 1], Lost) and got[restarted + 1] == Connected(0)
