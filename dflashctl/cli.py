@@ -2,7 +2,7 @@
 
 Exit codes are `dflashctl.errors.ExitCode`: 0 ok, 1 operation failed, 2 usage or config error,
 3 host unreachable. Errors are raised as `DflashctlError`s and reported by one wrapper,
-`dflashctl.fleet.run_main`.
+`dflashctl.errors.run_main`.
 """
 
 from __future__ import annotations
@@ -18,9 +18,8 @@ from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from dflashctl.errors import ExitCode, UsageError
-from dflashctl.fleet import print_error as _print_err
-from dflashctl.fleet import run_main
+from dflashctl.errors import ExitCode, UsageError, run_main
+from dflashctl.errors import print_error as _print_err
 from dflashctl.inventory import GroupConfig, HostConfig, Inventory, load_inventory
 from dflashctl.remote.connect import attach_argv, make_transport
 from dflashctl.remote.transport import Transport

@@ -23,8 +23,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from dflashctl.control import RunService
-from dflashctl.errors import DflashctlError, ExitCode
-from dflashctl.fleet import HostHandle, open_local, run_main
+from dflashctl.errors import DflashctlError, ExitCode, run_main
+from dflashctl.fleet import HostHandle, open_local
 from dflashctl.inventory import HostConfig
 from trainer.events import StatusEvent, parse_line
 

@@ -6,16 +6,13 @@ the run's shape as that config describes it. The TUI and the demo work on handle
 here imports Textual, and nothing here imports the CLI or the TUI (they import this, downward).
 
 `ConfigWatcher` compares each host's local run config with the deployed one; its epoch counter
-voids a comparison that a push or restart overtook. `run_main` is the one entry-point wrapper:
-every `DflashctlError` becomes one line on stderr (plus its hint) and its exit code.
+voids a comparison that a push or restart overtook.
 """
 
 from __future__ import annotations
 
 import asyncio
 import os
-import signal
-import sys
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
@@ -24,7 +21,6 @@ from typing import Protocol
 
 from dflashctl.control import RestartResult, RunControl, RunService
 from dflashctl.deploy import DeployResult, Progress, deploy
-from dflashctl.errors import DflashctlError
 from dflashctl.inventory import HostConfig, Inventory
 from dflashctl.monitor import RunShape, shape_from_config
 from dflashctl.remote.commands import tmux_attach
@@ -210,38 +206,3 @@ class ConfigWatcher:
             handle.shape = await asyncio.to_thread(shape_from_config, path)
         self._seen[name] = (mtime, local)
         return ConfigVerdict(local != deployed, reshaped=reshaped)
-
-
-# --- the one entry-point wrapper ---------------------------------------------------------------
-
-
-def print_error(message: str, prog: str = "dflashctl") -> None:
-    """Every error line goes out here; remote text in it (stderr lines) is made safe to print."""
-    from trainer.events import sanitize_for_terminal
-
-    print(f"{prog}: {sanitize_for_terminal(message)}", file=sys.stderr)
-
-
-def _report(err: DflashctlError, prog: str) -> None:
-    for line in str(err).splitlines() or [type(err).__name__]:
-        print_error(line, prog)
-    if err.hint:
-        print_error(f"hint: {err.hint}", prog)
-
-
-def run_main(fn: Callable[[], int], *, prog: str = "dflashctl") -> int:
-    """Run an entry point: a DflashctlError is its message (and hint) on stderr and its exit code;
-    Ctrl-C is 130; a reader that left the pipe (`dflashctl status | head -1`) ends it quietly."""
-    try:
-        return int(fn())
-    except BrokenPipeError:
-        # the reader left; say nothing more
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
-        return 128 + signal.SIGPIPE  # as if killed by SIGPIPE, like any filter
-    except KeyboardInterrupt:
-        print_error("interrupted", prog)
-        return 128 + signal.SIGINT
-    except DflashctlError as err:
-        _report(err, prog)
-        return int(err.exit_code)

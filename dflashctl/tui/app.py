@@ -388,7 +388,7 @@ def parse_tui_args(argv: Sequence[str]) -> argparse.Namespace:
 def run_app(argv: Sequence[str] | None = None) -> int:
     """`dflashctl [tui] [--hosts FILE] [HOST...]`: the app over the inventory's hosts.
 
-    Errors (a bad inventory, none of its hosts) raise; `dflashctl.fleet.run_main` reports them.
+    Errors (a bad inventory, none of its hosts) raise; `dflashctl.errors.run_main` reports them.
     """
     from dflashctl.inventory import load_inventory
 

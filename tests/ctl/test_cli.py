@@ -9,8 +9,7 @@ from pathlib import Path
 import pytest
 
 from dflashctl.cli import main
-from dflashctl.errors import DflashctlError, ExitCode, UsageError
-from dflashctl.fleet import run_main
+from dflashctl.errors import DflashctlError, ExitCode, UsageError, run_main
 from dflashctl.inventory import load_inventory
 from dflashctl.remote.commands import with_known_term
 from dflashctl.remote.connect import attach_argv
