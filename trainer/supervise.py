@@ -46,7 +46,7 @@ from trainer.config.policy import (
     run_dir_of,
 )
 from trainer.errors import ExitCode
-from trainer.events import format_phase_line
+from trainer.events import format_error_line, format_phase_line
 from trainer.supervision import disk, procinfo
 from trainer.supervision.progress import LogTail, Progress
 from trainer.supervision.statefile import now_iso, read_trainer_state, write_state
@@ -170,13 +170,15 @@ class Supervisor:
                 with open(self.run_dir / name, "a") as fh:
                     fh.write(text + "\n")
             except OSError as exc:
-                print(f"ERROR: {self.run_dir / name}: cannot append: {exc}", file=self.out)
+                print(
+                    format_error_line(f"{self.run_dir / name}: cannot append: {exc}"), file=self.out
+                )
 
     def save(self, **fields: Any) -> None:
         self.state.update(fields)
         problem = write_state(self.run_dir, self.state)
         if problem and problem != self._write_problem:
-            print(f"ERROR: {problem}", file=self.out, flush=True)
+            print(format_error_line(problem), file=self.out, flush=True)
         self._write_problem = problem
 
     # ------------------------------------------------------------------ disk
@@ -334,7 +336,11 @@ class Supervisor:
             try:
                 ending, progress = self.run_attempt(argv)
             except OSError as exc:
-                self.say(f"ERROR: cannot start the trainer {argv[0]!r}: {exc.strerror or exc}")
+                self.say(
+                    format_error_line(
+                        f"cannot start the trainer {argv[0]!r}: {exc.strerror or exc}"
+                    )
+                )
                 self.save(state="failed", detail=f"cannot start: {exc}", exit_status=ExitCode.USAGE)
                 return ExitCode.USAGE
             if progress.checkpoint_step is not None:
