@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import pytest
 from hypothesis import example, given, settings
@@ -30,6 +31,8 @@ from trainer.events import (
     parse_text,
 )
 
+FIXTURES = Path(__file__).parent / "fixtures"
+
 SEED_LINE_1 = (
     "[0m] step=0 loss=--- acc=--- streak=--- lr=--- noise=0.1000 | tgt=0.00b/s dft=0.00b/s"
     " (0.0Ktok/s) | q_pre=[4, 4, 3, 3, 2, 2] q_hs=[0] | epoch~0.00 ETA=???"
@@ -38,6 +41,27 @@ SEED_LINE_2 = (
     "[0m] step=0 loss=1.3167 acc=0.000 streak=0.0 lr=6.00e-04 noise=0.1000 | tgt=0.30b/s"
     " dft=0.05b/s (1.9Ktok/s) | q_pre=[8, 6, 6, 5, 4, 4] q_hs=[4] | epoch~0.00 ETA=10.9d"
 )
+
+
+def test_seed_capture_parses() -> None:
+    """The real capture from the seed run, as `capture-pane -J` gives it (tmux joins the rows it
+    wrapped): two status lines and a truncated third."""
+    text = (FIXTURES / "seed_capture_joined.txt").read_text()
+    events = parse_text(text)
+    kinds = [e.kind for e in events]
+    assert kinds == ["phase", "phase", "status", "status", "raw"]
+    assert [e.phase for e in events[:2] if isinstance(e, PhaseEvent)] == ["starting", "running"]
+    first, second = events[2], events[3]
+    assert isinstance(first, StatusEvent) and isinstance(second, StatusEvent)
+    assert first.loss is None and first.lr is None and first.eta_s is None
+    assert first.q_pre == [4, 4, 3, 3, 2, 2] and first.q_hs == [0]
+    assert second.loss == pytest.approx(1.3167) and second.lr == pytest.approx(6e-4)
+    assert second.ktok_s == pytest.approx(1.9)
+    assert second.eta_s == pytest.approx(10.9 * 86400)
+    assert format_status_line(first) == SEED_LINE_1
+    assert format_status_line(second) == SEED_LINE_2
+    assert isinstance(events[4], RawLine)
+    assert events[4].text.startswith("[1m] step=2 loss=6.4079")  # truncated -> raw, kept
 
 
 def test_seed_status_line_round_trips() -> None:
