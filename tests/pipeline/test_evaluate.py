@@ -81,7 +81,9 @@ def test_simulated_tau_equals_real_speculative_tau(
         assert one.tau == pytest.approx(s.tau, abs=1e-12)
 
 
-def test_untrained_drafter_has_tau_one(target: TargetModel, trained: tuple) -> None:
+def test_untrained_drafter_has_tau_one(
+    target: TargetModel, trained: tuple[DFlashDrafter, list[Row], list[int]]
+) -> None:
     _, held, _ = trained
     fresh = make_drafter(target, block_size=BLOCK, num_layers=2, seed=3)
     res = evaluate(fresh, _batches(target, held, 6), gamma=None, max_query_rows=None)

@@ -39,7 +39,8 @@ def _errors(run_dir: Path) -> list[str]:
 
 
 def _run_state(run_dir: Path) -> dict[str, Any]:
-    return json.loads((run_dir / "run-state.json").read_text())
+    state: dict[str, Any] = json.loads((run_dir / "run-state.json").read_text())
+    return state
 
 
 def _steps(run_dir: Path) -> list[int]:

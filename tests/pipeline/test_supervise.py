@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -60,18 +61,20 @@ def _phases(run_dir: Path, phase: str) -> list[PhaseEvent]:
     return [e for e in _events(run_dir) if isinstance(e, PhaseEvent) and e.phase == phase]
 
 
-def _sup_state(run_dir: Path) -> dict[str, Any]:
+def _json_object(path: Path) -> dict[str, Any]:
     try:
-        return json.loads((run_dir / "supervisor.json").read_text())
+        data = json.loads(path.read_text())
     except (OSError, ValueError):
         return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _sup_state(run_dir: Path) -> dict[str, Any]:
+    return _json_object(run_dir / "supervisor.json")
 
 
 def _run_state(run_dir: Path) -> dict[str, Any]:
-    try:
-        return json.loads((run_dir / "run-state.json").read_text())
-    except (OSError, ValueError):
-        return {}
+    return _json_object(run_dir / "run-state.json")
 
 
 def _metric_rows(run_dir: Path) -> list[dict[str, Any]]:
@@ -122,6 +125,36 @@ def sups() -> Iterator[list[Sup]]:
     yield started
     for s in started:
         s.cleanup()
+
+
+# Appends a line per start to STARTS, then exits with CODE.
+EXITS = "import sys; open(sys.argv[1], 'a').write('start\\n'); sys.exit(int(sys.argv[2]))"
+
+
+@dataclass(frozen=True)
+class Exiting:
+    """A supervisor over the EXITS child: `starts` gets a line per start of the child."""
+
+    run: Path
+    starts: Path
+    sup: Sup
+
+
+StartExiting = Callable[..., Exiting]
+
+
+@pytest.fixture
+def exiting(tmp_path: Path, sups: list[Sup]) -> StartExiting:
+    """`exiting(code, *supervisor options)`: start a supervisor whose child exits with code."""
+
+    def start(code: int, *opts: str) -> Exiting:
+        run, starts = tmp_path / "run", tmp_path / "starts"
+        argv = _sup_argv(run, *opts, child=[*_script(EXITS), str(starts), str(code)])
+        s = Sup(argv, tmp_path / "out")
+        sups.append(s)
+        return Exiting(run, starts, s)
+
+    return start
 
 
 # ---------------------------------------------------------------------------- pure policy
@@ -212,21 +245,13 @@ def test_a_trainer_that_cannot_start_is_one_line_and_exit_2(tmp_path: Path) -> N
 
 # ---------------------------------------------------------------------------- scripted children
 
-# Appends a line per start to STARTS, then exits with CODE.
-EXITS = "import sys; open(sys.argv[1], 'a').write('start\\n'); sys.exit(int(sys.argv[2]))"
-
 
 @pytest.mark.timeout(60)
 def test_a_crash_loop_is_restarted_max_restarts_times_then_gives_up_once(
-    tmp_path: Path, sups: list[Sup]
+    exiting: StartExiting,
 ) -> None:
-    run, starts = tmp_path / "run", tmp_path / "starts"
-    argv = _sup_argv(
-        run, "--max-restarts", "2", "--backoff-s", "0.05",
-        child=[*_script(EXITS), str(starts), "1"],
-    )  # fmt: skip
-    s = Sup(argv, tmp_path / "out")
-    sups.append(s)
+    ex = exiting(1, "--max-restarts", "2", "--backoff-s", "0.05")
+    run, starts, s = ex.run, ex.starts, ex.sup
     assert s.wait(30) == 1
     assert starts.read_text().count("start") == 3  # the first attempt + 2 restarts
     state = _sup_state(run)
@@ -251,14 +276,10 @@ def test_a_crash_loop_is_restarted_max_restarts_times_then_gives_up_once(
     ],
 )
 def test_no_restart_exit_codes_and_restart_never_are_not_restarted(
-    tmp_path: Path, sups: list[Sup], code: int, opts: list[str], why: str
+    exiting: StartExiting, code: int, opts: list[str], why: str
 ) -> None:
-    run, starts = tmp_path / "run", tmp_path / "starts"
-    argv = _sup_argv(
-        run, *opts, "--backoff-s", "0.05", child=[*_script(EXITS), str(starts), str(code)]
-    )
-    s = Sup(argv, tmp_path / "out")
-    sups.append(s)
+    ex = exiting(code, *opts, "--backoff-s", "0.05")
+    run, starts, s = ex.run, ex.starts, ex.sup
     assert s.wait(30) == code
     assert starts.read_text().count("start") == 1
     assert _sup_state(run)["state"] == "not-restarted" and _sup_state(run)["restarts"] == []
@@ -374,10 +395,9 @@ def test_a_killed_supervisor_leaves_no_orphan_trainer(tmp_path: Path, sups: list
 
 
 @pytest.mark.timeout(60)
-def test_exit_0_is_never_restarted(tmp_path: Path, sups: list[Sup]) -> None:
-    run, starts = tmp_path / "run", tmp_path / "starts"
-    s = Sup(_sup_argv(run, child=[*_script(EXITS), str(starts), "0"]), tmp_path / "out")
-    sups.append(s)
+def test_exit_0_is_never_restarted(exiting: StartExiting) -> None:
+    ex = exiting(0)
+    run, starts, s = ex.run, ex.starts, ex.sup
     assert s.wait(30) == 0
     assert starts.read_text().count("start") == 1 and _sup_state(run)["state"] == "finished"
 
@@ -409,11 +429,9 @@ def test_ctrl_c_to_the_pane_reaches_the_child_exactly_once_and_is_not_restarted(
 
 
 @pytest.mark.timeout(60)
-def test_a_stop_during_the_backoff_stops_for_good(tmp_path: Path, sups: list[Sup]) -> None:
-    run, starts = tmp_path / "run", tmp_path / "starts"
-    argv = _sup_argv(run, "--backoff-s", "60", child=[*_script(EXITS), str(starts), "1"])
-    s = Sup(argv, tmp_path / "out")
-    sups.append(s)
+def test_a_stop_during_the_backoff_stops_for_good(exiting: StartExiting) -> None:
+    ex = exiting(1, "--backoff-s", "60")
+    run, starts, s = ex.run, ex.starts, ex.sup
     _until(lambda: _sup_state(run).get("state") == "restarting", 30, "the restart backoff")
     s.ctrl_c()
     assert s.wait(10) == 1  # well before the 60 s backoff ends

@@ -59,7 +59,10 @@ def _expected(evs: list[Any]) -> dict[str, list[tuple[int, float]]]:
     return out
 
 
-def _assert_same_series(got: dict, want: dict) -> None:
+Series = dict[str, list[tuple[int, float]]]
+
+
+def _assert_same_series(got: Series, want: Series) -> None:
     assert sorted(got) == sorted(want)
     for tag, points in want.items():
         assert [s for s, _ in got[tag]] == [s for s, _ in points], tag
@@ -140,7 +143,9 @@ def test_status_lines_carry_tau_after_the_first_eval_and_loss_per_bucket(
             assert min(seen) - 1e-4 <= ev.loss <= max(seen) + 1e-4, line
     assert with_tau >= 2
     shown = [
-        parse_bucket_losses(parse_line(x).extra[BUCKET_LOSS_KEY]) for x in lines if "loss_b=" in x
+        parse_bucket_losses(ev.extra[BUCKET_LOSS_KEY])
+        for x in lines
+        if "loss_b=" in x and isinstance(ev := parse_line(x), StatusEvent)
     ]
     assert any(v is not None for b in shown for v in b or [])
 

@@ -8,6 +8,7 @@ import queue
 import random
 import threading
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -33,7 +34,7 @@ from trainer.sampler import BatchSampler
 
 def test_step_zero_trains_with_warmup_lr_not_peak() -> None:
     """The seed printed the peak LR at step 0; here step 0 gets peak/W and warmup is linear."""
-    kw = {"total_steps": 1000, "warmup_steps": 40, "peak": 6e-4, "floor": 6e-5}
+    kw: dict[str, Any] = {"total_steps": 1000, "warmup_steps": 40, "peak": 6e-4, "floor": 6e-5}
     assert lr_at(0, **kw) == pytest.approx(6e-4 / 40)
     warm = [lr_at(s, **kw) for s in range(40)]
     assert all(a < b for a, b in itertools.pairwise(warm))
@@ -265,3 +266,58 @@ def test_rate_window_and_bottleneck_rule() -> None:
     assert bottleneck(w_tgt_in=0.0, w_tgt_out=90.0, w_dft_in=1.0) == "drafter"
     assert bottleneck(w_tgt_in=1.0, w_tgt_out=0.0, w_dft_in=80.0) == "target"
     assert bottleneck(w_tgt_in=90.0, w_tgt_out=0.0, w_dft_in=80.0) == "prefetch"
+
+
+# --- typed contracts of the loop --------------------------------------------------------------
+
+
+def test_the_step_reduce_unpacks_by_name_what_each_rank_packed() -> None:
+    """Two ranks' contributions, summed as the all-reduce sums them, read back by field."""
+    from trainer.pipeline.distributed import World
+    from trainer.pipeline.reduce import METRIC_KEYS, StepContribution, StepFlags, StepTotals
+
+    def mine(rank: int, flags: StepFlags, depth: int) -> torch.Tensor:
+        metrics = torch.arange(len(METRIC_KEYS), dtype=torch.float64) + rank
+        buckets = torch.tensor([1.0, 2.0, 3.0, 4.0], dtype=torch.float64) * (rank + 1)
+        return StepContribution(metrics, buckets, flags, depth).pack(World(rank=rank, size=2))
+
+    summed = mine(0, StepFlags(stop=True), 3) + mine(1, StepFlags(eval_due=True), 5)
+    totals = StepTotals.unpack(summed.tolist(), world_size=2, num_buckets=2)
+    assert totals.flags == StepFlags(stop=True, checkpoint_due=False, eval_due=True)
+    assert totals.depths == [3, 5]
+    assert totals.bucket_sums == [(3.0, 6.0), (9.0, 12.0)]
+    assert totals.metrics == {k: 2.0 * i + 1 for i, k in enumerate(METRIC_KEYS)}
+    assert (totals.loss_sum, totals.weight_sum) == (1.0, 3.0)
+    with pytest.raises(ValueError, match="short"):
+        StepTotals.unpack(summed.tolist()[:-1], world_size=2, num_buckets=2)
+
+
+def test_run_state_updates_are_checked_against_the_contract(tmp_path: Path) -> None:
+    """The one writer refuses a key RunState does not name and a value of the wrong type,
+    before anything is written."""
+    rs = RunStateFile(tmp_path)
+    with pytest.raises(ValueError, match="not a RunState field: totl_steps"):
+        rs.update(totl_steps=3)
+    with pytest.raises(ValueError, match="state"):
+        rs.update(state="exploded")
+    assert not (tmp_path / "run-state.json").exists()
+    assert rs.update(state="running", total_steps=3, boundaries=[1, 5]) == []
+    data = json.loads((tmp_path / "run-state.json").read_text())
+    assert (data["state"], data["total_steps"], data["boundaries"]) == ("running", 3, [1, 5])
+
+
+def test_the_plan_end_resumes_inside_a_fractional_epoch_when_the_run_is_extended() -> None:
+    """A checkpoint at the end of a 1.5-epoch plan resumes a 2-epoch plan mid-epoch 1."""
+    lengths = np.random.default_rng(4).integers(8, 64, size=200)
+    kw: dict[str, Any] = dict(boundaries=[8, 30, 64], token_budget=256, max_batch=8, seed=1)
+    short, long = (
+        BatchPlan(BatchSampler(lengths, **kw), 1.5),
+        BatchPlan(BatchSampler(lengths, **kw), 2),
+    )
+    state = json.loads(json.dumps(short.state_dict(short.total)))
+    seq = long.load_state_dict(state)
+    assert seq == short.total < long.total
+    assert (
+        long.batch(seq).indices.tolist()
+        == long.sampler.epoch_batches(1)[short.steps[1]].indices.tolist()
+    )

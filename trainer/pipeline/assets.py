@@ -87,20 +87,9 @@ def ensure_target(cfg: TrainConfig) -> Path:
         return path
     if cfg.model.tiny_target is None:
         raise UserError(f"{path}: model.target_dir has no config.json (not a model directory)")
-    from trainer.model.tiny import build_tiny_target
+    from trainer.model.tiny import write_tiny_target
 
-    t = cfg.model.tiny_target
-    build_tiny_target(
-        path,
-        seed=t.seed,
-        vocab_size=t.vocab_size,
-        hidden_size=t.hidden_size,
-        num_layers=t.num_layers,
-        num_heads=t.num_heads,
-        num_kv_heads=t.num_kv_heads,
-        head_dim=t.head_dim,
-        intermediate_size=t.intermediate_size,
-    )
+    write_tiny_target(path, cfg.model.tiny_target)
     return path
 
 

@@ -44,7 +44,8 @@ class WaitClock:
     def total(self, kind: str) -> float:
         since = self._since.get(kind)
         running = time.perf_counter() - since if since is not None else 0.0
-        return getattr(self, kind) + running
+        done: float = getattr(self, kind)
+        return done + running
 
 
 def put(q: queue.Queue[T], item: T, stop: threading.Event, clock: WaitClock | None = None) -> None:

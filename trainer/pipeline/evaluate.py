@@ -38,12 +38,14 @@ from trainer.config import EvalConfig
 from trainer.data.store import TokenStore
 from trainer.events import EvalEvent
 from trainer.kernels import lm_head_cross_entropy
+from trainer.kernels.common import Backend
 from trainer.model.attention import build_mask
 from trainer.model.drafter import DFlashDrafter, default_gamma
 from trainer.model.fit import walk_accept_lengths
 from trainer.model.masks import Anchors
 from trainer.model.objective import block_labels, slot_weights, streaks
 from trainer.model.split_step import split_pieces
+from trainer.model.target import TargetModel
 from trainer.pipeline.stages import collate
 from trainer.sampler import greedy_batch_sizes
 
@@ -88,20 +90,18 @@ def pack_rows(lengths: np.ndarray, token_budget: int, max_batch: int) -> list[np
 def capture_held_out(
     store: TokenStore,
     rows: np.ndarray,
-    target: object,
+    target: TargetModel,
     *,
     token_budget: int,
     max_batch: int,
 ) -> list[HeldOutBatch]:
     """Collate `rows` into budget-sized batches and capture their features once (kept on host)."""
     lengths = np.asarray(store.lengths, dtype=np.int64)[rows]
-    device = target.device  # type: ignore[attr-defined]
+    device = target.device
     out = []
     for part in pack_rows(lengths, token_budget, max_batch):
         host = collate(store, 0, rows[part], pin=False)
-        hidden = target.capture(  # type: ignore[attr-defined]
-            host.input_ids.to(device), host.attention_mask.to(device)
-        )
+        hidden = target.capture(host.input_ids.to(device), host.attention_mask.to(device))
         out.append(HeldOutBatch(host.input_ids, host.loss_mask, host.attention_mask, hidden.cpu()))
     return out
 
@@ -145,7 +145,7 @@ def evaluate(
     max_query_rows: int | None,
     autocast: contextlib.AbstractContextManager[object] | None = None,
     attn_backend: str = "auto",
-    ce_backend: str = "auto",
+    ce_backend: Backend = "auto",
 ) -> EvalResult:
     """Score the held-out batches with the drafter as it is now (no RNG, no gradients)."""
     t0 = time.monotonic()
@@ -205,7 +205,7 @@ def _streaks_at(
     max_query_rows: int | None,
     autocast: contextlib.AbstractContextManager[object] | None,
     attn_backend: str,
-    ce_backend: str,
+    ce_backend: Backend,
     sums: _Sums,
     at_num: Tensor,
     at_den: Tensor,
@@ -251,6 +251,25 @@ def _streaks_at(
     return out
 
 
+@dataclass
+class Best:
+    """(step, held-out tau) of the best checkpoint so far; one holder shared by the evaluator,
+    which compares against it, and the checkpointer, which saves it (`state_dict`)."""
+
+    value: tuple[int, float] | None = None
+
+    def state_dict(self, holdout_rows: int) -> dict[str, object]:
+        return {"holdout_rows": holdout_rows, "best": self.value}
+
+    def load_state_dict(
+        self, state: dict[str, object] | None, exists: Callable[[int], bool]
+    ) -> None:
+        """The saved best, kept only while its checkpoint file `exists`."""
+        best = (state or {}).get("best")
+        if isinstance(best, tuple | list) and exists(int(best[0])):
+            self.value = (int(best[0]), float(best[1]))
+
+
 class InTraining:
     """The runner's side of evaluation: when it is due, the best so far, the Eval line.
 
@@ -267,7 +286,7 @@ class InTraining:
         *,
         gamma: float | None,
         max_query_rows: int | None,
-        best: tuple[int, float] | None = None,
+        best: Best,
         real: Callable[[DFlashDrafter], tuple[float, int, int]] | None = None,
     ) -> None:
         self.cfg, self.batches, self.real = cfg, batches, real
@@ -324,7 +343,7 @@ class InTraining:
         """Would `res` at `step` be the new best (ties go to the later step)?"""
         if step <= 0 or res is None or res.tau is None:
             return False
-        return self.best is None or res.tau >= self.best[1]
+        return self.best.value is None or res.tau >= self.best.value[1]
 
     def share(self) -> float | None:
         """Evaluation's share of the drafter loop's wall time so far (None before any)."""
@@ -346,6 +365,6 @@ class InTraining:
             acc=res.acc,
             acc_at=res.acc_at,
             tau_exp=res.tau_exp,
-            best=self.best[0] if self.best else None,
+            best=self.best.value[0] if self.best.value else None,
             extra=extra,
         )

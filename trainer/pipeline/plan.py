@@ -94,7 +94,10 @@ class BatchPlan:
     def state_dict(self, seq: int) -> dict[str, object]:
         """The checkpoint's `sampler` entry for resuming at micro-batch `seq` (JSON-safe): the
         (epoch, index) it falls on, and the fingerprint of what it is valid for."""
-        pos = self.locate(seq) if seq < self.total else Position(len(self.steps), 0)
+        # The plan's end is the last epoch's end (not the next epoch's start): a run extended
+        # from a fractional epoch count continues inside that epoch.
+        last = len(self.steps) - 1
+        pos = self.locate(seq) if seq < self.total else Position(last, self.steps[last])
         return {
             "version": STATE_VERSION,
             "epoch": pos.epoch,

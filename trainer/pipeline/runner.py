@@ -1,98 +1,70 @@
-"""The training run: build the stages, run the drafter step, monitor, checkpoint, stop cleanly.
+"""The training run: build the parts, start the stages, train, monitor, checkpoint, stop cleanly.
 
 Threads (one process per data-parallel rank):
 
     prefetch[w]  store rows -> padded tensors -> q_pre[bucket]         (bounded, per bucket)
     target[d]    claim next seq -> q_pre[bucket] -> frozen target on device d -> reorder buffer
-    drafter      reorder buffer (strict seq order) -> objective -> AdamW step -> checkpoints
-    main         status line every status.interval_s, signals, failure handling
+    drafter      reorder buffer (strict seq order) -> `train_step` -> checkpoints   (`train`)
+    main         status line every status.interval_s, signals, failure handling   (`Monitor`)
 
 Any exception in any thread sets the shared stop event (every blocking op polls it), the run
 prints the traceback and one ERROR line, and exits 1. SIGINT/SIGTERM ask the drafter to finish
 its step, write a checkpoint and stop; a second signal stops at once: no more data is waited
 for, and the last completed step is still checkpointed when the drafter is not stuck (what
 happened is recorded in run-state.json as `stop_detail`). Once the stop is recorded, further
-signals are ignored, so a late Ctrl-C cannot turn a completed stop into a signal death.
+signals are ignored, so a late Ctrl-C cannot turn a completed stop into a signal death
+(`trainer.pipeline.signals`).
 
 Resume (`--resume auto`) takes the newest loadable, complete, finite checkpoint; newer ones
-that are not are named (ERROR lines) and moved to `checkpoints/rejected/`. A checkpoint that
-cannot be written (non-finite state, full disk) is one ERROR line and the earlier ones stay.
+that are not are named (ERROR lines) and moved to `checkpoints/rejected/` (`resume`). A
+checkpoint that cannot be written (non-finite state, full disk) is one ERROR line and the
+earlier ones stay (`Checkpointer`).
+
+Read top to bottom: `run` (the CLI's body and the run-state it leaves), `_run` (setup, stages,
+monitor, how it ended), `setup`, `start_stages`, `train` (the drafter's loop).
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import json
-import math
 import os
 import queue
-import signal
 import threading
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TextIO
 
-import numpy as np
 import torch
 
-from trainer.config import ConfigError, TrainConfig, config_hash, resume_critical_changes
-from trainer.events import EvalEvent, StatusEvent, format_eval_line, parse_line
-from trainer.model.split_step import bounded_objective_backward
+from trainer.config import ConfigError, TrainConfig, config_hash
+from trainer.errors import ExitCode
 from trainer.model.target import TargetModel
 from trainer.pipeline import assets, checkpoint, distributed
-from trainer.pipeline.channels import ReorderBuffer, Stopped, WaitClock
-from trainer.pipeline.evaluate import EvalResult, InTraining, capture_held_out
+from trainer.pipeline.build import Parts, build_parts
+from trainer.pipeline.build import RunOptions as RunOptions
+from trainer.pipeline.channels import ReorderBuffer, Stopped
+from trainer.pipeline.checkpointer import Checkpointer, NonFiniteState, RngState
+from trainer.pipeline.evals import EvalReports, build_evaluator, quiet_hf, record_holdout
+from trainer.pipeline.evaluate import Best, EvalResult, InTraining
 from trainer.pipeline.faults import FaultPlan
-from trainer.pipeline.plan import BatchPlan
-from trainer.pipeline.schedule import lr_at, warmup_steps_for
-from trainer.pipeline.stages import (
-    Claims,
-    Counter,
-    HostBatch,
-    Packet,
-    Supervisor,
-    prefetch_body,
-    target_body,
-)
-from trainer.pipeline.status import (
-    Board,
-    RateWindow,
-    Reporter,
-    RunStateFile,
-    status_line,
-    wait_percent,
-)
-
-EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
-METRIC_KEYS = ("loss_sum", "weight_sum", "n_correct", "n_pred", "streak_sum", "n_blocks")
-
-
-def _poison(loss: torch.Tensor) -> torch.Tensor:
-    """DFLASH_FAULT's non-finite step: a NaN loss (and NaN gradients) for every piece."""
-    return loss * float("nan")
+from trainer.pipeline.monitor import Monitor, Queues
+from trainer.pipeline.reduce import StepFlags
+from trainer.pipeline.resume import resume
+from trainer.pipeline.signals import StopSignals
+from trainer.pipeline.stages import Claims, Supervisor, prefetch_body, target_body
+from trainer.pipeline.status import Board, Reporter, RunRecord, RunStateFile
+from trainer.pipeline.step import Feed, StepResult, autocast_for, train_step
+from trainer.pipeline.track import TrackerSink
 
 
 class NonFiniteLoss(RuntimeError):
     """Too many consecutive non-finite losses: the run is diverging."""
 
 
-class NonFiniteState(RuntimeError):
-    """The drafter's parameters or optimizer state went non-finite: no checkpoint is written."""
-
-
 # Failures the run explains in its ERROR line; a traceback would only bury it.
 EXPLAINED = (NonFiniteLoss, NonFiniteState)
-
-
-@dataclass(frozen=True)
-class RunOptions:
-    config: Path
-    run_dir: Path
-    resume: str = "auto"  # "auto" | "never" | a checkpoint path | a step number
-    fresh: bool = False
 
 
 def _release() -> str:
@@ -108,841 +80,51 @@ def _release() -> str:
     return "dev"
 
 
+@dataclass
 class Run:
-    """One training process (one data-parallel rank)."""
+    """The wiring of one training process (one data-parallel rank). Made before anything can
+    fail, so every exit path can record how the run ended."""
 
-    def __init__(self, opts: RunOptions, cfg: TrainConfig, world: distributed.World) -> None:
-        self.opts, self.cfg, self.world = opts, cfg, world
-        self.run_dir = opts.run_dir
-        self.reporter = Reporter(self.run_dir, enabled=world.is_main)
-        self.sup = Supervisor()
-        self.faults = FaultPlan()
-        self.stop_request = threading.Event()
-        self.signal_name: str | None = None
-        # (name, monotonic time, whether the stop's checkpoint was already written) per signal
-        self.signals: list[tuple[str, float, bool]] = []
-        self.stop_done = False  # the stop is recorded: later signals are ignored
-        self.state_file = RunStateFile(self.run_dir)
-        self.saved_step = 0  # step of the newest checkpoint on disk (0: none yet)
-        self.saved_path: Path | None = None  # that checkpoint (may be another run's, --resume)
-        self.saving = False
-        self.final_save_failed = False
-        self.board = Board()
-        self.t0 = time.monotonic()
-        self.stopped_by_signal = False
-        self._stop_announced = False
-        self._announce_lock = threading.Lock()
-        self.completed = False
-        self.windows = {k: RateWindow(cfg.status.rate_window_s) for k in ("tgt", "dft", "tok")}
-        self.tracker: Any = None  # trainer.tracking.MultiTracker on the main rank, once set up
-        self._tracker_lock = threading.Lock()  # the monitor and the drafter both log
-        self.last_tau: float | None = None  # the last evaluation's tau (status lines' tau=)
+    opts: RunOptions
+    cfg: TrainConfig
+    world: distributed.World
+    reporter: Reporter
+    record: RunRecord
+    sup: Supervisor = field(default_factory=Supervisor)
+    faults: FaultPlan = field(default_factory=FaultPlan)
+    board: Board = field(default_factory=Board)
+    t0: float = field(default_factory=time.monotonic)
+    signals: StopSignals = field(init=False)
+    tracker: TrackerSink = field(init=False)
+    ckpt: Checkpointer | None = None  # once the parts are built
+    completed: bool = False  # the drafter trained to the end of the plan
+    final_save_failed: bool = False  # the last step's checkpoint was not written
 
-    # ------------------------------------------------------------------ setup
-    def setup(self) -> None:
-        cfg, world = self.cfg, self.world
-        self.reporter.phase("loading")
-        self.drafter_device, self.target_devices = distributed.pick_devices(cfg, world)
-        if world.is_main:
-            store_path = assets.ensure_store(cfg)
-            target_dir = assets.ensure_target(cfg)
-        distributed.barrier(world)
-        store_path, target_dir = assets.ensure_store(cfg), assets.ensure_target(cfg)
-        from trainer.buckets import PlanError, sampler_for
-        from trainer.data.store import StoreError, TokenStore
-        from trainer.sampler import SamplerError, holdout_rows
+    def __post_init__(self) -> None:
+        self.signals = StopSignals(self.reporter, self.sup.stop)
+        self.tracker = TrackerSink(self.reporter)
 
-        try:
-            self.store = TokenStore.open(store_path)
-        except StoreError as exc:
-            raise assets.UserError(f"data.store: {exc}") from None
-        lengths = np.asarray(self.store.lengths, dtype=np.int64)
-        try:  # the held-out rows: a pure function of (rows, count, seed), never trained on
-            self.holdout = holdout_rows(len(lengths), cfg.eval.holdout_rows, cfg.seed)
-        except SamplerError as exc:
-            raise assets.UserError(f"eval.holdout_rows: {exc}") from None
-        try:
-            self.sampler = sampler_for(
-                cfg.batching,
-                lengths,
-                seed=cfg.seed,
-                rank=world.rank,
-                world_size=world.size,
-                exclude=self.holdout,
-            )
-        except (PlanError, SamplerError) as exc:
-            raise assets.UserError(f"batching: {self.store.name_rows(str(exc))}") from None
-        if len(self.holdout) and world.is_main:
-            self._record_holdout()
-        self.plan = BatchPlan(self.sampler, cfg.schedule.epochs)
-        accum = cfg.optimizer.grad_accum
-        self.total_steps = self.plan.total // accum
-        if self.total_steps < 1:
-            raise assets.UserError(
-                f"schedule: {self.plan.total} micro-batches per rank cannot make one optimizer "
-                f"step with optimizer.grad_accum={accum}"
-            )
-        self.end_step = min(self.total_steps, cfg.schedule.max_steps or self.total_steps)
-        self.warmup = warmup_steps_for(
-            self.total_steps, cfg.schedule.warmup_steps, cfg.schedule.warmup_ratio
-        )
-
-        self.target_dir = target_dir
-        hf = assets.target_hf_config(target_dir)
-        self.layer_ids = assets.layer_ids_for(cfg, hf)
-        self.dcfg = assets.drafter_config(cfg, hf, self.layer_ids)
-        self.target_dtype = self._target_dtype()
-        borrowed = assets.load_borrowed(target_dir, hf, self.drafter_device, self.target_dtype)
-        self.drafter = assets.build_drafter(
-            self.dcfg,
-            borrowed,
-            self.drafter_device,
-            cfg.seed,
-            checkpoint_layers=cfg.model.drafter.checkpoint_layers,
-        )
-        self.params = [p for p in self.drafter.parameters() if p.requires_grad]
-        o = cfg.optimizer
-        self.opt = torch.optim.AdamW(
-            self.params, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay
-        )
-        self.gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + world.rank)
-        self.start_step = 0
-        self.best: tuple[int, float] | None = None  # (step, held-out tau) of the best checkpoint
-        self._resume()
-        self.evaluator = self._evaluator() if cfg.eval.enabled else None
-        self.start_micro = self.start_step * accum
-        self.end_micro = self.end_step * accum
-        self.board.real_tokens = self.plan.real_tokens_before(self.start_micro)
-        if world.is_main and cfg.tracking.backends:  # last: nothing after it can refuse the run
-            from trainer.tracking import open_trackers
-
-            self.tracker = open_trackers(
-                cfg.tracking,
-                self.run_dir,
-                config=cfg.model_dump(mode="json"),
-                resume_step=self.start_step or None,
-                warn=self.reporter.warn,
-            )
-
-    # ------------------------------------------------------------------ trackers
-    def track(self, line: str) -> None:
-        """Log the figures of a printed status or Eval line, read back by the line parser (so
-        the trackers hold exactly what the TUI shows). A tracker never stops training: each
-        backend warns once and drops out (trainer.tracking); anything else is one warning here."""
-        if self.tracker is None:
-            return
-        from trainer.tracking import log_event
-
-        ev = parse_line(line)
-        if not isinstance(ev, StatusEvent | EvalEvent):
-            return
-
-        with self._tracker_lock:
-            if self.tracker is None:
-                return
-            try:
-                log_event(self.tracker, ev)
-            except Exception as exc:
-                self.tracker = None
-                self.reporter.warn(f"tracking: logging failed, trackers are off ({exc!r})")
-
-    def close_trackers(self) -> None:
-        """Every exit path (finished, stopped, failed): flush and close once."""
-        with self._tracker_lock:
-            tracker, self.tracker = self.tracker, None
-        if tracker is not None:
-            try:
-                tracker.close()
-            except Exception as exc:
-                self.reporter.warn(f"tracking: close failed ({exc!r})")
-
-    def _record_holdout(self) -> None:
-        """The held-out rows in run-state.json (count, digest) and RUN/holdout.json (the ids)."""
-        from trainer.sampler import rows_digest
-
-        ev = self.cfg.eval
-        self.record(holdout_rows=len(self.holdout), holdout_sha256=rows_digest(self.holdout))
-        evaluated = min(ev.max_rows, len(self.holdout)) if ev.enabled else 0
-        ids = {"seed": self.cfg.seed, "rows": self.holdout.tolist(), "evaluated": evaluated}
-        try:
-            _write_json(self.run_dir / "holdout.json", ids)
-        except OSError as exc:  # the ids are a pure function of the config: training goes on
-            self.reporter.error(f"cannot write {self.run_dir / 'holdout.json'}: {exc}")
-
-    def _held_out_rows(self) -> tuple[Any, np.ndarray]:
-        """(store, row ids) to evaluate: `[eval] holdout_store`'s first rows, or the first
-        `max_rows` held-out rows of the training store."""
-        from trainer.data.store import StoreError, TokenStore
-
-        ev = self.cfg.eval
-        if ev.holdout_store is None:
-            return self.store, self.holdout[: ev.max_rows]
-        path = self.cfg.resolve(ev.holdout_store)
-        try:
-            store = TokenStore.open(path)
-        except StoreError as exc:
-            raise assets.UserError(f"eval.holdout_store: {exc}") from None
-        vocab = int(assets.target_hf_config(self.target_dir).vocab_size)
-        if store.manifest.vocab_size > vocab or len(store) == 0:
-            what = (
-                "no rows"
-                if len(store) == 0
-                else (f"token ids up to {store.manifest.vocab_size - 1}, the target has {vocab}")
-            )
-            raise assets.UserError(f"eval.holdout_store: {path}: {what}")
-        return store, np.arange(min(ev.max_rows, len(store)), dtype=np.int64)
-
-    def _evaluator(self) -> InTraining:
-        """The held-out rows' features, captured once by a target on the drafter's device
-        (main rank only; the target is dropped afterwards), and the evaluation schedule."""
-        cfg = self.cfg
-        batches, real = None, None
-        if self.world.is_main:
-            from transformers.utils import logging as hf_logging
-
-            hf_logging.disable_progress_bar()
-            target = TargetModel.load(
-                self.target_dir, self.layer_ids, self.drafter_device, self.target_dtype
-            )
-            store, rows = self._held_out_rows()
-            batches = capture_held_out(
-                store,
-                rows,
-                target,
-                token_budget=cfg.batching.token_budget,
-                max_batch=cfg.batching.max_batch,
-            )
-            real = self._real_tau(target) if cfg.eval.prompts is not None else None
-            del target  # kept by `real` when prompts are decoded
-            if self.drafter_device.type == "cuda":
-                torch.cuda.empty_cache()
-            self.record(
-                eval_rows=len(rows),
-                best_step=self.best[0] if self.best else None,
-                best_tau=self.best[1] if self.best else None,
-            )
-        # An eval piece is never larger than the largest training packet can be.
-        m = cfg.model
-        budget = m.max_query_rows or cfg.batching.max_batch * m.num_anchors * self.dcfg.block_size
-        return InTraining(
-            cfg.eval, batches, gamma=m.gamma, max_query_rows=budget, best=self.best, real=real
-        )
-
-    def _real_tau(self, target: TargetModel) -> Callable[[Any], tuple[float, int, int]]:
-        """Real greedy speculative decoding of `[eval] prompts` (trainer.eval's own loop and
-        greedy check), read and rendered now so a bad file fails before training starts."""
-        from trainer.eval import default_stop_ids, load_tokenizer, target_vocab_size
-        from trainer.eval import evaluate as real_evaluate
-        from trainer.eval_prompts import PromptError, Renderer, read_prompt_set
-        from trainer.model.target import TargetError
-
-        ev = self.cfg.eval
-        assert ev.prompts is not None
-        path = self.cfg.resolve(ev.prompts)
-        try:
-            pset = read_prompt_set(path)
-            pset = dataclasses.replace(pset, prompts=pset.prompts[: ev.max_prompts])
-            tokenizer = load_tokenizer(self.target_dir, required=pset.needs_tokenizer)
-            renderer = Renderer(tokenizer, target_vocab_size(self.target_dir))
-            for prompt in pset.prompts:
-                renderer.first_ids(prompt, f"{path}:{prompt.line}")
-            stops = default_stop_ids(tokenizer, self.target_dir)
-        except (PromptError, TargetError) as exc:
-            raise assets.UserError(f"eval.prompts: {exc}") from None
-
-        def real(drafter: Any) -> tuple[float, int, int]:
-            _, summaries = real_evaluate(
-                target, drafter, [pset], renderer, max_new_tokens=ev.max_new_tokens, eos_id=stops
-            )
-            total = summaries[-1]
-            return total.tau, total.matches, total.prompts
-
-        return real
-
-    def _target_dtype(self) -> torch.dtype:
-        name = self.cfg.topology.target_dtype
-        if name != "auto":
-            return getattr(torch, name)
-        return torch.bfloat16 if self.drafter_device.type == "cuda" else torch.float32
-
-    def record(self, **fields: Any) -> None:
-        """Update run-state.json (main rank); a corrupted file or a failed write is one line."""
-        if not self.world.is_main:
-            return
-        for problem in self.state_file.update(**fields):
-            self.reporter.error(problem)
-
-    def _explicit_checkpoint(self, value: str) -> Path:
-        """`--resume PATH` or `--resume STEP` (digits: step-STEP.pt in RUN/checkpoints)."""
-        if not value.isdigit():
-            return Path(value)
-        path = checkpoint.checkpoint_path(self.run_dir, int(value))
-        if not path.is_file():
-            have = [s for s, _ in checkpoint.list_checkpoints(self.run_dir)]
-            listed = ", ".join(map(str, have)) if have else "none"
-            raise checkpoint.CheckpointError(
-                path, f"no checkpoint for step {int(value)} (steps here: {listed})"
-            )
-        return path
-
-    def _resume(self) -> None:
-        opts = self.opts
-        found = checkpoint.list_checkpoints(self.run_dir)
-        if opts.fresh:
-            if self.world.is_main and found:
-                dest = checkpoint.archive_checkpoints(self.run_dir)
-                self.reporter.line(f"Archived old checkpoints to {dest}", status_log=False)
-            distributed.barrier(self.world)
-            return
-        if opts.resume == "never":
-            if found:
-                raise assets.UserError(
-                    f"{checkpoint.checkpoint_dir(self.run_dir)}: holds checkpoints but "
-                    "--resume never was given: pass --fresh to archive them and start over"
-                )
-            return
-        skipped: list[checkpoint.Skipped] = []
-        if opts.resume == "auto":
-            if not found:
-                return
-            sel = checkpoint.select_resume(self.run_dir)
-            skipped = list(sel.skipped)
-            if sel.path is None or sel.state is None:
-                why = "; ".join(f"{k.path.name}: {k.reason}" for k in skipped)
-                raise assets.UserError(
-                    f"{checkpoint.checkpoint_dir(self.run_dir)}: no usable checkpoint ({why}); "
-                    "--resume PATH|STEP picks one, --fresh archives them and starts over"
-                )
-            path, state = sel.path, sel.state
-        else:
-            path = self._explicit_checkpoint(opts.resume)
-            state = checkpoint.load_checkpoint(path)
-            # Newer checkpoints here belong to the timeline being abandoned: an automatic
-            # resume after a crash must not jump back to them.
-            step = int(state["step"])
-            skipped = [
-                checkpoint.Skipped(p, f"newer than step {step}, resumed by --resume {opts.resume}")
-                for s, p in found
-                if s > step and p.resolve() != path.resolve()
-            ]
-        self._check_compatible(path, state)
-        self._load_state(path, state)
-        distributed.barrier(self.world)  # every rank has read its checkpoint before any moves
-        for k in skipped:
-            where = ""
-            if self.world.is_main:
-                try:
-                    where = f"; moved to {checkpoint.reject_checkpoint(k.path, k.reason)}"
-                except OSError as exc:
-                    where = f"; could not move it aside: {exc.strerror or exc}"
-            self.reporter.error(f"skipped checkpoint {k.path}: {k.reason}{where}")
-        detail = f"step={self.start_step} path={path}"
-        if skipped:
-            detail += " skipped=" + ",".join(k.path.name for k in skipped)
-        self.reporter.phase("resuming", detail)
-
-    def _check_compatible(self, path: Path, state: dict[str, Any]) -> None:
-        try:
-            old = TrainConfig.from_dict(state["config"], source=f"{path} (saved config)")
-        except ConfigError as exc:
-            raise assets.UserError(str(exc)) from None
-        changed = resume_critical_changes(old, self.cfg)
-        if changed:
-            raise assets.UserError(
-                f"{self.opts.config}: cannot resume from {path}: changed {', '.join(changed)} "
-                "(data order or model shape); use --fresh to archive the checkpoints and restart"
-            )
-        if state["world_size"] != self.world.size:
-            raise assets.UserError(
-                f"{path}: written by {state['world_size']} rank(s), this run has "
-                f"{self.world.size}: the data order would change; use --fresh"
-            )
-        from trainer.sampler import SamplerError
-
-        try:
-            self.resume_seq = self.plan.load_state_dict(state["sampler"])
-        except SamplerError as exc:
-            raise assets.UserError(f"{path}: {exc}") from None
-
-    def _load_state(self, path: Path, state: dict[str, Any]) -> None:
-        self.drafter.load_state_dict(state["drafter"], strict=True)
-        self.opt.load_state_dict(state["optimizer"])
-        checkpoint.set_rng_state(self.gen, state["rng"][self.world.rank])
-        self.start_step = self.saved_step = int(state["step"])
-        self.saved_path = path
-        self.board.nonfinite = int(state["counters"]["nonfinite"])
-        best = (state.get("eval") or {}).get("best")
-        if best is not None and checkpoint.checkpoint_path(self.run_dir, int(best[0])).is_file():
-            self.best = (int(best[0]), float(best[1]))
-        self.board.step = self.start_step
-        self.board.micro = self.start_step * self.cfg.optimizer.grad_accum
-
-    # ------------------------------------------------------------------ stages
-    def start_stages(self) -> None:
-        topo = self.cfg.topology
-        nb = self.sampler.num_buckets
-        self.q_pre: list[queue.Queue[HostBatch]] = [
-            queue.Queue(maxsize=topo.prefetch_depth) for _ in range(nb)
-        ]
-        self.q_hs: ReorderBuffer[Packet] = ReorderBuffer(topo.hidden_depth, self.start_micro)
-        pin = self.drafter_device.type == "cuda" or any(
-            d.startswith("cuda") for d in self.target_devices
-        )
-        # One prefetch thread per bucket: a thread serving several buckets in sequence order
-        # would block on one full queue while the others run dry (head-of-line blocking).
-        self.pre_clocks = [WaitClock() for _ in range(nb)]
-        for w in range(nb):
-            body = prefetch_body(
-                plan=self.plan,
-                store=self.store,
-                buckets=[w],
-                queues=self.q_pre,
-                start_seq=self.start_micro,
-                end_seq=self.end_micro,
-                stop=self.sup.stop,
-                clock=self.pre_clocks[w],
-                faults=self.faults,
-                pin=pin,
-            )
-            self.sup.spawn(f"prefetch[{w}]", body)
-        claims = Claims(self.start_micro, self.end_micro)
-        self.tgt_done = Counter()
-        self.tgt_clocks = [WaitClock() for _ in self.target_devices]
-        for i, dev in enumerate(self.target_devices):
-
-            def load(dev: str = dev) -> TargetModel:
-                from transformers.utils import logging as hf_logging
-
-                hf_logging.disable_progress_bar()  # bars would interleave with status lines
-                return TargetModel.load(self.target_dir, self.layer_ids, dev, self.target_dtype)
-
-            body = target_body(
-                load_target=load,
-                plan=self.plan,
-                claims=claims,
-                queues=self.q_pre,
-                out=self.q_hs,
-                drafter_device=self.drafter_device,
-                stop=self.sup.stop,
-                clock=self.tgt_clocks[i],
-                done=self.tgt_done,
-                faults=self.faults,
-            )
-            self.sup.spawn(f"target[{dev}#{i}]", body)
-        self.dft_clock = WaitClock()
-        self.drafter_thread = self.sup.spawn("drafter", self._drafter_loop)
-
-    # ------------------------------------------------------------------ drafter step
-    def _drafter_loop(self) -> None:
-        cfg, world = self.cfg, self.world
-        o, m = cfg.optimizer, cfg.model
-        dev = self.drafter_device
-        autocast = (
-            torch.autocast("cuda", dtype=torch.bfloat16)
-            if dev.type == "cuda"
-            else contextlib.nullcontext()
-        )
-        # Line-buffered: a full disk shows at the write (one line, training goes on), not at close.
-        metrics_log = (
-            open(self.run_dir / "metrics.jsonl", "a", buffering=1)  # noqa: SIM115
-            if world.is_main
-            else None
-        )
-        step, nonfinite_run = self.start_step, 0
-        real_total = self.plan.real_tokens_before(self.start_micro)
-        last_ckpt = time.monotonic()
-        every_s = (cfg.checkpoint.every_minutes or math.inf) * 60
-        ev = self.evaluator
-        nb = self.sampler.num_buckets
-        if ev is not None:
-            ev.start()
-            if step == 0:  # the untrained baseline (no checkpoint, so never the best)
-                self._report_eval(0, ev.run(self.drafter, autocast))
-        try:
-            while step < self.end_step:
-                # The RNGs at the step boundary: a second signal can abandon a step halfway
-                # through its micro-batches and still checkpoint the last completed one.
-                rng_at_step = checkpoint.rng_state(self.gen) if o.grad_accum > 1 else None
-                lr = lr_at(
-                    step,
-                    total_steps=self.total_steps,
-                    warmup_steps=self.warmup,
-                    peak=o.lr,
-                    floor=cfg.schedule.min_lr,
-                )
-                for group in self.opt.param_groups:
-                    group["lr"] = math.inf if self.faults.inf_lr_at(step) else lr
-                sums = torch.zeros(len(METRIC_KEYS), dtype=torch.float64, device=dev)
-                bucket_sums = torch.zeros(2 * nb, dtype=torch.float64, device=dev)
-                real = 0
-                for _ in range(o.grad_accum):
-                    try:
-                        seq, pkt = self.q_hs.get(self.sup.stop, self.dft_clock)
-                    except Stopped:
-                        self._stop_at_once(step, rng_at_step)
-                        raise
-                    self.faults.tick("drafter")
-                    # forward+backward in pieces of <= m.max_query_rows query rows (None: one)
-                    res = bounded_objective_backward(
-                        self.drafter,
-                        pkt.input_ids,
-                        pkt.loss_mask,
-                        pkt.attention_mask,
-                        pkt.hidden,
-                        max_query_rows=m.max_query_rows,
-                        num_anchors=m.num_anchors,
-                        gamma=m.gamma,
-                        noise=m.noise,
-                        generator=self.gen,
-                        autocast=autocast,
-                        loss_transform=_poison if self.faults.nonfinite_at(step) else None,
-                    )
-                    sums += torch.stack(
-                        [getattr(res, k).detach().to(torch.float64) for k in METRIC_KEYS]
-                    )
-                    if nb > 1:  # this rank's batch of seq comes from one length bucket
-                        i = 2 * self.plan.batch(seq).bucket
-                        pair = torch.stack([res.loss_sum.detach(), res.weight_sum.detach()])
-                        bucket_sums[i : i + 2] += pair.to(torch.float64)
-                    real += pkt.real_tokens
-                flags = [
-                    float(self.stop_request.is_set()),
-                    float(time.monotonic() - last_ckpt >= every_s),
-                    float(ev is not None and ev.time_due()),
-                ]
-                nf = len(flags)
-                tail = torch.tensor([*flags, self.q_hs.depth()], dtype=torch.float64, device=dev)
-                depth_slots = torch.zeros(world.size, dtype=torch.float64, device=dev)
-                depth_slots[world.rank] = tail[nf]
-                red = distributed.all_reduce_sum(
-                    torch.cat([sums, tail[:nf], depth_slots, bucket_sums]), world
-                )
-                vals = red.tolist()  # the one host sync per optimizer step
-                loss_sum, weight = vals[0], vals[1]
-                gnorm: float | None = None
-                if not math.isfinite(loss_sum):
-                    nonfinite_run += 1
-                    self.board.nonfinite += 1
-                    if nonfinite_run >= o.max_nonfinite:
-                        raise NonFiniteLoss(
-                            f"{nonfinite_run} non-finite losses in a row (step {step + 1}): the run "
-                            "diverged; lower optimizer.lr or check the data"
-                        )
-                elif weight > 0:
-                    nonfinite_run = 0
-                    distributed.reduce_gradients(self.params, world, 1.0 / weight)
-                    max_norm = o.clip if o.clip > 0 else math.inf
-                    gnorm = float(torch.nn.utils.clip_grad_norm_(self.params, max_norm))
-                    self.opt.step()
-                self.opt.zero_grad(set_to_none=True)
-                step += 1
-                micro = step * o.grad_accum
-                real_total = self.plan.real_tokens_before(micro)
-                at = len(METRIC_KEYS) + nf
-                self.board.q_hs = [int(x) for x in vals[at : at + world.size]]
-                at += world.size
-                per_bucket = [(vals[at + 2 * j], vals[at + 2 * j + 1]) for j in range(nb)]
-                self.board.add_step(
-                    step,
-                    micro,
-                    real_total,
-                    lr,
-                    gnorm,
-                    dict(zip(METRIC_KEYS, vals, strict=False)),
-                    per_bucket if nb > 1 and math.isfinite(loss_sum) else None,
-                )
-                if metrics_log is not None:
-                    loss = loss_sum / weight if weight > 0 else None
-                    rec = {"step": step, "loss": loss, "lr": lr, "gnorm": gnorm, "micro": micro}
-                    self.reporter.append(metrics_log, json.dumps(rec) + "\n")
-                stop_now = vals[len(METRIC_KEYS)] > 0
-                due = vals[len(METRIC_KEYS) + 1] > 0
-                every = cfg.checkpoint.every_steps
-                if stop_now:
-                    self.announce_stop()  # before its checkpoint line, even if the monitor is asleep
-                final = stop_now or step == self.end_step
-                # Between steps, never on a signalled stop (that must end quickly): an eval
-                # draws no random numbers, so the next step is what it would have been.
-                res: EvalResult | None = None
-                new_best, prev_best = False, self.best
-                if ev is not None and not stop_now:
-                    eval_time = vals[len(METRIC_KEYS) + 2] > 0
-                    if ev.due(step, eval_time, step == self.end_step):
-                        res = ev.run(self.drafter, autocast)
-                        better = torch.tensor(
-                            [float(ev.better(step, res))], dtype=torch.float64, device=dev
-                        )
-                        new_best = distributed.all_reduce_sum(better, world).item() > 0
-                        if new_best and res is not None and res.tau is not None:
-                            self.best = ev.best = (step, res.tau)  # saved with this checkpoint
-                if final or due or (every and step % every == 0) or new_best:
-                    saved = self._save(step)
-                    last_ckpt = time.monotonic()
-                    if new_best:
-                        self._mark_best(step, saved, prev_best)
-                    if res is not None:
-                        self._report_eval(step, res)
-                    if final and not saved:
-                        self.final_save_failed = True
-                        return
-                elif res is not None:
-                    self._report_eval(step, res)
-                if stop_now:
-                    self.stopped_by_signal = True
-                    return
-            self.completed = True
-        finally:
-            if metrics_log is not None:
-                with contextlib.suppress(OSError):
-                    metrics_log.close()
-
-    def _stop_at_once(self, step: int, rng: dict[str, Any] | None) -> None:
-        """The drafter was told to stop while waiting for data (a second signal): checkpoint
-        the last completed step unless it is on disk already (one rank only: the others may
-        not be at the same boundary, and the save's gather would hang)."""
-        if not self.stop_request.is_set() or self.sup.failure is not None:
-            return  # a failure elsewhere, not a signal: the run reports that
-        self.stopped_by_signal = True
-        self.announce_stop()  # before the checkpoint line, as for a first-signal stop
-        if step > self.saved_step and self.world.size == 1 and not self._save(step, rng):
-            self.final_save_failed = True
-
-    def _save(self, step: int, rng_snapshot: dict[str, Any] | None = None) -> bool:
-        """Write the checkpoint of `step`; False (after one ERROR line) if it was not written."""
-        rng = distributed.gather_objects(rng_snapshot or checkpoint.rng_state(self.gen), self.world)
-        if not self.world.is_main:
-            return True
-        micro = step * self.cfg.optimizer.grad_accum
-        state = {
-            "step": step,
-            "micro": micro,
-            "world_size": self.world.size,
-            "config": self.cfg.model_dump(mode="json"),
-            "config_hash": config_hash(self.cfg),
-            "drafter_config": self.dcfg.model_dump(mode="json"),
-            "drafter": self.drafter.state_dict(),
-            "optimizer": self.opt.state_dict(),
-            "schedule": {"total_steps": self.total_steps, "warmup_steps": self.warmup},
-            "sampler": self.plan.state_dict(micro),
-            "rng": rng,
-            "counters": {"nonfinite": self.board.nonfinite},
-            "eval": {"holdout_rows": len(self.holdout), "best": self.best},
-        }
-        self.saving = True
-        try:
-            path = checkpoint.save_checkpoint(
-                self.run_dir,
-                step,
-                state,
-                self.cfg.checkpoint.keep_last,
-                keep_every_steps=self.cfg.checkpoint.keep_every_steps,
-                protect={self.best[0]} if self.best else set(),
-            )
-        except checkpoint.CheckpointWriteError as exc:
-            if checkpoint.nonfinite_entries(state):
-                # The weights themselves diverged: every later step is NaN too, so stop here
-                # with the good checkpoints intact rather than train on garbage.
-                raise NonFiniteState(
-                    f"step {step}: {exc}; the run diverged: lower optimizer.lr and resume"
-                ) from None
-            self.reporter.error(str(exc))
-            self.record(checkpoint_error=str(exc))
-            return False
-        finally:
-            self.saving = False
-        self.saved_step, self.saved_path = step, path
-        self.reporter.checkpoint(step, path)
-        self.record(last_step=step, last_checkpoint=str(path), checkpoint_error=None)
-        return True
-
-    def _mark_best(self, step: int, saved: bool, prev: tuple[int, float] | None) -> None:
-        """Point `checkpoints/best.pt` at the new best's checkpoint (if it was written)."""
-        if not saved:
-            self.best = prev  # no checkpoint of this step: the best stays where it was
-            if self.evaluator is not None:
-                self.evaluator.best = prev
-            return
-        if not self.world.is_main or self.best is None:
-            return
-        try:
-            link = checkpoint.set_best(self.run_dir, step)
-        except (OSError, checkpoint.CheckpointError) as exc:
-            self.reporter.error(f"cannot mark step {step} as the best checkpoint: {exc}")
-            return
-        self.record(best_step=step, best_tau=self.best[1], best_checkpoint=str(link.resolve()))
-
-    def _report_eval(self, step: int, res: EvalResult | None) -> None:
-        """The Eval line (main rank) and its figures in run-state.json."""
-        if res is None or self.evaluator is None:
-            return
-        ev = self.evaluator.event(step, res)
-        if ev.tau is not None:
-            self.last_tau = ev.tau  # status lines carry it from now on
-        line = format_eval_line(ev)
-        self.reporter.line(line)
-        self.track(line)
-        if res.greedy_match is not None and res.greedy_match[0] < res.greedy_match[1]:
-            same, n = res.greedy_match
-            self.reporter.error(
-                f"eval.prompts: {n - same} of {n} speculative outputs differ from greedy "
-                f"decoding at step {step} (a decoding bug: tau_real is not trustworthy)"
-            )
-        share = self.evaluator.share()
-        self.record(
-            last_eval=ev.model_dump(mode="json", exclude={"kind", "extra"}),
-            eval_seconds=round(self.evaluator.spent, 3),
-            eval_share=round(share, 4) if share is not None else None,
-        )
-
-    # ------------------------------------------------------------------ monitor
-    def monitor(self) -> None:
-        st = self.cfg.status
-        windows = self.windows
-        since: dict[tuple[int, str], float] = {}
-        last_t = time.monotonic()
-        next_t = last_t
-        first = True
-        while self.drafter_thread.is_alive() and not self.sup.stop.is_set():
-            if self.stop_request.is_set():
-                self.announce_stop()
-            now = time.monotonic()
-            if now < next_t:
-                self.drafter_thread.join(min(0.1, next_t - now))
-                continue
-            self.faults.tick("monitor")
-            dt = now - last_t
-            waits = None
-            if not first:
-                waits = {
-                    "w_pre_out": wait_percent(self.pre_clocks, "output_s", since, dt),
-                    "w_tgt_in": wait_percent(self.tgt_clocks, "input_s", since, dt),
-                    "w_tgt_out": wait_percent(self.tgt_clocks, "output_s", since, dt),
-                    "w_dft_in": wait_percent([self.dft_clock], "input_s", since, dt),
-                }
-            else:
-                for clocks, attr in (
-                    (self.pre_clocks, "output_s"),
-                    (self.tgt_clocks, "input_s"),
-                    (self.tgt_clocks, "output_s"),
-                    ([self.dft_clock], "input_s"),
-                ):
-                    wait_percent(clocks, attr, since, 1.0)  # baseline the clocks
-            self.emit_status(now, windows, waits)
-            if not first and self.world.is_main:  # a corrupted run-state heals within a line
-                for problem in self.state_file.heal():
-                    self.reporter.error(problem)
-            first, last_t = False, now
-            next_t += st.interval_s
-            if next_t < now:
-                next_t = now + st.interval_s
-
-    def emit_status(
-        self, now: float, windows: dict[str, RateWindow], waits: dict[str, float] | None
-    ) -> None:
-        b = self.board
-        tgt = windows["tgt"].add(now, self.tgt_done.value)
-        dft = windows["dft"].add(now, b.micro)
-        tok = windows["tok"].add(now, b.real_tokens if b.real_tokens else 0)
-        ktok = tok / 1000 if tok is not None else None
-        remaining = self.plan.real_tokens_before(self.end_micro) - self.plan.real_tokens_before(
-            b.micro
-        )
-        eta = remaining / tok if tok and tok > 0 else None
-        # One rank sees its own buffer live; the others' depths come with each step's reduce.
-        q_hs = [self.q_hs.depth()] if self.world.size == 1 or not b.q_hs else b.q_hs
-        nb = self.sampler.num_buckets  # loss_b only when batches come from several buckets
-        line = status_line(
-            elapsed_s=now - self.t0,
-            board=b,
-            metrics=b.take_metrics(),
-            noise=self.cfg.model.noise,
-            tgt_bps=tgt,
-            dft_bps=dft,
-            ktok_s=ktok,
-            q_pre=[q.qsize() for q in self.q_pre],
-            q_hs=q_hs,
-            epoch=self.plan.epoch_progress(b.micro),
-            eta_s=eta,
-            waits=waits,
-            tau=self.last_tau,
-            bucket_losses=b.take_bucket_losses(nb) if nb > 1 else None,
-        )
-        self.reporter.line(line)
-        self.track(line)
-
-    # ------------------------------------------------------------------ signals
-    def announce_stop(self) -> None:
-        """Print the stopping line once, from whichever thread sees the request first.
-
-        The monitor polls every 0.1 s; the drafter can finish its step and checkpoint before
-        that, so it announces too, and the line always precedes the stop's checkpoint line.
-        """
-        with self._announce_lock:
-            if self._stop_announced:
-                return
-            self._stop_announced = True
-        self.reporter.phase("stopping", f"({self.signal_name})")
-
-    def install_signals(self) -> None:
-        def handler(signum: int, _frame: Any) -> None:
-            # Only flags here: the main thread may hold the reporter's lock.
-            if self.stop_done:
-                return
-            late = self.stopped_by_signal  # the first stop already checkpointed and returned
-            self.signals.append((signal.Signals(signum).name, time.monotonic(), late))
-            if self.stop_request.is_set():
-                if not late:
-                    self.sup.stop.set()  # second signal: stop now (see _stop_at_once)
-                return
-            self.signal_name = signal.Signals(signum).name
-            self.stop_request.set()  # the drafter checkpoints after its current step
-
-        if threading.current_thread() is threading.main_thread():
-            signal.signal(signal.SIGINT, handler)
-            signal.signal(signal.SIGTERM, handler)
-
-    def ignore_signals(self) -> None:
-        """The outcome is recorded: a late Ctrl-C must not kill the exiting process (exit 130)."""
-        self.stop_done = True
-        if threading.current_thread() is threading.main_thread():
-            signal.signal(signal.SIGINT, signal.SIG_IGN)
-            signal.signal(signal.SIGTERM, signal.SIG_IGN)
-
-    def saved_name(self) -> str:
-        return self.saved_path.name if self.saved_path else "no checkpoint"
+    @property
+    def saved_step(self) -> int:
+        return self.ckpt.saved_step if self.ckpt else 0
 
     def stop_detail(self) -> str | None:
-        """One line on how a signalled stop ended, for run-state.json (None: no signal)."""
-        if not self.signals:
-            return None
-        first, t0, _ = self.signals[0]
-        step, saved, name = self.board.step, self.saved_step, self.saved_name()
-        if saved >= step:
-            kept = f"checkpoint {name} holds step {step}"
-        elif saved:
-            kept = f"steps {saved + 1}-{step} lost: last checkpoint {name}"
-        else:
-            kept = f"steps 1-{step} lost: no checkpoint"
-        if len(self.signals) == 1:
-            return f"{first}: finished step {step} and stopped; {kept}"
-        name, t1, late = self.signals[1]
-        more = f" (+{len(self.signals) - 2} more)" if len(self.signals) > 2 else ""
-        if late:
-            return (
-                f"{first}: finished step {step} and stopped; {kept}; {name} {t1 - t0:.1f} s "
-                f"later{more} came after that checkpoint and changed nothing"
-            )
-        return (
-            f"second signal {name} {t1 - t0:.1f} s after {first}{more}: stopped at once after "
-            f"step {step}; {kept}"
-        )
+        name = self.ckpt.saved_name if self.ckpt else "no checkpoint"
+        return self.signals.detail(self.board.step, self.saved_step, name)
 
 
-def _write_json(path: Path, obj: Any) -> None:
-    """Write JSON through a temp file and a rename (a crash leaves the old file or none)."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(obj) + "\n")
-    os.replace(tmp, path)
+@dataclass
+class Training:
+    """What `setup` built: the parts, loaded from the resumed checkpoint, and their helpers."""
+
+    p: Parts
+    ckpt: Checkpointer
+    monitor: Monitor
+    evaluator: InTraining | None
+    evals: EvalReports | None
+    start_step: int
+    start_micro: int
+    end_micro: int
 
 
 def run(opts: RunOptions) -> int:
@@ -951,10 +133,13 @@ def run(opts: RunOptions) -> int:
         cfg = TrainConfig.load(opts.config)
     except ConfigError as exc:
         print(f"ERROR: {exc}", flush=True)
-        return EXIT_USAGE
+        return ExitCode.USAGE
     opts.run_dir.mkdir(parents=True, exist_ok=True)
     world = distributed.init_world(torch.device(cfg.topology.drafter_devices[0]).type)
-    r = Run(opts, cfg, world)
+    reporter = Reporter(opts.run_dir, enabled=world.is_main)
+    r = Run(
+        opts, cfg, world, reporter, RunRecord(RunStateFile(opts.run_dir), reporter, world.is_main)
+    )
     newest = checkpoint.list_checkpoints(opts.run_dir)[-1:]
     # Every field the trainer owns, written whole (a corrupted file is replaced, not merged).
     r.record(
@@ -974,112 +159,340 @@ def run(opts: RunOptions) -> int:
         lost_steps=0,
         last_error=None,
     )
-    r.install_signals()
-    status = EXIT_FAILED
+    r.signals.install()
+    status = ExitCode.FAILED
     try:
         status = _run(r)
         return status
     finally:
-        if r.stopped_by_signal and status == EXIT_OK:
+        received = r.signals.received
+        if r.signals.stopped and status == ExitCode.OK:
             state = "stopped"
-        elif status == EXIT_OK:
+        elif status == ExitCode.OK:
             state = "finished"
-        elif status == EXIT_USAGE:
+        elif status == ExitCode.USAGE:
             state = "refused"
-        elif r.signals and r.sup.failure is None:
+        elif received and r.sup.failure is None:
             state = "stopped"  # a signalled stop that could not keep every step (see detail)
         else:
             state = "crashed"
         r.record(
             state=state,
-            exit_status=status,
-            stop_signal=r.signals[0][0] if r.signals else None,
-            signals=len(r.signals),
+            exit_status=int(status),
+            stop_signal=received[0].name if received else None,
+            signals=len(received),
             stop_detail=r.stop_detail(),
             lost_steps=max(0, r.board.step - r.saved_step),
             last_error=r.reporter.last_error,
         )
-        r.ignore_signals()
-        r.close_trackers()  # finished, stopped or failed: after the last status line
+        r.signals.ignore()
+        r.tracker.close()  # finished, stopped or failed: after the last status line
         r.reporter.close()
         distributed.close_world(world)
 
 
-def _run(r: Run) -> int:
+def _run(r: Run) -> ExitCode:
     try:
-        r.setup()
+        t = setup(r)
     except (assets.UserError, checkpoint.CheckpointError) as exc:
         r.reporter.error(str(exc))
-        return EXIT_USAGE
+        return ExitCode.USAGE
     r.reporter.phase("starting")
-    r.start_stages()
+    queues, drafter = start_stages(r, t)
+    p = t.p
     r.record(
         state="running",
-        last_step=r.start_step,
-        last_checkpoint=str(r.saved_path) if r.saved_path else None,
-        total_steps=r.total_steps,
-        end_step=r.end_step,
-        warmup_steps=r.warmup,
-        boundaries=list(r.sampler.boundaries) if r.sampler.num_buckets > 1 else None,
+        last_step=t.start_step,
+        last_checkpoint=str(t.ckpt.saved_path) if t.ckpt.saved_path else None,
+        total_steps=p.schedule.total_steps,
+        end_step=p.schedule.end_step,
+        warmup_steps=p.schedule.warmup_steps,
+        boundaries=list(p.sampler.boundaries) if p.sampler.num_buckets > 1 else None,
     )
     r.reporter.phase("running")
     try:
-        r.monitor()
+        t.monitor.loop(queues, drafter, r.sup.stop, r.signals, r.record, t.end_micro)
     except Stopped:
         pass
     except BaseException as exc:
         r.sup.fail("monitor", exc)
-    if r.stop_request.is_set():
-        r.announce_stop()  # both signals may land within one monitor poll
-    if len(r.signals) > 1 and not r.signals[1][2]:
-        name = r.signals[1][0]
+    return _finish(r, t, queues, drafter)
+
+
+def _finish(r: Run, t: Training, queues: Queues, drafter: threading.Thread) -> ExitCode:
+    """Wait for the stages, then say how the run ended (and export a finished drafter)."""
+    sig = r.signals
+    if sig.requested.is_set():
+        sig.announce()  # both signals may land within one monitor poll
+    if sig.second_stops_at_once:
+        name = sig.received[1].name
         r.reporter.phase("stopping", f"second {name}: stopping at once, no more steps")
     # A stop waits 5 s for the drafter, but does not interrupt a checkpoint being written
     # unless a third signal insists (a hung filesystem).
     deadline = time.monotonic() + 5
-    while r.drafter_thread.is_alive():
-        r.drafter_thread.join(0.1)
-        insist = len(r.signals) > 2 or not r.saving
+    while drafter.is_alive():
+        drafter.join(0.1)
+        insist = len(sig.received) > 2 or not t.ckpt.saving
         if r.sup.stop.is_set() and insist and time.monotonic() > deadline:
             break
     r.sup.stop.set()
     stuck = r.sup.join(timeout=5.0)
     if r.sup.failure is not None:
-        stage, exc, tb = r.sup.failure
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-        explained = isinstance(exc, EXPLAINED)
+        stage, err, tb = r.sup.failure
+        first = str(err).strip().splitlines()[0] if str(err).strip() else ""
+        explained = isinstance(err, EXPLAINED)
         r.reporter.error(
-            f"stage {stage} failed: {type(exc).__name__}: {first}", None if explained else tb
+            f"stage {stage} failed: {type(err).__name__}: {first}", None if explained else tb
         )
-        return EXIT_FAILED
+        return ExitCode.FAILED
     if stuck:
         r.reporter.error(f"stages did not stop within 5 s: {', '.join(stuck)}")
+    step = r.board.step
     if r.final_save_failed:
-        lost = r.board.step - r.saved_step
-        start = f"resuming from {r.saved_name()}" if r.saved_path else "starting over"
+        lost = step - t.ckpt.saved_step
+        start = f"resuming from {t.ckpt.saved_name}" if t.ckpt.saved_path else "starting over"
         r.reporter.error(
-            f"stopped at step {r.board.step} without its checkpoint: {start} repeats {lost} step(s)"
+            f"stopped at step {step} without its checkpoint: {start} repeats {lost} step(s)"
         )
-        return EXIT_FAILED
-    if r.stopped_by_signal and r.saved_step >= r.board.step:
-        r.reporter.phase("stopping", f"done at step {r.board.step} ({r.signal_name})")
-        return EXIT_OK
-    if r.signals and not r.completed:
-        r.reporter.error(f"stopped by {r.signal_name}: {r.stop_detail()}")
-        return EXIT_FAILED
+        return ExitCode.FAILED
+    if sig.stopped and t.ckpt.saved_step >= step:
+        r.reporter.phase("stopping", f"done at step {step} ({sig.name})")
+        return ExitCode.OK
+    if sig.received and not r.completed:
+        r.reporter.error(f"stopped by {sig.name}: {r.stop_detail()}")
+        return ExitCode.FAILED
     if not r.completed:
         r.reporter.error("pipeline stopped before the end of the plan")
-        return EXIT_FAILED
-    r.emit_status(time.monotonic(), r.windows, None)
-    if r.world.is_main and r.end_step == r.total_steps:
-        from trainer.model.export import export_drafter
+        return ExitCode.FAILED
+    t.monitor.emit(queues, t.end_micro, time.monotonic(), None)
+    if r.world.is_main and t.p.schedule.end_step == t.p.schedule.total_steps:
+        _export(r, t.p)
+    r.reporter.phase("finished", f"step={step}")
+    return ExitCode.OK
 
-        out = export_drafter(r.drafter, r.run_dir / "export")
-        r.reporter.line(f"Exported drafter to {out}", status_log=False)
-        best = checkpoint.best_checkpoint(r.run_dir)
-        if best is not None:  # the held-out best, alongside the last
-            r.drafter.load_state_dict(checkpoint.load_checkpoint(best[1])["drafter"])
-            out = export_drafter(r.drafter, r.run_dir / "export-best")
-            r.reporter.line(f"Exported best drafter (step {best[0]}) to {out}", status_log=False)
-    r.reporter.phase("finished", f"step={r.board.step}")
-    return EXIT_OK
+
+def _export(r: Run, p: Parts) -> None:
+    """The finished drafter to RUN/export, and the held-out best to RUN/export-best."""
+    from trainer.model.export import export_drafter
+
+    out = export_drafter(p.drafter, r.opts.run_dir / "export")
+    r.reporter.line(f"Exported drafter to {out}", status_log=False)
+    best = checkpoint.best_checkpoint(r.opts.run_dir)
+    if best is not None:  # the held-out best, alongside the last
+        p.drafter.load_state_dict(checkpoint.load_checkpoint(best[1])["drafter"])
+        out = export_drafter(p.drafter, r.opts.run_dir / "export-best")
+        r.reporter.line(f"Exported best drafter (step {best[0]}) to {out}", status_log=False)
+
+
+def setup(r: Run) -> Training:
+    """Build the parts, resume them, set up evaluation and trackers (UserError: refused)."""
+    r.reporter.phase("loading")
+    p = build_parts(r.cfg, r.world, r.opts.run_dir, r.faults)
+    if len(p.holdout) and r.world.is_main:
+        record_holdout(p, r.record, r.reporter)
+    best = Best()
+    r.ckpt = ckpt = Checkpointer(p, r.board, best, r.reporter, r.record)
+    start_step = resume(r.opts, p, ckpt, r.reporter)
+    evaluator = build_evaluator(p, best, r.record) if r.cfg.eval.enabled else None
+    evals = EvalReports(p, evaluator, r.reporter, r.record, r.tracker) if evaluator else None
+    start_micro = r.board.micro
+    r.board.real_tokens = p.plan.real_tokens_before(start_micro)
+    if r.world.is_main and r.cfg.tracking.backends:  # last: nothing after it can refuse the run
+        from trainer.tracking import open_trackers
+
+        r.tracker.tracker = open_trackers(
+            r.cfg.tracking,
+            r.opts.run_dir,
+            config=r.cfg.model_dump(mode="json"),
+            resume_step=start_step or None,
+            warn=r.reporter.warn,
+        )
+    monitor = Monitor(
+        p, r.board, r.reporter, r.tracker, lambda: evals.last_tau if evals else None, r.t0
+    )
+    end_micro = p.schedule.end_step * p.accum
+    return Training(p, ckpt, monitor, evaluator, evals, start_step, start_micro, end_micro)
+
+
+def start_stages(r: Run, t: Training) -> tuple[Queues, threading.Thread]:
+    """One prefetch thread per bucket, one target thread per target device, the drafter."""
+    p, m = t.p, t.monitor
+    topo = p.cfg.topology
+    nb = p.sampler.num_buckets
+    queues = Queues(
+        pre=[queue.Queue(maxsize=topo.prefetch_depth) for _ in range(nb)],
+        hs=ReorderBuffer(topo.hidden_depth, t.start_micro),
+    )
+    pin = p.drafter_device.type == "cuda" or any(d.startswith("cuda") for d in p.target_devices)
+    # One prefetch thread per bucket: a thread serving several buckets in sequence order
+    # would block on one full queue while the others run dry (head-of-line blocking).
+    for w in range(nb):
+        body = prefetch_body(
+            plan=p.plan,
+            store=p.store,
+            buckets=[w],
+            queues=queues.pre,
+            start_seq=t.start_micro,
+            end_seq=t.end_micro,
+            stop=r.sup.stop,
+            clock=m.pre_clocks[w],
+            faults=p.faults,
+            pin=pin,
+        )
+        r.sup.spawn(f"prefetch[{w}]", body)
+    claims = Claims(t.start_micro, t.end_micro)
+    for i, dev in enumerate(p.target_devices):
+
+        def load(dev: str = dev) -> TargetModel:
+            quiet_hf()  # bars would interleave with status lines
+            return TargetModel.load(p.target_dir, p.layer_ids, dev, p.target_dtype)
+
+        body = target_body(
+            load_target=load,
+            plan=p.plan,
+            claims=claims,
+            queues=queues.pre,
+            out=queues.hs,
+            drafter_device=p.drafter_device,
+            stop=r.sup.stop,
+            clock=m.tgt_clocks[i],
+            done=m.tgt_done,
+            faults=p.faults,
+        )
+        r.sup.spawn(f"target[{dev}#{i}]", body)
+    feed = Feed(queues.hs, r.sup.stop, m.dft_clock)
+    return queues, r.sup.spawn("drafter", lambda: train(r, t, feed))
+
+
+def train(r: Run, t: Training, feed: Feed) -> None:
+    """The drafter's loop: step, account, evaluate, checkpoint, until the end or a stop."""
+    p, ckpt, ev, sig = t.p, t.ckpt, t.evaluator, r.signals
+    autocast = autocast_for(p.drafter_device)
+    # Line-buffered: a full disk shows at the write (one line, training goes on), not at close.
+    metrics_log = (
+        open(p.run_dir / "metrics.jsonl", "a", buffering=1)  # noqa: SIM115
+        if p.world.is_main
+        else None
+    )
+    step, nonfinite_run = t.start_step, 0
+    end = p.schedule.end_step
+    ckpt.start_clock()
+    if ev is not None and t.evals is not None:
+        ev.start()
+        if step == 0:  # the untrained baseline (no checkpoint, so never the best)
+            t.evals.report(0, ev.run(p.drafter, autocast))
+
+    def flags() -> StepFlags:
+        return StepFlags(
+            stop=sig.requested.is_set(),
+            checkpoint_due=ckpt.time_due(),
+            eval_due=ev is not None and ev.time_due(),
+        )
+
+    try:
+        while step < end:
+            # The RNGs at the step boundary: a second signal can abandon a step halfway
+            # through its micro-batches and still checkpoint the last completed one.
+            rng_at_step = checkpoint.rng_state(p.gen) if p.accum > 1 else None
+            try:
+                res = train_step(p, feed, step, flags, autocast)
+            except Stopped:
+                _stop_at_once(r, ckpt, step, rng_at_step)
+                raise
+            if not res.finite:
+                nonfinite_run += 1
+                r.board.nonfinite += 1
+                if nonfinite_run >= p.cfg.optimizer.max_nonfinite:
+                    raise NonFiniteLoss(
+                        f"{nonfinite_run} non-finite losses in a row (step {step + 1}): the run "
+                        "diverged; lower optimizer.lr or check the data"
+                    )
+            elif res.totals.weight_sum > 0:
+                nonfinite_run = 0
+            step = res.step
+            _account(r, p, res, metrics_log)
+            stop_now = res.totals.flags.stop
+            if stop_now:
+                sig.announce()  # before its checkpoint line, even if the monitor is asleep
+            final = stop_now or step == end
+            if not _after_step(r, t, res, final, autocast):
+                return
+            if stop_now:
+                sig.stopped = True
+                return
+        r.completed = True
+    finally:
+        if metrics_log is not None:
+            with contextlib.suppress(OSError):
+                metrics_log.close()
+
+
+def _account(r: Run, p: Parts, res: StepResult, metrics_log: TextIO | None) -> None:
+    """The step's figures on the board (status lines) and in metrics.jsonl."""
+    micro = res.step * p.accum
+    totals = res.totals
+    r.board.q_hs = totals.depths
+    r.board.add_step(
+        res.step,
+        micro,
+        p.plan.real_tokens_before(micro),
+        res.lr,
+        res.gnorm,
+        totals.metrics,
+        totals.bucket_sums if p.sampler.num_buckets > 1 and res.finite else None,
+    )
+    if metrics_log is not None:
+        rec = {"step": res.step, "loss": res.loss, "lr": res.lr, "gnorm": res.gnorm, "micro": micro}
+        r.reporter.append(metrics_log, json.dumps(rec) + "\n")
+
+
+def _after_step(
+    r: Run,
+    t: Training,
+    res: StepResult,
+    final: bool,
+    autocast: contextlib.AbstractContextManager[object],
+) -> bool:
+    """Evaluate and checkpoint when due; False when the loop must end (its final checkpoint
+    failed). Between steps, never on a signalled stop (that must end quickly): an eval draws no
+    random numbers, so the next step is what it would have been."""
+    p, ckpt, ev, step = t.p, t.ckpt, t.evaluator, res.step
+    flags = res.totals.flags
+    evaluated: EvalResult | None = None
+    new_best, prev_best = False, ckpt.best.value
+    if (
+        ev is not None
+        and not flags.stop
+        and ev.due(step, flags.eval_due, step == p.schedule.end_step)
+    ):
+        evaluated = ev.run(p.drafter, autocast)
+        better = torch.tensor(
+            [float(ev.better(step, evaluated))], dtype=torch.float64, device=p.drafter_device
+        )
+        new_best = distributed.all_reduce_sum(better, p.world).item() > 0
+        if new_best and evaluated is not None and evaluated.tau is not None:
+            ckpt.best.value = (step, evaluated.tau)  # saved with this checkpoint
+    if ckpt.due(step, final=final, time_due=flags.checkpoint_due, new_best=new_best):
+        saved = ckpt.save(step)
+        if new_best and t.evals is not None:
+            t.evals.mark_best(step, saved, prev_best)
+        if t.evals is not None:
+            t.evals.report(step, evaluated)
+        if final and not saved:
+            r.final_save_failed = True
+            return False
+    elif t.evals is not None:
+        t.evals.report(step, evaluated)
+    return True
+
+
+def _stop_at_once(r: Run, ckpt: Checkpointer, step: int, rng: RngState | None) -> None:
+    """The drafter was told to stop while waiting for data (a second signal): checkpoint the
+    last completed step unless it is on disk already (one rank only: the others may not be at
+    the same boundary, and the save's gather would hang)."""
+    if not r.signals.requested.is_set() or r.sup.failure is not None:
+        return  # a failure elsewhere, not a signal: the run reports that
+    r.signals.stopped = True
+    r.signals.announce()  # before the checkpoint line, as for a first-signal stop
+    if step > ckpt.saved_step and r.world.size == 1 and not ckpt.save(step, rng):
+        r.final_save_failed = True

@@ -19,6 +19,7 @@ import torch
 from torch import Tensor
 
 from trainer.data.store import TokenStore
+from trainer.model.target import TargetModel
 from trainer.pipeline.channels import ReorderBuffer, Stopped, WaitClock, get, put
 from trainer.pipeline.faults import FaultPlan
 from trainer.pipeline.plan import BatchPlan
@@ -151,7 +152,7 @@ class Counter:
 
 def target_body(
     *,
-    load_target: Callable[[], object],
+    load_target: Callable[[], TargetModel],
     plan: BatchPlan,
     claims: Claims,
     queues: Sequence[queue.Queue[HostBatch]],
@@ -166,14 +167,14 @@ def target_body(
 
     def body() -> None:
         target = load_target()
-        device = target.device  # type: ignore[attr-defined]
+        device = target.device
         while (seq := claims.claim()) is not None:
             bucket = plan.batch(seq).bucket
             host = get(queues[bucket], stop, clock)  # FIFO per bucket: this is seq or a peer's
             faults.tick("target")
             ids = host.input_ids.to(device, non_blocking=True)
             attn = host.attention_mask.to(device, non_blocking=True)
-            hidden = target.capture(ids, attn)  # type: ignore[attr-defined]
+            hidden = target.capture(ids, attn)
             packet = Packet(
                 input_ids=ids.to(drafter_device, non_blocking=True),
                 loss_mask=host.loss_mask.to(drafter_device, non_blocking=True),

@@ -161,6 +161,13 @@ class Board:
                 self.bucket_sums[i][0] += loss_sum
                 self.bucket_sums[i][1] += weight
 
+    def state_dict(self) -> dict[str, int]:
+        """The counters a checkpoint keeps (the rest restarts with the process)."""
+        return {"nonfinite": self.nonfinite}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.nonfinite = int(state["nonfinite"])
+
     def take_bucket_losses(self, num_buckets: int) -> list[float | None]:
         """Mean loss per bucket over the steps since the last call (None: no batch of it)."""
         with self.lock:
@@ -345,3 +352,23 @@ class RunStateFile:
             except OSError as exc:
                 problems.append(f"{self.path}: cannot write: {exc.strerror or exc}")
         return problems
+
+
+class RunRecord:
+    """The run's updates of run-state.json: written by the main rank only, and a corrupted file
+    or a failed write is one ERROR line (training goes on)."""
+
+    def __init__(self, file: RunStateFile, reporter: Reporter, enabled: bool) -> None:
+        self.file, self.reporter, self.enabled = file, reporter, enabled
+
+    def __call__(self, **fields: object) -> None:
+        if not self.enabled:
+            return
+        for problem in self.file.update(**fields):
+            self.reporter.error(problem)
+
+    def heal(self) -> None:
+        """A corrupted run-state heals within a status line."""
+        if self.enabled:
+            for problem in self.file.heal():
+                self.reporter.error(problem)

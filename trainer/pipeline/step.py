@@ -1,0 +1,115 @@
+"""One optimizer step of the drafter: `grad_accum` micro-batches forward and backward, the
+step's all-reduce, then clip and AdamW (skipped when the loss is not finite)."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from trainer.model.split_step import bounded_objective_backward
+from trainer.pipeline import distributed
+from trainer.pipeline.build import Parts
+from trainer.pipeline.channels import ReorderBuffer, WaitClock
+from trainer.pipeline.reduce import (
+    METRIC_KEYS,
+    StepContribution,
+    StepFlags,
+    StepTotals,
+    all_reduce_step,
+)
+from trainer.pipeline.stages import Packet
+
+
+@dataclass(frozen=True)
+class Feed:
+    """Where the drafter's micro-batches come from: the reorder buffer, in sequence order."""
+
+    buffer: ReorderBuffer[Packet]
+    stop: threading.Event  # the pipeline's stop: a wait for data gives up (Stopped)
+    clock: WaitClock  # the drafter's input wait
+
+
+@dataclass(frozen=True)
+class StepResult:
+    step: int  # optimizer steps completed, this one included
+    lr: float
+    gnorm: float | None  # None: no update (non-finite loss, or nothing to learn from)
+    totals: StepTotals  # every rank's sums and flags
+
+    @property
+    def finite(self) -> bool:
+        return math.isfinite(self.totals.loss_sum)
+
+    @property
+    def loss(self) -> float | None:
+        weight = self.totals.weight_sum
+        return self.totals.loss_sum / weight if weight > 0 else None
+
+
+def _poison(loss: torch.Tensor) -> torch.Tensor:
+    """DFLASH_FAULT's non-finite step: a NaN loss (and NaN gradients) for every piece."""
+    return loss * float("nan")
+
+
+def autocast_for(device: torch.device) -> contextlib.AbstractContextManager[object]:
+    if device.type == "cuda":
+        return torch.autocast("cuda", dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def train_step(
+    p: Parts,
+    feed: Feed,
+    step: int,
+    flags: Callable[[], StepFlags],
+    autocast: contextlib.AbstractContextManager[object],
+) -> StepResult:
+    """Optimizer step `step` (0-based); raises `Stopped` when the pipeline stops mid-step.
+
+    `flags` is read after the micro-batches, right before the reduce: a stop asked during the
+    step takes effect at its end, on every rank."""
+    o, m = p.cfg.optimizer, p.cfg.model
+    dev, nb = p.drafter_device, p.sampler.num_buckets
+    lr = p.schedule.lr(step)
+    for group in p.opt.param_groups:
+        group["lr"] = math.inf if p.faults.inf_lr_at(step) else lr
+    sums = torch.zeros(len(METRIC_KEYS), dtype=torch.float64, device=dev)
+    bucket_sums = torch.zeros(2 * nb, dtype=torch.float64, device=dev)
+    for _ in range(o.grad_accum):
+        seq, pkt = feed.buffer.get(feed.stop, feed.clock)
+        p.faults.tick("drafter")
+        # forward+backward in pieces of <= m.max_query_rows query rows (None: one)
+        res = bounded_objective_backward(
+            p.drafter,
+            pkt.input_ids,
+            pkt.loss_mask,
+            pkt.attention_mask,
+            pkt.hidden,
+            max_query_rows=m.max_query_rows,
+            num_anchors=m.num_anchors,
+            gamma=m.gamma,
+            noise=m.noise,
+            generator=p.gen,
+            autocast=autocast,
+            loss_transform=_poison if p.faults.nonfinite_at(step) else None,
+        )
+        sums += torch.stack([getattr(res, k).detach().to(torch.float64) for k in METRIC_KEYS])
+        if nb > 1:  # this rank's batch of seq comes from one length bucket
+            i = 2 * p.plan.batch(seq).bucket
+            pair = torch.stack([res.loss_sum.detach(), res.weight_sum.detach()])
+            bucket_sums[i : i + 2] += pair.to(torch.float64)
+    mine = StepContribution(sums, bucket_sums, flags(), feed.buffer.depth())
+    totals = all_reduce_step(mine, p.world)
+    gnorm: float | None = None
+    if math.isfinite(totals.loss_sum) and totals.weight_sum > 0:
+        distributed.reduce_gradients(p.params, p.world, 1.0 / totals.weight_sum)
+        max_norm = o.clip if o.clip > 0 else math.inf
+        gnorm = float(torch.nn.utils.clip_grad_norm_(p.params, max_norm))
+        p.opt.step()
+    p.opt.zero_grad(set_to_none=True)
+    return StepResult(step + 1, lr, gnorm, totals)
