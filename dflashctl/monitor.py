@@ -390,9 +390,9 @@ def shape_from_config(path: Path) -> RunShape:
 
 
 def lr_schedule(peak: float, floor: float) -> Callable[[int, int, int], float]:
-    """The trainer's own LR schedule (torch-free `trainer.pipeline.schedule.lr_at`) bound to a
+    """The trainer's own LR schedule (torch-free `trainer.config.schedule.lr_at`) bound to a
     config's peak and floor, so the curve drawn is the one the run follows."""
-    from trainer.pipeline.schedule import lr_at  # TODO(issue 11): from a contract module
+    from trainer.config.schedule import lr_at
 
     def at(step: int, warmup: int, total: int) -> float:
         return lr_at(step, total_steps=total, warmup_steps=warmup, peak=peak, floor=floor)

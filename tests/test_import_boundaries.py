@@ -213,14 +213,6 @@ def describe_cycle(cycle: list[Edge]) -> str:
     return " -> ".join([cycle[0].source, *(f"{e.target} ({e.where()})" for e in cycle)])
 
 
-# Wrong edges that other work is removing (issue 11): each is allowed here only while it is
-# still in the tree, and its xfail(strict) test fails the moment it is gone, so the allowance
-# goes with it. (path, imported module)
-KNOWN_WRONG_EDGES: set[tuple[str, str]] = {
-    ("dflashctl/monitor.py", "trainer.pipeline.schedule"),  # the laptop-side lr/warmup rule
-}
-
-
 @pytest.fixture(scope="module")
 def edges() -> list[Edge]:
     return import_edges(REPO)
@@ -235,19 +227,13 @@ def test_the_graph_sees_function_local_and_relative_imports(edges: list[Edge]) -
 
 
 def test_dflashctl_imports_only_the_trainer_contract_modules(edges: list[Edge]) -> None:
-    wrong = [e for e in wrong_trainer_edges(edges) if (e.path, e.target) not in KNOWN_WRONG_EDGES]
+    wrong = wrong_trainer_edges(edges)
     assert not wrong, (
         "dflashctl may import only "
         + ", ".join(TRAINER_CONTRACTS)
         + ":\n"
         + ("\n".join(f"{e.where()}: imports {e.target}" for e in wrong))
     )
-
-
-@pytest.mark.parametrize("edge", sorted(KNOWN_WRONG_EDGES), ids="{0[0]}->{0[1]}".format)
-@pytest.mark.xfail(strict=True, reason="a known wrong edge, being removed (issue 11)")
-def test_known_wrong_edge_is_gone(edges: list[Edge], edge: tuple[str, str]) -> None:
-    assert edge not in {(e.path, e.target) for e in wrong_trainer_edges(edges)}
 
 
 def test_no_import_cycle_in_the_tree(edges: list[Edge]) -> None:

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 
+from trainer.config.schedule import lr_at, warmup_steps_for
 from trainer.pipeline.channels import ReorderBuffer, Stopped, WaitClock, get, put
 from trainer.pipeline.checkpoint import (
     REQUIRED_KEYS,
@@ -27,7 +28,6 @@ from trainer.pipeline.checkpoint import (
     select_resume,
 )
 from trainer.pipeline.plan import BatchPlan
-from trainer.pipeline.schedule import lr_at, warmup_steps_for
 from trainer.pipeline.status import RateWindow, RunStateFile, bottleneck
 from trainer.sampler import BatchSampler
 

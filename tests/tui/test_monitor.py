@@ -29,8 +29,8 @@ from dflashctl.monitor import (
 )
 from tests.tui.fixtures import FIXED_NOW, ReplayControl, Status, run_lines, status_line
 from trainer.config import TrainConfig
+from trainer.config.schedule import lr_at
 from trainer.events import run_state as contract
-from trainer.pipeline.schedule import lr_at
 
 REPO_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "tiny-cpu.toml"
 SEED_WRAPPED = [  # the seed's own capture: tmux wrapped the lines at 80 columns

@@ -10,12 +10,12 @@ import numpy as np
 import torch
 
 from trainer.config import TrainConfig
+from trainer.config.schedule import lr_at, warmup_steps_for
 from trainer.data.store import TokenStore
 from trainer.model.drafter import DFlashDrafter, DrafterConfig
 from trainer.pipeline import assets, distributed
 from trainer.pipeline.faults import FaultPlan
 from trainer.pipeline.plan import BatchPlan
-from trainer.pipeline.schedule import lr_at, warmup_steps_for
 from trainer.sampler import BatchSampler
 
 
