@@ -13,7 +13,7 @@ import asyncio
 import contextlib
 import json
 import signal
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -977,7 +977,7 @@ class RunControl:
         count = res.stdout.split()[:1]  # "N path"
         return int(count[0]) if count and count[0].isdigit() else None
 
-    async def tail_log(self, from_line: int) -> AsyncIterator[str]:
+    async def tail_log(self, from_line: int) -> AsyncGenerator[str, None]:
         """One connection's `tail -F` of run/status.log from 0-based `from_line`, made safe to
         print (the one reader of the live log).
 
@@ -996,7 +996,7 @@ class RunControl:
         on_link: Callable[[str], None] | None = None,
         delay: Callable[[int], float] | None = None,
         max_attempts: int | None = None,
-    ) -> AsyncIterator[str]:
+    ) -> AsyncGenerator[str, None]:
         """Lines of run/status.log from 0-based `from_line`, forever, across dropped links.
 
         The one follow loop (`dflashctl.follow.LogFollower`) over `tail_log`, as plain lines:

@@ -407,8 +407,8 @@ async def deploy(
         holding = False  # the switch script released it
         for line in res.stdout.splitlines():
             if line.startswith("unreported: "):
-                note = switch_note(line.removeprefix("unreported: "), pre.current or "")
-                _emit(progress, f"{host.name}: note: {note}")
+                unreported = switch_note(line.removeprefix("unreported: "), pre.current or "")
+                _emit(progress, f"{host.name}: note: {unreported}")
         # We have the result: the switch is reported (to our caller) from here on.
         with contextlib.suppress(TransportError):
             await transport.run(acknowledge_switch(host.workdir, owner))

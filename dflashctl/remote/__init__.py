@@ -1,4 +1,5 @@
-"""Remote execution: pure argv builders, the Transport protocol, SSH and local transports.
+"""Remote execution: the workdir layout (`layout`), pure argv builders (`commands`: pct, tmux,
+files; `run`, `release`, `probe`), the Transport protocol, SSH and local transports.
 
 asyncssh is imported only here (dflashctl.remote.ssh), lazily, so local-only use and the
 command builders never need it loaded.

@@ -1,8 +1,12 @@
-"""Pure argv builders and output parsers for everything dflashctl runs remotely.
+"""Pure argv builders and output parsers for what every remote action is made of: pct, tmux,
+files, the supervisor's argv, the stdin guards, and `describe` (a command in words).
 
-Every remote action is an argv list built here. Container argvs are wrapped by `pct_exec` and
-joined once with `shlex.join` for the Proxmox host's login shell; variable data inside `sh -c`
-scripts travels as positional parameters ("$1"), never interpolated into the script text.
+Every remote action is an argv list built under dflashctl.remote: here, in `run` (the run's
+status round trip and waits), `release` (the deploy steps) and `probe` (the python probes),
+with every path from `layout`. Services only order the steps and parse the output. Container
+argvs are wrapped by `pct_exec` and joined once with `shlex.join` for the Proxmox host's login
+shell; variable data inside `sh -c` scripts travels as positional parameters ("$1"), never
+interpolated into the script text.
 """
 
 from __future__ import annotations

@@ -332,14 +332,15 @@ class SshTransport:
             # Without input the channel's stdin stays open, and a guard on the node watches it:
             # closing the channel (giving up, cancellation) ends the command there at once.
             command = bounded(node_argv, remote_limit, watch_channel=input is None)
-            proc = await asyncio.wait_for(
+            opened: asyncssh.SSHClientProcess[bytes] = await asyncio.wait_for(
                 conn.create_process(shell_join(command), encoding=None),
                 max(0.0, give_up - loop.time()),
             )
+            proc = opened
             if input is not None:
-                proc.stdin.write(input)
-                proc.stdin.write_eof()  # also for b"": an empty file is still a whole file
-            done = await asyncio.wait_for(proc.wait(), max(0.0, give_up - loop.time()))
+                opened.stdin.write(input)
+                opened.stdin.write_eof()  # also for b"": an empty file is still a whole file
+            done = await asyncio.wait_for(opened.wait(), max(0.0, give_up - loop.time()))
         except TimeoutError:
             raise CommandTimeout(
                 timeout_message(

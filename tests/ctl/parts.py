@@ -35,8 +35,8 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _run(argv: list[str], **kw: object) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(argv, capture_output=True, text=True, check=False, **kw)  # type: ignore[call-overload]
+def _run(argv: list[str], timeout: float | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(argv, capture_output=True, text=True, check=False, timeout=timeout)
 
 
 def have(*tools: str) -> str | None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import shlex
 import subprocess
 import time
+from pathlib import Path
 
 import pytest
 from hypothesis import given
@@ -147,7 +148,7 @@ def test_guard_kills_helper_when_stdin_closes() -> None:
     assert proc.wait(timeout=10) != 0  # the sleep was killed, not waited out
 
 
-def test_node_guard_ends_the_whole_command_group_when_stdin_closes(tmp_path) -> None:
+def test_node_guard_ends_the_whole_command_group_when_stdin_closes(tmp_path: Path) -> None:
     """The stream's node command keeps the channel as its stdin (the container guard inside
     reads it) and dies, children included, once it closes."""
     script = tmp_path / "hang.sh"
@@ -166,7 +167,7 @@ def test_node_guard_ends_the_whole_command_group_when_stdin_closes(tmp_path) -> 
     assert left.stdout == ""
 
 
-def test_write_file_atomic_writes_stdin_with_mode(tmp_path) -> None:
+def test_write_file_atomic_writes_stdin_with_mode(tmp_path: Path) -> None:
     target = tmp_path / "sub dir" / "secret"
     subprocess.run(C.write_file_atomic(str(target), "600"), input=b"tok\n", check=True)
     assert target.read_bytes() == b"tok\n"
@@ -175,7 +176,7 @@ def test_write_file_atomic_writes_stdin_with_mode(tmp_path) -> None:
 
 
 @pytest.mark.parametrize("form", ["stream", "bounded"])
-def test_no_abandoned_command_outlives_its_guard_under_load(tmp_path, form: str) -> None:
+def test_no_abandoned_command_outlives_its_guard_under_load(tmp_path: Path, form: str) -> None:
     """Commands whose channel closes at once, 6 at a time: the node guard signals timeout's
     whole group and reaps what is left, so none of their children survives (signalling
     timeout's pid alone leaked ~1 in 4 of them under load)."""

@@ -11,7 +11,9 @@ import json
 import re
 import shutil
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -24,13 +26,20 @@ REPO = Path(__file__).resolve().parents[2]
 pytestmark = [pytest.mark.parts, pytest.mark.slow, pytest.mark.timeout(420)]
 
 
-def status_json(inv: list[str], capsys: pytest.CaptureFixture[str]) -> dict:
+def status_json(inv: list[str], capsys: pytest.CaptureFixture[str]) -> dict[str, Any]:
     capsys.readouterr()
     assert cli_main([*inv, "status", "ct", "--json"]) == 0
-    return json.loads(capsys.readouterr().out)[0]
+    got = json.loads(capsys.readouterr().out)[0]
+    assert isinstance(got, dict)
+    return got
 
 
-def wait_status(inv: list[str], capsys: pytest.CaptureFixture[str], pred, timeout: float) -> dict:
+def wait_status(
+    inv: list[str],
+    capsys: pytest.CaptureFixture[str],
+    pred: Callable[[dict[str, Any]], bool],
+    timeout: float,
+) -> dict[str, Any]:
     end = time.monotonic() + timeout
     while True:
         st = status_json(inv, capsys)
@@ -193,8 +202,10 @@ def test_a_trainer_that_dies_at_once_is_a_failed_start(
     assert cli_main([*inv, "deploy", "ct", "--config", str(bumped), "--fresh"]) == 0
     capsys.readouterr()
     assert cli_main([*inv, "start", "ct", "--wait-s", "120"]) == 1
-    err = capsys.readouterr().err
-    assert re.search(r"exited with status 2 .*step-00000040\.pt.*batching\.num_buckets", err), err
+    refused = capsys.readouterr().err
+    assert re.search(r"exited with status 2 .*step-00000040\.pt.*batching\.num_buckets", refused), (
+        refused
+    )
 
 
 def test_deploy_config_is_checked_against_the_checkpoint_over_ssh(

@@ -65,7 +65,7 @@ class FakePve:
             rest = rest[1:]
         return rest
 
-    async def handle(self, process: asyncssh.SSHServerProcess) -> None:
+    async def handle(self, process: asyncssh.SSHServerProcess[bytes]) -> None:
         self.commands.append(process.command or "")
         if self.node_argv(process.command or "")[:2] == ["pct", "status"]:
             process.stdout.write(b"status: running\n")

@@ -193,7 +193,7 @@ def test_events_between_readings() -> None:
 
 @settings(max_examples=300, deadline=None)
 @given(st.lists(st.text(max_size=40) | st.sampled_from(read("h100x8-driver550.csv").splitlines())))
-def test_parsers_never_raise(lines) -> None:
+def test_parsers_never_raise(lines: list[str]) -> None:
     """A garbled row (a driver printing a warning mid-output) costs that row, never the poll."""
     text = "\n".join(lines)
     gpus, errors = parse_health_csv(text)

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from dflashctl.control import trainer_argv
-from dflashctl.inventory import GroupConfig, InventoryError, parse_inventory
+from dflashctl.inventory import GroupConfig, Inventory, InventoryError, parse_inventory
 from dflashctl.launch import (
     RDZV_BACKEND,
     LaunchError,
@@ -26,7 +26,9 @@ from dflashctl.remote.commands import clean_env, pct_exec, shell_join, tmux_new_
 PY = "/opt/venv/bin/python"
 
 
-def inventory(tmp_path: Path, nodes: dict[str, str], extra: str = "", port: int | None = None):
+def inventory(
+    tmp_path: Path, nodes: dict[str, str], extra: str = "", port: int | None = None
+) -> Inventory:
     """Hosts n0, n1, ... with the given node_address and per-host extra lines, one group `g`."""
     text = f'[defaults]\npython = "{PY}"\n'
     for i, (name, address) in enumerate(nodes.items()):
@@ -224,7 +226,7 @@ dist.destroy_process_group()
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        return int(s.getsockname()[1])
 
 
 @pytest.mark.timeout(180)

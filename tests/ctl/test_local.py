@@ -10,8 +10,9 @@ import asyncio
 import os
 import shutil
 import sys
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
+from typing import TypedDict
 
 import pytest
 
@@ -26,6 +27,18 @@ from tests.conftest import require_part
 from tests.ctl.parts import bump_buckets, halve_lr
 
 STANDIN = Path(__file__).resolve().parent / "standin"
+Local = tuple[LocalTransport, HostConfig]
+
+
+class QuickDeploy(TypedDict):
+    min_free_bytes: int
+    import_check: bool
+
+
+class DeployKw(QuickDeploy, total=False):
+    release: Release
+
+
 pytestmark = pytest.mark.timeout(120)
 
 
@@ -54,7 +67,7 @@ def standin_copy(tmp: Path) -> Path:
     return dst
 
 
-async def test_deploy_then_redeploy_transfers_nothing(local, tmp_path: Path) -> None:
+async def test_deploy_then_redeploy_transfers_nothing(local: Local, tmp_path: Path) -> None:
     transport, host = local
     rel = build_release(standin_copy(tmp_path))
     first = await deploy(transport, host, release=rel, min_free_bytes=0, import_check=False)
@@ -67,7 +80,7 @@ async def test_deploy_then_redeploy_transfers_nothing(local, tmp_path: Path) -> 
     assert not (wd / ".deploy.lock").exists()
 
 
-async def test_corrupted_transfer_never_switches_current(local, tmp_path: Path) -> None:
+async def test_corrupted_transfer_never_switches_current(local: Local, tmp_path: Path) -> None:
     transport, host = local
     tree = standin_copy(tmp_path)
     good = build_release(tree)
@@ -86,7 +99,7 @@ async def test_corrupted_transfer_never_switches_current(local, tmp_path: Path) 
     assert done.switched and not list((wd / "releases").glob(".tmp-*"))
 
 
-async def test_concurrent_deploy_is_refused_by_the_lock(local, tmp_path: Path) -> None:
+async def test_concurrent_deploy_is_refused_by_the_lock(local: Local, tmp_path: Path) -> None:
     transport, host = local
     lock = Path(host.workdir) / ".deploy.lock"
     lock.mkdir(parents=True)
@@ -98,7 +111,7 @@ async def test_concurrent_deploy_is_refused_by_the_lock(local, tmp_path: Path) -
     assert not (Path(host.workdir) / "current").exists()
 
 
-async def test_two_deploys_at_once_one_wins(local, tmp_path: Path) -> None:
+async def test_two_deploys_at_once_one_wins(local: Local, tmp_path: Path) -> None:
     transport, host = local
     rel = build_release(standin_copy(tmp_path))
     results = await asyncio.gather(
@@ -111,7 +124,9 @@ async def test_two_deploys_at_once_one_wins(local, tmp_path: Path) -> None:
     assert len(oks) >= 1 and all(isinstance(e, DeployError) and "holds" in str(e) for e in errors)
 
 
-async def test_old_releases_are_pruned_but_not_the_running_one(local, tmp_path: Path) -> None:
+async def test_old_releases_are_pruned_but_not_the_running_one(
+    local: Local, tmp_path: Path
+) -> None:
     transport, host = local
     host = host.model_copy(update={"keep_releases": 2})
     tree = standin_copy(tmp_path)
@@ -128,7 +143,7 @@ async def test_old_releases_are_pruned_but_not_the_running_one(local, tmp_path: 
     assert left == {ids[0], ids[2], ids[3]}  # newest two + the one a run was started from
 
 
-async def test_preflight_failure_is_reported_and_nothing_sent(local, tmp_path: Path) -> None:
+async def test_preflight_failure_is_reported_and_nothing_sent(local: Local, tmp_path: Path) -> None:
     transport, host = local
     bad = host.model_copy(update={"python": "/nonexistent/python3"})
     rel = build_release(standin_copy(tmp_path))
@@ -141,7 +156,7 @@ async def test_preflight_failure_is_reported_and_nothing_sent(local, tmp_path: P
     )
 
 
-async def wait_for(pred, timeout: float = 30.0) -> None:
+async def wait_for(pred: Callable[[], Awaitable[bool]], timeout: float = 30.0) -> None:
     loop = asyncio.get_running_loop()
     end = loop.time() + timeout
     while not await pred():
@@ -280,7 +295,8 @@ async def test_restart_refuses_a_change_the_checkpoint_cannot_resume(
     assert not (Path(ctl.host.workdir) / "releases").exists()  # nothing deployed
     # --resume STEP names the checkpoint compared against; --fresh skips the comparison
     found = await ctl.checkpoint_config("12")
-    assert found is not None and found.step == 12 and found.path.endswith(ckpt.name)
+    assert found is not None and found.step == 12
+    assert found.path is not None and found.path.endswith(ckpt.name)
 
 
 def test_the_checkpoint_reader_requires_what_the_trainer_requires() -> None:
@@ -288,8 +304,9 @@ def test_the_checkpoint_reader_requires_what_the_trainer_requires() -> None:
     from dflashctl import resume
     from trainer.pipeline import checkpoint
 
-    assert resume.REQUIRED_KEYS == checkpoint.REQUIRED_KEYS
-    assert resume.CHECKPOINT_VERSION == checkpoint.CHECKPOINT_VERSION
+    # resume takes both from the contract module (trainer.events.checkpoint_layout)
+    assert resume.REQUIRED_KEYS == checkpoint.REQUIRED_KEYS  # type: ignore[attr-defined]
+    assert resume.CHECKPOINT_VERSION == checkpoint.CHECKPOINT_VERSION  # type: ignore[attr-defined]
 
 
 async def test_one_resume_rule_for_deploy_and_restart_against_the_checkpoint(
@@ -303,7 +320,7 @@ async def test_one_resume_rule_for_deploy_and_restart_against_the_checkpoint(
     a.write_text(TINY.read_text())
     b = tmp_path / "b.toml"
     b.write_text(bump_buckets(TINY.read_text()))
-    kw = {"release": rel, "min_free_bytes": 0, "import_check": False}
+    kw: DeployKw = {"release": rel, "min_free_bytes": 0, "import_check": False}
     await deploy(ctl.transport, ctl.host, config=a, **kw)
     run = Path(ctl.host.run_dir)
     write_checkpoint(run, 7, a.read_text())
@@ -377,7 +394,7 @@ async def test_restart_pushes_config_redeploys_and_resumes(ctl: RunControl, tmp_
     await ctl.stop(timeout=20)
 
 
-async def test_failed_preflight_releases_only_our_own_lock(local, tmp_path: Path) -> None:
+async def test_failed_preflight_releases_only_our_own_lock(local: Local, tmp_path: Path) -> None:
     transport, host = local
     rel = build_release(standin_copy(tmp_path))
     with pytest.raises(DeployError, match="GiB free"):
@@ -393,7 +410,7 @@ async def test_failed_preflight_releases_only_our_own_lock(local, tmp_path: Path
     assert lock.exists()
 
 
-async def test_deploy_with_config_writes_it_in_the_switch(local, tmp_path: Path) -> None:
+async def test_deploy_with_config_writes_it_in_the_switch(local: Local, tmp_path: Path) -> None:
     transport, host = local
     tiny = Path(__file__).resolve().parents[2] / "configs" / "tiny-cpu.toml"
     require_part(tiny.is_file(), "configs/tiny-cpu.toml not in this checkout")
@@ -442,7 +459,7 @@ async def test_stop_does_not_report_an_old_checkpoint_as_its_own(
     assert (await ctl.status()).state == "stopped"  # killed after the timeout
 
 
-async def test_interrupted_deploy_leaves_current_and_no_lock(local, tmp_path: Path) -> None:
+async def test_interrupted_deploy_leaves_current_and_no_lock(local: Local, tmp_path: Path) -> None:
     transport, host = local
     tree = standin_copy(tmp_path)
     first = build_release(tree)
@@ -533,7 +550,7 @@ asyncio.run(deploy(LocalTransport(), host, release=build_release(Path(sys.argv[2
 """
 
 
-async def test_a_lock_left_by_a_killed_deploy_is_taken_over(local, tmp_path: Path) -> None:
+async def test_a_lock_left_by_a_killed_deploy_is_taken_over(local: Local, tmp_path: Path) -> None:
     """A client SIGKILLed during preflight leaves .deploy.lock naming a pid that is gone."""
     import signal
     import subprocess
@@ -569,7 +586,9 @@ async def test_a_lock_left_by_a_killed_deploy_is_taken_over(local, tmp_path: Pat
     assert any(f"taking over a stale deploy lock: its owner ({stale})" in m for m in said)
 
 
-async def test_break_lock_removes_a_foreign_lock_but_not_a_live_one(local, tmp_path: Path) -> None:
+async def test_break_lock_removes_a_foreign_lock_but_not_a_live_one(
+    local: Local, tmp_path: Path
+) -> None:
     from dflashctl.deploy import lock_owner
 
     transport, host = local
@@ -577,7 +596,7 @@ async def test_break_lock_removes_a_foreign_lock_but_not_a_live_one(local, tmp_p
     lock = Path(host.workdir) / ".deploy.lock"
     lock.mkdir(parents=True)
     (lock / "owner").write_text("laptop-b pid 4242 at 2026-01-01T00:00:00\n")  # cannot be judged
-    kw = {"release": rel, "min_free_bytes": 0, "import_check": False}
+    kw: DeployKw = {"release": rel, "min_free_bytes": 0, "import_check": False}
     with pytest.raises(DeployError, match=r"held by: laptop-b pid 4242 .*--break-lock"):
         await deploy(transport, host, **kw)
     said: list[str] = []
@@ -603,7 +622,7 @@ async def test_a_switch_nobody_reported_is_reported_by_the_next_command(
 
     tree = standin_copy(tmp_path)
     first = build_release(tree)
-    kw = {"min_free_bytes": 0, "import_check": False}
+    kw: QuickDeploy = {"min_free_bytes": 0, "import_check": False}
     await deploy(ctl.transport, ctl.host, release=first, **kw)
     assert not (Path(ctl.host.workdir) / ".deploy-switched").exists()  # reported: acknowledged
     (tree / "trainer" / "v.py").write_text("v = 2\n")

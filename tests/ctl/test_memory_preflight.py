@@ -247,12 +247,12 @@ def test_disk_check_and_no_gpu_through_the_cli(
         assert attach(real_parts, 'test ! -e "$1/current" && echo none', small).strip() == "none"
         # --no-memory-check: deployed, and said so
         assert cli_main([*argv, "--no-memory-check"]) == 0
-        out = capsys.readouterr().out
-        assert "ct: memory checks skipped (--no-memory-check)" in out
-        assert "checkpoints" not in out
+        skipped = capsys.readouterr().out
+        assert "ct: memory checks skipped (--no-memory-check)" in skipped
+        assert "checkpoints" not in skipped
     with container_tmpfs(real_parts, "/srv/roomy", "400g") as roomy:
         inv = _inventory(real_parts, ssh_host, tmp_path, roomy)
         assert cli_main([*inv, "deploy", "ct", "--config", str(cfg), "--tree", str(tree)]) == 0
-        out = capsys.readouterr().out
-        assert "ct: no GPU in the container: memory fit check skipped" in out
-        assert "ct: checkpoints fit: " in out
+        fits = capsys.readouterr().out
+        assert "ct: no GPU in the container: memory fit check skipped" in fits
+        assert "ct: checkpoints fit: " in fits

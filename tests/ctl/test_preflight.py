@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dflashctl.preflight import GIB, judge_probe, parse_probe_output
+from dflashctl.preflight import GIB, Preflight, judge_probe, parse_probe_output
 
 OK = {
     "python": "3.11.7",
@@ -16,7 +16,7 @@ OK = {
 }
 
 
-def judge(**over: object):
+def judge(**over: object) -> Preflight:
     return judge_probe(
         "pve-a", "/usr/bin/python3", "/opt/dflash", {**OK, **over}, min_free_bytes=GIB
     )

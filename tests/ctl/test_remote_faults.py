@@ -10,13 +10,13 @@ from __future__ import annotations
 import asyncio
 import json
 import subprocess
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
 from dflashctl.cli import main as cli_main
-from dflashctl.control import RunControl
+from dflashctl.control import RunControl, RunStatus
 from dflashctl.deploy import deploy
 from dflashctl.inventory import HostConfig, load_inventory
 from dflashctl.release import Release
@@ -36,7 +36,7 @@ def in_container(parts: P.Parts, *argv: str) -> str:
     ).stdout
 
 
-async def settle(probe: callable, what: str) -> None:  # type: ignore[valid-type]
+async def settle(probe: Callable[[], object], what: str) -> None:
     """Wait (bounded) until `probe()` is empty: a killed process takes a moment to be reaped."""
     for _ in range(50):
         if not probe():
@@ -85,12 +85,13 @@ async def test_a_hanging_pct_leaves_nothing_running_on_the_node(
             )
             pct_status, statuses = results[0], results[1:]
             # 8 channels at once (max_channels); the others wait for one and give up in time
-            for st in statuses:
-                assert st.message in {
+            for got in statuses:
+                assert isinstance(got, RunStatus)
+                assert got.message in {
                     "status on host ct: no answer within 1.5 s; the remote command was stopped",
                     "status on host ct: not started within 1.5 s: all 8 SSH channels to "
                     "127.0.0.1 are in use (max_channels) by commands still running there",
-                }, st.message
+                }, got.message
             assert isinstance(pct_status, CommandTimeout)
             assert str(pct_status).startswith("pct status 4242 on host ct: no answer within 1.5 s")
             await settle(lambda: P.node_processes("sleep 7771"), "hung pct children left")

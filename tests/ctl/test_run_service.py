@@ -31,9 +31,9 @@ def test_run_control_has_every_protocol_method_with_its_signature() -> None:
         LocalTransport(), local_host("h", Path("/nonexistent"), python=sys.executable)
     )
     for name in PROTOCOL_METHODS:
-        want = inspect.signature(getattr(RunService, name))
-        got = inspect.signature(getattr(RunControl, name))
-        assert str(got) == str(want), name
+        want = inspect.signature(getattr(RunService, name)).parameters
+        got = inspect.signature(getattr(RunControl, name)).parameters
+        assert [str(p) for p in got.values()] == [str(p) for p in want.values()], name
         assert callable(getattr(service, name))
 
 

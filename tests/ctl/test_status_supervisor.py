@@ -47,7 +47,9 @@ def out(pane: str, sup: dict[str, Any] | None, **extra: str) -> str:
     return "".join(f"{MARK}{k}\n{v}\n" for k, v in sections.items())
 
 
-def sup(pid: int, state: str, restarts: list[dict[str, Any]] | None = None, **kw: Any) -> dict:
+def sup(
+    pid: int, state: str, restarts: list[dict[str, Any]] | None = None, **kw: Any
+) -> dict[str, Any]:
     return {
         "pid": pid,
         "trainer_pid": pid + 1,

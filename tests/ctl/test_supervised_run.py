@@ -55,6 +55,7 @@ class Site:
         code = cli_main([*inv, "status", "ct", "--json"])
         got = json.loads(capsys.readouterr().out)[0]
         assert code == 0, got
+        assert isinstance(got, dict)
         return got
 
     def wait(
@@ -80,7 +81,9 @@ class Site:
         )
 
     def supervisor_file(self) -> dict[str, Any]:
-        return json.loads((self.workdir / "run" / "supervisor.json").read_text())
+        got = json.loads((self.workdir / "run" / "supervisor.json").read_text())
+        assert isinstance(got, dict)
+        return got
 
 
 def tiny_config(base: Path, name: str, extra_schedule: str = "") -> Path:
