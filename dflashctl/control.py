@@ -13,7 +13,7 @@ import asyncio
 import contextlib
 import json
 import signal
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -135,7 +135,7 @@ class RunStatus:
     last_checkpoint: CheckpointEvent | None = None
     last_error: str | None = None
     log_lines: int = 0
-    run_state: RunState = field(default_factory=lambda: StatusRunState())
+    run_state: RunState = field(default_factory=RunState)
     pane_tail: list[str] = field(default_factory=list)
     message: str | None = None
     signal: str | None = None  # the signal that ended the pane's process ("SIGKILL")
@@ -169,28 +169,9 @@ class RunStatus:
         return d
 
 
-class StatusRunState(RunState):
-    """The typed run-state, plus dict-style reads for callers not yet moved to its fields.
-
-    Transitional (issue 11): `cli.format_run_status` and `monitor` read `run_state.get(key)`
-    and test its truth like a dict's; once they read the fields this class goes.
-    """
-
-    def get(self, key: str, default: object = None) -> object:
-        return self.model_dump(exclude_unset=True).get(key, default)
-
-    def __bool__(self) -> bool:
-        return bool(self.model_fields_set)
-
-
-def run_finished(
-    state: str, exit_status: int | None, run_state: RunState | Mapping[str, object]
-) -> bool:
-    """A clean exit whose run-state.json says the whole plan was trained (state "finished").
-
-    A Mapping is accepted while `monitor` still keeps the run-state as a dict (issue 11)."""
-    phase = run_state.state if isinstance(run_state, RunState) else run_state.get("state")
-    return state == "stopped" and exit_status == 0 and phase == "finished"
+def run_finished(state: str, exit_status: int | None, run_state: RunState) -> bool:
+    """A clean exit whose run-state.json says the whole plan was trained (state "finished")."""
+    return state == "stopped" and exit_status == 0 and run_state.state == "finished"
 
 
 @dataclass(frozen=True)
@@ -387,13 +368,13 @@ def parse_run_state(text: str, name: str = RUN_STATE_FILE) -> tuple[RunState, st
     RunState, why), never silently empty. Strings are made safe to print before validation."""
     raw, error = _json_object(text, name)
     if raw is None:
-        return StatusRunState(), error
+        return RunState(), error
     try:
-        return StatusRunState.model_validate(raw), None
+        return RunState.model_validate(raw), None
     except ValidationError as exc:
         err = exc.errors()[0]
         where = ".".join(str(p) for p in err["loc"]) or "(top level)"
-        return StatusRunState(), f"{name} is corrupted: key {where}: {err['msg']}"
+        return RunState(), f"{name} is corrupted: key {where}: {err['msg']}"
 
 
 @dataclass(frozen=True)
