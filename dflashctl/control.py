@@ -31,23 +31,8 @@ from dflashctl.errors import DflashctlError, ExitCode
 from dflashctl.follow import Backoff, Connected, Line, LogFollower, LogRestarted, Lost
 from dflashctl.inventory import NAME_RE, HostConfig, InventoryError
 from dflashctl.release import Release
-from dflashctl.remote.commands import (
-    SUPERVISOR_MODULE,
-    PaneState,
-    guarded,
-    line_count,
-    parse_pane_state,
-    read_file,
-    supervised,
-    tail_follow,
-    tail_from,
-    tmux_capture,
-    tmux_interrupt,
-    tmux_kill_session,
-    tmux_new_session,
-    tmux_settled_pane_state,
-    write_file_atomic,
-)
+from dflashctl.remote.commands import SUPERVISOR_MODULE, guarded, supervised
+from dflashctl.remote.files import line_count, read_file, tail_follow, tail_from, write_file_atomic
 from dflashctl.remote.layout import CONFIG, STATUS_LOG, RemoteLayout
 from dflashctl.remote.layout import RUN_STATE as RUN_STATE_FILE
 from dflashctl.remote.layout import SUPERVISOR_SOURCE as SUPERVISOR_FILE
@@ -58,6 +43,15 @@ from dflashctl.remote.run import STATUS_SCRIPT as STATUS_SCRIPT
 from dflashctl.remote.run import gpu_query_argv, start_wait_argv, status_argv
 from dflashctl.remote.run import stop_wait_argv as stop_wait_argv
 from dflashctl.remote.run import trainer_argv as trainer_argv
+from dflashctl.remote.tmux import (
+    PaneState,
+    parse_pane_state,
+    tmux_capture,
+    tmux_interrupt,
+    tmux_kill_session,
+    tmux_new_session,
+    tmux_settled_pane_state,
+)
 from dflashctl.remote.transport import (
     CommandResult,
     CommandTimeout,

@@ -38,7 +38,7 @@ from dflashctl.preflight import (
     smallest_gpu,
 )
 from dflashctl.release import VERIFY_SCRIPT, Release, build_release
-from dflashctl.remote.commands import write_file_atomic
+from dflashctl.remote.files import write_file_atomic
 from dflashctl.remote.layout import RemoteLayout
 from dflashctl.remote.probe import memory_argv, probe_argv
 from dflashctl.remote.release import (

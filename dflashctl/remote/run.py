@@ -8,7 +8,7 @@ from __future__ import annotations
 import re
 
 from dflashctl.remote import layout as L
-from dflashctl.remote.commands import SETTLED_PANE_FN, TMUX_SOCKET
+from dflashctl.remote.tmux import SETTLED_PANE_FN, TMUX_SOCKET
 from trainer.events import PHASE_TEXTS
 
 MARK = "@@dflash@@:"

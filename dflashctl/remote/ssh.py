@@ -30,11 +30,9 @@ from dflashctl.remote.commands import (
     clean_env,
     describe,
     node_guarded,
-    parse_pct_status,
-    pct_exec,
-    pct_status,
     shell_join,
 )
+from dflashctl.remote.pct import parse_pct_status, pct_exec, pct_status
 from dflashctl.remote.transport import (
     CommandResult,
     CommandTimeout,

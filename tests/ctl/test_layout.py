@@ -162,3 +162,16 @@ def test_python_probe_runs_against_the_layout(tmp_path: Path) -> None:
     (wd / L.CURRENT).symlink_to(f"{L.RELEASES}/id")
     out = _sh(P.probe_argv(sys.executable, str(wd), "id", import_check=False)).stdout
     assert '"complete": true' in out and '"current": "id"' in out
+
+
+def test_commands_names_the_pct_tmux_and_files_builders_from_their_modules() -> None:
+    from dflashctl.remote import files, pct, tmux
+
+    for module in (files, pct, tmux):
+        public = [n for n in vars(module) if not n.startswith("_") and n != "annotations"]
+        for name in public:
+            if (
+                callable(getattr(module, name))
+                and getattr(getattr(module, name), "__module__", "") == module.__name__
+            ):
+                assert getattr(C, name) is getattr(module, name), name
