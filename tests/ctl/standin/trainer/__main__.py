@@ -14,8 +14,8 @@ p.add_argument("--run-dir", required=True)
 p.add_argument("--resume", default="auto")
 p.add_argument("--fresh", action="store_true")
 a = p.parse_args()
-with open(a.config, "rb") as f:
-    cfg = f.read()
+with open(a.config, "rb") as cfg_file:
+    cfg = cfg_file.read()
 if b"crash" in cfg:
     print("ERROR: config asked for a crash", flush=True)
     sys.exit(3)
@@ -33,8 +33,8 @@ state = {
     "started_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),  # as the trainer writes it
     "last_step": step,
 }
-with open(os.path.join(a.run_dir, "run-state.json"), "w") as f:
-    json.dump(state, f)
+with open(os.path.join(a.run_dir, "run-state.json"), "w") as state_file:
+    json.dump(state, state_file)
 log = open(os.path.join(a.run_dir, "status.log"), "a", buffering=1)  # noqa: SIM115
 
 
@@ -46,7 +46,7 @@ def emit(line: str) -> None:
 stop = False
 
 
-def on_int(signum, frame):
+def on_int(signum: int, frame: object) -> None:
     global stop
     stop = True
 
@@ -65,6 +65,6 @@ while not stop:
     )
     time.sleep(period)
 path = os.path.join(ckdir, f"step-{step:08d}.pt")
-with open(path, "w") as f:
-    f.write("ckpt")
+with open(path, "w") as ck:
+    ck.write("ckpt")
 emit(f"Checkpoint saved: step={step} path={path}")
