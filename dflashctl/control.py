@@ -11,15 +11,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import signal
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
-
-from pydantic import ValidationError
 
 from dflashctl.deploy import (
     DeployResult,
@@ -68,7 +65,7 @@ from trainer.events import (
     parse_line,
     sanitize_for_terminal,
 )
-from trainer.events.run_state import RunState
+from trainer.events.run_state import RunState, parse_run_state, read_json_object
 
 if TYPE_CHECKING:
     from dflashctl.resume import CheckpointConfig
@@ -331,46 +328,6 @@ def _pane_signal(pane_text: str) -> int | None:
     return int(parts[2]) if len(parts) == 4 and parts[2].isdigit() else None
 
 
-def _clean(value: Any) -> Any:
-    """JSON from the host with every string made safe to print (see sanitize_for_terminal)."""
-    if isinstance(value, str):
-        return sanitize_for_terminal(value)
-    if isinstance(value, list):
-        return [_clean(v) for v in value]
-    if isinstance(value, dict):
-        return {sanitize_for_terminal(str(k)): _clean(v) for k, v in value.items()}
-    return value
-
-
-def _json_object(text: str, name: str) -> tuple[dict[str, Any] | None, str | None]:
-    """A JSON object file's text -> (its fields, strings made safe to print, None); no text ->
-    (None, None); not a JSON object -> (None, why), never silently empty."""
-    if not text.strip():
-        return None, None
-    try:
-        raw = json.loads(text)
-    except json.JSONDecodeError as err:
-        return None, f"{name} is corrupted: {err.msg} (byte {err.pos})"
-    if not isinstance(raw, dict):
-        return None, f"{name} is corrupted: a JSON {type(raw).__name__}, not an object"
-    cleaned: dict[str, Any] = _clean(raw)
-    return cleaned, None
-
-
-def parse_run_state(text: str, name: str = RUN_STATE_FILE) -> tuple[RunState, str | None]:
-    """run-state.json -> (the typed contract, None); a corrupted or invalid file -> (an empty
-    RunState, why), never silently empty. Strings are made safe to print before validation."""
-    raw, error = _json_object(text, name)
-    if raw is None:
-        return RunState(), error
-    try:
-        return RunState.model_validate(raw), None
-    except ValidationError as exc:
-        err = exc.errors()[0]
-        where = ".".join(str(p) for p in err["loc"]) or "(top level)"
-        return RunState(), f"{name} is corrupted: key {where}: {err['msg']}"
-
-
 @dataclass(frozen=True)
 class SupervisorFile:
     """RUN/supervisor.json as `trainer.supervise` writes it (not run-state: the supervisor is
@@ -415,7 +372,7 @@ def parse_supervisor_file(
     text: str, name: str = SUPERVISOR_STATE_FILE
 ) -> tuple[SupervisorFile | None, str | None]:
     """supervisor.json -> (its fields, None); none -> (None, None); corrupted -> (None, why)."""
-    raw, error = _json_object(text, name)
+    raw, error = read_json_object(text, name)
     return (SupervisorFile(raw) if raw is not None else None), error
 
 
@@ -495,7 +452,7 @@ def parse_status(host: str, stdout: str, hash_text: Callable[[str], str | None])
     s = {k: v if k == "config" else sanitize_for_terminal(v) for k, v in raw.items()}
     pane = parse_pane_state(s.get("pane", "")) if s.get("session") == "yes" else None
     capture = s.get("capture", "")
-    run_state, run_state_error = parse_run_state(s.get("run_state", ""))
+    run_state, run_state_error = parse_run_state(s.get("run_state", ""), RUN_STATE_FILE)
     sup_file, sup_error = parse_supervisor_file(s.get("supervisor", ""))
     sup = pane_supervisor(sup_file, pane)
     sup_state = sup.state if sup else None

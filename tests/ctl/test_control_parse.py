@@ -8,14 +8,13 @@ from dflashctl.cli import format_run_status
 from dflashctl.control import (
     MARK,
     parse_gpu_csv,
-    parse_run_state,
     parse_status,
     parse_supervisor_file,
     split_sections,
     stop_wait_argv,
     trainer_argv,
 )
-from trainer.events.run_state import RunState
+from trainer.events.run_state import RunState, parse_run_state
 
 LINE = (
     "[3m] step={step} loss=1.2000 acc=0.500 streak=1.0 lr=6.00e-04 noise=0.1000 | tgt=1.00b/s "
@@ -145,12 +144,12 @@ def test_run_state_is_the_typed_contract_and_status_json_shows_the_file_as_read(
 
 
 def test_a_run_state_with_a_wrong_type_is_reported_like_a_corrupted_one() -> None:
-    state, error = parse_run_state('{"state": "sleeping", "pid": 1}')
+    state, error = parse_run_state('{"state": "sleeping", "pid": 1}', "run/run-state.json")
     assert not state.model_fields_set and error == (
         "run/run-state.json is corrupted: key state: "
         "Input should be 'starting', 'running', 'finished', 'stopped', 'refused' or 'crashed'"
     )
-    state, error = parse_run_state("[1]")
+    state, error = parse_run_state("[1]", "run/run-state.json")
     assert error == "run/run-state.json is corrupted: a JSON list, not an object"
 
 

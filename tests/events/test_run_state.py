@@ -74,13 +74,13 @@ def test_no_file_yet_is_an_empty_state_without_a_problem() -> None:
 @pytest.mark.parametrize(
     ("text", "says"),
     [
-        ('{"state": "running"', "run-state.json: not JSON ("),
-        ("[1, 2]", "run-state.json: not a JSON object (a list)"),
-        ('{"total_steps": "many"}', "run-state.json: key total_steps: "),
-        ('{"state": "exploded"}', "run-state.json: key state: "),
-        ('{"warmup_steps": -1}', "run-state.json: key warmup_steps: "),
-        ('{"last_eval": {"step": -4}}', "run-state.json: key last_eval.step: "),
-        ('{"boundaries": [1, "x"]}', "run-state.json: key boundaries.1: "),
+        ('{"state": "running"', "run-state.json is corrupted: Expecting ',' delimiter (byte 19)"),
+        ("[1, 2]", "run-state.json is corrupted: a JSON list, not an object"),
+        ('{"total_steps": "many"}', "run-state.json is corrupted: key total_steps: "),
+        ('{"state": "exploded"}', "run-state.json is corrupted: key state: "),
+        ('{"warmup_steps": -1}', "run-state.json is corrupted: key warmup_steps: "),
+        ('{"last_eval": {"step": -4}}', "run-state.json is corrupted: key last_eval.step: "),
+        ('{"boundaries": [1, "x"]}', "run-state.json is corrupted: key boundaries.1: "),
     ],
 )
 def test_a_corrupted_or_invalid_file_is_one_line_naming_the_key(text: str, says: str) -> None:
@@ -91,7 +91,7 @@ def test_a_corrupted_or_invalid_file_is_one_line_naming_the_key(text: str, says:
 
 def test_the_problem_names_the_file_it_was_read_from() -> None:
     _, problem = parse_run_state("{", name="host-a:run/run-state.json")
-    assert problem is not None and problem.startswith("host-a:run/run-state.json: not JSON")
+    assert problem is not None and problem.startswith("host-a:run/run-state.json is corrupted: ")
 
 
 def test_ended_is_true_for_every_final_phase_only() -> None:

@@ -17,6 +17,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from trainer.events.escapes import sanitize_for_terminal
 from trainer.events.evaluation import EvalEvent
 
 RUN_STATE_FILE = "run-state.json"
@@ -74,20 +75,46 @@ class RunState(BaseModel):
         return self.state in ENDED_PHASES
 
 
-def parse_run_state(text: str, name: str = RUN_STATE_FILE) -> tuple[RunState, str | None]:
-    """The file's text -> (state, None); empty text (no file yet) -> (RunState(), None); a
-    corrupted or invalid file -> (RunState(), one line saying why), never silently empty."""
+JsonValue = str | int | float | bool | None | list["JsonValue"] | dict[str, "JsonValue"]
+
+
+def _printable(value: object) -> JsonValue:
+    """Parsed JSON with every string (keys too) made safe to print: the file comes from a host."""
+    if isinstance(value, str):
+        return sanitize_for_terminal(value)
+    if isinstance(value, list):
+        return [_printable(v) for v in value]
+    if isinstance(value, dict):
+        return {sanitize_for_terminal(str(k)): _printable(v) for k, v in value.items()}
+    if value is None or isinstance(value, int | float | bool):
+        return value
+    return str(value)  # json.loads makes nothing else
+
+
+def read_json_object(text: str, name: str) -> tuple[dict[str, JsonValue] | None, str | None]:
+    """A JSON object file's text -> (its fields, strings safe to print, None); no text -> (None,
+    None); anything else -> (None, one line saying why), never silently empty."""
     if not text.strip():
-        return RunState(), None
+        return None, None
     try:
-        data = json.loads(text)
-    except ValueError as exc:
-        return RunState(), f"{name}: not JSON ({exc})"
-    if not isinstance(data, dict):
-        return RunState(), f"{name}: not a JSON object (a {type(data).__name__})"
+        raw = json.loads(text)
+    except json.JSONDecodeError as err:
+        return None, f"{name} is corrupted: {err.msg} (byte {err.pos})"
+    if not isinstance(raw, dict):
+        return None, f"{name} is corrupted: a JSON {type(raw).__name__}, not an object"
+    return {sanitize_for_terminal(str(k)): _printable(v) for k, v in raw.items()}, None
+
+
+def parse_run_state(text: str, name: str = RUN_STATE_FILE) -> tuple[RunState, str | None]:
+    """The one reader: the file's text -> (state, None); empty text (no file yet) ->
+    (RunState(), None); a corrupted or invalid file -> (RunState(), one line naming the file
+    and the key), never a half-read state. Strings are made safe to print before validation."""
+    raw, error = read_json_object(text, name)
+    if raw is None:
+        return RunState(), error
     try:
-        return RunState.model_validate(data), None
+        return RunState.model_validate(raw), None
     except ValidationError as exc:
         err = exc.errors()[0]
         where = ".".join(str(p) for p in err["loc"]) or "(top level)"
-        return RunState(), f"{name}: key {where}: {err['msg']}"
+        return RunState(), f"{name} is corrupted: key {where}: {err['msg']}"
