@@ -459,9 +459,12 @@ def _print_line(line: str, as_json: bool) -> None:
         print(line, flush=True)
 
 
+LOG_RESTARTED = "restarted: status.log started over; reading it from its first line"
+
+
 async def cmd_logs(args: argparse.Namespace) -> int:
-    from dflashctl.control import FOLLOW_JITTER, LOG_RESTARTED, RunControl
-    from dflashctl.follow import Backoff, Connected, Line, LogFollower, LogRestarted, Lost
+    from dflashctl.control import RunControl
+    from dflashctl.follow import Connected, Line, LogRestarted, Lost
 
     host = _host(args)
 
@@ -480,11 +483,8 @@ async def cmd_logs(args: argparse.Namespace) -> int:
             for line in await ctl.log_tail(start):
                 _print_line(line, args.json)
             return ExitCode.OK
-        follower = LogFollower(
-            ctl, start, delay=Backoff(jitter=FOLLOW_JITTER).delay, name=host.name
-        )
         lost = False
-        async with contextlib.aclosing(follower.events()) as events:
+        async with contextlib.aclosing(ctl.follow(start)) as events:
             async for event in events:
                 if isinstance(event, Line):
                     _print_line(event.text, args.json)

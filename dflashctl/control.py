@@ -10,7 +10,6 @@ prunes it).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import signal
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import asdict, dataclass, field
@@ -25,7 +24,7 @@ from dflashctl.deploy import (
     switch_note,
 )
 from dflashctl.errors import DflashctlError, ExitCode
-from dflashctl.follow import Backoff, Connected, Line, LogFollower, LogRestarted, Lost
+from dflashctl.follow import Backoff, FollowEvent, LogFollower
 from dflashctl.inventory import NAME_RE, HostConfig, InventoryError
 from dflashctl.release import Release
 from dflashctl.remote.commands import SUPERVISOR_MODULE, guarded, supervised
@@ -70,7 +69,6 @@ from trainer.events.run_state import RunState, parse_run_state, read_json_object
 if TYPE_CHECKING:
     from dflashctl.resume import CheckpointConfig
 
-LOG_RESTARTED = "restarted: status.log started over; reading it from its first line"
 FOLLOW_JITTER = 0.2
 """`follow`'s reconnect delays vary by +-20 %, so many clients of one host do not reconnect in
 step."""
@@ -268,10 +266,9 @@ class RunService(Protocol):
         self,
         from_line: int = 0,
         *,
-        on_link: Callable[[str], None] | None = None,
         delay: Callable[[int], float] | None = None,
         max_attempts: int | None = None,
-    ) -> AsyncIterator[str]: ...
+    ) -> AsyncGenerator[FollowEvent, None]: ...
 
 
 # --- pure builders and parsers -------------------------------------------------------------
@@ -921,21 +918,17 @@ class RunControl:
         async for line in self.transport.stream_lines(guarded(tail_follow(path, from_line))):
             yield sanitize_for_terminal(line)
 
-    async def follow(
+    def follow(
         self,
         from_line: int = 0,
         *,
-        on_link: Callable[[str], None] | None = None,
         delay: Callable[[int], float] | None = None,
         max_attempts: int | None = None,
-    ) -> AsyncGenerator[str, None]:
-        """Lines of run/status.log from 0-based `from_line`, forever, across dropped links.
-
-        The one follow loop (`dflashctl.follow.LogFollower`) over `tail_log`, as plain lines:
-        no line repeated or skipped on a reconnect, a log that started over read again from
-        its first line. `on_link` hears "connected", "lost: REASON" and LOG_RESTARTED (for
-        callers not yet on the typed events); `delay` defaults to a jittered backoff.
-        """
+    ) -> AsyncGenerator[FollowEvent, None]:
+        """status.log from 0-based `from_line`, forever, across dropped links, as the one follow
+        loop's typed events (`dflashctl.follow`): no line repeated or skipped on a reconnect,
+        a log that started over read again from its first line. `delay` defaults to a
+        jittered backoff."""
         follower = LogFollower(
             self,
             from_line,
@@ -943,18 +936,7 @@ class RunControl:
             max_attempts=max_attempts,
             name=self.host.name,
         )
-        async with contextlib.aclosing(follower.events()) as events:
-            async for event in events:
-                if isinstance(event, Line):
-                    yield event.text
-                elif on_link is None:
-                    continue
-                elif isinstance(event, Connected):
-                    on_link("connected")
-                elif isinstance(event, Lost):
-                    on_link(f"lost: {event.reason}")
-                elif isinstance(event, LogRestarted):
-                    on_link(LOG_RESTARTED)
+        return follower.events()
 
 
 if TYPE_CHECKING:

@@ -25,6 +25,7 @@ from pathlib import Path
 from dflashctl.control import RunService
 from dflashctl.errors import DflashctlError, ExitCode, run_main
 from dflashctl.fleet import HostHandle, open_local
+from dflashctl.follow import lines_of
 from dflashctl.inventory import HostConfig
 from trainer.events import StatusEvent, parse_line
 
@@ -122,10 +123,13 @@ async def headless(control: RunService, duration: float, say: Say) -> int:
 
     async def watch() -> None:
         nonlocal last
-        async for line in control.follow(from_line=start.log_lines):
-            if isinstance(parse_line(line), StatusEvent):
-                last = line
-                say(line)
+        async with contextlib.aclosing(
+            lines_of(control.follow(from_line=start.log_lines))
+        ) as lines:
+            async for line in lines:
+                if isinstance(parse_line(line), StatusEvent):
+                    last = line
+                    say(line)
 
     with contextlib.suppress(TimeoutError):
         await asyncio.wait_for(watch(), duration)

@@ -263,3 +263,12 @@ class LogFollower:
             queue.put_nowait(exc)
             return
         queue.put_nowait(_END)
+
+
+async def lines_of(events: AsyncGenerator[FollowEvent, None]) -> AsyncGenerator[str, None]:
+    """Only the lines' text of a follow (for callers that show no link state); closing this
+    closes the follow (its live tail ends at once)."""
+    async with contextlib.aclosing(events):
+        async for event in events:
+            if isinstance(event, Line):
+                yield event.text

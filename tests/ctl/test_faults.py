@@ -18,7 +18,8 @@ import asyncssh
 import pytest
 
 from dflashctl.cli import main as cli_main
-from dflashctl.control import LOG_RESTARTED, RunControl
+from dflashctl.control import RunControl
+from dflashctl.follow import FollowEvent, Line, LogRestarted, Lost, lines_of
 from dflashctl.inventory import HostConfig, load_inventory
 from dflashctl.remote import CommandTimeout, HostKeyError, HostUnreachable, TransportError
 from dflashctl.remote.commands import BASE_ENV
@@ -159,18 +160,19 @@ async def server(tmp_path: Path) -> AsyncIterator[Server]:
 
 async def follow_lines(
     server: Server, tmp_path: Path, count: int, each: Callable[[list[str]], None] | None = None
-) -> tuple[list[str], list[str]]:
-    """Follow status.log from line 0 until `count` lines arrive: (lines, link reports)."""
+) -> tuple[list[str], list[FollowEvent]]:
+    """Follow status.log from line 0 until `count` lines arrive: (lines, link events)."""
     host = host_for(tmp_path, server)
     pin_host_key(host, server.host_key.convert_to_public())
     transport = SshTransport(host)
-    links: list[str] = []
+    links: list[FollowEvent] = []
     got: list[str] = []
     try:
-        async for line in RunControl(transport, host).follow(
-            0, on_link=links.append, delay=lambda attempt: 0.01
-        ):
-            got.append(line)
+        async for event in RunControl(transport, host).follow(0, delay=lambda attempt: 0.01):
+            if not isinstance(event, Line):
+                links.append(event)
+                continue
+            got.append(event.text)
             if each is not None:
                 each(got)
             if len(got) == count:
@@ -186,7 +188,7 @@ async def test_follow_survives_drops_without_duplicates_or_losses(
     got, links = await follow_lines(server, tmp_path, 20)
     assert got == [f"line {i}" for i in range(20)]
     assert server.pve.tail_starts == [0, 7, 14]
-    assert sum(1 for s in links if s.startswith("lost:")) == 2
+    assert sum(1 for s in links if isinstance(s, Lost)) == 2
 
 
 async def test_follow_rereads_a_log_that_started_over(server: Server, tmp_path: Path) -> None:
@@ -199,7 +201,7 @@ async def test_follow_rereads_a_log_that_started_over(server: Server, tmp_path: 
     got, links = await follow_lines(server, tmp_path, 19, replace_log)
     assert got == [f"line {i}" for i in range(14)] + [f"new {i}" for i in range(5)]
     assert server.pve.tail_starts == [0, 7, 0]
-    assert links.count(LOG_RESTARTED) == 1
+    assert links.count(LogRestarted()) == 1
     assert [argv[0] for argv in server.pve.inner].count("wc") == 2  # once per reconnect
 
 
@@ -207,7 +209,7 @@ async def test_follow_resumes_from_a_given_line(server: Server, tmp_path: Path) 
     host = host_for(tmp_path, server)
     pin_host_key(host, server.host_key.convert_to_public())
     transport = SshTransport(host)
-    stream = RunControl(transport, host).follow(15, delay=lambda a: 0.01)
+    stream = lines_of(RunControl(transport, host).follow(15, delay=lambda a: 0.01))
     got = [await anext(stream) for _ in range(5)]
     await stream.aclose()
     await transport.close()

@@ -18,6 +18,7 @@ import pytest
 
 from dflashctl.control import ControlError, RunControl, StartFailed
 from dflashctl.deploy import DeployError, deploy
+from dflashctl.follow import lines_of
 from dflashctl.inventory import HostConfig, local_host
 from dflashctl.release import Release, build_release
 from dflashctl.remote import CommandTimeout, LocalTransport
@@ -189,7 +190,7 @@ async def test_start_status_follow_stop_restart(ctl: RunControl, tmp_path: Path)
     assert st.run_release == rel.id and st.config_hash and len(st.config_hash) == 12
 
     got: list[str] = []
-    async for line in ctl.follow(0):
+    async for line in lines_of(ctl.follow(0)):
         got.append(line)
         if len(got) == 5:
             break
@@ -232,7 +233,7 @@ async def test_follow_interrupt_kills_the_tail(ctl: RunControl) -> None:
     log.parent.mkdir(parents=True)
     log.write_text("one\ntwo\n")
     got = []
-    async for line in ctl.follow(1):
+    async for line in lines_of(ctl.follow(1)):
         got.append(line)
         break
     assert got == ["two"]
@@ -669,7 +670,7 @@ async def test_remote_text_is_sanitised_where_it_enters(ctl: RunControl) -> None
     assert st.run_release == "abc"
     tail = await ctl.log_tail(0)
     followed = []
-    async for line in ctl.follow(0):
+    async for line in lines_of(ctl.follow(0)):
         followed.append(line)
         if len(followed) == 4:
             break

@@ -16,6 +16,7 @@ import pytest
 from dflashctl.cli import main as cli_main
 from dflashctl.control import RunControl
 from dflashctl.deploy import DeployError, deploy
+from dflashctl.follow import lines_of
 from dflashctl.inventory import HostConfig
 from dflashctl.release import Release
 from dflashctl.remote.ssh import SshTransport
@@ -119,7 +120,7 @@ async def test_run_control_over_ssh_pct_and_tmux(
         assert st.run_release == standin_release.id
 
         got: list[str] = []
-        async for line in ctl.follow(0):
+        async for line in lines_of(ctl.follow(0)):
             got.append(line)
             if len(got) == 4:
                 break

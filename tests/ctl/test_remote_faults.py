@@ -18,6 +18,7 @@ import pytest
 from dflashctl.cli import main as cli_main
 from dflashctl.control import RunControl, RunStatus
 from dflashctl.deploy import deploy
+from dflashctl.follow import Connected, FollowEvent, Line, lines_of
 from dflashctl.inventory import HostConfig, load_inventory
 from dflashctl.release import Release
 from dflashctl.remote import CommandTimeout, HostKeyError
@@ -110,7 +111,7 @@ async def test_a_log_stream_under_a_hanging_pct_ends_with_its_channel(
     transport = SshTransport(ssh_host)
     try:
         with P.hanging_pct(real_parts.sshd, 7774):
-            stream = RunControl(transport, ssh_host).follow(0)
+            stream = lines_of(RunControl(transport, ssh_host).follow(0))
             waiting = asyncio.ensure_future(anext(stream))
             await settle(lambda: not P.node_processes("sleep 7774"), "the stream's pct never ran")
             waiting.cancel()
@@ -195,14 +196,17 @@ async def test_timed_out_commands_never_use_up_the_sessions_of_the_live_log_stre
     log.write_text("")
     transport = SshTransport(ssh_host)
     ctl = RunControl(transport, ssh_host)
-    links: list[str] = []
+    links: list[FollowEvent] = []
     got: list[str] = []
     arrived = asyncio.Event()
 
     async def follow() -> None:
-        async for line in ctl.follow(0, on_link=links.append, delay=lambda a: 0.05):
-            got.append(line)
-            arrived.set()
+        async for event in ctl.follow(0, delay=lambda a: 0.05):
+            if isinstance(event, Line):
+                got.append(event.text)
+                arrived.set()
+            else:
+                links.append(event)
 
     async def lines_up_to(n: int) -> None:
         with log.open("a") as f:
@@ -226,7 +230,7 @@ async def test_timed_out_commands_never_use_up_the_sessions_of_the_live_log_stre
             await lines_up_to(3 * (round_ + 2))
         assert (await transport.run(["echo", "ok"])).stdout == "ok\n"
         assert got == [f"line {i}" for i in range(12)]
-        assert links == ["connected"]  # the stream was never lost
+        assert links == [Connected(0)]  # the stream was never lost
     finally:
         follower.cancel()
         with pytest.raises(asyncio.CancelledError):

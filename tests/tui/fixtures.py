@@ -9,14 +9,15 @@ from __future__ import annotations
 
 import asyncio
 import math
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, cast
 
-from dflashctl.control import LOG_RESTARTED, RunService
+from dflashctl.control import RunService
 from dflashctl.deploy import DeployResult
+from dflashctl.follow import FollowEvent, LogFollower
 from dflashctl.monitor import RunShape, lr_schedule
 from dflashctl.preflight import Preflight
 from trainer.events import StatusEvent, format_status_line
@@ -115,27 +116,17 @@ class ReplayControl:
         self.calls.append(("status", None))
         return self.status_value
 
-    async def follow(
+    def follow(
         self,
         from_line: int = 0,
         *,
-        on_link: Callable[[str], None] | None = None,
         delay: Callable[[int], float] | None = None,
-    ) -> AsyncIterator[str]:
-        self.calls.append(("follow", from_line))
-        if self.fail_follow > 0:
-            self.fail_follow -= 1
-            raise ConnectionRefusedError("ssh: connect to host kpro6 port 22: Connection refused")
-        if from_line > len(self.lines):  # like RunControl: a log that started over is re-read
-            from_line = 0
-            if on_link:
-                on_link(LOG_RESTARTED)
-        if on_link:
-            on_link("connected")
-        for line in self.lines[from_line:]:
-            yield line
-        if self.hold_open:
-            await asyncio.Event().wait()
+        max_attempts: int | None = None,
+    ) -> AsyncGenerator[FollowEvent, None]:
+        """The one follow loop over this double's `tail_log` (as RunControl.follow)."""
+        return LogFollower(
+            self, from_line, delay=delay or (lambda attempt: 0.0), max_attempts=max_attempts
+        ).events()
 
     async def tail_log(self, from_line: int) -> AsyncIterator[str]:
         """One connection's tail from `from_line` (what `dflashctl.follow.LogFollower` drives),
