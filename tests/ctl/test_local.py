@@ -300,16 +300,6 @@ async def test_restart_refuses_a_change_the_checkpoint_cannot_resume(
     assert found.path is not None and found.path.endswith(ckpt.name)
 
 
-def test_the_checkpoint_reader_requires_what_the_trainer_requires() -> None:
-    pytest.importorskip("torch")
-    from dflashctl import resume
-    from trainer.pipeline import checkpoint
-
-    # resume takes both from the contract module (trainer.events.checkpoint_layout)
-    assert resume.REQUIRED_KEYS == checkpoint.REQUIRED_KEYS  # type: ignore[attr-defined]
-    assert resume.CHECKPOINT_VERSION == checkpoint.CHECKPOINT_VERSION  # type: ignore[attr-defined]
-
-
 async def test_one_resume_rule_for_deploy_and_restart_against_the_checkpoint(
     ctl: RunControl, tmp_path: Path
 ) -> None:
