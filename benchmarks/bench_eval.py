@@ -26,7 +26,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from tests.pipeline.conftest import dump_toml, merge  # noqa: E402
+from trainer.config.overlay import dump_toml, merge  # noqa: E402
 
 CASES: list[tuple[str, int | None, int]] = [
     ("off", None, 0),

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 import os
 import subprocess
 import sys
@@ -13,34 +12,10 @@ from typing import Any
 
 import pytest
 
+from trainer.config.overlay import dump_toml, merge
+
 REPO = Path(__file__).resolve().parents[2]
 TINY = REPO / "configs" / "tiny-cpu.toml"
-
-
-def _toml(value: Any) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, str):
-        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
-    if isinstance(value, list):
-        return "[" + ", ".join(_toml(v) for v in value) + "]"
-    return repr(value)
-
-
-def dump_toml(d: dict[str, Any], prefix: str = "") -> str:
-    lines = [f"{k} = {_toml(v)}" for k, v in d.items() if not isinstance(v, dict)]
-    out = ([f"[{prefix}]"] if prefix else []) + lines
-    for k, v in d.items():
-        if isinstance(v, dict):
-            out.append(dump_toml(v, f"{prefix}.{k}" if prefix else k))
-    return "\n".join(out) + "\n"
-
-
-def merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
-    out = copy.deepcopy(base)
-    for k, v in over.items():
-        out[k] = merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
-    return out
 
 
 @pytest.fixture(scope="session")

@@ -447,7 +447,7 @@ def test_a_bad_prompt_file_is_refused_before_training(
 def test_a_separate_holdout_store_is_evaluated_and_excludes_nothing(
     tmp_path: Path, tiny_assets: dict[str, Any], run_cli: RunCli
 ) -> None:
-    from .conftest import merge
+    from trainer.config.overlay import merge
 
     other = merge(tiny_assets, {"data": {"store": str(tmp_path / "held")}})
     other["data"]["synthetic"] = {**other["data"]["synthetic"], "rows": 40, "seed": 7}

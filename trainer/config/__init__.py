@@ -33,6 +33,7 @@ from pydantic import (
     model_validator,
 )
 
+from trainer.config.overlay import toml_value
 from trainer.config.validation import STRICT, NotUtf8Error, one_line, utf8_text
 from trainer.errors import TrainerError
 
@@ -413,18 +414,8 @@ def resume_critical_changes(old: TrainConfig, new: TrainConfig) -> list[str]:
 _ABSENT = object()
 
 
-def _toml_value(v: Any) -> str:
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    if isinstance(v, str):
-        return json.dumps(v)
-    if isinstance(v, list | tuple):
-        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
-    return repr(v)
-
-
 def _to_toml(d: dict[str, Any], prefix: str = "") -> str:
-    scalars = [f"{k} = {_toml_value(v)}" for k, v in d.items() if not isinstance(v, dict)]
+    scalars = [f"{k} = {toml_value(v)}" for k, v in d.items() if not isinstance(v, dict)]
     tables = [
         _to_toml(v, f"{prefix}.{k}" if prefix else k) for k, v in d.items() if isinstance(v, dict)
     ]
