@@ -14,7 +14,8 @@ Rules (issue 12 item 4):
   (the run is not back yet); `finished` is emitted and closes an open alert.
 - Each restart record the supervisor adds is one RESTARTED event with its reason; a shorter list
   (a fresh run) only re-baselines.
-- Low disk (the supervisor's `low_disk` entry: RUN has less free than one checkpoint) is one
+- Low disk (the supervisor's `low_disk` entry: RUN has less free than the checkpoints its
+  retention keeps, or one checkpoint where the supervisor knew no retention) is one
   LOW_DISK event when it appears and one RECOVERED when it goes; it is no condition of its own
   (the trainer keeps running), so it never opens or closes a condition's alert.
 - A host seen for the first time reports only an alert it is already in (a crashed host at
@@ -357,12 +358,7 @@ def snapshot_from_status(d: Mapping[str, Any], at: float) -> HostSnapshot:
     restarts = tuple(_restart(r) for r in raw_restarts if isinstance(r, Mapping))
     detail = last_error if cond in ALERT_CONDITIONS else None
     low = supervisor.get("low_disk")
-    low_disk = (
-        f"{low.get('free_mib', '?')} MiB free on the run directory, checkpoint needs "
-        f"{low.get('needed_mib', '?')}"
-        if isinstance(low, Mapping)
-        else None
-    )
+    low_disk = _low_disk_text(low) if isinstance(low, Mapping) else None
     return HostSnapshot(host, at, True, cond, exit_status, step, detail, restarts, low_disk)
 
 
@@ -395,3 +391,17 @@ def _when(v: object) -> float | None:
 
 def _str(v: object) -> str | None:
     return v if isinstance(v, str) and v else None
+
+
+def _low_disk_text(low: Mapping[str, Any]) -> str:
+    """`0.5 MiB free on the run directory, checkpoint needs 1.0`; with the supervisor's
+    retention when it had one (`checkpoints` > 1): `..., retention (4 checkpoints of 1.0 MiB)
+    needs 3.0`."""
+    free, need = low.get("free_mib", "?"), low.get("needed_mib", "?")
+    slots, size = low.get("checkpoints"), low.get("checkpoint_mib")
+    if isinstance(slots, int) and slots > 1 and size is not None:
+        return (
+            f"{free} MiB free on the run directory, retention ({slots} checkpoints of "
+            f"{size} MiB) needs {need}"
+        )
+    return f"{free} MiB free on the run directory, checkpoint needs {need}"

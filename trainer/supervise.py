@@ -10,10 +10,12 @@ stop. Stall watchdog: no new step, checkpoint or phase line in RUN/status.log fo
 trainer's thread stacks (SIGUSR1, faulthandler) into RUN/console.log, SIGINT, SIGKILL after
 `--kill-grace-s`, then the policy.
 
-Disk: free space in RUN against the newest checkpoint's size, at start, every `--disk-check-s`
-while the trainer runs (a `low_disk` phase line once per change, `low_disk` in the state; the
-trainer is not stopped for it) and before every restart (too little: not restarted, since the
-restart would fail its first checkpoint the same way).
+Disk: free space in RUN against the newest checkpoint's size times the checkpoints retention
+keeps (the trainer argv's `--config`: checkpoint.keep_last + the best when it evaluates + the one
+being written, less those already there; one checkpoint without a readable config), at start,
+every `--disk-check-s` while the trainer runs (a `low_disk` phase line once per change,
+`low_disk` in the state; the trainer is not stopped for it), and before every restart (less than
+one checkpoint: not restarted, since the restart would fail its first checkpoint the same way).
 
 Signals: the trainer runs in its own session, so a Ctrl-C in the tmux pane reaches it exactly
 once, forwarded by the supervisor (SIGINT, SIGTERM, SIGHUP). A signal during a backoff ends the
@@ -135,6 +137,8 @@ class Supervisor:
     ) -> None:
         self.policy, self.argv, self.run_dir, self.out = policy, argv, run_dir, out
         self.disk_check_s = disk_check_s
+        self.retention = disk.RetentionReader(disk.config_of(argv))
+        self._retention_problem: str | None = None
         self.disk_checked = -float("inf")  # monotonic time of the last free-space check
         self.child: subprocess.Popen[bytes] | None = None
         self.stop_signal: str | None = None
@@ -185,7 +189,14 @@ class Supervisor:
     def check_disk(self) -> disk.Disk | None:
         """Free space against one checkpoint; a phase line and the state entry on each change."""
         self.disk_checked = time.monotonic()
-        d = disk.check(self.run_dir)
+        retention = self.retention.read()
+        if retention.problem != self._retention_problem and retention.problem:
+            self.say(
+                f"{PREFIX}no checkpoint retention from the config ({retention.problem}): free "
+                "space is checked against one checkpoint"
+            )
+        self._retention_problem = retention.problem
+        d = disk.check(self.run_dir, retention)
         if d is None:
             return None
         was = self.state["low_disk"]
@@ -196,8 +207,9 @@ class Supervisor:
                 self.say(
                     format_phase_line(
                         "low_disk",
-                        f"low: {d.text()} on {self.run_dir}; the next checkpoint will fail "
-                        "unless space is freed",
+                        f"low: {d.text()} on {self.run_dir}; "
+                        + ("the next checkpoint" if d.full else "a later checkpoint")
+                        + " will fail unless space is freed",
                     ),
                     status_log=True,
                 )
@@ -361,9 +373,9 @@ class Supervisor:
                 self.save(state="not-restarted", detail=why, exit_status=status)
                 return status
             space = self.check_disk()
-            if space is not None and space.low:
+            if space is not None and space.full:
                 detail = (
-                    f"no space left on {self.run_dir} ({space.text()}) after {why}: a restart "
+                    f"no space left on {self.run_dir} ({space.one_text()}) after {why}: a restart "
                     f"would fail its next checkpoint; free space there, then dflashctl start HOST"
                 )
                 self.say(format_phase_line("not_restarting", detail), status_log=True)

@@ -203,6 +203,16 @@ def test_low_disk_is_one_event_per_change_and_no_condition() -> None:
         "supervisor": {"state": "running", "low_disk": None},
     }
     assert snapshot_from_status(cleared, T0).low_disk is None
+    # the supervisor counted the config's retention: the message says how many checkpoints
+    kept = {"free_mib": 1.5, "needed_mib": 2.0, "checkpoint_mib": 1.0, "checkpoints": 3}
+    retained = {
+        "host": "a",
+        "state": "running",
+        "supervisor": {"state": "running", "low_disk": kept},
+    }
+    assert snapshot_from_status(retained, T0).low_disk == (
+        "1.5 MiB free on the run directory, retention (3 checkpoints of 1.0 MiB) needs 2.0"
+    )
 
 
 # --- properties ------------------------------------------------------------------------------

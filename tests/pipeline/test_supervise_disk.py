@@ -5,15 +5,27 @@ phase line per change and an entry in supervisor.json, and the trainer keeps run
 from __future__ import annotations
 
 import os
+import re
 import subprocess
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from tests.conftest import require_part
-from trainer.supervision.disk import MIB, checkpoint_need
+from trainer.config import TrainConfig
+from trainer.supervision.disk import (
+    MIB,
+    UNKNOWN,
+    Retention,
+    RetentionReader,
+    check,
+    checkpoint_need,
+    config_of,
+)
 
+from .conftest import REPO
 from .test_supervise import Sup, _phases, _script, _sup_argv, _sup_state, _until, sups
 
 __all__ = ["sups"]  # the fixture, used by name
@@ -133,3 +145,128 @@ def test_low_disk_while_training_is_one_line_per_change_and_the_trainer_keeps_ru
     assert len(details) == 2 and details[1].startswith("ok again: ")
     assert _sup_state(run)["state"] == "finished"
     assert (small_fs / "starts").read_text().count("start") == 1
+
+
+def _config(path: Path, keep_last: int, eval_every: int | None = None) -> Path:
+    """The tiny CPU config with `checkpoint.keep_last` (and `[eval]` every N steps) set."""
+    text = (REPO / "configs" / "tiny-cpu.toml").read_text()
+    text = re.sub(r"(?m)^keep_last = \d+$", f"keep_last = {keep_last}", text)
+    if eval_every is not None:
+        text += f"\n[eval]\nholdout_rows = 4\nevery_steps = {eval_every}\n"
+    path.write_text(text)
+    TrainConfig.load(path)  # valid, as the supervisor will read it
+    return path
+
+
+def test_retention_is_read_from_the_config_and_reread_when_it_changes(tmp_path: Path) -> None:
+    cfg = _config(tmp_path / "run.toml", keep_last=2)
+    reader = RetentionReader(str(cfg))
+    got = reader.read()
+    assert (got.keep_last, got.evaluates, got.source, got.problem) == (2, False, str(cfg), None)
+    _config(cfg, keep_last=5, eval_every=10)
+    os.utime(cfg, ns=(1, 1))  # a different mtime even within the clock's resolution
+    got = reader.read()
+    assert (got.keep_last, got.evaluates) == (5, True)
+    cfg.write_text("[checkpoint]\nkeep_last = 0\n")
+    bad = reader.read()
+    assert bad.source is None and bad.problem and str(cfg) in bad.problem
+    assert RetentionReader(None).read() == UNKNOWN
+    assert config_of(["python", "-m", "trainer", "--config", "c.toml"]) == "c.toml"
+    assert config_of(["--config=d.toml", "--run-dir", "r"]) == "d.toml"
+    assert config_of(["--run-dir", "r"]) is None
+
+
+def test_the_need_is_the_checkpoints_retention_keeps_less_those_already_there(
+    tmp_path: Path,
+) -> None:
+    ck = tmp_path / "checkpoints"
+    ck.mkdir()
+    keep2 = Retention(keep_last=2, source="c.toml")
+    (ck / "step-00000010.pt").write_bytes(b"x" * MIB)
+    d = check(tmp_path, keep2)
+    assert d is not None and (d.checkpoint, d.slots, d.held, d.need) == (MIB, 3, MIB, 2 * MIB)
+    assert d.text().endswith(
+        ", checkpoints need 2.0 (checkpoint.keep_last 2 + 1 being written = 3 x 1.0 MiB, "
+        "less 1.0 already there)"
+    )
+    # retention full: two kept, the next one needs room for itself only
+    (ck / "step-00000020.pt").write_bytes(b"x" * MIB)
+    d = check(tmp_path, keep2)
+    assert d is not None and (d.held, d.need) == (2 * MIB, MIB)
+    # an evaluating run keeps the best too, and a best older than keep_last is one more on disk
+    evals = Retention(keep_last=2, evaluates=True, keep_every_steps=100, source="c.toml")
+    d = check(tmp_path, evals)
+    assert d is not None and (d.slots, d.held, d.need) == (4, 2 * MIB, 2 * MIB)
+    (ck / "step-00000030.pt").write_bytes(b"x" * MIB)
+    os.symlink("step-00000010.pt", ck / "best.pt")
+    d = check(tmp_path, keep2)  # best.pt set: counted although the config does not evaluate
+    assert d is not None and d.best and (d.slots, d.held, d.need) == (4, 3 * MIB, MIB)
+    assert "keep_last 2 + best + 1 being written = 4 x 1.0 MiB" in d.text()
+    every = check(tmp_path, evals)
+    assert every is not None and "keep_every_steps 100 keeps more on top" in every.text()
+    # no config: one checkpoint, the old wording
+    d = check(tmp_path)
+    assert d is not None and (d.slots, d.need) == (1, MIB)
+    assert d.text().endswith(" MiB free, checkpoint needs 1.0")
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("with_config", [True, False])
+def test_low_disk_counts_what_the_configs_retention_keeps(
+    small_fs: Path, sups: list[Sup], tmp_path: Path, with_config: bool
+) -> None:
+    """A 1 MiB checkpoint, 1.5 MiB free. With keep_last = 2 from the trainer argv's config,
+    retention needs 2 MiB more: low (a later checkpoint will fail). Without a config one
+    checkpoint is counted: not low."""
+    run, filler = small_fs / "run", small_fs / "filler"
+    cfg = _config(tmp_path / "run.toml", keep_last=2)
+    child = [*_script(CHILD), str(run), str(MIB), "wait"]
+    if with_config:
+        child += ["--config", str(cfg)]  # the child ignores it; the supervisor reads it
+    s = Sup(_sup_argv(run, "--disk-check-s", "0.1", child=child), small_fs.parent / "out")
+    sups.append(s)
+    _until(lambda: (small_fs / "starts").exists(), 30, "the child's checkpoint")
+    _until(lambda: _sup_state(run).get("state") == "running", 30, "the supervisor")
+    filler.write_bytes(b"\0" * (_free(small_fs) - 3 * MIB // 2))
+    if not with_config:
+        time.sleep(1)  # ten checks
+        assert _phases(run, "low_disk") == [] and _sup_state(run)["low_disk"] is None
+        (run / "done").touch()
+        assert s.wait(30) == 0
+        return
+    _until(lambda: len(_phases(run, "low_disk")) == 1, 30, "the low_disk line")
+    (line,) = _phases(run, "low_disk")
+    assert (
+        line.detail.startswith("low: 1.")
+        and (
+            ", checkpoints need 2.0 (checkpoint.keep_last 2 + 1 being written = 3 x 1.0 MiB, "
+            f"less 1.0 already there) on {run}; a later checkpoint will fail unless space is freed"
+        )
+        in line.detail
+    ), line.detail
+    low = _sup_state(run)["low_disk"]
+    assert (low["needed_mib"], low["checkpoint_mib"], low["checkpoints"]) == (2.0, 1.0, 3)
+    (run / "done").touch()
+    assert s.wait(30) == 0
+    assert _sup_state(run)["state"] == "finished"
+
+
+@pytest.mark.timeout(60)
+def test_a_crash_on_a_disk_low_for_retention_but_with_room_for_one_checkpoint_is_restarted(
+    small_fs: Path, sups: list[Sup], tmp_path: Path
+) -> None:
+    """Low for keep_last = 2 (2 MiB needed, 1.5 free) but the next 1 MiB checkpoint fits: the
+    restart is made (only a disk without room for one is refused) and low_disk stays set."""
+    run = small_fs / "run"
+    cfg = _config(tmp_path / "run.toml", keep_last=2)
+    (small_fs / "filler").write_bytes(b"\0" * (_free(small_fs) - 5 * MIB // 2))
+    child = [*_script(CHILD), str(run), str(MIB), "exit", "--config", str(cfg)]
+    argv = _sup_argv(run, "--max-restarts", "1", "--backoff-s", "0.05", child=child)
+    s = Sup(argv, small_fs.parent / "out")
+    sups.append(s)
+    assert s.wait(30) == 1
+    state = _sup_state(run)
+    assert (small_fs / "starts").read_text().count("start") == 2
+    assert state["state"] == "gave-up" and [r["reason"] for r in state["restarts"]] == ["exit 1"]
+    assert state["low_disk"]["needed_mib"] == 2.0 and state["low_disk"]["free_mib"] < 2.0
+    assert _phases(run, "not_restarting") == []
