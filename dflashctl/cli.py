@@ -14,7 +14,7 @@ import json
 import os
 import shlex
 import sys
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -254,6 +254,7 @@ async def cmd_restart(args: argparse.Namespace) -> int:
 
 def format_run_status(st: RunStatus) -> str:
     """`dflashctl status` text for one host: a summary line, then what it knows of the run."""
+    from dflashctl.control import eval_summary
     from trainer.events import format_status_line
 
     parts = [f"{st.host}: {'finished' if st.finished else st.state}"]
@@ -288,6 +289,9 @@ def format_run_status(st: RunStatus) -> str:
         lines.append("  " + format_status_line(st.last_event))
     if st.last_checkpoint is not None:
         lines.append(f"  last checkpoint: step {st.last_checkpoint.step} {st.last_checkpoint.path}")
+    evaluated = eval_summary(st.run_state)
+    if evaluated:
+        lines.append(f"  {evaluated}")
     if st.last_error:
         lines.append(f"  error: {st.last_error}")
     lines += supervisor_lines(st)
@@ -320,6 +324,9 @@ def supervisor_lines(st: RunStatus, now: float | None = None) -> list[str]:
         f"{_num(policy.get('restart_window_s'))} s"
     )
     lines = [head]
+    low = low_disk_line(sup, now)
+    if low:
+        lines.append(f"  {low}")
     detail = sup.get("detail")
     if sup.get("state") in DETAIL_STATES and isinstance(detail, str):
         lines.append(f"  supervisor: {detail}")
@@ -331,6 +338,24 @@ def supervisor_lines(st: RunStatus, now: float | None = None) -> list[str]:
         age = f"{format_age(now - at)} ago" if at is not None else "at ?"
         lines.append(f"  restart {n}: {restart_reason(r)} ({age})")
     return lines
+
+
+def low_disk_line(supervisor: Mapping[str, object] | None, now: float) -> str | None:
+    """`disk: LOW: 0.5 MiB free in run/, a checkpoint needs 1.0 MiB (for 3m05s): ...` while the
+    supervisor's `low_disk` entry (RUN/supervisor.json) is set, else None."""
+    from dflashctl.control import iso_time
+    from dflashctl.monitor import format_age
+
+    low = supervisor.get("low_disk") if supervisor else None
+    if not isinstance(low, dict):
+        return None
+    since = iso_time(low.get("since"))
+    age = f" (for {format_age(max(0.0, now - since))})" if since is not None else ""
+    return (
+        f"disk: LOW: {_num(low.get('free_mib'))} MiB free in run/, a checkpoint needs "
+        f"{_num(low.get('needed_mib'))} MiB{age}: the next checkpoint will fail unless space "
+        f"is freed"
+    )
 
 
 def _num(value: object) -> str:

@@ -155,7 +155,59 @@ class RunStatus:
         d["run_state"] = self.run_state.model_dump(mode="json", exclude_unset=True)
         d["step"] = self.step
         d["finished"] = self.finished
+        d["eval"] = eval_view(self.run_state)
+        d["best"] = best_view(self.run_state)
         return d
+
+
+def eval_view(run_state: RunState) -> dict[str, Any] | None:
+    """status --json `eval`: the last held-out evaluation as run-state.json records it (the Eval
+    line's fields: step, tau, tau_real, loss, acc, acc_at, tau_exp, best) and `share`, the
+    fraction of wall time evaluations cost so far; None before the run's first evaluation."""
+    ev = run_state.last_eval
+    if ev is None:
+        return None
+    return {**ev.model_dump(mode="json", exclude={"kind", "extra"}), "share": run_state.eval_share}
+
+
+def best_view(run_state: RunState) -> dict[str, Any] | None:
+    """status --json `best`: {step, tau, checkpoint} of the best checkpoint (highest held-out tau,
+    ties to the later step; `checkpoint` as the trainer resolved it); None while there is none."""
+    if run_state.best_step is None:
+        return None
+    return {
+        "step": run_state.best_step,
+        "tau": run_state.best_tau,
+        "checkpoint": run_state.best_checkpoint,
+    }
+
+
+def _tau(value: float | None) -> str:
+    return "---" if value is None else f"{value:.3f}"
+
+
+def run_dir_path(path: str) -> str:
+    """A checkpoint path from run-state.json as people read it: from `checkpoints/` on (the run
+    directory is the host's `run/`), or as written when it is elsewhere."""
+    cut = path.rfind("/checkpoints/")
+    return path[cut + 1 :] if cut >= 0 else path
+
+
+def eval_summary(run_state: RunState) -> str | None:
+    """`eval: step 400 tau=3.214 (best 400, tau=3.214, checkpoints/step-00000400.pt); evals cost
+    2.1% of wall time` for `dflashctl status` and the demo; None for a run that never evaluated."""
+    ev, best = run_state.last_eval, best_view(run_state)
+    if ev is None and best is None:
+        return None
+    head = f"eval: step {ev.step} tau={_tau(ev.tau)}" if ev else "eval: none in this run yet"
+    if best is None:
+        tail = " (no best checkpoint yet)"
+    else:
+        where = run_dir_path(best["checkpoint"]) if best["checkpoint"] else "checkpoint unknown"
+        tail = f" (best {best['step']}, tau={_tau(best['tau'])}, {where})"
+    share = run_state.eval_share
+    cost = f"; evals cost {100 * share:.1f}% of wall time" if share is not None else ""
+    return head + tail + cost
 
 
 def run_finished(state: str, exit_status: int | None, run_state: RunState) -> bool:
@@ -401,11 +453,15 @@ def supervisor_view(
 
 def restart_time(record: dict[str, Any]) -> float | None:
     """Epoch seconds of a restart record's `at` (ISO-8601 UTC, as the supervisor writes it)."""
-    at = record.get("at")
-    if not isinstance(at, str):
+    return iso_time(record.get("at"))
+
+
+def iso_time(value: object) -> float | None:
+    """Epoch seconds of an ISO-8601 UTC time as the supervisor writes them (`at`, `since`)."""
+    if not isinstance(value, str):
         return None
     try:
-        when = datetime.fromisoformat(at.replace("Z", "+00:00"))
+        when = datetime.fromisoformat(value.replace("Z", "+00:00"))
     except ValueError:
         return None
     return (when if when.tzinfo else when.replace(tzinfo=UTC)).timestamp()

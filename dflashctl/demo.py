@@ -2,13 +2,16 @@
 
 The "host" is this machine through `LocalTransport`: the trainer tree is deployed as a release
 into a demo workdir, the bundled `configs/tiny-cpu.toml` (synthetic token store and tiny random
-Qwen3 target, both built by the trainer on first use) becomes the editable demo config, the real
-trainer runs under tmux on the private `dflash` socket, and the TUI follows it exactly as it
-follows a container. Edit the demo config (`e`), press `r`, and the restart modal shows the diff
-and whether the run resumes or starts fresh.
+Qwen3 target, both built by the trainer on first use) with `configs/demo.toml` laid over it (a
+longer plan and a held-out evaluation every 200 steps, so tau climbs and a best checkpoint
+appears) becomes the editable demo config, the real trainer runs under tmux on the private
+`dflash` socket, and the TUI follows it exactly as it follows a container. Edit the demo config
+(`e`), press `r`, and the restart modal shows the diff and whether the run resumes or starts
+fresh.
 
-`--headless --duration S` runs without the TUI, stops gracefully and prints the last status
-line (exit 0), or says why there was none (exit 1).
+`--headless --duration S` runs without the TUI, prints the status and Eval lines as they come,
+stops gracefully and prints the last Eval line and then the last status line (exit 0), or says
+why there was no status line (exit 1).
 """
 
 from __future__ import annotations
@@ -16,28 +19,41 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import hashlib
 import os
 import re
 import sys
+import tomllib
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
-from dflashctl.control import RunService
+from dflashctl.control import RunService, eval_summary
 from dflashctl.errors import DflashctlError, ExitCode, run_main
 from dflashctl.fleet import HostHandle, open_local
 from dflashctl.follow import lines_of
 from dflashctl.inventory import HostConfig
-from trainer.events import StatusEvent, parse_line
+from trainer.config.overlay import TomlTable, dump_toml, merge
+from trainer.events import EvalEvent, StatusEvent, parse_line
 
 DEMO_HOST = "demo"
 DEMO_SESSION = "dflash-demo"
-REPO_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "tiny-cpu.toml"
+CONFIGS = Path(__file__).resolve().parent.parent / "configs"
+REPO_CONFIG = CONFIGS / "tiny-cpu.toml"
+"""The base of the demo config (every pipeline test's base too: the demo changes it only
+through DEMO_OVERLAY)."""
+DEMO_OVERLAY = CONFIGS / "demo.toml"
+"""What the demo changes in REPO_CONFIG: a longer plan and the held-out evaluation."""
+WRITTEN = ".demo.toml.sha256"
+"""Next to DEMO_DIR/demo.toml: the digest of the text the demo wrote there, so a later demo can
+tell a config nobody edited (it follows the bundled one) from the user's edits (kept)."""
 STOP_TIMEOUT_S = 60.0
-DEMO_EPOCHS = 20
 HEADER = """\
 # dflashctl demo run config. Edit it (key `e` in the TUI), then press `r`: the restart modal shows
 # the diff and whether the run resumes or must start fresh (and which keys decide that).
 # Try: [status] interval_s = 1 (resumes), or [batching] num_buckets = 3 (starts fresh).
+# Made from configs/tiny-cpu.toml with configs/demo.toml laid over it; [eval] measures tau on
+# held-out rows every every_steps steps and keeps the best checkpoint (checkpoints/best.pt).
 """
 
 
@@ -53,41 +69,85 @@ def default_dir() -> Path:
     return Path(cache) / "dflash-demo"
 
 
-def demo_config_text(template: str, cache_dir: Path) -> str:
-    """The bundled tiny config with its store and target made absolute under the demo's cache.
+def _load_toml(path: Path) -> TomlTable:
+    try:
+        return tomllib.loads(path.read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise DemoError(f"{path}: cannot read the bundled config: {exc.strerror}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise DemoError(f"{path}: not TOML: {exc}") from None
+
+
+def demo_config_text(base: TomlTable, overlay: TomlTable, cache_dir: Path) -> str:
+    """The bundled tiny config with the demo overlay laid over it and its store and target made
+    absolute under the demo's cache.
 
     Absolute, because the trainer reads the pushed copy from WORKDIR/run/, and relative paths
     would resolve there, rebuilding the data and target on every fresh workdir.
     """
-    text = re.sub(
-        r'^store = ".*"$', f'store = "{cache_dir / "tiny-store"}"', template, flags=re.M, count=1
-    )
-    text = re.sub(
-        r'^target_dir = ".*"$',
-        f'target_dir = "{cache_dir / "tiny-qwen3"}"',
-        text,
-        flags=re.M,
-        count=1,
-    )
-    # Long enough to watch (about half an hour on two cores) and to see warmup in the LR pane.
-    text = re.sub(r"^epochs = .*$", f"epochs = {DEMO_EPOCHS}", text, flags=re.M, count=1)
-    return HEADER + text
+    table = merge(base, overlay)
+    table["data"] = {**table.get("data", {}), "store": str(cache_dir / "tiny-store")}
+    table["model"] = {**table.get("model", {}), "target_dir": str(cache_dir / "tiny-qwen3")}
+    text = re.sub(r"\n{2,}", "\n", dump_toml(table))  # one blank line before each table
+    return HEADER + "\n" + re.sub(r"\n\[", "\n\n[", text).strip("\n") + "\n"
 
 
-def prepare(demo_dir: Path, template: Path = REPO_CONFIG) -> Path:
-    """Create the demo dir and its editable config (kept across runs: user edits survive)."""
+def _digest(text: str) -> str:
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+@dataclass(frozen=True)
+class DemoConfig:
+    path: Path  # DEMO_DIR/demo.toml, the config the demo deploys
+    note: str | None = None  # what prepare did to a config an earlier demo left, for people
+    fresh: bool = False  # the config was replaced: its checkpoints may not resume (archived)
+
+
+def prepare(
+    demo_dir: Path, template: Path = REPO_CONFIG, overlay: Path = DEMO_OVERLAY
+) -> DemoConfig:
+    """Create the demo dir and its editable config. A config the user edited is kept across
+    runs; one nobody edited follows the bundled one (rewritten when that changed); one an
+    earlier demo wrote before the demo evaluated (no digest, no [eval] table) is moved aside to
+    demo.toml.old and replaced. A replaced config starts fresh (checkpoints archived)."""
     try:
         demo_dir.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise DemoError(f"{demo_dir}: cannot create the demo directory: {exc.strerror}") from None
-    config = demo_dir / "demo.toml"
+    config, written = demo_dir / "demo.toml", demo_dir / WRITTEN
+    text = demo_config_text(_load_toml(template), _load_toml(overlay), demo_dir / "cache")
+
+    def write(note: str | None) -> DemoConfig:
+        config.write_text(text, encoding="utf-8")
+        written.write_text(_digest(text) + "\n", encoding="utf-8")
+        return DemoConfig(config, note, fresh=note is not None)
+
     if not config.exists():
-        try:
-            text = template.read_text(encoding="utf-8")
-        except OSError as exc:
-            raise DemoError(f"{template}: cannot read the bundled config: {exc.strerror}") from None
-        config.write_text(demo_config_text(text, demo_dir / "cache"), encoding="utf-8")
-    return config
+        return write(None)
+    current = config.read_text(encoding="utf-8")
+    recorded = written.read_text(encoding="utf-8").strip() if written.exists() else None
+    if recorded == _digest(current):  # as the demo wrote it: follow the bundled config
+        if current == text:
+            return DemoConfig(config)
+        return write(f"{config}: updated to the bundled demo config (nobody had edited it)")
+    try:
+        has_eval = "eval" in tomllib.loads(current)
+    except tomllib.TOMLDecodeError:
+        has_eval = True  # the user's broken edit: kept, and deploy names the bad line
+    if has_eval:
+        return DemoConfig(config)
+    if recorded is None:  # written by a demo from before it evaluated
+        aside = config.with_name("demo.toml.old")
+        config.replace(aside)
+        return write(
+            f"{config}: an earlier demo's config without [eval] (held-out tau) was moved to "
+            f"{aside.name}; the new one evaluates every few seconds"
+        )
+    return DemoConfig(
+        config,
+        f"{config}: your edited demo config has no [eval]: no held-out tau and no best "
+        f"checkpoint (see {overlay} for the bundled settings)",
+    )
 
 
 def demo_host(demo_dir: Path, config: Path, session: str) -> HostConfig:
@@ -117,18 +177,24 @@ async def bring_up(demo: HostHandle, session: str, *, fresh: bool, say: Say) -> 
 
 
 async def headless(control: RunService, duration: float, say: Say) -> int:
-    """Follow new status lines for `duration` s, stop gracefully, print the last status line."""
+    """Follow new status and Eval lines for `duration` s, stop gracefully, print the last Eval
+    line (when the run evaluated) and then the last status line."""
     start = await control.status()
     last: str | None = None
+    last_eval: str | None = None
 
     async def watch() -> None:
-        nonlocal last
+        nonlocal last, last_eval
         async with contextlib.aclosing(
             lines_of(control.follow(from_line=start.log_lines))
         ) as lines:
             async for line in lines:
-                if isinstance(parse_line(line), StatusEvent):
+                event = parse_line(line)
+                if isinstance(event, StatusEvent):
                     last = line
+                    say(line)
+                elif isinstance(event, EvalEvent):
+                    last_eval = line
                     say(line)
 
     with contextlib.suppress(TimeoutError):
@@ -137,11 +203,16 @@ async def headless(control: RunService, duration: float, say: Say) -> int:
     say("stopping the demo run gracefully ...")
     stopped = await control.stop(timeout=STOP_TIMEOUT_S)
     say(f"stop: {stopped.summary()}")
+    evaluated = eval_summary((await control.status()).run_state)
+    if evaluated:
+        say(evaluated)
     if last is None:
         tail = [ln for ln in before.pane_tail if ln.strip()]
         why = before.last_error or (tail[-1] if tail else None) or f"run is {before.state}"
         print(f"dflashctl demo: no status line within {duration:g} s ({why})", file=sys.stderr)
         return ExitCode.FAILED
+    if last_eval is not None:
+        print(last_eval)
     print(last)
     return ExitCode.OK
 
@@ -159,12 +230,14 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     return p.parse_args(list(argv))
 
 
-async def _run(args: argparse.Namespace, demo: HostHandle) -> int:
+async def _run(args: argparse.Namespace, demo: HostHandle, config: DemoConfig) -> int:
     def say(msg: str) -> None:
         print(msg, file=sys.stderr if not args.headless else sys.stdout, flush=True)
 
+    if config.note:
+        say(config.note + ("; starting fresh (checkpoints archived)" if config.fresh else ""))
     try:
-        await bring_up(demo, args.session, fresh=args.fresh, say=say)
+        await bring_up(demo, args.session, fresh=args.fresh or config.fresh, say=say)
         if args.headless:
             return await headless(demo.control, args.duration, say)
     finally:
@@ -181,9 +254,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _main(args: argparse.Namespace) -> int:
     demo_dir = (args.dir or default_dir()).resolve()
-    host = demo_host(demo_dir, prepare(demo_dir), args.session)
+    config = prepare(demo_dir)
+    host = demo_host(demo_dir, config.path, args.session)
     demo = open_local(host, label=DEMO_HOST)  # one handle: bring-up, the TUI, the final stop
-    rc = asyncio.run(_run(args, demo))
+    rc = asyncio.run(_run(args, demo, config))
     if rc or args.headless:
         return rc
     return run_tui(args, demo, host.session)
