@@ -27,7 +27,7 @@ import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeVar, runtime_checkable
 
 from pydantic import ValidationError
 
@@ -44,13 +44,17 @@ from dflashctl.follow import (
     any_failure,
     describe_failure,
 )
+from dflashctl.gpu_health import GpuHealth
 from trainer.events import (
+    BUCKET_LOSS_KEY,
     CheckpointEvent,
     ErrorEvent,
+    EvalEvent,
     Event,
     PhaseEvent,
     StatusEvent,
     format_line,
+    parse_bucket_losses,
     parse_line,
 )
 from trainer.events import run_state as contract
@@ -100,8 +104,20 @@ class RunState:
     streak_hist: tuple[float, ...] = ()
     q_pre_hist: tuple[tuple[int, ...], ...] = ()
     q_hs_hist: tuple[tuple[int, ...], ...] = ()
+    loss_points: tuple[tuple[int, float], ...] = ()
+    """(step, loss) of each status line with a loss: the loss chart's x axis is the step."""
+    bucket_loss_hist: tuple[tuple[int, tuple[float | None, ...]], ...] = ()
+    """(step, mean loss per length bucket) from each status line's `loss_b=[...]` extra; None
+    for a bucket that had no batch in the interval."""
+    evals: tuple[EvalEvent, ...] = ()
+    """Held-out evaluations (`Eval:` lines) in the order they arrived, at most HISTORY."""
+    last_eval_at: float | None = None
+    """Wall-clock time the last `Eval:` line arrived (the eval pane's age)."""
     log_tail: tuple[str, ...] = ()
     gpus: tuple[GpuSample, ...] = ()
+    gpu_health: tuple[GpuHealth, ...] = ()
+    """ECC counts and clock-event (throttle) reasons per GPU, where the control reports them
+    (`HealthSource`); matched to `gpus` by index."""
     run_info: contract.RunState = field(default_factory=contract.RunState)
     """RUN/run-state.json as last polled: the trainer's plan (total_steps, end_step,
     warmup_steps, boundaries) once it has written it."""
@@ -129,12 +145,20 @@ def apply_event(state: RunState, event: Event, now: float, line: str | None = No
     log_tail = _push(state.log_tail, line if line is not None else format_line(event), LOG_TAIL)
     base = replace(state, log_tail=log_tail, last_line_at=now, lines_seen=state.lines_seen + 1)
     if isinstance(event, StatusEvent):
+        raw_b = event.extra.get(BUCKET_LOSS_KEY)
+        per_bucket = parse_bucket_losses(raw_b) if raw_b is not None else None
         return replace(
             base,
             status=event,
             phase="running",
             ktok_hist=_push_opt(state.ktok_hist, event.ktok_s),
             loss_hist=_push_opt(state.loss_hist, event.loss),
+            loss_points=state.loss_points
+            if event.loss is None
+            else _push(state.loss_points, (event.step, float(event.loss))),
+            bucket_loss_hist=state.bucket_loss_hist
+            if not per_bucket
+            else _push(state.bucket_loss_hist, (event.step, tuple(per_bucket))),
             acc_hist=_push_opt(state.acc_hist, event.acc),
             streak_hist=_push_opt(state.streak_hist, event.streak),
             q_pre_hist=_push(state.q_pre_hist, tuple(event.q_pre)),
@@ -149,6 +173,8 @@ def apply_event(state: RunState, event: Event, now: float, line: str | None = No
         return replace(base, phase=event.phase, last_error=None if new_run else state.last_error)
     if isinstance(event, CheckpointEvent):
         return replace(base, checkpoint=(event.step, event.path))
+    if isinstance(event, EvalEvent):
+        return replace(base, evals=_push(state.evals, event), last_eval_at=now)
     if isinstance(event, ErrorEvent):
         # an error ends a run's setup: a "starting" line after it opens the next run
         return replace(base, last_error=event.message, phase=None)
@@ -279,6 +305,10 @@ def start_new_run(state: RunState) -> RunState:
         streak_hist=(),
         q_pre_hist=(),
         q_hs_hist=(),
+        loss_points=(),
+        bucket_loss_hist=(),
+        evals=(),
+        last_eval_at=None,
     )
 
 
@@ -426,6 +456,63 @@ def boundaries(shape: RunShape, state: RunState) -> Sequence[int] | None:
     return reported if reported is not None else shape.boundaries
 
 
+# ----------------------------------------------------------------------------- evaluation
+
+
+@dataclass(frozen=True, slots=True)
+class BestCheckpoint:
+    """The best held-out evaluation so far: its step, tau and checkpoint (what is known)."""
+
+    step: int | None
+    tau: float | None
+    checkpoint: str | None
+
+
+def last_eval(state: RunState) -> EvalEvent | None:
+    """The newest evaluation known: the last `Eval:` line read, or run-state.json's
+    `last_eval` when that is newer (the follow started past older lines, or is behind)."""
+    seen = state.evals[-1] if state.evals else None
+    polled = state.run_info.last_eval
+    if polled is not None and (seen is None or polled.step > seen.step):
+        return polled
+    return seen
+
+
+def tau_history(state: RunState) -> list[tuple[int, float]]:
+    """(step, simulated tau) of each evaluation read (oldest first), plus run-state.json's
+    last eval when no line carried it; steps increase (a resume's re-evaluation replaces)."""
+    points: dict[int, float] = {}
+    evals = list(state.evals)
+    newest = last_eval(state)
+    if newest is not None and (not evals or newest.step > evals[-1].step):
+        evals.append(newest)
+    for ev in evals:
+        if ev.tau is not None:
+            points[ev.step] = ev.tau
+    return sorted(points.items())
+
+
+def best_checkpoint(state: RunState) -> BestCheckpoint | None:
+    """The trainer's best (run-state.json: best_step, best_tau, best_checkpoint), else what the
+    eval lines say (`best=` of the newest, its tau from the history); None before any eval."""
+    info = state.run_info
+    if info.best_step is not None:
+        tau = info.best_tau
+        if tau is None:
+            tau = dict(tau_history(state)).get(info.best_step)
+        return BestCheckpoint(info.best_step, tau, info.best_checkpoint)
+    newest = last_eval(state)
+    if newest is None:
+        return None
+    history = tau_history(state)
+    if newest.best is not None:
+        return BestCheckpoint(newest.best, dict(history).get(newest.best), None)
+    if not history:
+        return None
+    step, tau = max(history, key=lambda p: (p[1], p[0]))  # ties to the later step
+    return BestCheckpoint(step, tau, None)
+
+
 # ----------------------------------------------------------------------------- restart plan
 
 
@@ -518,6 +605,14 @@ class FollowedHost(LogSource, Protocol):
     async def gpus(self) -> Sequence[GpuSample]: ...
 
 
+@runtime_checkable
+class HealthSource(Protocol):
+    """A control that also reports GPU health (ECC counts, clock-event reasons) through
+    `dflashctl.gpu_health`'s query and parser; the follower polls it beside `gpus()`."""
+
+    async def gpu_health(self) -> Sequence[GpuHealth]: ...
+
+
 @dataclass
 class HostFollower:
     """Keeps one host's `RunState` current over a `FollowedHost`; isolates that host's failures.
@@ -600,6 +695,11 @@ class HostFollower:
         with contextlib.suppress(Exception):
             gpus = await asyncio.wait_for(self.control.gpus(), self.call_timeout)
             self._set(replace(self.state, gpus=tuple(gpus)))
+        control = self.control
+        if self.state.gpus and isinstance(control, HealthSource):  # asked only with GPUs
+            with contextlib.suppress(Exception):
+                health = await asyncio.wait_for(control.gpu_health(), self.call_timeout)
+                self._set(replace(self.state, gpu_health=tuple(health)))
 
     async def _on_event(self, event: FollowEvent) -> None:
         state = self.state

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import math
-from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
@@ -20,7 +20,15 @@ from dflashctl.deploy import DeployResult
 from dflashctl.follow import FollowEvent, LogFollower
 from dflashctl.monitor import RunShape, lr_schedule
 from dflashctl.preflight import Preflight
-from trainer.events import StatusEvent, format_status_line
+from trainer.events import (
+    BUCKET_LOSS_KEY,
+    TAU_KEY,
+    EvalEvent,
+    StatusEvent,
+    format_bucket_losses,
+    format_eval_line,
+    format_status_line,
+)
 from trainer.events import run_state as contract
 
 FIXED_NOW = 1_800_000_000.0
@@ -46,7 +54,9 @@ def seed_shape(schedule: Any = warmup_cosine) -> RunShape:
     )
 
 
-def status_line(i: int, *, starve: int | None = None, **extra: str) -> str:
+def status_line(
+    i: int, *, starve: int | None = None, extras: Mapping[str, str] | None = None, **extra: str
+) -> str:
     """The i-th status line of a run ramping up (deterministic, no RNG)."""
     ramp = min(1.0, i / 20)
     step = 30 * i
@@ -68,7 +78,7 @@ def status_line(i: int, *, starve: int | None = None, **extra: str) -> str:
         q_hs=[i % 3],
         epoch=step / (TOTAL / 6),
         eta_s=None if i == 0 else 5.1 * 86400 / max(0.2, ramp),
-        extra=dict(extra),
+        extra={**(extras or {}), **extra},
     )
     return format_status_line(ev)
 
@@ -77,6 +87,62 @@ def run_lines(n: int, **kw: Any) -> list[str]:
     return ["Starting pipeline...", "Pipeline running. Monitoring..."] + [
         status_line(i, **kw) for i in range(n)
     ]
+
+
+BLOCK = 8
+"""The drafter's block size in the eval fixtures: acc@1..acc@7."""
+
+
+TAUS = (1.0, 1.42, 1.97, 2.61, 2.48, 2.55, 2.74, 2.69, 2.81, 2.77)
+"""Simulated tau of the successive evaluations: climbing from the untrained 1.0, then jumpy."""
+
+
+def eval_event(n: int) -> EvalEvent:
+    """The n-th held-out evaluation (every 150 steps) of a drafter that is learning: tau climbs
+    from 1.0 (`TAUS`), acc@k falls with k, `best` is the highest tau so far (ties: later)."""
+    taus = [TAUS[i % len(TAUS)] for i in range(n + 1)]
+    best = max(range(n + 1), key=lambda i: (taus[i], i))
+    acc1 = min(0.95, 0.1 + 0.2 * n)
+    acc_at = [round(acc1 * 0.8**k, 3) for k in range(BLOCK - 1)]
+    return EvalEvent(
+        step=150 * (n + 1),
+        tau=taus[n],
+        loss=round(6.0 - 0.4 * n, 4),
+        acc=acc1,
+        acc_at=acc_at,
+        tau_exp=round(1.0 + sum(acc_at), 3),
+        best=150 * (best + 1),
+        extra={"rows": "256", "cost": "3.1%"},
+    )
+
+
+def bucket_losses(i: int) -> list[float | None]:
+    """Mean loss per bucket in the i-th interval: each bucket learns alike but at its own scale
+    (long sequences higher); the longest bucket has no batch in every third interval."""
+    ramp = min(1.0, i / 20)
+    out: list[float | None] = [round(5.6 - 2.0 * ramp + 0.22 * b, 4) for b in range(6)]
+    if i % 3 == 2:
+        out[5] = None
+    return out
+
+
+def eval_run_lines(n: int, every: int = 5) -> list[str]:
+    """`run_lines(n)` with an `Eval:` line every `every` status lines (from the 5th) and, after
+    the first, the `tau=` and `loss_b=` extras on each status line, as the trainer prints them."""
+    out = ["Starting pipeline...", "Pipeline running. Monitoring..."]
+    evals = 0
+    for i in range(n):
+        extra: dict[str, str] = {}
+        if evals:
+            tau = eval_event(evals - 1).tau
+            extra[TAU_KEY] = f"{tau:.3f}"
+        if i:
+            extra[BUCKET_LOSS_KEY] = format_bucket_losses(bucket_losses(i))
+        out.append(status_line(i, extras=extra))
+        if i and i % every == 0:
+            out.append(format_eval_line(eval_event(evals)))
+            evals += 1
+    return out
 
 
 @dataclass

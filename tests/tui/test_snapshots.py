@@ -7,15 +7,27 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import replace
+from pathlib import Path
 
+from dflashctl.control import parse_gpu_csv
+from dflashctl.gpu_health import parse_health_csv
 from dflashctl.monitor import LinkState, RestartPlan, RunState, apply_lines, apply_status
 from dflashctl.runconfig import config_diff
 from dflashctl.tui.app import DflashApp, HostBinding
 from dflashctl.tui.screens.host import HostScreen
 from dflashctl.tui.screens.restart import RestartScreen
-from tests.tui.fixtures import FIXED_NOW, Status, run_lines, seed_shape, service
+from tests.tui.fixtures import (
+    FIXED_NOW,
+    Status,
+    eval_run_lines,
+    run_lines,
+    seed_shape,
+    service,
+)
+from trainer.events import run_state as contract
 
 SIZE = (120, 40)
+GPU_FIXTURES = Path(__file__).parents[1] / "ctl" / "fixtures" / "gpu-health"
 
 DEPLOYED = """\
 [batching]
@@ -115,6 +127,45 @@ def test_stale_host_screen(snap_compare) -> None:  # type: ignore[no-untyped-def
         await _painted(pilot)
 
     assert snap_compare(fleet_app(), terminal_size=SIZE, run_before=open_stale)
+
+
+def eval_app() -> DflashApp:
+    """One host 48 status lines in, nine held-out evaluations read (tau climbing from 1.0 to
+    2.81, the best at step 1350 with its checkpoint in run-state.json), per-bucket losses, and
+    two H100s from the captured nvidia-smi output: one throttled by the board, one with ECC
+    errors."""
+    app = DflashApp(
+        [HostBinding("kpro6", service(), shape=seed_shape())],
+        clock=lambda: FIXED_NOW,
+        live=False,
+    )
+    info = contract.RunState(
+        warmup_steps=900,
+        best_step=1350,
+        best_tau=2.81,
+        best_checkpoint="run/checkpoints/step-00001350.pt",
+    )
+    st = apply_lines(RunState("kpro6"), eval_run_lines(48), FIXED_NOW - 40)
+    st = apply_status(st, Status(run_state=info))
+    health_csv = (GPU_FIXTURES / "h100x8-driver550.csv").read_text().splitlines()[4:6]
+    health, _ = parse_health_csv("\n".join(health_csv))
+    samples = "4, NVIDIA H100 80GB HBM3, 98, 71234, 81559, 86, 688.0\n"
+    samples += "5, NVIDIA H100 80GB HBM3, 97, 70991, 81559, 64, 655.2\n"
+    app.states["kpro6"] = replace(
+        st, link="live", gpus=tuple(parse_gpu_csv(samples)), gpu_health=tuple(health)
+    )
+    return app
+
+
+def test_eval_host_screen(snap_compare) -> None:  # type: ignore[no-untyped-def]
+    """The "on track?" panes with fixed data: eval (tau history, best marked, acc@k bars, best
+    checkpoint), the loss chart with its warmup marker, per-bucket loss, GPU ECC / throttle."""
+
+    async def open_host(pilot) -> None:  # type: ignore[no-untyped-def]
+        await pilot.press("enter")
+        await _painted(pilot)
+
+    assert snap_compare(eval_app(), terminal_size=SIZE, run_before=open_host)
 
 
 def test_restart_modal(snap_compare) -> None:  # type: ignore[no-untyped-def]

@@ -10,11 +10,15 @@ from textual.binding import BindingType
 from textual.containers import Horizontal, Vertical
 from textual.widgets import Digits, Footer, Static
 
-from dflashctl.monitor import RunShape, RunState
+from dflashctl.monitor import RunShape, RunState, warmup_steps
 from dflashctl.tui.view import LiveScreen
+from dflashctl.tui.widgets.charts import SMOOTHING_STEPS
+from dflashctl.tui.widgets.loss_plot import LossPlot
 from dflashctl.tui.widgets.panes import (
     Pane,
+    bucket_loss_text,
     eta_text,
+    eval_text,
     fmt,
     gpus_text,
     header_text,
@@ -31,7 +35,10 @@ LOG_PANE_LINES = 200
 class HostScreen(LiveScreen[None]):
     """Panes re-rendered from the host's `RunState` on the app's coalesced tick."""
 
-    BINDINGS: ClassVar[list[BindingType]] = [("escape", "app.pop_screen", "Fleet")]
+    BINDINGS: ClassVar[list[BindingType]] = [
+        ("escape", "app.pop_screen", "Fleet"),
+        ("m", "smoothing", "Smoothing"),
+    ]
 
     def __init__(self, host: str) -> None:
         super().__init__(name=host)
@@ -41,6 +48,9 @@ class HostScreen(LiveScreen[None]):
 
     def compose(self) -> ComposeResult:
         yield Static("", id="host-header")
+        with Horizontal(id="row-eval"):  # "are we on track?" first
+            yield LossPlot(id="loss-plot")
+            yield Pane("held-out eval (tau, acc@k, best)", id="eval")
         with Horizontal(id="row-top"):
             with Vertical(id="throughput", classes="pane"):
                 yield Digits("—", id="ktok-digits")
@@ -50,9 +60,10 @@ class HostScreen(LiveScreen[None]):
         with Horizontal(id="row-mid"):
             yield Pane("queues", id="queues")
             with Vertical(id="side"):
-                yield Pane("loss / acc / streak", id="metrics")
-                yield Pane("GPUs", id="gpus")
+                yield Pane("loss per length bucket", id="bucket-loss")
+                yield Pane("train acc / streak", id="metrics")
         with Horizontal(id="log-row"):
+            yield Pane("GPUs", id="gpus")
             yield TailLog(LOG_PANE_LINES, id="host-log")
         yield Footer()
 
@@ -85,9 +96,26 @@ class HostScreen(LiveScreen[None]):
         self._pane("#eta").update(eta_text(state, shape, self._width("#eta")))
         self._pane("#lr").update(lr_text(state, shape, self._width("#lr")))
         self._pane("#queues").update(queues_text(state, shape, self._width("#queues")))
-        self._pane("#metrics").update(metrics_text(state, self._width("#metrics")))
+        self._pane("#metrics").update(metrics_text(state, self._width("#metrics"), loss=False))
+        self._pane("#eval").update(eval_text(state, now, self._width("#eval")))
+        self._pane("#bucket-loss").update(
+            bucket_loss_text(state, shape, self._width("#bucket-loss"))
+        )
+        self.query_one("#loss-plot", LossPlot).show(state.loss_points, warmup_steps(shape, state))
         self._pane("#gpus").update(gpus_text(state))
         self.query_one("#host-log", TailLog).show(state)
+
+    def action_smoothing(self) -> None:
+        """Cycle the loss chart's EMA weight through `SMOOTHING_STEPS`."""
+        plot = self.query_one("#loss-plot", LossPlot)
+        steps = SMOOTHING_STEPS
+        nxt = (
+            steps[(steps.index(plot.smoothing) + 1) % len(steps)]
+            if plot.smoothing in steps
+            else steps[0]
+        )
+        plot.smoothing = nxt
+        self.request_redraw(self.host)
 
     def on_resize(self) -> None:
         self._painted = False  # charts are sized to their panes: redraw at the new size

@@ -84,3 +84,29 @@ def bar(value: float, total: float, width: int, *, style: str = "green") -> Text
     text = Text("█" * full + partial, style=style)
     text.append("·" * (width - full - (1 if partial else 0)), style="grey35")
     return text
+
+
+LOSS_SMOOTHING = 0.6
+"""The loss chart's EMA weight (TensorBoard's default slider value); `m` on the host screen
+cycles through `SMOOTHING_STEPS`."""
+SMOOTHING_STEPS = (0.0, 0.6, 0.9, 0.99)
+
+
+def debiased_ema(values: Sequence[float], weight: float) -> list[float]:
+    """TensorBoard's / W&B's smoothing: an exponential moving average with weight `weight`
+    (0 = raw) whose zero start is corrected (divided by 1 - weight^n), so the first points
+    are not pulled towards 0. Non-finite values are passed through without entering the
+    average."""
+    if not 0.0 <= weight < 1.0:
+        raise ValueError(f"smoothing weight must be in [0, 1), not {weight}")
+    out: list[float] = []
+    last = 0.0
+    n = 0
+    for v in values:
+        if v != v or v in (float("inf"), float("-inf")):  # NaN / inf: shown as is
+            out.append(v)
+            continue
+        last = last * weight + (1.0 - weight) * v
+        n += 1
+        out.append(last / (1.0 - weight**n))
+    return out

@@ -11,19 +11,23 @@ from collections.abc import Sequence
 from rich.text import Text
 from textual.widgets import Static
 
+from dflashctl.gpu_health import HARMFUL_REASONS, GpuHealth
 from dflashctl.monitor import (
     RunShape,
     RunState,
+    best_checkpoint,
     boundaries,
     bucket_labels,
     display_state,
     format_age,
+    last_eval,
     line_age,
     restart_summary,
+    tau_history,
     total_steps,
     warmup_steps,
 )
-from dflashctl.tui.widgets.charts import bar, curve, spark
+from dflashctl.tui.widgets.charts import BLOCKS, bar, curve, spark
 from trainer.events import BOTTLENECK_KEY, STAGE_WAIT_KEYS, format_eta
 
 DASH = "—"
@@ -219,16 +223,17 @@ def queues_text(state: RunState, shape: RunShape, width: int) -> Text:
     return out
 
 
-def metrics_text(state: RunState, width: int) -> Text:
-    """Loss / acc / streak: current value and history."""
+def metrics_text(state: RunState, width: int, *, loss: bool = True) -> Text:
+    """Loss / acc / streak: current value and history (the host screen leaves loss to its
+    chart: `loss=False`)."""
     st = state.status
     out = Text()
-    spark_w = max(8, width - 18)
+    spark_w = max(8, width - 16)
     rows = (
         ("loss", st.loss if st else None, ".4f", state.loss_hist, "red"),
         ("acc", st.acc if st else None, ".3f", state.acc_hist, "green"),
         ("streak", st.streak if st else None, ".2f", state.streak_hist, "cyan"),
-    )
+    )[0 if loss else 1 :]
     for i, (name, value, spec, hist, colour) in enumerate(rows):
         out.append(f"{name:>6} ", style="dim")
         out.append(f"{fmt(value, spec):>8} ", style="bold")
@@ -238,8 +243,138 @@ def metrics_text(state: RunState, width: int) -> Text:
     return out
 
 
+def eval_text(state: RunState, now: float, width: int) -> Text:
+    """Held-out evaluation at a glance: the last simulated tau and its history with the best
+    marked, acc@k per drafted position as a bar row, the last eval's step and age, the best
+    checkpoint. From `Eval:` lines and run-state.json (`monitor.last_eval`, `best_checkpoint`)."""
+    out = Text()
+    newest = last_eval(state)
+    if newest is None:
+        out.append("no evaluation yet ([eval] every_steps / every_minutes)", style="dim")
+        return out
+    best = best_checkpoint(state)
+    _kv(out, "tau", fmt(newest.tau, ".3f"), "bold cyan")
+    if newest.tau_exp is not None:
+        out.append("  ")
+        _kv(out, "exp", f"{newest.tau_exp:.3f}", "")
+    if newest.tau_real is not None:
+        out.append("  ")
+        _kv(out, "real", f"{newest.tau_real:.3f}", "bold")
+    elif newest.loss is not None:
+        out.append("  ")
+        _kv(out, "loss", f"{newest.loss:.3f}", "")
+    out.append("\n")
+    history = tau_history(state)
+    spark_w = max(8, width - 6)
+    if history:
+        shown = history[-spark_w:]
+        taus = [t for _, t in shown]
+        out.append("tau   ", style="dim")
+        start = len(out)
+        out.append_text(spark(taus, spark_w, lo=min(1.0, min(taus)), hi=max(taus), style="cyan"))
+        if best is not None:
+            cols = [i for i, (step, _) in enumerate(shown) if step == best.step]
+            if cols:  # the best evaluation's column, highlighted
+                out.stylize("bold yellow reverse", start + cols[0], start + cols[0] + 1)
+        out.append("\n")
+    if newest.acc_at:
+        out.append("acc@k ", style="dim")
+        cell = max(1, min(3, (width - 6) // max(1, len(newest.acc_at))))
+        for a in newest.acc_at:
+            level = max(1, min(8, round(a * 8))) if a > 0 else 0
+            style = "green" if a >= 0.5 else ("yellow" if a >= 0.2 else "red")
+            out.append((BLOCKS[level] * max(1, cell - 1)).ljust(cell), style=style)
+        out.append("\n")
+        out.append(" " * 6)
+        k = len(newest.acc_at)
+        out.append(f"@1 {newest.acc_at[0]:.2f}", style="dim")
+        if k > 1:
+            out.append(f" … @{k} {newest.acc_at[-1]:.2f}", style="dim")
+        out.append("\n")
+    if best is not None and best.step is not None:
+        _kv(out, "best ", f"{fmt(best.tau, '.3f')} @ step {best.step}", "bold yellow")
+        if best.checkpoint:
+            name = best.checkpoint.rsplit("/", 1)[-1]
+            line_w = len(out.plain) - (out.plain.rfind("\n") + 1)
+            out.append("\n      " if line_w + 2 + len(name) > width else "  ")
+            out.append(name, style="yellow")
+        out.append("\n")
+    _kv(out, "eval ", f"step {newest.step}", "")
+    age = None if state.last_eval_at is None else max(0.0, now - state.last_eval_at)
+    out.append(f", {format_age(age)} ago", style="dim")
+    return out
+
+
+def bucket_loss_text(state: RunState, shape: RunShape, width: int) -> Text:
+    """One line per length bucket from the status lines' `loss_b=[...]` extra: the interval's
+    mean loss and its history on one shared scale, so a jumpy total reads as the bucket mix
+    (long sequences have a higher loss) rather than as instability."""
+    out = Text()
+    hist = state.bucket_loss_hist
+    if not hist:
+        out.append("no per-bucket loss yet (the trainer's loss_b= extra)", style="dim")
+        return out
+    count = max(len(row) for _, row in hist)
+    labels = bucket_labels(boundaries(shape, state), count)
+    values = [v for _, row in hist for v in row if v is not None]
+    lo, hi = (min(values), max(values)) if values else (0.0, 1.0)
+    label_w = max(len(lbl) for lbl in labels)
+    spark_w = max(6, width - label_w - 9)
+    current = hist[-1][1]
+    for i, label in enumerate(labels):
+        value = current[i] if i < len(current) else None
+        series = [row[i] for _, row in hist if i < len(row) and row[i] is not None]
+        out.append(f"{label:>{label_w}} ", style="dim")
+        out.append(f"{fmt(value, '.3f'):>7} ", style="bold" if value is not None else "dim")
+        out.append_text(spark([v for v in series if v is not None], spark_w, lo=lo, hi=hi))
+        if i < count - 1:
+            out.append("\n")
+    return out
+
+
+def _health_for(state: RunState, index: int) -> GpuHealth | None:
+    return next((h for h in state.gpu_health if h.index == index), None)
+
+
+def _notable(health: GpuHealth) -> bool:
+    """ECC errors or a harmful clock-event reason: worth its own line."""
+    counts = (
+        health.ecc_corrected_volatile,
+        health.ecc_uncorrected_volatile,
+        health.ecc_uncorrected_aggregate,
+    )
+    return any(counts) or bool(health.harmful)
+
+
+def _health_line(out: Text, health: GpuHealth) -> None:
+    """`ECC 0 corr / 0 uncorr` and the active clock-event reasons (harmful ones in red)."""
+    out.append("\n     ")
+    if health.ecc_mode != "Enabled":
+        out.append(f"ECC {health.ecc_mode or 'n/a'}", style="dim")
+    else:
+        corrected = fmt(health.ecc_corrected_volatile, "d")
+        bad = health.ecc_uncorrected_volatile or health.ecc_uncorrected_aggregate
+        uncorrected = fmt(health.ecc_uncorrected_volatile, "d")
+        out.append("ECC ", style="dim")
+        out.append(f"{corrected} corr", style="yellow" if health.ecc_corrected_volatile else "")
+        out.append(" / ")
+        out.append(f"{uncorrected} uncorr", style="bold red" if bad else "")
+        if health.ecc_uncorrected_aggregate:
+            out.append(f" ({health.ecc_uncorrected_aggregate} ever)", style="red")
+    out.append("  ")
+    if not health.reasons:
+        out.append("no throttle", style="dim")
+        return
+    harmful_first = sorted(health.reasons, key=lambda r: (r not in HARMFUL_REASONS, r))
+    for n, reason in enumerate(harmful_first):
+        if n:
+            out.append(" ")
+        out.append(reason, "bold red" if reason in HARMFUL_REASONS else "dim")
+
+
 def gpus_text(state: RunState) -> Text:
-    """Per-GPU utilisation, memory, temperature and power (`RunControl.gpus()` samples)."""
+    """Per-GPU utilisation, memory, temperature and power (`RunControl.gpus()` samples), and
+    under each GPU its ECC counts and throttle reasons where the control reports GPU health."""
     out = Text()
     if not state.gpus:
         out.append("no GPU samples (nvidia-smi absent or not yet polled)", style="dim")
@@ -255,8 +390,17 @@ def gpus_text(state: RunState) -> Text:
         out.append(f"{fmt(g.temp_c, '.0f')}°C", style="bold red" if hot else "")
         if g.power_w is not None:
             out.append(f"  {g.power_w:.0f} W", style="dim")
+        health = _health_for(state, g.index)
+        if health is not None and _notable(health):
+            _health_line(out, health)
         if i < len(state.gpus) - 1:
             out.append("\n")
+    fine = [g.index for g in state.gpus if (h := _health_for(state, g.index)) and not _notable(h)]
+    if fine:  # one line for the GPUs with nothing to report
+        ids = ",".join(str(i) for i in fine)
+        out.append(
+            f"\nGPU{'s' if len(fine) > 1 else ''} {ids}: ECC 0 errors, no HW throttle", "dim"
+        )
     return out
 
 
