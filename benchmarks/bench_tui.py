@@ -7,6 +7,10 @@ Side by side in one run:
 * fleet screen vs. host screen, both with the coalesced 4 Hz redraw the app uses;
 * the host screen with a naive redraw after every line (what coalescing avoids).
 
+Each status line carries the trainer's `loss_b=[...]` extra and every host prints an `Eval:`
+line every `EVAL_EVERY` status lines, so the host screen's eval pane, per-bucket pane and loss
+chart (textual-plotext, replotted only when its data changed) are in the measured redraws.
+
 Reported: the app's flush (our widget updates) p50/p95/max in ms, frames drawn, and process CPU
 as a percent of one core over the run (includes Textual's layout and rendering).
 
@@ -28,12 +32,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # for tests.tui.fi
 
 from dflashctl.monitor import RunShape
 from dflashctl.tui.app import DflashApp, HostBinding
-from tests.tui.fixtures import service
-from trainer.events import StatusEvent, format_status_line
+from tests.tui.fixtures import bucket_losses, eval_event, service
+from trainer.events import (
+    BUCKET_LOSS_KEY,
+    StatusEvent,
+    format_bucket_losses,
+    format_eval_line,
+    format_status_line,
+)
 
 HOSTS = 16
 LINES_PER_S = 2.0
 BOUNDARIES = (0, 770, 1216, 1728, 2432, 3296, 8192)
+EVAL_EVERY = 20
 
 
 def warmup_cosine(step: int, warmup: int, total: int) -> float:
@@ -43,7 +54,15 @@ def warmup_cosine(step: int, warmup: int, total: int) -> float:
     return 6e-4 * (0.1 + 0.45 * (1 + math.cos(math.pi * p)))
 
 
-def line(host: int, i: int) -> str:
+def lines(host: int, i: int) -> list[str]:
+    """The i-th status line of `host`, and an eval line after every EVAL_EVERY-th."""
+    out = [status(host, i)]
+    if i and i % EVAL_EVERY == 0:
+        out.append(format_eval_line(eval_event(i // EVAL_EVERY - 1)))
+    return out
+
+
+def status(host: int, i: int) -> str:
     ramp = min(1.0, i / 20)
     return format_status_line(
         StatusEvent(
@@ -61,7 +80,11 @@ def line(host: int, i: int) -> str:
             q_hs=[(i + host) % 4],
             epoch=3 * i / 15000,
             eta_s=5.1 * 86400,
-            extra={"w_tgt_in": str((i * 3) % 60), "bottleneck": "target"},
+            extra={
+                "w_tgt_in": str((i * 3) % 60),
+                "bottleneck": "target",
+                BUCKET_LOSS_KEY: format_bucket_losses(bucket_losses(i)),
+            },
         )
     )
 
@@ -73,6 +96,8 @@ class Result:
     frames: int
     lines: int
     cpu_pct: float
+    replots: int | None = None
+    """Loss-chart replots on the host screen (None on the fleet screen)."""
 
 
 async def scenario(
@@ -115,7 +140,7 @@ async def scenario(
                 await asyncio.sleep(seconds)
                 break
             host = i % HOSTS
-            app.feed(names[host], [line(host, i // HOSTS)])
+            app.feed(names[host], lines(host, i // HOSTS))
             fed += 1
             if naive:
                 app.flush()
@@ -125,7 +150,12 @@ async def scenario(
         cpu = time.process_time() - cpu0
         wall = time.perf_counter() - wall0
         frames = app.frames - frames0
-    return Result(name, flush_ms, frames, fed, 100.0 * cpu / wall)
+        replots = None
+        if host_screen:
+            from dflashctl.tui.widgets.loss_plot import LossPlot
+
+            replots = app.screen.query_one("#loss-plot", LossPlot).replots
+    return Result(name, flush_ms, frames, fed, 100.0 * cpu / wall, replots)
 
 
 def pct(xs: list[float], q: float) -> float:
@@ -142,13 +172,15 @@ async def main(seconds: float) -> None:
     ]
     print(f"{HOSTS} hosts x {LINES_PER_S:g} lines/s, {seconds:g} s each, terminal 160x50, headless")
     print(
-        f"{'scenario':<24}{'lines':>7}{'frames':>8}{'flush p50':>11}{'p95':>8}{'max':>8}{'CPU %':>8}"
+        f"{'scenario':<24}{'lines':>7}{'frames':>8}{'flush p50':>11}{'p95':>8}{'max':>8}"
+        f"{'CPU %':>8}{'replots':>9}"
     )
     for r in results:
         print(
             f"{r.name:<24}{r.lines:>7}{r.frames:>8}"
             f"{statistics.median(r.flush_ms):>9.2f}ms{pct(r.flush_ms, 0.95):>6.2f}ms"
             f"{max(r.flush_ms):>6.2f}ms{r.cpu_pct:>8.1f}"
+            f"{'' if r.replots is None else r.replots:>9}"
         )
     base = results[2].cpu_pct
     print(f"coalescing saves {results[3].cpu_pct - base:.1f} points of CPU on the host screen")
