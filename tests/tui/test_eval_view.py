@@ -30,7 +30,7 @@ from dflashctl.monitor import (
 from dflashctl.tui.app import DflashApp, HostBinding
 from dflashctl.tui.screens.host import HostScreen
 from dflashctl.tui.widgets.charts import LOSS_SMOOTHING, SMOOTHING_STEPS, debiased_ema
-from dflashctl.tui.widgets.loss_plot import LossPlot
+from dflashctl.tui.widgets.loss_plot import LossPlot, by_step
 from dflashctl.tui.widgets.panes import bucket_loss_text, eval_text, gpus_text
 from tests.tui.fixtures import (
     BLOCK,
@@ -286,3 +286,10 @@ async def test_loss_plot_marks_the_end_of_warmup_inside_the_plotted_steps() -> N
         assert "warmup end" in plot.plt.uncolorize(plot.plt.build())
         assert plot.show(points, warmup=None)
         assert "warmup end" not in plot.plt.uncolorize(plot.plt.build())
+
+
+def test_a_resume_replots_the_steps_it_repeats_once() -> None:
+    """A resume from step 60 prints steps 90.. again: the chart keeps the continuing run's."""
+    first = [(30, 5.0), (60, 4.8), (90, 4.7), (120, 4.9)]
+    resumed = [(90, 4.6), (120, 4.5), (150, 4.4)]
+    assert by_step(first + resumed) == ([30, 60, 90, 120, 150], [5.0, 4.8, 4.6, 4.5, 4.4])

@@ -16,6 +16,14 @@ from dflashctl.tui.widgets.charts import LOSS_SMOOTHING, debiased_ema
 PlotKey = tuple[int, tuple[int, float] | None, tuple[int, float] | None, int | None, float]
 
 
+def by_step(points: Sequence[tuple[int, float]]) -> tuple[list[int], list[float]]:
+    """Steps ascending, one loss each: after a resume the trainer prints steps it printed
+    before (from the checkpoint on), and the later line is the run that continues."""
+    latest = dict(points)  # a later (step, loss) replaces an earlier one
+    steps = sorted(latest)
+    return steps, [latest[s] for s in steps]
+
+
 class LossPlot(PlotextPlot):
     """Loss against step: raw points (dim), the smoothed curve, a vertical line at the end of
     warmup when the run's warmup is known and falls inside the plotted steps."""
@@ -60,8 +68,7 @@ class LossPlot(PlotextPlot):
             self.refresh()
             return True
         plt.title("")
-        steps = [s for s, _ in points]
-        losses = [v for _, v in points]
+        steps, losses = by_step(points)
         plt.plot(steps, losses, marker="dot", color="gray", label="raw")
         if self.smoothing > 0:
             smooth = debiased_ema(losses, self.smoothing)
