@@ -341,20 +341,32 @@ def supervisor_lines(st: RunStatus, now: float | None = None) -> list[str]:
 
 
 def low_disk_line(supervisor: Mapping[str, object] | None, now: float) -> str | None:
-    """`disk: LOW: 0.5 MiB free in run/, a checkpoint needs 1.0 MiB (for 3m05s): ...` while the
-    supervisor's `low_disk` entry (RUN/supervisor.json) is set, else None."""
+    """`disk: LOW: 2.5 MiB free in run/, checkpoints need 4.0 MiB (4 x 1.0 MiB) for 3m05s: a
+    later checkpoint will fail unless space is freed` while the supervisor's `low_disk` entry
+    (RUN/supervisor.json: free_mib, needed_mib, checkpoint_mib, checkpoints, since) is set;
+    "the next checkpoint" when not even one fits. None when the disk is fine."""
     from dflashctl.control import iso_time
     from dflashctl.monitor import format_age
 
     low = supervisor.get("low_disk") if supervisor else None
     if not isinstance(low, dict):
         return None
+    free, need, one, slots = (
+        low.get(k) for k in ("free_mib", "needed_mib", "checkpoint_mib", "checkpoints")
+    )
+    made_of = (
+        f" ({slots} x {_num(one)} MiB)"
+        if isinstance(slots, int) and slots > 1 and isinstance(one, int | float)
+        else ""
+    )
     since = iso_time(low.get("since"))
-    age = f" (for {format_age(max(0.0, now - since))})" if since is not None else ""
+    age = f" for {format_age(max(0.0, now - since))}" if since is not None else ""
+    limit = one if isinstance(one, int | float) else need
+    full = isinstance(free, int | float) and isinstance(limit, int | float) and free < limit
     return (
-        f"disk: LOW: {_num(low.get('free_mib'))} MiB free in run/, a checkpoint needs "
-        f"{_num(low.get('needed_mib'))} MiB{age}: the next checkpoint will fail unless space "
-        f"is freed"
+        f"disk: LOW: {_num(free)} MiB free in run/, checkpoints need {_num(need)} MiB"
+        f"{made_of}{age}: {'the next' if full else 'a later'} checkpoint will fail unless "
+        f"space is freed"
     )
 
 

@@ -199,7 +199,7 @@ def eval_summary(run_state: RunState) -> str | None:
     ev, best = run_state.last_eval, best_view(run_state)
     if ev is None and best is None:
         return None
-    head = f"eval: step {ev.step} tau={_tau(ev.tau)}" if ev else "eval: none in this run yet"
+    head = f"eval: step {ev.step} tau={_tau(ev.tau)}" if ev else "eval: none recorded yet"
     if best is None:
         tail = " (no best checkpoint yet)"
     else:

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 from dflashctl.cli import format_run_status
 from dflashctl.control import (
     MARK,
+    eval_summary,
     parse_gpu_csv,
     parse_status,
     parse_supervisor_file,
@@ -14,7 +16,9 @@ from dflashctl.control import (
     stop_wait_argv,
     trainer_argv,
 )
+from trainer.events import EvalEvent, parse_line
 from trainer.events.run_state import RunState, parse_run_state
+from trainer.pipeline.status import RunStateFile
 
 LINE = (
     "[3m] step={step} loss=1.2000 acc=0.500 streak=1.0 lr=6.00e-04 noise=0.1000 | tgt=1.00b/s "
@@ -162,3 +166,90 @@ def test_supervisor_file_is_read_on_its_own_not_as_run_state() -> None:
         "run/supervisor.json is corrupted: Expecting property name enclosed in double quotes "
         "(byte 1)"
     )
+
+
+EVAL_LINE = (
+    "Eval: step=400 tau=3.214 loss=1.2345 acc=0.612 acc@1=0.901 acc@2=0.700 acc@3=0.512 "
+    "tau_exp=3.113 best=400 | rows=64 blocks=2831 eval_s=0.21 cost=4.2%"
+)
+
+
+def _evaluated_run_state(run: Path) -> str:
+    """run-state.json as the trainer writes it after an evaluation that made a new best: the
+    trainer's own writer (RunStateFile), fed what trainer.pipeline.evals records."""
+    ev = parse_line(EVAL_LINE)
+    assert isinstance(ev, EvalEvent)
+    best = run / "checkpoints" / "step-00000400.pt"
+    state = RunStateFile(run)
+    assert not state.update(pid=4242, state="running", config_hash="cfg000000001")
+    assert not state.update(holdout_rows=64, eval_rows=64)
+    assert not state.update(
+        last_eval=ev.model_dump(mode="json", exclude={"kind", "extra"}),
+        eval_seconds=3.5,
+        eval_share=0.0421,
+    )
+    assert not state.update(best_step=400, best_tau=ev.tau, best_checkpoint=str(best))
+    return (run / "run-state.json").read_text()
+
+
+def test_status_shows_the_last_eval_and_the_best_checkpoint_from_the_trainers_run_state(
+    tmp_path: Path,
+) -> None:
+    text = _evaluated_run_state(tmp_path)
+    out = script_output(session="yes", pane="0|||4242", run_state=text, log=LINE.format(step=420))
+    st = parse_status("h", out, fake_hash)
+    assert st.run_state_error is None
+    d = json.loads(json.dumps(st.to_json_dict(), default=str))  # as status --json prints it
+    assert d["eval"] == {
+        "step": 400,
+        "tau": 3.214,
+        "tau_real": None,
+        "loss": 1.2345,
+        "acc": 0.612,
+        "acc_at": [0.901, 0.7, 0.512],
+        "tau_exp": 3.113,
+        "best": 400,
+        "share": 0.0421,
+    }
+    assert d["best"] == {
+        "step": 400,
+        "tau": 3.214,
+        "checkpoint": str(tmp_path / "checkpoints" / "step-00000400.pt"),
+    }
+    want = (
+        "  eval: step 400 tau=3.214 (best 400, tau=3.214, checkpoints/step-00000400.pt); "
+        "evals cost 4.2% of wall time"
+    )
+    lines = format_run_status(st).splitlines()
+    assert want in lines
+    assert lines.index(want) == lines.index("  " + LINE.format(step=420)) + 1  # after the step
+
+
+def test_a_run_without_evaluations_has_null_eval_and_best_and_no_eval_line(
+    tmp_path: Path,
+) -> None:
+    state = RunStateFile(tmp_path)
+    assert not state.update(pid=4242, state="running", config_hash="cfg000000001")
+    out = script_output(
+        session="yes", pane="0|||4242", run_state=(tmp_path / "run-state.json").read_text()
+    )
+    st = parse_status("h", out, fake_hash)
+    d = st.to_json_dict()
+    assert d["eval"] is None and d["best"] is None
+    assert "eval:" not in format_run_status(st)
+    # nothing deployed / no run-state at all: the same keys, null
+    d = parse_status("h", script_output(session="no"), fake_hash).to_json_dict()
+    assert d["eval"] is None and d["best"] is None
+
+
+def test_the_eval_line_before_a_best_exists_and_a_best_without_a_new_eval() -> None:
+    first = RunState.model_validate(
+        {"last_eval": {"step": 0, "tau": 1.052, "acc_at": [0.04, 0.0, 0.0]}}
+    )
+    assert eval_summary(first) == "eval: step 0 tau=1.052 (no best checkpoint yet)"
+    # a resumed run: build_evaluator records the checkpoint's best before this process evaluates
+    resumed = RunState(best_step=1800, best_tau=2.454, best_checkpoint="/w/run/checkpoints/b.pt")
+    assert eval_summary(resumed) == (
+        "eval: none recorded yet (best 1800, tau=2.454, checkpoints/b.pt)"
+    )
+    assert eval_summary(RunState()) is None

@@ -7,14 +7,23 @@ sshd, pct, LXC and tmux with the real supervisor and trainer.
 from __future__ import annotations
 
 import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
 
-from dflashctl.cli import format_run_status, supervisor_lines
+from dflashctl.cli import format_run_status, low_disk_line, supervisor_lines
 from dflashctl.control import MARK, STATUS_SCRIPT, parse_status
 from dflashctl.remote.commands import supervised
 from dflashctl.watch_events import Condition, snapshot_from_status
+from tests.conftest import require_part
 from trainer.config.policy import Policy
 
 RESTART = {
@@ -109,6 +118,120 @@ def test_low_disk_reaches_status_json_and_clears_with_the_file() -> None:
     assert d["state"] == "running" and d["supervisor"]["low_disk"] == low
     d = status(out("0|||40", sup(40, "running", low_disk=None))).to_json_dict()
     assert d["supervisor"]["low_disk"] is None
+
+
+def test_low_disk_is_one_status_line_naming_what_fails_next() -> None:
+    now = 1_000_000.0
+    since = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(now - 185))
+    # the supervisor's entry (trainer.supervision.disk.Disk.as_json + since): retention known
+    later = {"free_mib": 2.5, "needed_mib": 3.0, "checkpoint_mib": 1.0, "checkpoints": 4}
+    assert low_disk_line({"low_disk": {**later, "since": since}}, now) == (
+        "disk: LOW: 2.5 MiB free in run/, checkpoints need 3 MiB (4 x 1 MiB) for 3m05s: "
+        "a later checkpoint will fail unless space is freed"
+    )
+    full = {"free_mib": 0.5, "needed_mib": 1.0, "checkpoint_mib": 1.0, "checkpoints": 1}
+    assert low_disk_line({"low_disk": full}, now) == (
+        "disk: LOW: 0.5 MiB free in run/, checkpoints need 1 MiB: "
+        "the next checkpoint will fail unless space is freed"
+    )
+    assert low_disk_line({"low_disk": None}, now) is None and low_disk_line(None, now) is None
+    st = status(out("0|||40", sup(40, "running", low_disk={**full, "since": since})))
+    lines = format_run_status(st).splitlines()
+    assert lines[1].startswith("  supervisor: running, attempt 1;")
+    assert lines[2].startswith("  disk: LOW: 0.5 MiB free in run/") and len(lines) == 3
+
+
+# Writes RUN/checkpoints/step-00000001.pt of 1 MiB (a stand-in for the trainer's checkpoint),
+# then runs until RUN/done exists and exits 0.
+CHILD = (
+    "import os, sys, time\n"
+    "run = sys.argv[1]\n"
+    "os.makedirs(run + '/checkpoints', exist_ok=True)\n"
+    "open(run + '/checkpoints/step-00000001.pt', 'wb').write(b'\\0' * 1048576)\n"
+    "open(run + '/checkpoints/.written', 'w').close()\n"
+    "while not os.path.exists(run + '/done'): time.sleep(0.05)\n"
+)
+
+
+@pytest.fixture
+def small_fs(tmp_path: Path) -> Iterator[Path]:
+    """A fresh 4 MiB tmpfs at tmp_path/fs (needs root to mount), unmounted afterwards."""
+    mnt = tmp_path / "fs"
+    mnt.mkdir()
+    ok = os.geteuid() == 0 and (
+        subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mnt)], capture_output=True
+        ).returncode
+        == 0
+    )
+    require_part(ok, "cannot mount a tmpfs (needs root and mount permission)")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+def _until(cond: Callable[[], bool], what: str, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+def _file(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):  # not written yet
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+@pytest.mark.timeout(90)
+def test_low_disk_as_the_real_supervisor_writes_it_reaches_status_text_and_json(
+    small_fs: Path, tmp_path: Path
+) -> None:
+    """The real `python -m trainer.supervise` on a 4 MiB disk: its child wrote a 1 MiB
+    checkpoint, a filler leaves 0.5 MiB; the supervisor.json it then writes is what status
+    reads, and the line goes when the space comes back."""
+    run = small_fs / "run"
+    argv = [sys.executable, "-m", "trainer.supervise", "--run-dir", str(run)]
+    argv += ["--disk-check-s", "0.1", "--", sys.executable, "-c", CHILD, str(run)]
+    root = Path(__file__).resolve().parents[2]
+    with open(tmp_path / "out", "w") as log:
+        proc = subprocess.Popen(
+            argv, cwd=root, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
+    try:
+        sup_json = run / "supervisor.json"
+        _until(lambda: (run / "checkpoints" / ".written").exists(), "the child's checkpoint")
+        _until(lambda: _file(sup_json).get("state") == "running", "the supervisor to run")
+        st = os.statvfs(small_fs)
+        filler = small_fs / "filler"
+        filler.write_bytes(b"\0" * (st.f_bavail * st.f_frsize - 512 * 1024))
+        _until(lambda: bool(_file(sup_json).get("low_disk")), "supervisor.json's low_disk")
+        text = sup_json.read_text()
+        written = json.loads(text)
+        assert written["pid"] == proc.pid
+        got = status(out(f"0|||{proc.pid}", None, supervisor=text))
+        d = json.loads(json.dumps(got.to_json_dict(), default=str))
+        assert d["state"] == "running" and d["supervisor"]["low_disk"] == written["low_disk"]
+        line = next(ln for ln in format_run_status(got).splitlines() if "disk:" in ln)
+        assert re.fullmatch(
+            r"  disk: LOW: 0\.\d MiB free in run/, checkpoints need 1 MiB for \d+s: "
+            r"the next checkpoint will fail unless space is freed",
+            line,
+        ), line
+        filler.unlink()
+        _until(lambda: _file(sup_json).get("low_disk", 0) is None, "low_disk to clear")
+        got = status(out(f"0|||{proc.pid}", None, supervisor=sup_json.read_text()))
+        assert got.to_json_dict()["supervisor"]["low_disk"] is None
+        assert "disk:" not in format_run_status(got)
+        (run / "done").touch()
+        assert proc.wait(30) == 0
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
 
 
 def test_an_operator_stop_in_a_backoff_is_stopped_not_crashed() -> None:
