@@ -15,7 +15,7 @@ from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, TypedDict
 
 from dflashctl.deploy import (
     DeployResult,
@@ -170,16 +170,22 @@ def eval_view(run_state: RunState) -> dict[str, Any] | None:
     return {**ev.model_dump(mode="json", exclude={"kind", "extra"}), "share": run_state.eval_share}
 
 
-def best_view(run_state: RunState) -> dict[str, Any] | None:
+class BestView(TypedDict):
+    """status --json `best`."""
+
+    step: int
+    tau: float | None
+    checkpoint: str | None
+
+
+def best_view(run_state: RunState) -> BestView | None:
     """status --json `best`: {step, tau, checkpoint} of the best checkpoint (highest held-out tau,
     ties to the later step; `checkpoint` as the trainer resolved it); None while there is none."""
     if run_state.best_step is None:
         return None
-    return {
-        "step": run_state.best_step,
-        "tau": run_state.best_tau,
-        "checkpoint": run_state.best_checkpoint,
-    }
+    return BestView(
+        step=run_state.best_step, tau=run_state.best_tau, checkpoint=run_state.best_checkpoint
+    )
 
 
 def _tau(value: float | None) -> str:
