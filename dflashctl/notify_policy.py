@@ -4,7 +4,10 @@
 `watch_events.derive` (so each event exists once per state change) and holds the events for
 `burst_s` from the first one: what is pending then is flushed as notifications, one per event,
 except that an event kind reached by `summarize_at` or more hosts in one window becomes one
-summary ("unreachable: 5 hosts"). Sending is `dflashctl.notify`'s job; nothing here does I/O.
+summary ("unreachable: 5 hosts"), and a host's restarts in the window of its gave-up are folded
+into that one message (the gave-up names each attempt's exit status already: a crash loop is
+one notification, not one per restart and one more). Sending is `dflashctl.notify`'s job;
+nothing here does I/O.
 """
 
 from __future__ import annotations
@@ -89,48 +92,64 @@ def flush(events: Iterable[WatchEvent], summarize_at: int = 3) -> list[Notificat
     """Notifications for one window's events, in the order of each group's first event.
 
     A kind that `summarize_at` or more hosts reached is one fleet summary; otherwise one host's
-    repeats of a kind (three restarts in a window) are one host summary; the rest go singly.
+    repeats of a kind (three restarts in a window) are one host summary; the rest go singly. A
+    host that gave up in the window has its restarts of the window folded into its gave-up
+    message (listed first in its body and events; the message takes the first one's place).
     """
     evs = sorted(events, key=lambda e: e.at)
+    gave_up = {ev.host for ev in evs if ev.kind == EventKind.GAVE_UP}
+
+    def kind_of(ev: WatchEvent) -> EventKind:
+        folded = ev.kind == EventKind.RESTARTED and ev.host in gave_up
+        return EventKind.GAVE_UP if folded else ev.kind
+
     hosts_of: dict[EventKind, set[str]] = {}
     for ev in evs:
-        hosts_of.setdefault(ev.kind, set()).add(ev.host)
+        hosts_of.setdefault(kind_of(ev), set()).add(ev.host)
     groups: dict[tuple[EventKind, str | None], list[WatchEvent]] = {}
     for ev in evs:
-        fleet = len(hosts_of[ev.kind]) >= summarize_at
-        groups.setdefault((ev.kind, None if fleet else ev.host), []).append(ev)
+        kind = kind_of(ev)
+        fleet = len(hosts_of[kind]) >= summarize_at
+        groups.setdefault((kind, None if fleet else ev.host), []).append(ev)
     out: list[Notification] = []
     for (kind, host), group in groups.items():  # dicts keep first-insertion order
+        main = [e for e in group if e.kind == kind]
         if host is None:
-            out.append(_summary(kind, group))
-        elif len(group) == 1:
-            out.append(_single(group[0]))
+            out.append(_summary(kind, main, group))
+        elif len(main) == 1:
+            out.append(_single(main[0], group))
         else:
-            out.append(_repeats(host, kind, group))
+            out.append(_repeats(host, kind, main, group))
     return out
 
 
-def _single(ev: WatchEvent) -> Notification:
+def _body(evs: list[WatchEvent]) -> str:
+    lines = [format_event_line(e) for e in evs[:MAX_LISTED]]
+    if len(evs) > MAX_LISTED:
+        lines.append(f"... and {len(evs) - MAX_LISTED} more")
+    return "\n".join(lines)
+
+
+def _single(ev: WatchEvent, group: list[WatchEvent]) -> Notification:
+    """One event; `group` is it plus the restarts folded into it (a gave-up's)."""
     title = f"dflash {ev.host}: {_kind_text(ev)}"
-    return Notification(title, format_event_line(ev), _SEVERITY[ev.kind], (ev,))
+    return Notification(title, _body(group), _SEVERITY[ev.kind], tuple(group))
 
 
-def _repeats(host: str, kind: EventKind, evs: list[WatchEvent]) -> Notification:
+def _repeats(
+    host: str, kind: EventKind, evs: list[WatchEvent], group: list[WatchEvent]
+) -> Notification:
     title = f"dflash {host}: {kind.value} {len(evs)} times"
-    body = "\n".join(format_event_line(e) for e in evs[:MAX_LISTED])
-    return Notification(title, body, _SEVERITY[kind], tuple(evs))
+    return Notification(title, _body(group), _SEVERITY[kind], tuple(group))
 
 
-def _summary(kind: EventKind, evs: list[WatchEvent]) -> Notification:
+def _summary(kind: EventKind, evs: list[WatchEvent], group: list[WatchEvent]) -> Notification:
     hosts = list(dict.fromkeys(e.host for e in evs))
     listed = ", ".join(hosts[:MAX_LISTED]) + (
         f" +{len(hosts) - MAX_LISTED} more" if len(hosts) > MAX_LISTED else ""
     )
     title = f"dflash: {len(hosts)} hosts {kind.value} ({listed})"
-    lines = [format_event_line(e) for e in evs[:MAX_LISTED]]
-    if len(evs) > MAX_LISTED:
-        lines.append(f"... and {len(evs) - MAX_LISTED} more")
-    return Notification(title, "\n".join(lines), _SEVERITY[kind], tuple(evs))
+    return Notification(title, _body(group), _SEVERITY[kind], tuple(group))
 
 
 def _kind_text(ev: WatchEvent) -> str:

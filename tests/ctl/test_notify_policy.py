@@ -110,9 +110,39 @@ def check(out: list[Notification]) -> None:
     assert firsts == sorted(firsts)  # messages go in the order their first event happened
     for n in out:
         if len(n.events) > 1:  # a summary: one kind, one host's repeats or many hosts
-            assert len({e.kind for e in n.events}) == 1
+            assert len({main_kind(n)} | {e.kind for e in n.events} - {K.RESTARTED}) == 1
     keys = [
-        (n.events[0].kind, n.events[0].host if len({e.host for e in n.events}) == 1 else None)
+        (main_kind(n), n.events[0].host if len({e.host for e in n.events}) == 1 else None)
         for n in out
     ]
     assert len(keys) == len(set(keys))  # a window never repeats a message for one kind and host
+
+
+def main_kind(n: Notification) -> EventKind:
+    """The message's kind: a gave-up's, when restarts were folded into it."""
+    kinds = {e.kind for e in n.events}
+    if K.GAVE_UP in kinds:
+        assert kinds <= {K.GAVE_UP, K.RESTARTED}, kinds  # only restarts are folded into it
+        return K.GAVE_UP
+    return n.events[0].kind
+
+
+def test_a_crash_loop_in_one_window_is_one_gave_up_message() -> None:
+    """Restarts, then the gave-up, of host a in one window: one message, the restarts listed
+    first; b's restart (no gave-up) stays its own message."""
+    evs = [
+        ev("a", K.RESTARTED, T0 + 1),
+        ev("b", K.RESTARTED, T0 + 2),
+        ev("a", K.RESTARTED, T0 + 3),
+        ev("a", K.GAVE_UP, T0 + 4),
+    ]
+    out = flush(evs, summarize_at=3)
+    assert [(n.title, n.severity) for n in out] == [
+        ("dflash a: gave-up", "failure"),
+        ("dflash b: restarted", "warning"),
+    ]
+    assert [e.kind for e in out[0].events] == [K.RESTARTED, K.RESTARTED, K.GAVE_UP]
+    assert out[0].body.splitlines()[-1].endswith("a gave-up: gave-up detail")
+    assert out[0].body.count("a restarted: restarted detail") == 2
+    # the restarts of a window before the gave-up's window went on their own
+    assert [n.title for n in flush(evs[3:])] == ["dflash a: gave-up"]

@@ -20,7 +20,14 @@ import pytest
 
 from tests.conftest import require_part
 from trainer.config.policy import Ending, Policy, decide, reason, restart_argv
-from trainer.events import CheckpointEvent, PhaseEvent, StatusEvent, parse_line
+from trainer.events import (
+    CheckpointEvent,
+    PhaseEvent,
+    StatusEvent,
+    format_phase_line,
+    parse_line,
+)
+from trainer.supervision.progress import Progress
 
 from .conftest import REPO, cli_env, trainer_argv, write_config
 
@@ -214,6 +221,18 @@ def test_supervisor_is_torch_free() -> None:
     code = "import sys, trainer.supervise; assert 'torch' not in sys.modules, 'torch imported'"
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
+
+
+def test_a_checkpoint_past_the_start_ends_the_startup_timeout() -> None:
+    """Ten fast steps and a checkpoint before the first status interval: training, so the stall
+    timeout applies from then on (a stop right after it is a stall, not a slow startup)."""
+    p = Progress(0.0)
+    p.feed_lines([format_phase_line("resuming", "step=20 path=run/checkpoints/x.pt")], 1.0)
+    assert (p.resumed_step, p.trained, p.idle_limit(10, 600)) == (20, False, 600)
+    p.feed_lines(["Checkpoint saved: step=20 path=run/checkpoints/step-00000020.pt"], 2.0)
+    assert not p.trained and p.last_progress == 2.0  # the step it resumed from: no training
+    p.feed_lines(["Checkpoint saved: step=30 path=run/checkpoints/step-00000030.pt"], 3.0)
+    assert p.trained and p.idle_limit(10, 600) == 10 and p.checkpoint_step == 30
 
 
 @pytest.mark.parametrize(

@@ -46,7 +46,8 @@ class Progress:
 
     Progress = a status line whose step is higher than any before in this attempt (a status line
     repeating its step is not: a hung drafter leaves the monitor printing), a checkpoint line,
-    or a trainer phase line. Before the first step the attempt is "starting".
+    or a trainer phase line. Before the first step (a status or checkpoint line past the step
+    it started from) the attempt is "starting", under the longer startup timeout.
     """
 
     def __init__(self, now: float) -> None:
@@ -64,6 +65,8 @@ class Progress:
         elif isinstance(ev, CheckpointEvent):
             self.checkpoint_step = max(ev.step, self.checkpoint_step or 0)
             self.last_progress = now
+            if ev.step > self.high:  # a checkpoint past the start: it trained (the status
+                self.high, self.trained = ev.step, True  # interval may not have come yet)
         elif isinstance(ev, PhaseEvent) and ev.phase not in SUPERVISOR_PHASES:
             self.last_progress = now
             if ev.phase == "resuming":
