@@ -58,10 +58,16 @@ class Stub:
         pass
 
 
+# An OrderedDict as read here: a real state_dict() carries attributes (`_metadata`) that
+# pickle restores into the instance __dict__, which a plain dict lacks.
+class Mapping(dict):
+    pass
+
+
 class Reader(pickle.Unpickler):
     def find_class(self, module, name):
         if (module, name) == ("collections", "OrderedDict"):
-            return dict
+            return Mapping
         return Stub
 
     def persistent_load(self, pid):

@@ -264,11 +264,15 @@ def write_checkpoint(run: Path, step: int, config_text: str) -> Path:
     src.write_text(config_text)
     cfg = TrainConfig.load(src)
     src.unlink()
+    layer = torch.nn.Linear(4, 4)  # real state_dicts: OrderedDicts that carry `_metadata`
+    opt = torch.optim.AdamW(layer.parameters())
+    layer(torch.ones(1, 4)).sum().backward()
+    opt.step()
     state = {
         "step": step,
         "micro": step,
-        "drafter": {"fc.weight": torch.zeros(4, 4)},
-        "optimizer": {"state": {}, "param_groups": [{"lr": 1e-3}]},
+        "drafter": layer.state_dict(),
+        "optimizer": opt.state_dict(),
         "sampler": {"epoch": 0, "consumed": step},
         "rng": [{"anchor": torch.Generator().get_state()}],
         "counters": {"tokens": 0},
