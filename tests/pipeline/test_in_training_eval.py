@@ -476,3 +476,27 @@ def test_a_separate_holdout_store_is_evaluated_and_excludes_nothing(
     errors = [x for x in out.stdout.splitlines() if x.startswith("ERROR:")]
     assert out.returncode == 2 and len(errors) == 1
     assert errors[0].startswith(f"ERROR: eval.holdout_store: {tmp_path / 'missing'}")
+
+
+@pytest.mark.timeout(240)
+def test_a_fresh_run_without_eval_shows_none_of_the_last_runs_figures(
+    tmp_path: Path, tiny_assets: dict[str, Any], run_cli: RunCli
+) -> None:
+    """run-state.json is rewritten over the last run's: its eval and best must not show as
+    this run's once `--fresh` archived the checkpoints (best.pt with them) or eval is off."""
+    keep = {"checkpoint": {"every_steps": 20, "every_minutes": 60.0, "keep_last": 1}}
+    first = write_config(
+        tmp_path / "a.toml", tiny_assets, schedule={"max_steps": 20}, eval=EVAL, **keep
+    )
+    run_dir = tmp_path / "run"
+    assert run_cli(first, run_dir).returncode == 0
+    before = json.loads((run_dir / "run-state.json").read_text())
+    assert before["last_eval"] is not None and before["best_step"] is not None
+
+    plain = write_config(tmp_path / "b.toml", tiny_assets, schedule={"max_steps": 20}, **keep)
+    out = run_cli(plain, run_dir, "--fresh")
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    after = json.loads((run_dir / "run-state.json").read_text())
+    assert after["state"] == "finished"
+    stale = ["last_eval", "eval_share", "best_step", "best_tau", "best_checkpoint"]
+    assert {k: after[k] for k in stale} == dict.fromkeys(stale)

@@ -159,6 +159,18 @@ def run(opts: RunOptions) -> int:
         lost_steps=0,
         last_error=None,
     )
+    if opts.fresh or not cfg.eval.enabled:
+        # a fresh start archives the checkpoints (best.pt with them); without [eval] nothing
+        # would ever overwrite the last run's figures: neither may show as this run's
+        r.record(
+            last_eval=None,
+            eval_rows=None,
+            eval_seconds=None,
+            eval_share=None,
+            best_step=None,
+            best_tau=None,
+            best_checkpoint=None,
+        )
     r.signals.install()
     status = ExitCode.FAILED
     try:
