@@ -25,6 +25,15 @@ from dflashctl.deploy import (
 )
 from dflashctl.errors import DflashctlError, ExitCode
 from dflashctl.follow import Backoff, FollowEvent, LogFollower
+from dflashctl.gpu_health import (
+    LEGACY_REASONS_PREFIX,
+    REASONS_PREFIX,
+    GpuHealth,
+    health_fields,
+    health_query_argv,
+    parse_health_csv,
+    unknown_query_field,
+)
 from dflashctl.inventory import NAME_RE, HostConfig, InventoryError
 from dflashctl.release import Release
 from dflashctl.remote.commands import SUPERVISOR_MODULE, guarded, supervised
@@ -635,6 +644,7 @@ class RunControl:
         self.transport = transport
         self.host = host
         self.layout = RemoteLayout(host.workdir)
+        self._health_prefix = REASONS_PREFIX  # nvidia-smi's clock-event field names (535+)
 
     async def _run(
         self, argv: list[str], *, timeout: float | None = None, input: bytes | None = None
@@ -947,6 +957,25 @@ class RunControl:
         if not res.ok:
             raise ControlError(f"{self.host.name}: nvidia-smi: {res.error_line()}")
         return parse_gpu_csv(res.stdout)
+
+    async def gpu_health(self) -> list[GpuHealth]:
+        """ECC counts and clock-event (throttle) reasons per GPU ([] without nvidia-smi). A
+        pre-535 driver refuses the new field names: asked again with its own, remembered."""
+        for _ in range(2):
+            prefix = self._health_prefix
+            res = await self._run(health_query_argv(prefix))
+            if res.rc == 127 or "not found" in res.stderr or "No such file" in res.stderr:
+                return []
+            if unknown_query_field(res.stderr) and prefix == REASONS_PREFIX:
+                self._health_prefix = LEGACY_REASONS_PREFIX
+                continue
+            if not res.ok:
+                raise ControlError(f"{self.host.name}: nvidia-smi: {res.error_line()}")
+            healths, errors = parse_health_csv(res.stdout, health_fields(prefix))
+            if errors and not healths:
+                raise ControlError(f"{self.host.name}: {errors[0]}")
+            return healths
+        return []
 
     async def log_tail(self, from_line: int) -> list[str]:
         """run/status.log from 0-based `from_line`, made safe to print."""
