@@ -357,6 +357,11 @@ def snapshot_from_status(d: Mapping[str, Any], at: float) -> HostSnapshot:
         raw_restarts = ()
     restarts = tuple(_restart(r) for r in raw_restarts if isinstance(r, Mapping))
     detail = last_error if cond in ALERT_CONDITIONS else None
+    sup_detail = _str(supervisor.get("detail"))
+    if cond in (Condition.GAVE_UP, Condition.STALLED) and sup_detail:
+        # the supervisor's own account ("gave up after 2 restarts in 14 s: exit 1, exit 1, ...",
+        # "no progress for 12 s (limit 10 s)") first: the trainer's last error is one attempt's
+        detail = sup_detail + (f"; last error: {last_error}" if last_error else "")
     low = supervisor.get("low_disk")
     low_disk = _low_disk_text(low) if isinstance(low, Mapping) else None
     return HostSnapshot(host, at, True, cond, exit_status, step, detail, restarts, low_disk)

@@ -172,6 +172,16 @@ def test_snapshot_from_status_with_the_supervisor() -> None:
     assert snapshot_from_status(calm, T0).condition == C.RUNNING
     gave = {"host": "a", "state": "stopped", "exit_status": 1, "supervisor": {"state": "gave-up"}}
     assert snapshot_from_status(gave, T0).condition == C.GAVE_UP
+    # the supervisor's account leads the alert's detail, the trainer's last error follows
+    told = {**gave, "last_error": "stage drafter failed: X"}
+    told["supervisor"] = {"state": "gave-up", "detail": "gave up after 2 restarts in 9 s: exit 1"}
+    assert snapshot_from_status(told, T0).detail == (
+        "gave up after 2 restarts in 9 s: exit 1; last error: stage drafter failed: X"
+    )
+    stall = {"state": "stalled", "detail": "no progress for 12 s (limit 10 s)"}
+    assert snapshot_from_status(
+        {"host": "a", "state": "running", "supervisor": stall}, T0
+    ).detail == ("no progress for 12 s (limit 10 s)")
 
 
 def test_low_disk_is_one_event_per_change_and_no_condition() -> None:
