@@ -11,7 +11,9 @@ from __future__ import annotations
 import json
 import re
 import shutil
+import signal
 import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -22,6 +24,8 @@ import pytest
 from dflashctl.cli import main as cli_main
 from tests.conftest import require_part
 from tests.ctl import parts as P
+from tests.ctl.test_notify import SECRET, Receiver
+from tests.ctl.test_watch import Lines, serving, write_urls
 
 REPO = Path(__file__).resolve().parents[2]
 pytestmark = [pytest.mark.parts, pytest.mark.slow, pytest.mark.timeout(600)]
@@ -44,10 +48,14 @@ class Site:
         known.write_text(f"[127.0.0.1]:{parts.sshd.port} {pub[0]} {pub[1]}\n")
         self.known = known
 
-    def inventory(self, name: str, *, env: str = "", policy: str = POLICY) -> list[str]:
+    def inventory(
+        self, name: str, *, env: str = "", policy: str = POLICY, top: str = ""
+    ) -> list[str]:
+        """hosts.toml `name` (`top`: top-level keys, before every table)."""
         path = self.base / f"{name}.toml"
         env_line = f'env = {{ OMP_NUM_THREADS = "1"{env} }}\n'
-        path.write_text(P.hosts_toml(self.parts, known_hosts=self.known) + env_line + policy)
+        inv = P.hosts_toml(self.parts, known_hosts=self.known) + env_line + policy
+        path.write_text(top + inv)
         return ["--hosts", str(path)]
 
     def status(self, inv: list[str], capsys: pytest.CaptureFixture[str]) -> dict[str, Any]:
@@ -199,6 +207,78 @@ def test_a_killed_trainer_is_restarted_from_its_checkpoint_and_status_lists_it(
     assert st["state"] == "stopped" and site.supervisor_file()["state"] == "stopped"
 
 
+def test_a_sigstopped_trainer_is_stalled_its_stacks_logged_and_it_is_restarted(
+    site: Site, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # the trainer prints a status line every second with a new step: 10 s without one is a stall
+    inv = site.inventory(
+        "stall", policy=POLICY.replace("stall_timeout_s = 300", "stall_timeout_s = 10")
+    )
+    cfg = tiny_config(site.base, "run.toml")
+    assert cli_main([*inv, "deploy", "ct", "--config", str(cfg)]) == 0
+    capsys.readouterr()
+    assert cli_main([*inv, "start", "ct", "--fresh", "--wait-s", "300"]) == 0
+    assert "--stall-timeout-s=10.0" in capsys.readouterr().out
+
+    def trained_past_a_checkpoint(s: dict[str, Any]) -> bool:
+        # this run's own state (the log's last checkpoint line may be an earlier run's)
+        rs, sup = s["run_state"] or {}, s["supervisor"] or {}
+        return (
+            rs.get("pid") == sup.get("trainer_pid")
+            and rs.get("last_checkpoint") is not None
+            and (rs.get("last_step") or 0) > 0
+        )
+
+    st = site.wait(inv, capsys, trained_past_a_checkpoint, 300, "a first checkpoint")
+    assert st["state"] == "running" and st["restarts"] == []
+    pid = st["supervisor"]["trainer_pid"]
+    try:
+        stopped = site.in_container("kill", "-STOP", str(pid))
+        assert stopped.returncode == 0, stopped.stderr
+        stalled_and_restarted(site, inv, capsys, pid)
+    finally:  # a failed check leaves no stopped trainer behind for the next test
+        site.in_container("kill", "-CONT", str(pid))
+        P.kill_tmux_in(site.parts.container)
+
+
+def stalled_and_restarted(
+    site: Site, inv: list[str], capsys: pytest.CaptureFixture[str], pid: int
+) -> None:
+    st = site.wait(
+        inv,
+        capsys,
+        lambda s: bool(s["restarts"]) and s["restarts"][0]["resumed_step"] is not None,
+        180,
+        "the stall's restart",
+    )
+    (restart,) = st["restarts"]
+    assert restart["reason"] == "stalled 10 s", restart
+    assert restart["resumed_step"] == restart["checkpoint_step"] is not None
+    assert st["supervisor"]["trainer_pid"] != pid
+    console = (site.workdir / "run" / "console.log").read_text()
+    assert f"trainer pid {pid} made no progress in status.log for " in console
+    assert "State T (stopped)" in console  # the /proc snapshot, taken while it was stopped
+    assert f"pid {pid} is stopped (SIGSTOP): sending SIGCONT so it can dump" in console
+    stacks = console.split(f"thread stacks of pid {pid} (faulthandler, SIGUSR1) follow", 1)
+    assert len(stacks) == 2, console[-3000:]
+    assert "(most recent call first):" in stacks[1] and 'File "' in stacks[1], stacks[1][:3000]
+    st = site.wait(
+        inv,
+        capsys,
+        lambda s: s["state"] == "running" and (s["step"] or 0) > restart["resumed_step"],
+        180,
+        "a step after the resume",
+    )
+    capsys.readouterr()
+    assert cli_main([*inv, "status", "ct"]) == 0
+    text = capsys.readouterr().out
+    assert re.search(r"restart 1: stalled 10 s, resumed from step \d+ \(\d+s ago\)", text), text
+    assert cli_main([*inv, "stop", "ct", "--timeout", "120"]) == 0
+    st = site.status(inv, capsys)
+    sup = site.supervisor_file()
+    assert st["state"] == "stopped" and sup["state"] == "stopped" and len(sup["restarts"]) == 1
+
+
 def test_a_finished_run_is_not_restarted(site: Site, capsys: pytest.CaptureFixture[str]) -> None:
     inv = site.inventory("plain")
     cfg = tiny_config(site.base, "short.toml", "max_steps = 3")
@@ -256,13 +336,49 @@ def test_stop_during_a_restart_backoff_stops_for_good(
 def test_a_crash_loop_is_restarted_max_restarts_times_then_gave_up(
     site: Site, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    # every attempt fails in a stage (exit 1, the test-only DFLASH_FAULT hook)
-    inv = site.inventory("faulty", env=', DFLASH_FAULT = "drafter:1"')
+    # every attempt fails in a stage (exit 1, the test-only DFLASH_FAULT hook), watched by a
+    # `dflashctl watch` process notifying a real receiver: one message for the whole loop
+    rx = Receiver()
+    urls = write_urls(site.base, rx.url())
+    inv = site.inventory(
+        "faulty", env=', DFLASH_FAULT = "drafter:1"', top=f'notify_urls_file = "{urls.name}"\n'
+    )
     cfg = tiny_config(site.base, "run.toml")
     assert cli_main([*inv, "deploy", "ct", "--config", str(cfg)]) == 0
     capsys.readouterr()
-    cli_main([*inv, "start", "ct", "--fresh", "--wait-s", "0"])
-    st = site.wait(inv, capsys, lambda s: s["state"] == "gave-up", 400, "gave up")
+    exe = Path(sys.executable).with_name("dflashctl")
+    watch_argv = [str(exe), *inv, "watch", "ct", "--interval-s", "1", "--burst-s", "90"]
+    with serving(rx):
+        watch = subprocess.Popen(
+            watch_argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+        try:
+            out, err = Lines(watch.stdout), Lines(watch.stderr)
+            err.wait_for(r"watching ct every 1 s .*notifying 1 target", 30)
+            time.sleep(2.5)  # polls of the stopped host: the watch knows it before the start
+            cli_main([*inv, "start", "ct", "--fresh", "--wait-s", "0"])
+            st = site.wait(inv, capsys, lambda s: s["state"] == "gave-up", 400, "gave up")
+            out.wait_for(r" ct gave-up: ", 30)
+            end = time.monotonic() + 120  # the burst window (90 s) from the first restart
+            while not rx.received:
+                assert time.monotonic() < end and watch.poll() is None, (out.lines, err.lines)
+                time.sleep(0.2)
+            time.sleep(5)  # five more polls of the gave-up host: nothing is repeated
+            watch.send_signal(signal.SIGTERM)
+            assert watch.wait(30) == 0, err.lines
+        finally:
+            if watch.poll() is None:
+                watch.kill()
+                watch.wait(10)
+    kinds = [re.sub(r"^\S+ ct ([a-z-]+).*", r"\1", ln) for ln in out.lines]
+    assert kinds == ["restarted", "restarted", "gave-up"], out.lines
+    (note,) = rx.received
+    assert note["title"] == "dflash ct: gave-up" and note["type"] == "failure", note
+    body = note["message"].splitlines()
+    assert [re.sub(r"^\S+ ct ([a-z-]+).*", r"\1", ln) for ln in body] == kinds, body
+    assert re.search(r" ct gave-up: (at step \d+, )?gave up after 2 restarts in ", body[2]), body
+    assert ": exit 1, exit 1, exit 1; last error: " in body[2] and "InjectedFault" in body[2]
+    assert SECRET not in "\n".join(err.lines)
     assert [r["reason"] for r in st["restarts"]] == ["exit 1", "exit 1"]
     assert st["supervisor"]["gave_up"] is True and st["exit_status"] == 1
     capsys.readouterr()
