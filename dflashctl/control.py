@@ -95,7 +95,7 @@ SUPERVISOR_KEYS = (
     "detail",
     "exit_status",
     "policy",
-    "low_disk",  # {free_mib, needed_mib, since} while RUN has less free than one checkpoint
+    "low_disk",  # {free_mib, needed_mib, checkpoint_mib, checkpoints, since}: less free than retention keeps
 )
 
 
