@@ -7,7 +7,13 @@ real-parts test in CI would make a green run lie.
 
 from __future__ import annotations
 
+import contextlib
+import importlib.util
 import os
+import shutil
+import subprocess
+import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -22,6 +28,54 @@ def require_part(available: bool, reason: str) -> None:
     if IN_CI:
         pytest.fail(f"CI=true and a required part is unavailable: {reason}", pytrace=False)
     pytest.skip(reason)
+
+
+@contextlib.contextmanager
+def tmpfs(path: Path, size: str) -> Iterator[Path]:
+    """A fresh tmpfs of `size` (mount's syntax: "4m") at `path` (created), unmounted after: a
+    real filesystem that fills up (needs root and mount permission)."""
+    path.mkdir()
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    require_part(mounted.returncode == 0, f"cannot mount a tmpfs: {mounted.stderr.strip()}")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], check=False)
+
+
+@pytest.fixture
+def small_fs(tmp_path: Path) -> Iterator[Path]:
+    """A fresh 4 MiB tmpfs at tmp_path/fs."""
+    with tmpfs(tmp_path / "fs", "4m") as mnt:
+        yield mnt
+
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def run_headless_demo(
+    demo_dir: Path, session: str, duration: int
+) -> subprocess.CompletedProcess[str]:
+    """`dflashctl demo --headless` in `demo_dir` on tmux session `session` (killed afterwards,
+    whatever happened): the real trainer under real tmux, as `make demo` runs it without a tty."""
+    require_part(shutil.which("tmux") is not None, "tmux is not installed")
+    require_part(importlib.util.find_spec("torch") is not None, "torch (the train extra) missing")
+    argv = [sys.executable, "-m", "dflashctl.demo", "--dir", str(demo_dir)]
+    argv += ["--session", session, "--headless", "--duration", str(duration)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    try:
+        return subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=280)
+    finally:
+        subprocess.run(
+            ["tmux", "-L", "dflash", "kill-session", "-t", f"={session}"],
+            check=False,
+            capture_output=True,
+        )
 
 
 @pytest.fixture(scope="session")

@@ -5,12 +5,8 @@ checkpoint, and `status` reporting both (the real trainer on CPU under tmux, Loc
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import json
 import os
-import shutil
-import subprocess
-import sys
 import tomllib
 from pathlib import Path
 
@@ -26,7 +22,7 @@ from dflashctl.demo import (
     prepare,
 )
 from dflashctl.remote import LocalTransport
-from tests.conftest import require_part
+from tests.conftest import run_headless_demo
 from trainer.config import TrainConfig
 from trainer.events import EvalEvent, StatusEvent, parse_line
 
@@ -100,21 +96,8 @@ def test_an_earlier_demos_config_without_eval_is_moved_aside_and_an_edit_without
 def test_a_headless_demo_shows_tau_climbing_a_best_checkpoint_and_status_reports_both(
     tmp_path: Path,
 ) -> None:
-    require_part(shutil.which("tmux") is not None, "tmux is not installed")
-    require_part(importlib.util.find_spec("torch") is not None, "torch (the train extra) missing")
-    session = f"dflash-demo-eval-{os.getpid()}"
-    demo_dir = tmp_path / "demo"
-    argv = [sys.executable, "-m", "dflashctl.demo", "--dir", str(demo_dir)]
-    argv += ["--session", session, "--headless", "--duration", "40"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    try:
-        done = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=280)
-    finally:
-        subprocess.run(
-            ["tmux", "-L", "dflash", "kill-session", "-t", f"={session}"],
-            check=False,
-            capture_output=True,
-        )
+    demo_dir, session = tmp_path / "demo", f"dflash-demo-eval-{os.getpid()}"
+    done = run_headless_demo(demo_dir, session, 40)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     lines = done.stdout.strip().splitlines()
     events = [parse_line(ln) for ln in lines]

@@ -13,7 +13,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +23,6 @@ from dflashctl.cli import format_run_status, low_disk_line, supervisor_lines
 from dflashctl.control import MARK, STATUS_SCRIPT, parse_status
 from dflashctl.remote.commands import supervised
 from dflashctl.watch_events import Condition, snapshot_from_status
-from tests.conftest import require_part
 from trainer.config.policy import Policy
 
 RESTART = {
@@ -151,24 +150,6 @@ CHILD = (
     "open(run + '/checkpoints/.written', 'w').close()\n"
     "while not os.path.exists(run + '/done'): time.sleep(0.05)\n"
 )
-
-
-@pytest.fixture
-def small_fs(tmp_path: Path) -> Iterator[Path]:
-    """A fresh 4 MiB tmpfs at tmp_path/fs (needs root to mount), unmounted afterwards."""
-    mnt = tmp_path / "fs"
-    mnt.mkdir()
-    ok = os.geteuid() == 0 and (
-        subprocess.run(
-            ["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mnt)], capture_output=True
-        ).returncode
-        == 0
-    )
-    require_part(ok, "cannot mount a tmpfs (needs root and mount permission)")
-    try:
-        yield mnt
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], check=False)
 
 
 def _until(cond: Callable[[], bool], what: str, timeout: float = 30.0) -> None:

@@ -11,14 +11,13 @@ import re
 import signal
 import subprocess
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
-from tests.conftest import require_part
+from tests.conftest import tmpfs
 from trainer.events import CheckpointEvent, ErrorEvent, PhaseEvent, StatusEvent, parse_line
 from trainer.pipeline.checkpoint import list_checkpoints, load_checkpoint
 
@@ -173,22 +172,6 @@ def test_an_inf_lr_step_never_writes_a_poisoned_checkpoint(
     assert final["step"] == 30 and all(t.isfinite().all() for t in final["drafter"].values())
 
 
-@contextlib.contextmanager
-def _tmpfs(path: Path, size: str) -> Iterator[Path]:
-    path.mkdir()
-    mounted = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    require_part(mounted.returncode == 0, f"cannot mount a tmpfs: {mounted.stderr.strip()}")
-    try:
-        yield path
-    finally:
-        subprocess.run(["umount", str(path)], check=False)
-
-
 def _fill(disk: Path, leave: int) -> Path:
     """Write a new filler file until only `leave` bytes remain (real blocks, not sparse)."""
     filler = disk / f"filler-{len(list(disk.glob('filler-*')))}"
@@ -208,7 +191,7 @@ def test_a_full_disk_fails_the_checkpoint_in_one_line_and_loses_nothing(
     """On a real full filesystem (a small tmpfs): the checkpoint write gets ENOSPC from the
     kernel; the trainer says how much space there is and needs, removes its temp file, keeps
     training to its end, leaves the previous checkpoint loadable and run-state.json true."""
-    with _tmpfs(tmp_path / "disk", "24m") as disk:
+    with tmpfs(tmp_path / "disk", "24m") as disk:
         run_dir = disk / "run"
         ckpt = {"every_steps": 5, "keep_last": 3}
         cfg = write_config(
@@ -425,7 +408,7 @@ def test_run_state_is_rewritten_in_place_on_a_full_disk(tmp_path: Path) -> None:
     (truncation frees the old blocks) rather than left saying `running`, and no temp remains."""
     from trainer.pipeline.status import RunStateFile
 
-    with _tmpfs(tmp_path / "disk", "1m") as disk:
+    with tmpfs(tmp_path / "disk", "1m") as disk:
         rs = RunStateFile(disk)
         assert rs.update(pid=1, state="running", config_hash="abc") == []
         _fill(disk, leave=0)

@@ -6,14 +6,11 @@ from __future__ import annotations
 
 import os
 import re
-import subprocess
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import require_part
 from trainer.config import TrainConfig
 from trainer.supervision.disk import (
     MIB,
@@ -41,24 +38,6 @@ CHILD = (
     "while wait and not os.path.exists(run + '/done'): time.sleep(0.05)\n"
     "sys.exit(0 if wait else 1)\n"
 )
-
-
-@pytest.fixture
-def small_fs(tmp_path: Path) -> Iterator[Path]:
-    """A fresh 4 MiB tmpfs mounted at tmp_path/fs, unmounted afterwards."""
-    mnt = tmp_path / "fs"
-    mnt.mkdir()
-    ok = os.geteuid() == 0 and (
-        subprocess.run(
-            ["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mnt)], capture_output=True
-        ).returncode
-        == 0
-    )
-    require_part(ok, "cannot mount a tmpfs (needs root and mount permission)")
-    try:
-        yield mnt
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], check=False)
 
 
 def _free(path: Path) -> int:

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import require_part
+from tests.conftest import require_part, run_headless_demo
 from tests.terminal import Terminal
 from trainer.config import TrainConfig, config_hash
 from trainer.events import StatusEvent, parse_line
@@ -105,20 +105,8 @@ def test_demo_tui_live_edit_and_one_key_restart(tmp_path: Path) -> None:
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_headless_demo_prints_the_last_status_line_and_stops(tmp_path: Path) -> None:
-    require_part(shutil.which("tmux") is not None, "tmux is not installed")
-    require_part(importlib.util.find_spec("torch") is not None, "torch (the train extra) missing")
     session = f"dflash-demo-headless-{os.getpid()}"
-    argv = [sys.executable, "-m", "dflashctl.demo", "--dir", str(tmp_path / "demo")]
-    argv += ["--session", session, "--headless", "--duration", "20"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    try:
-        done = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=280)
-    finally:
-        subprocess.run(
-            ["tmux", "-L", "dflash", "kill-session", "-t", f"={session}"],
-            check=False,
-            capture_output=True,
-        )
+    done = run_headless_demo(tmp_path / "demo", session, 20)
     assert done.returncode == 0, done.stderr
     last = parse_line(done.stdout.strip().splitlines()[-1])
     assert isinstance(last, StatusEvent) and last.step > 0 and last.ktok_s
