@@ -65,6 +65,16 @@ class CommandResult:
 
 
 @runtime_checkable
+class NodeCommands(Protocol):
+    """A transport that can also run an argv on the Proxmox node itself, outside the
+    container (the node's kernel log, `pct status`)."""
+
+    async def run_host(
+        self, argv: Sequence[str], *, input: bytes | None = None, timeout: float | None = None
+    ) -> CommandResult: ...
+
+
+@runtime_checkable
 class Transport(Protocol):
     label: str
 
@@ -120,6 +130,12 @@ class LocalTransport:
         self.command_timeout = command_timeout
         self._env = {**os.environ, **(env or {})}
         self._procs: set[asyncio.subprocess.Process] = set()
+
+    async def run_host(
+        self, argv: Sequence[str], *, input: bytes | None = None, timeout: float | None = None
+    ) -> CommandResult:
+        """Run an argv on the node: here the node and the "container" are this machine."""
+        return await self.run(argv, input=input, timeout=timeout)
 
     async def run(
         self, argv: Sequence[str], *, input: bytes | None = None, timeout: float | None = None

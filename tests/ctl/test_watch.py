@@ -426,3 +426,44 @@ async def test_stop_abandons_what_the_drain_bound_cannot_send(tmp_path: Path) ->
     assert outcome.summary(0.5) == (
         "stopped; abandoned 1 of 1 notification(s) still queued after 0.5 s"
     )
+
+
+async def test_new_xid_lines_in_the_node_kernel_log_are_events_once(tmp_path: Path) -> None:
+    """The node's journalctl replaying a captured kernel log: the first read is history, a new
+    Xid line is one gpu-error naming the GPU by its bus id, and re-reading it is nothing."""
+    fix = Path(__file__).parent / "fixtures" / "gpu-health"
+    log = tmp_path / "kernel.log"
+    log.write_text((fix / "journalctl-xid.txt").read_text())
+    bus = "00000000:9A:00.0"  # the Xids' GPU, as nvidia-smi names it
+    smi = tmp_path / "smi.csv"
+    smi.write_text(
+        f"0, {bus}, Enabled, 0, 0, 0, 0x0000000000000000, Not Active, Not Active, Not Active,"
+        " Not Active, Not Active\n"
+    )
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name, text in {"nvidia-smi": f"cat {smi}\n", "journalctl": f"cat {log}\n"}.items():
+        tool = bin_dir / name
+        tool.write_text("#!/bin/sh\n" + text)
+        tool.chmod(0o755)
+    host = local_host("gpu-node", tmp_path / "wd", python=sys.executable, session="dflt-watch-xid")
+    (tmp_path / "wd").mkdir()
+    transport = LocalTransport(env={"PATH": f"{bin_dir}:{os.environ['PATH']}"})
+    poller = HostPoller(host, lambda _h: transport)
+    new_line = (
+        "2026-11-30T04:00:01+0000 gpu-node-1 kernel: NVRM: Xid (PCI:0000:9a:00): 79, pid=41233,"
+        " name=python, GPU has fallen off the bus.\n"
+    )
+    try:
+        history = await poller.poll()
+        with log.open("a") as fh:
+            fh.write(new_line)
+        fresh = await poller.poll()
+        again = await poller.poll()
+    finally:
+        await poller.close()
+    assert history.gpu == () and again.gpu == ()
+    assert [(e.kind.value, e.detail) for e in fresh.gpu] == [
+        ("gpu-error", "GPU 0: Xid 79 (GPU has fallen off the bus), process python (pid 41233):"
+         " GPU has fallen off the bus.")
+    ]  # fmt: skip
