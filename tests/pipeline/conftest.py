@@ -51,6 +51,15 @@ def cli_env(**extra: str) -> dict[str, str]:
     return env
 
 
+def run_two_ranks(config: Path, run_dir: Path) -> subprocess.CompletedProcess[str]:
+    """The trainer as two CPU ranks under torchrun (standalone rendezvous), as a node runs it."""
+    env = cli_env()
+    env.pop("WORLD_SIZE", None)
+    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    argv += ["-m", "trainer", "--config", str(config), "--run-dir", str(run_dir)]
+    return subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=200)
+
+
 def write_config(path: Path, base: dict[str, Any], **over: Any) -> Path:
     path.write_text(dump_toml(merge(base, over)))
     return path

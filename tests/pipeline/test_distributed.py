@@ -14,7 +14,7 @@ import torch
 from trainer.events import StatusEvent, parse_line
 from trainer.pipeline.checkpoint import list_checkpoints, load_checkpoint
 
-from .conftest import REPO, cli_env, write_config
+from .conftest import REPO, cli_env, run_two_ranks, write_config
 
 RANK_SCRIPT = """
 import sys, torch, torch.distributed as dist
@@ -66,11 +66,7 @@ def test_two_gloo_ranks_train_through_torchrun(tmp_path: Path, tiny_assets: dict
         schedule={"max_steps": 12},
     )
     run_dir = tmp_path / "run"
-    env = cli_env()
-    env.pop("WORLD_SIZE", None)
-    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
-    argv += ["-m", "trainer", "--config", str(cfg), "--run-dir", str(run_dir)]
-    out = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=200)
+    out = run_two_ranks(cfg, run_dir)
     assert out.returncode == 0, (out.stdout[-2000:], out.stderr[-3000:])
     lines = (run_dir / "status.log").read_text().splitlines()
     status = [e for e in map(parse_line, lines) if isinstance(e, StatusEvent)]

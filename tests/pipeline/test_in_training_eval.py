@@ -32,7 +32,7 @@ from trainer.pipeline.evaluate import supervised_spans
 from trainer.pipeline.plan import BatchPlan
 from trainer.sampler import BatchSampler, holdout_rows
 
-from .conftest import RunCli, write_config
+from .conftest import RunCli, run_two_ranks, write_config
 
 HOLDOUT, EVERY, STEPS = 48, 20, 120
 EVAL = {"holdout_rows": HOLDOUT, "every_steps": EVERY, "max_rows": 32}
@@ -314,10 +314,6 @@ def test_two_ranks_agree_on_evals_and_the_best_checkpoint(
 ) -> None:
     """Rank 0 evaluates; both ranks take part in each new best's checkpoint (no hang, both RNGs
     saved), and the Eval lines come from rank 0 alone."""
-    import subprocess
-    import sys
-
-    from .conftest import REPO, cli_env
 
     cfg = write_config(
         tmp_path / "dp.toml",
@@ -327,11 +323,7 @@ def test_two_ranks_agree_on_evals_and_the_best_checkpoint(
         eval={"holdout_rows": HOLDOUT, "every_steps": 4, "max_rows": 8},
     )
     run_dir = tmp_path / "run"
-    env = cli_env()
-    env.pop("WORLD_SIZE", None)
-    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
-    argv += ["-m", "trainer", "--config", str(cfg), "--run-dir", str(run_dir)]
-    out = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=200)
+    out = run_two_ranks(cfg, run_dir)
     assert out.returncode == 0, (out.stdout[-2000:], out.stderr[-3000:])
     evals = _evals(run_dir)
     assert [e.step for e in evals] == [0, 4, 8, 12]

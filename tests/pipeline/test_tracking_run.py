@@ -24,7 +24,7 @@ from trainer.events import (
 from trainer.pipeline.status import WARNING_PREFIX
 from trainer.tracking import eval_scalars, status_scalars
 
-from .conftest import REPO, RunCli, cli_env, write_config
+from .conftest import REPO, RunCli, cli_env, run_two_ranks, write_config
 
 EVAL = {"holdout_rows": 48, "every_steps": 10, "max_rows": 16}
 TRACK = {"backends": ["tensorboard"]}
@@ -179,11 +179,7 @@ def test_only_rank_zero_logs_under_two_gloo_ranks(
         tracking=TRACK,
     )
     run_dir = tmp_path / "run"
-    env = cli_env()
-    env.pop("WORLD_SIZE", None)
-    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
-    argv += ["-m", "trainer", "--config", str(cfg), "--run-dir", str(run_dir)]
-    out = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=200)
+    out = run_two_ranks(cfg, run_dir)
     assert out.returncode == 0, (out.stdout[-2000:], out.stderr[-3000:])
     files = list((run_dir / "tb").glob("events.out.tfevents.*"))
     assert len(files) == 1, files  # one writer: rank 0's
