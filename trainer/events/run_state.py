@@ -58,6 +58,13 @@ class RunState(BaseModel):
     stop_detail: str | None = None
     lost_steps: int = Field(default=0, ge=0)
     last_error: str | None = None
+    # multi-node runs: every node's first local rank writes its own node's RUN/run-state.json
+    # (node 0's is the run's, with everything above); absent on a single-node run
+    node_rank: int | None = Field(default=None, ge=0)
+    nnodes: int | None = Field(default=None, ge=1)
+    rank_range: list[int] | None = None  # [first, last + 1) global ranks on this node
+    step: int | None = Field(default=None, ge=0)  # optimizer steps this node has completed
+    failed_rank: int | None = Field(default=None, ge=0)  # global rank that failed first, if known
     # held-out evaluation
     holdout_rows: int | None = Field(default=None, ge=0)
     holdout_sha256: str | None = None

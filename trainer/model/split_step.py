@@ -86,6 +86,7 @@ def bounded_objective_backward(
     attn_backend: str = "auto",
     ce_backend: Backend = "auto",
     loss_transform: Callable[[Tensor], Tensor] | None = None,
+    position_ids: Tensor | None = None,
 ) -> StepResult:
     """Forward+backward of one packet in pieces of at most `max_query_rows` query rows.
 
@@ -95,6 +96,8 @@ def bounded_objective_backward(
     pipeline's non-finite fault hook). The generator draws anchors, then noise, exactly as
     `dflash_objective` does for the whole packet.
     """
+    if position_ids is not None:
+        raise NotImplementedError("packed rows (position_ids) are not trained yet")
     ctx = autocast if autocast is not None else contextlib.nullcontext()
     bsz = drafter.config.block_size
     anchors = sample_anchors(loss_mask, attention_mask, num_anchors, generator)

@@ -244,14 +244,23 @@ class TargetModel:
         return torch.cat([captured[i] for i in self.layer_ids], dim=-1)
 
     @torch.no_grad()
-    def capture(self, input_ids: Tensor, attention_mask: Tensor | None = None) -> Tensor:
+    def capture(
+        self,
+        input_ids: Tensor,
+        attention_mask: Tensor | None = None,
+        *,
+        position_ids: Tensor | None = None,
+    ) -> Tensor:
         """Hidden states of the capture layers, concatenated in `layer_ids` order.
 
         Runs only layers 0..max(layer_ids); the rest of the model and the LM head never run.
+        `position_ids` (packed rows: positions restart at each document) is not supported yet.
 
         Returns:
             Tensor[B, T, len(layer_ids) * hidden_size] in the target dtype.
         """
+        if position_ids is not None:
+            raise NotImplementedError("packed rows (position_ids) are not captured yet")
         with self._capturing(stop_early=True) as captured:
             with suppress(_StopForward):
                 self.decoder(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)

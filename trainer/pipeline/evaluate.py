@@ -46,7 +46,7 @@ from trainer.model.masks import Anchors
 from trainer.model.objective import block_labels, slot_weights, streaks
 from trainer.model.split_step import split_pieces
 from trainer.model.target import TargetModel
-from trainer.pipeline.stages import collate
+from trainer.pipeline.collate import collate
 from trainer.sampler import greedy_batch_sizes
 
 

@@ -11,8 +11,9 @@ from dataclasses import dataclass
 
 from trainer.pipeline.build import Parts
 from trainer.pipeline.channels import ReorderBuffer, WaitClock
+from trainer.pipeline.collate import HostBatch
 from trainer.pipeline.signals import StopSignals
-from trainer.pipeline.stages import Counter, HostBatch, Packet
+from trainer.pipeline.stages import Counter, Packet
 from trainer.pipeline.status import (
     Board,
     RateWindow,

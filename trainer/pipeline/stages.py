@@ -14,26 +14,15 @@ import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 from torch import Tensor
 
 from trainer.data.store import TokenStore
 from trainer.model.target import TargetModel
 from trainer.pipeline.channels import ReorderBuffer, Stopped, WaitClock, get, put
+from trainer.pipeline.collate import HostBatch, collate_batch
 from trainer.pipeline.faults import FaultPlan
 from trainer.pipeline.plan import BatchPlan
-
-
-@dataclass
-class HostBatch:
-    """One collated micro-batch, right-padded, on the host (pinned when feeding a GPU)."""
-
-    seq: int
-    input_ids: Tensor  # [B, L] int64
-    loss_mask: Tensor  # [B, L] uint8
-    attention_mask: Tensor  # [B, L] int64
-    real_tokens: int
 
 
 @dataclass
@@ -45,6 +34,7 @@ class Packet:
     attention_mask: Tensor
     hidden: Tensor  # [B, L, F*H]
     real_tokens: int
+    position_ids: Tensor | None = None  # [B, L] document-relative (packed rows); None: 0..L-1
 
 
 class Supervisor:
@@ -83,19 +73,6 @@ class Supervisor:
         return [t.name for t in self.threads if t.is_alive()]
 
 
-def collate(store: TokenStore, seq: int, indices: np.ndarray, pin: bool) -> HostBatch:
-    tokens, mask, lengths = store.gather(indices)
-    input_ids = torch.from_numpy(tokens.astype(np.int64))
-    loss_mask = torch.from_numpy(mask)
-    width = tokens.shape[1]
-    attention = (torch.arange(width)[None, :] < torch.from_numpy(lengths)[:, None]).long()
-    if pin:
-        input_ids, loss_mask, attention = (
-            t.pin_memory() for t in (input_ids, loss_mask, attention)
-        )
-    return HostBatch(seq, input_ids, loss_mask, attention, int(lengths.sum()))
-
-
 def prefetch_body(
     *,
     plan: BatchPlan,
@@ -118,7 +95,7 @@ def prefetch_body(
             if batch.bucket not in mine:
                 continue
             faults.tick("prefetch")
-            put(queues[batch.bucket], collate(store, seq, batch.indices, pin), stop, clock)
+            put(queues[batch.bucket], collate_batch(store, seq, batch, pin), stop, clock)
 
     return body
 
@@ -174,13 +151,16 @@ def target_body(
             faults.tick("target")
             ids = host.input_ids.to(device, non_blocking=True)
             attn = host.attention_mask.to(device, non_blocking=True)
-            hidden = target.capture(ids, attn)
+            pos = host.position_ids
+            pos = None if pos is None else pos.to(device, non_blocking=True)
+            hidden = target.capture(ids, attn, position_ids=pos)
             packet = Packet(
                 input_ids=ids.to(drafter_device, non_blocking=True),
                 loss_mask=host.loss_mask.to(drafter_device, non_blocking=True),
                 attention_mask=attn.to(drafter_device, non_blocking=True),
                 hidden=hidden.to(drafter_device, non_blocking=True),
                 real_tokens=host.real_tokens,
+                position_ids=None if pos is None else pos.to(drafter_device, non_blocking=True),
             )
             if device.type == "cuda":
                 torch.cuda.current_stream(device).synchronize()  # copies done before handoff

@@ -97,6 +97,7 @@ def train_step(
             generator=p.gen,
             autocast=autocast,
             loss_transform=_poison if p.faults.nonfinite_at(step) else None,
+            position_ids=pkt.position_ids,
         )
         sums += torch.stack([getattr(res, k).detach().to(torch.float64) for k in METRIC_KEYS])
         if nb > 1:  # this rank's batch of seq comes from one length bucket
