@@ -44,12 +44,22 @@ def flex_available() -> bool:
     return True
 
 
-def build_mask(anchors: Tensor, context_valid: Tensor, block_size: int, backend: str) -> AttnMask:
-    """The DFlash training mask in the representation `backend` consumes."""
+def build_mask(
+    anchors: Tensor,
+    context_valid: Tensor,
+    block_size: int,
+    backend: str,
+    context_start: Tensor | None = None,
+) -> AttnMask:
+    """The DFlash training mask in the representation `backend` consumes.
+
+    `context_start` [R, N] int64 (None = 0): the first context position block n of row r may
+    see; packed rows pass the start of each anchor's document (see trainer.model.masks).
+    """
     chosen = resolve_backend(backend, anchors.device)
     if chosen == "flex":
-        return flex_dflash_block_mask(anchors, context_valid, block_size)
-    return dense_dflash_mask(anchors, context_valid, block_size)
+        return flex_dflash_block_mask(anchors, context_valid, block_size, context_start)
+    return dense_dflash_mask(anchors, context_valid, block_size, context_start)
 
 
 @functools.cache

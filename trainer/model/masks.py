@@ -2,9 +2,10 @@
 
 Layout of one training forward for a row with S context positions and N blocks of size B:
 queries are the N*B block tokens; keys are [S context positions | N*B block tokens]. Query
-slot k of block n (anchor a_n) may see
-  * context key j  iff  j < a_n and j is a real (non-padded) position — the anchor's own
-    hidden state does not exist yet at inference time;
+slot k of block n (anchor a_n, context start c_n) may see
+  * context key j  iff  c_n <= j < a_n and j is a real (non-padded) position — the anchor's
+    own hidden state does not exist yet at inference time; c_n is 0 for an unpacked row and
+    the start of the anchor's document in a packed row (`context_start`, None = all 0);
   * block key i    iff  i belongs to block n (bidirectional inside the block).
 Padded blocks (keep=False) keep their in-block visibility, so no query row is ever fully
 masked (a fully masked row is NaN in softmax, and 0 * NaN poisons the loss).
@@ -83,8 +84,17 @@ def sample_anchors(
     return Anchors(positions, keep)
 
 
-def dense_dflash_mask(anchors: Tensor, context_valid: Tensor, block_size: int) -> Tensor:
-    """Boolean SDPA mask [B, 1, N*B, S + N*B] (True = may attend), see the module docstring."""
+def dense_dflash_mask(
+    anchors: Tensor,
+    context_valid: Tensor,
+    block_size: int,
+    context_start: Tensor | None = None,
+) -> Tensor:
+    """Boolean SDPA mask [B, 1, N*B, S + N*B] (True = may attend), see the module docstring.
+
+    `context_start` [B, N] int64: the first context position block n of row r may see
+    (packed rows: the start of the anchor's document); None = 0.
+    """
     rows, n = anchors.shape
     seq = context_valid.shape[1]
     q = n * block_size
@@ -93,11 +103,19 @@ def dense_dflash_mask(anchors: Tensor, context_valid: Tensor, block_size: int) -
     q_anchor = anchors.gather(1, q_block.expand(rows, q))  # [B, Q]
     ctx = torch.arange(seq, device=device)
     ctx_vis = (ctx[None, None, :] < q_anchor[:, :, None]) & context_valid.bool()[:, None, :]
+    if context_start is not None:
+        q_start = context_start.to(device).gather(1, q_block.expand(rows, q))  # [B, Q]
+        ctx_vis &= ctx[None, None, :] >= q_start[:, :, None]
     blk_vis = (q_block[:, None] == q_block[None, :]).expand(rows, q, q)
     return torch.cat([ctx_vis, blk_vis], dim=2)[:, None]
 
 
-def flex_dflash_block_mask(anchors: Tensor, context_valid: Tensor, block_size: int) -> BlockMask:
+def flex_dflash_block_mask(
+    anchors: Tensor,
+    context_valid: Tensor,
+    block_size: int,
+    context_start: Tensor | None = None,
+) -> BlockMask:
     """The same mask as a flex_attention BlockMask (H=None: no per-head materialisation)."""
     from torch.nn.attention.flex_attention import create_block_mask
 
@@ -105,12 +123,18 @@ def flex_dflash_block_mask(anchors: Tensor, context_valid: Tensor, block_size: i
     seq = context_valid.shape[1]
     q_len, kv_len = n * block_size, seq + n * block_size
     valid = context_valid.bool()
+    start = torch.zeros_like(anchors) if context_start is None else context_start.to(anchors.device)
 
     def mask_mod(b: Tensor, _h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
         q_block = q_idx // block_size
         anchor = anchors[b, q_block]
         in_ctx = kv_idx < seq
-        ctx_ok = in_ctx & (kv_idx < anchor) & valid[b, kv_idx.clamp(max=seq - 1)]
+        ctx_ok = (
+            in_ctx
+            & (kv_idx < anchor)
+            & (kv_idx >= start[b, q_block])
+            & valid[b, kv_idx.clamp(max=seq - 1)]
+        )
         blk_ok = (~in_ctx) & ((kv_idx - seq).clamp(min=0) // block_size == q_block)
         return ctx_ok | blk_ok
 
