@@ -1,0 +1,166 @@
+"""The group's state from its nodes' reports (dflashctl.group.group_state, pure)."""
+
+from __future__ import annotations
+
+from dflashctl.control import RunStatus
+from dflashctl.group import NodeReport, group_json, group_state, torchrun_failure
+from trainer.events.run_state import RunState
+
+# torchrun's report in the dead pane of a node whose worker was SIGKILLed (torch 2.x layout)
+KILLED_TAIL = (
+    "torch.distributed.elastic.multiprocessing.errors.ChildFailedError:",
+    "============================================================",
+    "trainer FAILED",
+    "------------------------------------------------------------",
+    "Failures:",
+    "  <NO_OTHER_FAILURES>",
+    "------------------------------------------------------------",
+    "Root Cause (first observed failure):",
+    "[0]:",
+    "  time      : 2026-12-01_13:45:00",
+    "  host      : n1",
+    "  rank      : 1 (local_rank: 0)",
+    "  exitcode  : -9 (pid: 4321)",
+    "  error_file: <N/A>",
+    "  traceback : Signal 9 (SIGKILL) received by PID 4321",
+    "============================================================",
+)
+PEER_TAIL = tuple(
+    line.replace("rank      : 1", "rank      : 0").replace("exitcode  : -9", "exitcode  : 1")
+    for line in KILLED_TAIL
+)
+
+
+def node(
+    host: str,
+    rank: int,
+    state: str,
+    *,
+    exit_status: int | None = None,
+    finished: bool = False,
+    step: int | None = None,
+    run_state: RunState | None = None,
+    pane_tail: tuple[str, ...] = (),
+) -> NodeReport:
+    return NodeReport(
+        host=host,
+        node_rank=rank,
+        state=state,
+        exit_status=exit_status,
+        finished=finished,
+        step=step,
+        run_state=run_state or RunState(rank_range=[rank, rank + 1]),
+        pane_tail=pane_tail,
+    )
+
+
+def test_all_running_is_running_and_step_is_node_0s() -> None:
+    v = group_state(
+        "g",
+        [node("n1", 1, "running", step=7), node("n0", 0, "running", step=8)],
+    )
+    assert v.state == "running" and v.failed is None
+    assert [n.host for n in v.nodes] == ["n0", "n1"]  # node order, whatever the input order
+    assert v.step == 8
+
+
+def test_one_node_unreachable_is_degraded_never_crashed() -> None:
+    v = group_state("g", [node("n0", 0, "running"), node("n1", 1, "unreachable")])
+    assert v.state == "degraded" and v.failed is None
+    assert v.unreachable == ("n1",)
+    assert v.summary() == "g: degraded: n1 unreachable (state unknown)"
+    assert group_state("g", [node("n0", 0, "unreachable")] * 1).state == "unreachable"
+
+
+def test_killed_node_is_named_with_its_rank_not_the_peer_that_lost_it() -> None:
+    peer_rs = RunState(state="crashed", rank_range=[0, 1], exit_status=1)
+    v = group_state(
+        "g",
+        [
+            node("n0", 0, "crashed", exit_status=1, run_state=peer_rs, pane_tail=PEER_TAIL),
+            node("n1", 1, "crashed", exit_status=1, pane_tail=KILLED_TAIL),
+        ],
+    )
+    assert v.state == "failed"
+    assert v.failed is not None and (v.failed.host, v.failed.node_rank, v.failed.rank) == (
+        "n1",
+        1,
+        1,
+    )
+    assert "killed by signal 9" in v.summary()
+    assert group_json(v)["failed"] == {"host": "n1", "node_rank": 1, "rank": 1}
+
+
+def test_without_torchruns_report_the_node_without_a_record_failed_first() -> None:
+    peer_rs = RunState(state="crashed", rank_range=[0, 1])
+    killed_rs = RunState(state="running", rank_range=[1, 2])
+    v = group_state(
+        "g",
+        [
+            node("n0", 0, "crashed", exit_status=1, run_state=peer_rs),
+            node("n1", 1, "crashed", exit_status=1, run_state=killed_rs),
+        ],
+    )
+    assert v.failed is not None and (v.failed.host, v.failed.rank) == ("n1", 1)
+
+
+def test_a_recorded_failed_rank_wins_and_names_its_node() -> None:
+    rs0 = RunState(state="crashed", rank_range=[0, 2], failed_rank=3)
+    rs1 = RunState(state="crashed", rank_range=[2, 4])
+    v = group_state(
+        "g",
+        [node("n0", 0, "crashed", run_state=rs0), node("n1", 1, "crashed", run_state=rs1)],
+    )
+    assert v.failed is not None and (v.failed.host, v.failed.node_rank, v.failed.rank) == (
+        "n1",
+        1,
+        3,
+    )
+
+
+def test_first_in_node_order_when_nothing_else_tells_and_rank_unknown_for_many() -> None:
+    rs = RunState(state="crashed", rank_range=[0, 2])
+    rs1 = RunState(state="crashed", rank_range=[2, 4])
+    v = group_state(
+        "g",
+        [
+            node("n0", 0, "crashed", exit_status=1, run_state=rs),
+            node("n1", 1, "crashed", exit_status=1, run_state=rs1),
+        ],
+    )
+    assert v.failed is not None and (v.failed.host, v.failed.rank) == ("n0", None)
+    assert "rank unknown" in v.summary()
+
+
+def test_a_failed_node_fails_the_group_while_others_still_run_or_are_unreachable() -> None:
+    v = group_state(
+        "g",
+        [node("n0", 0, "running"), node("n1", 1, "gave-up"), node("n2", 2, "unreachable")],
+    )
+    assert v.state == "failed" and v.failed is not None and v.failed.host == "n1"
+
+
+def test_stopped_finished_partial() -> None:
+    assert group_state("g", [node("a", 0, "stopped"), node("b", 1, "stopped")]).state == "stopped"
+    fin = [node("a", 0, "stopped", finished=True), node("b", 1, "stopped", finished=True)]
+    assert group_state("g", fin).state == "finished"
+    mixed = [node("a", 0, "stopped", finished=True), node("b", 1, "stopped")]
+    assert group_state("g", mixed).state == "stopped"
+    part = group_state("g", [node("a", 0, "running"), node("b", 1, "stopped")])
+    assert part.state == "partial"
+    assert part.summary() == "g: partial: running on a; not on b"
+
+
+def test_from_status_takes_the_nodes_own_step_else_the_status_lines() -> None:
+    st = RunStatus(host="n1", state="running", run_state=RunState(step=5, rank_range=[1, 2]))
+    rep = NodeReport.from_status(st, 1)
+    assert (rep.step, rep.rank_range, rep.node_rank) == (5, (1, 2), 1)
+    assert NodeReport.from_status(RunStatus(host="n0", state="stopped"), 0).step is None
+    js = group_json(group_state("g", [rep]))
+    assert js["nodes"][0]["rank_range"] == [1, 2] and js["nodes"][0]["step"] == 5
+
+
+def test_torchrun_failure_parser() -> None:
+    assert torchrun_failure(KILLED_TAIL) == (1, -9)
+    assert torchrun_failure(PEER_TAIL) == (0, 1)
+    assert torchrun_failure(("Traceback", "ValueError: x")) is None
