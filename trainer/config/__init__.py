@@ -30,6 +30,8 @@ from pydantic import (
     Field,
     PrivateAttr,
     ValidationError,
+    ValidationInfo,
+    field_validator,
     model_validator,
 )
 
@@ -92,7 +94,7 @@ class DataConfig(BaseModel):
 
 
 # The batching strategies, named once (the sampler and the tests take them from here).
-Strategy = Literal["bucketed", "sorted", "random", "pool-sort"]
+Strategy = Literal["bucketed", "sorted", "random", "pool-sort", "packed"]
 STRATEGIES: tuple[Strategy, ...] = get_args(Strategy)
 
 
@@ -104,9 +106,17 @@ class BatchingConfig(BaseModel):
         default="plan", description='K+1 bucket edges, or "plan": optimal edges for num_buckets'
     )
     num_buckets: int = Field(default=6, ge=1, le=64, description="K when boundaries = 'plan'")
-    token_budget: int = Field(ge=1, description="max padded tokens per batch")
+    token_budget: int = Field(
+        ge=1, description="max padded tokens per batch (packed: rows x row_length)"
+    )
     max_batch: int = Field(default=64, ge=1, description="max samples per batch")
     pool_size: int = Field(default=3200, ge=1, description="pool for strategy 'pool-sort'")
+    row_length: int | None = Field(
+        default=None,
+        ge=1,
+        description="tokens per packed row for strategy 'packed' (>= the longest sample, "
+        "<= token_budget); None: the longest sample",
+    )
 
     @model_validator(mode="after")
     def _edges(self) -> Self:
@@ -114,6 +124,18 @@ class BatchingConfig(BaseModel):
         if isinstance(b, list) and (len(b) < 2 or any(x >= y for x, y in itertools.pairwise(b))):
             raise ValueError(f"boundaries {b} must be at least 2 strictly increasing edges")
         return self
+
+    @field_validator("row_length")
+    @classmethod
+    def _row_length(cls, value: int | None, info: ValidationInfo) -> int | None:
+        strategy, budget = info.data.get("strategy"), info.data.get("token_budget")
+        if value is not None and strategy != "packed":
+            raise ValueError(f"applies to strategy 'packed' only (strategy is {strategy!r})")
+        if value is not None and isinstance(budget, int) and value > budget:
+            raise ValueError(
+                f"{value} is more than token_budget {budget}: a batch holds at least one row"
+            )
+        return value
 
 
 class TinyTarget(BaseModel):
@@ -377,6 +399,7 @@ RESUME_CRITICAL_KEYS: tuple[str, ...] = (
     "batching.token_budget",
     "batching.max_batch",
     "batching.pool_size",
+    "batching.row_length",
     "model.target_dir",
     "model.tiny_target",
     "model.drafter",
