@@ -25,7 +25,8 @@ from dflashctl.remote.connect import attach_argv, make_transport
 from dflashctl.remote.transport import Transport
 
 if TYPE_CHECKING:
-    from dflashctl.control import RunStatus, StartResult
+    from dflashctl.control import RunStatus, StartResult, StopResult
+    from dflashctl.group import GroupControl
     from dflashctl.notify import Notifier
 
 
@@ -38,6 +39,30 @@ def _inventory(args: argparse.Namespace) -> Inventory:
 
 def _host(args: argparse.Namespace) -> HostConfig:
     return _inventory(args).get(args.host)
+
+
+def _target(args: argparse.Namespace) -> HostConfig | GroupConfig:
+    """The host or group `args.host` names (one namespace: load refuses a clash)."""
+    return _resolve(_inventory(args), [args.host])[0]
+
+
+def _resolve(inv: Inventory, names: Sequence[str]) -> list[HostConfig | GroupConfig]:
+    """Hosts and groups by name; without groups in the file an unknown name is the plain
+    "no host" error (whose message lists the hosts), else one that lists both."""
+    if not inv.groups:
+        return [inv.get(n) for n in names]
+    return inv.resolve_targets(names)
+
+
+async def _with_group(group: GroupConfig, fn: Callable[[GroupControl], Awaitable[int]]) -> int:
+    """Run `fn` over a GroupControl with one transport per node, all closed after."""
+    from dflashctl.group import GroupControl
+
+    transports = [make_transport(h) for h in group.nodes]
+    try:
+        return await fn(GroupControl(group, transports))
+    finally:
+        await asyncio.gather(*(t.close() for t in transports), return_exceptions=True)
 
 
 async def _with_transport(host: HostConfig, fn: Callable[[Transport], Awaitable[int]]) -> int:
@@ -81,9 +106,16 @@ async def cmd_hosts(args: argparse.Namespace) -> int:
 
 
 async def cmd_trust(args: argparse.Namespace) -> int:
+    target = _target(args)
+    if isinstance(target, GroupConfig):
+        codes = [await _trust(args, h) for h in target.nodes]  # one at a time: it may ask
+        return max(codes)
+    return await _trust(args, target)
+
+
+async def _trust(args: argparse.Namespace, host: HostConfig) -> int:
     from dflashctl.remote.ssh import fetch_host_key, pin_host_key, pinned_keys
 
-    host = _host(args)
     key = await fetch_host_key(host)
     fp = key.get_fingerprint("sha256")
     pinned = pinned_keys(host.known_hosts, host.address, host.port)
@@ -114,7 +146,10 @@ async def cmd_deploy(args: argparse.Namespace) -> int:
     from dflashctl.deploy import deploy
     from dflashctl.release import build_release
 
-    host = _host(args)
+    target = _target(args)
+    if isinstance(target, GroupConfig):
+        return await _deploy_group(args, target)
+    host = target
     config = Path(args.config) if args.config else host.run_config
     if args.no_memory_check and config is not None:
         print(f"{host.name}: memory checks skipped (--no-memory-check)")
@@ -139,12 +174,59 @@ async def cmd_deploy(args: argparse.Namespace) -> int:
     return await _with_transport(host, go)
 
 
+async def _deploy_group(args: argparse.Namespace, group: GroupConfig) -> int:
+    """`deploy GROUP`: one release and one run config on every node, at once; a node that
+    fails is its one error line, the others are still reported."""
+    from dflashctl.group import group_config_path
+    from dflashctl.release import build_release
+
+    config = group_config_path(group, Path(args.config) if args.config else None)
+    if config is not None:
+        from dflashctl.runconfig import validate_config
+
+        validate_config(config)  # a bad config fails before any node is touched
+    if args.no_memory_check and config is not None:
+        print(f"{group.name}: memory checks skipped (--no-memory-check)")
+    release = build_release(Path(args.tree)) if args.tree else build_release()
+
+    async def go(gc: GroupControl) -> int:
+        outcomes = await gc.deploy(
+            config=config,
+            release=release,
+            progress=print,
+            fresh=args.fresh,
+            break_stale_lock=args.break_lock,
+            memory_check=not args.no_memory_check,
+        )
+        for o in outcomes:
+            if o.result is not None:
+                print(o.result.summary())
+                for rel in o.result.pruned:
+                    print(f"{o.host}: pruned release {rel}")
+            else:
+                _print_err(o.error_line())
+        bad = [o.host for o in outcomes if not o.ok]
+        if bad:
+            _print_err(
+                f"group {group.name!r}: deploy failed on {', '.join(bad)}; the group does not "
+                f"start until every node has release {release.id}"
+            )
+            return ExitCode.FAILED
+        cfg = f" and config {config}" if config is not None else ""
+        print(f"{group.name}: release {release.id}{cfg} on all {group.nnodes} nodes")
+        return ExitCode.OK
+
+    return await _with_group(group, go)
+
+
 async def cmd_start(args: argparse.Namespace) -> int:
     from dflashctl.control import RunControl
 
-    host = _host(args)
-
+    target = _target(args)
     resume = _resume_choice(args)
+    if isinstance(target, GroupConfig):
+        return await _start_group(args, target, resume)
+    host = target
 
     async def go(t: Transport) -> int:
         res = await RunControl(t, host).start(
@@ -164,6 +246,39 @@ async def cmd_start(args: argparse.Namespace) -> int:
         return ExitCode.OK
 
     return await _with_transport(host, go)
+
+
+async def _start_group(args: argparse.Namespace, group: GroupConfig, resume: str) -> int:
+    wait_s = _wait_s(args, group.nodes[0])
+
+    async def go(gc: GroupControl) -> int:
+        res = await gc.start(fresh=args.fresh, resume=resume, wait_s=wait_s, progress=print)
+        if not res.started:
+            print(f"{group.name}: already running on every node (release {res.release})")
+            return ExitCode.OK
+        for i, r in enumerate(res.nodes):
+            print(
+                f"{r.host}: node {i} of {group.name}: started release {r.release} "
+                f"(pid {r.pane_pid}): {shlex.join(r.argv)}"
+            )
+        print(
+            f"{group.name}: started on {group.nnodes} nodes (no per-node restarts: a node "
+            f"restarted alone cannot rejoin; `dflashctl restart {group.name}` restarts the group)"
+        )
+        if res.ready is None:
+            print(f"{group.name}: not waited for (see `dflashctl status {group.name}`)")
+        elif res.ready:
+            print(
+                f"{group.name}: every rank joined; node 0 is past its setup after {res.waited_s:.0f} s"
+            )
+        else:
+            print(
+                f"{group.name}: node 0 still setting up after {res.waited_s:.0f} s; "
+                f"`dflashctl status {group.name}` shows how it goes"
+            )
+        return ExitCode.OK
+
+    return await _with_group(group, go)
 
 
 def _resume_choice(args: argparse.Namespace) -> str:
@@ -201,7 +316,10 @@ def _readiness(name: str, res: StartResult) -> str:
 async def cmd_stop(args: argparse.Namespace) -> int:
     from dflashctl.control import RunControl
 
-    host = _host(args)
+    target = _target(args)
+    if isinstance(target, GroupConfig):
+        return await _stop_group(args, target)
+    host = target
 
     async def go(t: Transport) -> int:
         res = await RunControl(t, host).stop(args.timeout)
@@ -213,13 +331,37 @@ async def cmd_stop(args: argparse.Namespace) -> int:
     return await _with_transport(host, go)
 
 
+async def _stop_group(args: argparse.Namespace, group: GroupConfig) -> int:
+    async def go(gc: GroupControl) -> int:
+        res = await gc.stop(args.timeout)
+        for i, r in enumerate(res.nodes):
+            print(
+                f"{r.host}: node {i}: {r.summary() if i == 0 or r.was_running else _node_exit(r)}"
+            )
+        node0 = res.nodes[0]
+        if not node0.was_running:
+            return ExitCode.OK
+        return ExitCode.OK if node0.checkpoint or node0.outcome == "exited" else ExitCode.FAILED
+
+    return await _with_group(group, go)
+
+
+def _node_exit(r: StopResult) -> str:
+    if r.exit_status is None:
+        return "not running"
+    return f"exited with the group (status {r.exit_status})"
+
+
 async def cmd_restart(args: argparse.Namespace) -> int:
     from dflashctl.control import RunControl
     from dflashctl.release import build_release
 
-    host = _host(args)
+    target = _target(args)
     config = Path(args.config) if args.config else None
     resume = _resume_choice(args)
+    if isinstance(target, GroupConfig):
+        return await _restart_group(args, target, config, resume)
+    host = target
 
     async def go(t: Transport) -> int:
         release = build_release(Path(args.tree)) if args.tree else None
@@ -250,6 +392,43 @@ async def cmd_restart(args: argparse.Namespace) -> int:
         return ExitCode.OK
 
     return await _with_transport(host, go)
+
+
+async def _restart_group(
+    args: argparse.Namespace, group: GroupConfig, config: Path | None, resume: str
+) -> int:
+    from dflashctl.group import group_config_path
+    from dflashctl.release import build_release
+
+    path = group_config_path(group, config)
+    wait_s = _wait_s(args, group.nodes[0])
+
+    async def go(gc: GroupControl) -> int:
+        release = build_release(Path(args.tree)) if args.tree else None
+        res = await gc.restart(
+            fresh=args.fresh,
+            config=path,
+            stop_timeout=args.timeout,
+            progress=print,
+            release=release,
+            resume=resume,
+            wait_s=wait_s,
+        )
+        for d in res.deploys:
+            print(d.summary())
+        step = res.stop.checkpoint_step
+        print(
+            f"{group.name}: stop: {res.stop.nodes[0].outcome} "
+            f"({f'checkpoint step {step} on node 0' if step is not None else 'no checkpoint'})"
+        )
+        print(
+            f"{group.name}: started release {res.start.release} on {group.nnodes} nodes; config "
+            f"{res.old_config_hash or '-'} -> {res.new_config_hash or '-'}"
+            f"{' (fresh: old checkpoints archived)' if args.fresh else ''}"
+        )
+        return ExitCode.OK
+
+    return await _with_group(group, go)
 
 
 def format_run_status(st: RunStatus) -> str:
@@ -375,10 +554,12 @@ def _num(value: object) -> str:
 
 
 async def cmd_status(args: argparse.Namespace) -> int:
+    """Hosts and groups as named (every host when none is); a group is one entry: its state,
+    the node and rank that failed first, and one entry per node (`dflashctl.group`)."""
     from dflashctl.control import RunControl
 
     inv = _inventory(args)
-    hosts = [inv.get(n) for n in args.host] if args.host else list(inv.hosts.values())
+    targets = _resolve(inv, args.host) if args.host else list(inv.hosts.values())
 
     async def one(host: HostConfig) -> RunStatus:
         transport = make_transport(host)
@@ -387,15 +568,48 @@ async def cmd_status(args: argparse.Namespace) -> int:
         finally:
             await transport.close()
 
-    results = await asyncio.gather(*(one(h) for h in hosts))
+    async def each(target: HostConfig | GroupConfig) -> RunStatus | list[RunStatus]:
+        if isinstance(target, GroupConfig):
+            return list(await asyncio.gather(*(one(h) for h in target.nodes)))
+        return await one(target)
+
+    results = await asyncio.gather(*(each(t) for t in targets))
+    entries: list[object] = []
+    states: list[str] = []
+    for target, got in zip(targets, results, strict=True):
+        if isinstance(got, list):
+            assert isinstance(target, GroupConfig)
+            entries.append(_group_entry(target, got, as_json=args.json))
+            states += [st.state for st in got]
+        else:
+            entries.append(got.to_json_dict() if args.json else format_run_status(got))
+            states.append(got.state)
     if args.json:
-        print(json.dumps([r.to_json_dict() for r in results], indent=2, default=str))
+        print(json.dumps(entries, indent=2, default=str))
     else:
-        for r in results:
-            print(format_run_status(r))
-    if results and all(r.state == "unreachable" for r in results):
+        for e in entries:
+            print(e)
+    if states and all(s == "unreachable" for s in states):
         return ExitCode.UNREACHABLE
     return ExitCode.OK
+
+
+def _group_entry(group: GroupConfig, sts: list[RunStatus], *, as_json: bool) -> object:
+    """A group's status: `{group, state, summary, world_size, step, nodes, failed}` for --json,
+    else its summary line and each node's status (indented)."""
+    from dflashctl.group import NodeReport, group_json, group_state
+
+    view = group_state(group.name, [NodeReport.from_status(st, i) for i, st in enumerate(sts)])
+    if as_json:
+        return dict(group_json(view))
+    lines = [view.summary()]
+    if view.world_size is not None:
+        lines[0] += f" (world size {view.world_size})"
+    for i, st in enumerate(sts):
+        node = view.nodes[i]
+        ranks = f" ranks {node.rank_range[0]}-{node.rank_range[1] - 1}" if node.rank_range else ""
+        lines.append(f"  node {i}{ranks}: " + format_run_status(st).replace("\n", "\n  "))
+    return "\n".join(lines)
 
 
 def _watch_hosts(inv: Inventory, names: Sequence[str]) -> list[HostConfig]:
@@ -487,23 +701,33 @@ async def cmd_watch(args: argparse.Namespace) -> int:
     return ExitCode.OK
 
 
-def _print_line(line: str, as_json: bool) -> None:
+def _print_line(line: str, as_json: bool, prefix: str = "") -> None:
     if as_json:
         from trainer.events import parse_line
 
-        print(parse_line(line).model_dump_json(), flush=True)
+        event = parse_line(line).model_dump_json()
+        host = prefix.removesuffix("| ")
+        # a group's lines: {"host": ..., "event": ...} (the event's own keys stay untouched)
+        print(f'{{"host": {json.dumps(host)}, "event": {event}}}' if host else event, flush=True)
     else:
-        print(line, flush=True)
+        print(prefix + line, flush=True)
 
 
 LOG_RESTARTED = "restarted: status.log started over; reading it from its first line"
 
 
 async def cmd_logs(args: argparse.Namespace) -> int:
+    target = _target(args)
+    if isinstance(target, GroupConfig):
+        # every node's log, each line prefixed `HOST| ` (rank 0 on node 0 writes the run's)
+        codes = await asyncio.gather(*(_logs(args, h, prefix=f"{h.name}| ") for h in target.nodes))
+        return max(codes)
+    return await _logs(args, target)
+
+
+async def _logs(args: argparse.Namespace, host: HostConfig, prefix: str = "") -> int:
     from dflashctl.control import RunControl
     from dflashctl.follow import Connected, Line, LogRestarted, Lost
-
-    host = _host(args)
 
     def say(text: str) -> None:
         print(f"dflashctl: {text}", file=sys.stderr, flush=True)
@@ -518,13 +742,13 @@ async def cmd_logs(args: argparse.Namespace) -> int:
         start = max(0, st.log_lines - args.lines)
         if not args.follow:
             for line in await ctl.log_tail(start):
-                _print_line(line, args.json)
+                _print_line(line, args.json, prefix)
             return ExitCode.OK
         lost = False
         async with contextlib.aclosing(ctl.follow(start)) as events:
             async for event in events:
                 if isinstance(event, Line):
-                    _print_line(event.text, args.json)
+                    _print_line(event.text, args.json, prefix)
                 elif isinstance(event, Connected):
                     if lost:
                         say(f"{host.name}: reconnected")
@@ -540,7 +764,17 @@ async def cmd_logs(args: argparse.Namespace) -> int:
 
 
 async def cmd_attach(args: argparse.Namespace) -> int:
-    host = _host(args)
+    target = _target(args)
+    if isinstance(target, GroupConfig):
+        host = target.nodes[0]
+        print(
+            f"dflashctl: {target.name}: attaching to node 0 ({host.name}), whose rank 0 prints "
+            f"the run's lines; `dflashctl attach {target.nodes[-1].name}` for another node",
+            file=sys.stderr,
+            flush=True,
+        )
+    else:
+        host = target
     argv = attach_argv(host, os.environ.get("TERM", "xterm-256color"))
     if args.print:
         print(shlex.join(argv))
@@ -550,7 +784,8 @@ async def cmd_attach(args: argparse.Namespace) -> int:
 
 
 async def cmd_buckets(args: argparse.Namespace) -> int:
-    host = _host(args)
+    target = _target(args)
+    host = target.nodes[0] if isinstance(target, GroupConfig) else target  # same data everywhere
     store = args.store or host.data_store
     if store is None:
         raise UsageError(
@@ -591,12 +826,18 @@ async def cmd_buckets(args: argparse.Namespace) -> int:
 
 
 async def cmd_secret(args: argparse.Namespace) -> int:
-    from dflashctl.control import RunControl
-
-    host = _host(args)
+    target = _target(args)
     data = sys.stdin.buffer.read()
     if not data:
         raise UsageError("secret value is read from stdin, and stdin was empty")
+    if isinstance(target, GroupConfig):  # every node gets it (whichever rank reads it)
+        codes = [await _secret(args, h, data) for h in target.nodes]
+        return max(codes)
+    return await _secret(args, target, data)
+
+
+async def _secret(args: argparse.Namespace, host: HostConfig, data: bytes) -> int:
+    from dflashctl.control import RunControl
 
     async def go(t: Transport) -> int:
         path = await RunControl(t, host).put_secret(args.name, data)
@@ -645,7 +886,7 @@ def build_parser() -> argparse.ArgumentParser:
     ) -> argparse.ArgumentParser:
         sp = sub.add_parser(name, help=help, description=help)
         if host:
-            sp.add_argument("host")
+            sp.add_argument("host", help="a host, or a group (every node of it)")
         sp.set_defaults(func=fn)
         return sp
 
@@ -683,7 +924,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--tree", help="directory holding the trainer/ to ship (default: installed)")
     _add_run_flags(sp)
     sp = sub.add_parser("status", help="run state, release, config hash, latest status line")
-    sp.add_argument("host", nargs="*")
+    sp.add_argument("host", nargs="*", help="hosts or groups (default: every host)")
     sp.add_argument("--json", action="store_true")
     sp.set_defaults(func=cmd_status)
     sp = sub.add_parser(

@@ -35,6 +35,7 @@ from dflashctl.gpu_health import (
     unknown_query_field,
 )
 from dflashctl.inventory import NAME_RE, HostConfig, InventoryError
+from dflashctl.launch import NodeLaunch
 from dflashctl.release import Release
 from dflashctl.remote.commands import SUPERVISOR_MODULE, guarded, supervised
 from dflashctl.remote.files import line_count, read_file, tail_follow, tail_from, write_file_atomic
@@ -589,6 +590,11 @@ def parse_status(host: str, stdout: str, hash_text: Callable[[str], str | None])
     )
 
 
+def interrupt_children(pid: int) -> list[str]:
+    """SIGINT to every child of `pid` (a group node's torchrun: its trainer ranks)."""
+    return ["pkill", "-INT", "-P", str(int(pid))]
+
+
 def last_error_line(log_text: str, capture: str) -> str | None:
     """The run's own ERROR line (status.log, else the pane), else the pane's last line."""
     for text in (log_text, capture):
@@ -707,8 +713,13 @@ class RunControl:
         resume: str = "auto",
         wait_s: float = DEFAULT_START_WAIT_S,
         progress: Callable[[str], None] | None = None,
+        launch: NodeLaunch | None = None,
     ) -> StartResult:
         """Start the trainer and wait (up to `wait_s`) until it is past its setup or has exited.
+
+        `launch` (a group's node, `dflashctl.launch`): the pane runs that torchrun argv with its
+        env added, and no supervisor: a node restarted alone cannot rejoin the group's static
+        rendezvous, so a group's restarts are the whole group's (`dflashctl restart GROUP`).
 
         The trainer runs under the in-container supervisor (`python -m trainer.supervise`) with
         the host's restart policy, when the release ships it (an older release runs bare, with
@@ -720,7 +731,7 @@ class RunControl:
         st = await self.status(setup_errors=True)
         if st.state == "unreachable":
             raise HostUnreachable(st.message or f"{self.host.name}: unreachable")
-        argv = trainer_argv(self.host.python, fresh, resume)
+        argv = launch.argv if launch is not None else trainer_argv(self.host.python, fresh, resume)
         if st.state in LIVE_STATES:
             return StartResult(self.host.name, False, st.run_release or "", None, argv)
         if st.release is None:
@@ -746,9 +757,10 @@ class RunControl:
             "PYTHONUNBUFFERED": "1",
             "PYTHONPATH": self.layout.release_dir(release),
             "DFLASH_RELEASE": release,
+            **(launch.env if launch is not None else {}),
         }
         notes = [st.switch_note] if st.switch_note else []
-        if st.release_has_supervisor:
+        if st.release_has_supervisor and launch is None:
             argv = supervised(self.host.python, self.host.supervisor_policy().cli_args(), argv)
         if st.switch_note:
             await self._run(acknowledge_switch(self.host.workdir))
@@ -763,19 +775,25 @@ class RunControl:
             progress(f"{self.host.name}: waiting up to {wait_s:g} s for the trainer's setup")
         loop = asyncio.get_running_loop()
         t0 = loop.time()
-        waited = await self._run(
-            start_wait_argv(self.host.workdir, self.host.session, st.log_lines, wait_s),
-            timeout=wait_s + 60,
-        )
-        outcome = (waited.stdout.strip().splitlines() or ["waiting"])[-1]
+        outcome = await self.wait_started(st.log_lines, wait_s)
         took = loop.time() - t0
         if outcome in {"exited", "restarting"}:
-            raise await self._start_failure(st.log_lines, took, restarting=outcome == "restarting")
+            raise await self.start_failure(st.log_lines, took, restarting=outcome == "restarting")
         return StartResult(
             self.host.name, True, release, pid, argv, outcome == "ready", took, notes
         )
 
-    async def _start_failure(self, mark: int, took: float, restarting: bool = False) -> StartFailed:
+    async def wait_started(self, mark: int, wait_s: float) -> str:
+        """Wait (one remote loop) until the trainer started at status.log line `mark` is past
+        its setup, is being restarted or has exited: `ready` | `restarting` | `exited` |
+        `waiting` (still setting up after `wait_s`)."""
+        waited = await self._run(
+            start_wait_argv(self.host.workdir, self.host.session, mark, wait_s),
+            timeout=wait_s + 60,
+        )
+        return (waited.stdout.strip().splitlines() or ["waiting"])[-1]
+
+    async def start_failure(self, mark: int, took: float, restarting: bool = False) -> StartFailed:
         """What a trainer that exited during its start said: exit status and last error.
 
         Under the supervisor the pane's status is the supervisor's, which passes the trainer's
@@ -834,11 +852,15 @@ class RunControl:
             await asyncio.sleep(0.1 * (attempt + 1))
         return res
 
-    async def stop(self, timeout: float = 120.0) -> StopResult:
+    async def stop(self, timeout: float = 120.0, *, workers: bool = False) -> StopResult:
         """SIGINT, wait for the checkpoint line (or exit) up to `timeout`, then kill the session.
 
         The C-c reaches the pane's process: the supervisor forwards it to the trainer once (a
         graceful stop, never restarted) or, in a restart backoff, exits without another attempt.
+        `workers` (a group's node, whose pane runs torchrun): SIGINT goes to the pane process's
+        children, the trainer ranks, not to torchrun: torchrun would pass a second SIGINT on
+        (a stop at once, no checkpoint) and exit as a signal death; the ranks' stop is agreed
+        in the step's reduce, so they stop at the same step and torchrun exits 0.
         """
         st = await self.status(setup_errors=True)
         if st.state == "unreachable":
@@ -854,9 +876,17 @@ class RunControl:
                 st.exit_status,
             )
         mark = st.log_lines
-        sent = await self._run(tmux_interrupt(self.host.session))
-        if not sent.ok:
-            raise ControlError(f"{self.host.name}: sending C-c: {sent.error_line()}")
+        if workers:
+            pane = await self._pane_state()
+            pid = pane.pid if pane is not None else None
+            sent = await self._run(interrupt_children(pid)) if pid is not None else None
+            # pkill's 1: no child (the ranks exited meanwhile): the wait below sees the exit
+            if sent is not None and sent.rc not in {0, 1}:
+                raise ControlError(f"{self.host.name}: SIGINT to the ranks: {sent.error_line()}")
+        else:
+            sent = await self._run(tmux_interrupt(self.host.session))
+            if not sent.ok:
+                raise ControlError(f"{self.host.name}: sending C-c: {sent.error_line()}")
         waited = await self._run(
             stop_wait_argv(self.host.workdir, self.host.session, mark, timeout),
             timeout=timeout + 30,

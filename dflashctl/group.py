@@ -18,17 +18,35 @@ the group, not as the cause.
 
 from __future__ import annotations
 
+import asyncio
 import re
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal, TypedDict
+from pathlib import Path
+from typing import TYPE_CHECKING, Generic, Literal, TypedDict, TypeVar
 
+from dflashctl.control import (
+    DEFAULT_START_WAIT_S,
+    ControlError,
+    RunControl,
+    RunStatus,
+    StartFailed,
+    StartResult,
+    StopResult,
+)
+from dflashctl.deploy import DeployResult, deploy
+from dflashctl.errors import DflashctlError
+from dflashctl.launch import group_launches
+from dflashctl.remote.transport import HostUnreachable, Transport
 from trainer.events.run_state import RunState
 
 if TYPE_CHECKING:
-    from dflashctl.control import RunStatus
     from dflashctl.fleet import HostHandle
     from dflashctl.inventory import GroupConfig
+    from dflashctl.release import Release
+
+T = TypeVar("T")
+Progress = Callable[[str], None]
 
 GroupPhase = Literal[
     "running",  # every node runs
@@ -325,3 +343,360 @@ class GroupHandle:
 
     async def view(self) -> GroupView:
         return group_state(self.name, await self.reports())
+
+
+# --- operating a group: every node through its own RunControl ----------------------------------
+
+
+@dataclass(frozen=True)
+class NodeOutcome(Generic[T]):
+    """One node's part of a group command: its result, or the one-line error it failed with."""
+
+    host: str
+    node_rank: int
+    result: T | None = None
+    error: BaseException | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+    def error_line(self) -> str:
+        err = self.error
+        if err is None:
+            return ""
+        text = err.one_line() if isinstance(err, DflashctlError) else str(err)
+        text = text or type(err).__name__
+        return text if text.startswith(f"{self.host}:") else f"{self.host}: {text}"
+
+
+@dataclass(frozen=True)
+class GroupStartResult:
+    group: str
+    started: bool  # False: every node was running already
+    nodes: list[StartResult]
+    release: str
+    config_hash: str | None
+    ready: bool | None  # node 0 past its setup (None: not waited for)
+    waited_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class GroupStopResult:
+    group: str
+    nodes: list[StopResult]  # node 0 first
+
+    @property
+    def checkpoint_step(self) -> int | None:
+        ck = self.nodes[0].checkpoint if self.nodes else None
+        return ck.step if ck is not None else None
+
+
+async def _each(
+    names: Sequence[str], calls: Sequence[Awaitable[T]], first_rank: int = 0
+) -> list[NodeOutcome[T]]:
+    """Run one call per node at once; each failure stays that node's (the others go on)."""
+    got = await asyncio.gather(*calls, return_exceptions=True)
+    out: list[NodeOutcome[T]] = []
+    for rank, (name, res) in enumerate(zip(names, got, strict=True), start=first_rank):
+        if isinstance(res, BaseException):
+            if not isinstance(res, Exception):
+                raise res  # KeyboardInterrupt, CancelledError: not a node's failure
+            out.append(NodeOutcome(name, rank, error=res))
+        else:
+            out.append(NodeOutcome(name, rank, result=res))
+    return out
+
+
+class GroupControl:
+    """Deploy, start, stop, restart and status of a group, one RunControl per node.
+
+    Node 0 holds the checkpoints: it is stopped first (its rank 0 writes the stop's checkpoint)
+    and a config push is checked for resume against its checkpoint only. Nodes run torchrun
+    under tmux without the per-node supervisor (`RunControl.start(launch=...)`): a node
+    restarted alone cannot rejoin the group's static rendezvous.
+    """
+
+    def __init__(self, group: GroupConfig, transports: Sequence[Transport]) -> None:
+        if len(transports) != group.nnodes:
+            raise ValueError(
+                f"group {group.name!r}: {len(transports)} transports, {group.nnodes} nodes"
+            )
+        self.group = group
+        self.controls = [RunControl(t, h) for t, h in zip(transports, group.nodes, strict=True)]
+
+    @property
+    def name(self) -> str:
+        return self.group.name
+
+    @property
+    def hosts(self) -> tuple[str, ...]:
+        return self.group.hosts
+
+    async def statuses(self, *, setup_errors: bool = False) -> list[RunStatus]:
+        return list(
+            await asyncio.gather(*(c.status(setup_errors=setup_errors) for c in self.controls))
+        )
+
+    async def view(self) -> tuple[GroupView, list[RunStatus]]:
+        sts = await self.statuses()
+        return group_state(
+            self.name, [NodeReport.from_status(st, i) for i, st in enumerate(sts)]
+        ), sts
+
+    async def deploy(
+        self,
+        *,
+        config: Path | None,
+        release: Release | None = None,
+        progress: Progress | None = None,
+        fresh: bool = False,
+        break_stale_lock: bool = False,
+        memory_check: bool = True,
+        import_check: bool = True,
+        resume_checked: bool = False,
+    ) -> list[NodeOutcome[DeployResult]]:
+        """The same release and run config on every node, at once; a node that fails is that
+        node's error (the others are still deployed and reported). The config push is checked
+        for resume on node 0 (the checkpoints are there; the other nodes have none to check)."""
+        from dflashctl.release import build_release
+
+        rel = release or build_release()
+
+        def one(rank: int, ctl: RunControl) -> Awaitable[DeployResult]:
+            return deploy(
+                ctl.transport,
+                ctl.host,
+                config=config,
+                progress=progress,
+                release=rel,
+                fresh=fresh,
+                resume_checked=resume_checked or rank > 0,
+                break_stale_lock=break_stale_lock,
+                memory_check=memory_check,
+                import_check=import_check,
+            )
+
+        return await _each(self.hosts, [one(i, c) for i, c in enumerate(self.controls)])
+
+    def _refuse_mixed(self, sts: Sequence[RunStatus]) -> tuple[str, str | None]:
+        """(release, config hash) shared by every node, or ControlError naming the nodes."""
+        g = self.name
+        missing = [st.host for st in sts if st.release is None]
+        if missing:
+            raise ControlError(
+                f"group {g!r}: nothing deployed on {', '.join(missing)}; run `dflashctl deploy {g}`"
+            )
+        no_config = [st.host for st in sts if st.deployed_config_hash is None]
+        if no_config:
+            raise ControlError(
+                f"group {g!r}: no valid run/config.toml on {', '.join(no_config)}; "
+                f"`dflashctl deploy {g} --config PATH` puts one on every node"
+            )
+        for what, values in (
+            ("releases", [st.release for st in sts]),
+            ("config hashes", [st.deployed_config_hash for st in sts]),
+        ):
+            if len(set(values)) > 1:
+                pairs = ", ".join(f"{st.host} {v}" for st, v in zip(sts, values, strict=True))
+                raise ControlError(
+                    f"group {g!r}: the nodes' {what} differ ({pairs}); "
+                    f"`dflashctl deploy {g}` puts the same on every node"
+                )
+        return sts[0].release or "", sts[0].deployed_config_hash
+
+    async def _node_procs(self) -> list[int]:
+        """Ranks per node: the entries of topology.drafter_devices in its deployed config."""
+        from dflashctl.runconfig import drafter_device_count
+
+        texts = await asyncio.gather(*(c.deployed_config() for c in self.controls))
+        return [drafter_device_count(t) for t in texts]
+
+    async def start(
+        self,
+        *,
+        fresh: bool = False,
+        resume: str = "auto",
+        wait_s: float = DEFAULT_START_WAIT_S,
+        progress: Progress | None = None,
+    ) -> GroupStartResult:
+        """Start torchrun on every node (node i with `--node-rank i`), then wait for node 0.
+
+        Refused (nothing started) when a node is unreachable, some but not all nodes run, or the
+        nodes' release or config differ. Every node's session is started at once (the static
+        rendezvous waits for all of them); then node 0's trainer is waited for up to `wait_s`
+        (it is past its setup only once every rank joined), and a node whose torchrun exited is
+        a StartFailed naming that node.
+        """
+        g = self.name
+        sts = await self.statuses(setup_errors=True)
+        down = [st for st in sts if st.state == "unreachable"]
+        if down:
+            raise HostUnreachable(
+                f"group {g!r}: not starting: "
+                + "; ".join(st.message or f"{st.host}: unreachable" for st in down)
+            )
+        live = [st.host for st in sts if st.state in LIVE_NODE_STATES]
+        release, config_hash = self._refuse_mixed(sts)
+        if len(live) == len(sts):
+            return GroupStartResult(g, False, [], release, config_hash, None)
+        if live:
+            idle = [st.host for st in sts if st.host not in live]
+            raise ControlError(
+                f"group {g!r}: running on {', '.join(live)} but not on {', '.join(idle)}; "
+                f"`dflashctl stop {g}` first, then start it whole"
+            )
+        launches = group_launches(self.group, await self._node_procs(), fresh=fresh, resume=resume)
+        outcomes = await _each(
+            self.hosts,
+            [
+                ctl.start(fresh=fresh, resume=resume, wait_s=0, launch=x)
+                for ctl, x in zip(self.controls, launches, strict=True)
+            ],
+        )
+        failed = [o for o in outcomes if not o.ok]
+        if failed:
+            await self._stop_started([o for o in outcomes if o.ok])
+            raise ControlError("; ".join(o.error_line() for o in failed))
+        results = [o.result for o in outcomes if o.result is not None]
+        if wait_s <= 0:
+            return GroupStartResult(g, True, results, release, config_hash, None)
+        node0 = self.controls[0]
+        if progress:
+            progress(f"{g}: waiting up to {wait_s:g} s for node 0 ({node0.host.name})'s setup")
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        ready = await node0.wait_started(sts[0].log_lines, wait_s)
+        took = loop.time() - t0
+        after = await self.statuses()
+        dead = [(i, st) for i, st in enumerate(after) if st.state not in LIVE_NODE_STATES]
+        if dead:
+            view = group_state(g, [NodeReport.from_status(st, i) for i, st in enumerate(after)])
+            first = view.failed
+            i = first.node_rank if first is not None else dead[0][0]
+            err = await self.controls[i].start_failure(sts[i].log_lines, took)
+            await self._stop_started([NodeOutcome(st.host, j) for j, st in enumerate(after)])
+            raise StartFailed(f"group {g!r}: node {i}: {err}")
+        return GroupStartResult(g, True, results, release, config_hash, ready == "ready", took)
+
+    async def _stop_started(self, started: Sequence[NodeOutcome[T]]) -> None:
+        """After a failed group start: end the nodes that did start (they would wait for the
+        rendezvous until its timeout)."""
+        await asyncio.gather(
+            *(self.controls[o.node_rank].stop(10.0, workers=True) for o in started),
+            return_exceptions=True,
+        )
+
+    async def stop(self, timeout: float = 120.0) -> GroupStopResult:
+        """Node 0 first: SIGINT to its ranks, wait for rank 0's checkpoint (or exit), end its
+        session; the other nodes' ranks stop at the same step (the stop is agreed in the step's
+        reduce) and are then stopped the same way (a node already exited is just cleared)."""
+        sts = await self.statuses(setup_errors=True)
+        down = [st for st in sts if st.state == "unreachable"]
+        if down:
+            raise HostUnreachable(
+                f"group {self.name!r}: not stopping: "
+                + "; ".join(st.message or f"{st.host}: unreachable" for st in down)
+            )
+        first = await self.controls[0].stop(timeout, workers=True)
+        rest = await _each(
+            self.hosts[1:],
+            [c.stop(min(timeout, 60.0), workers=True) for c in self.controls[1:]],
+            first_rank=1,
+        )
+        errors = [o.error_line() for o in rest if not o.ok]
+        if errors:
+            raise ControlError(
+                f"group {self.name!r}: node 0 {first.summary()}; " + "; ".join(errors)
+            )
+        return GroupStopResult(
+            self.name, [first, *(o.result for o in rest if o.result is not None)]
+        )
+
+    async def restart(
+        self,
+        *,
+        fresh: bool = False,
+        config: Path | None = None,
+        stop_timeout: float = 120.0,
+        progress: Progress | None = None,
+        release: Release | None = None,
+        resume: str = "auto",
+        wait_s: float = DEFAULT_START_WAIT_S,
+    ) -> GroupRestartResult:
+        """Push the config and release to every node, stop the group, start it.
+
+        The push is checked against node 0's checkpoint first (the one a resume loads, whose
+        state reaches every rank by broadcast): a config that cannot resume it is refused unless
+        `fresh`, before anything is stopped. A node whose deploy fails stops the restart there
+        (the group keeps running as it was).
+        """
+        from dflashctl.release import build_release
+        from dflashctl.resume import check_config_push
+        from dflashctl.runconfig import config_hash_of_file, validate_config
+
+        path = config if config is not None else self.group.nodes[0].run_config
+        node0 = self.controls[0]
+        if path is not None:
+            validate_config(path)
+            check = await check_config_push(
+                node0.transport, node0.host, path, fresh=fresh, resume=resume
+            )
+            for note in check.notes:
+                if progress:
+                    progress(note)
+        old = await self.statuses(setup_errors=True)
+        deployed = await self.deploy(
+            config=path,
+            release=release or build_release(),
+            progress=progress,
+            resume_checked=True,
+        )
+        failed = [o.error_line() for o in deployed if not o.ok]
+        if failed:
+            raise ControlError(
+                f"group {self.name!r}: not restarted (deploy failed): " + "; ".join(failed)
+            )
+        stopped = await self.stop(stop_timeout)
+        started = await self.start(fresh=fresh, resume=resume, wait_s=wait_s, progress=progress)
+        return GroupRestartResult(
+            self.name,
+            [o.result for o in deployed if o.result is not None],
+            stopped,
+            started,
+            old[0].deployed_config_hash,
+            config_hash_of_file(path) if path is not None else old[0].deployed_config_hash,
+        )
+
+
+@dataclass(frozen=True)
+class GroupRestartResult:
+    group: str
+    deploys: list[DeployResult]
+    stop: GroupStopResult
+    start: GroupStartResult
+    old_config_hash: str | None
+    new_config_hash: str | None
+
+
+def group_config_path(group: GroupConfig, override: Path | None) -> Path | None:
+    """The one run config a group's nodes get: `override`, else node 0's `run_config`. Nodes
+    whose own `run_config` is a different config (by hash) are refused, naming them: one group
+    trains one config."""
+    from dflashctl.errors import UsageError
+    from dflashctl.runconfig import config_hash_of_file
+
+    if override is not None:
+        return override
+    paths = [(n.name, n.run_config) for n in group.nodes]
+    first = paths[0][1]
+    if all(p == first for _, p in paths):
+        return first
+    hashes = [(name, config_hash_of_file(p) if p is not None else None) for name, p in paths]
+    if len({h for _, h in hashes}) > 1:
+        listed = ", ".join(f"{name} {h or '(none)'}" for name, h in hashes)
+        raise UsageError(
+            f"group {group.name!r}: the nodes' run_config differ ({listed}); give them one "
+            f"file, or pass --config PATH"
+        )
+    return first

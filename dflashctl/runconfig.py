@@ -88,3 +88,9 @@ def config_diff(old_text: str, new_text: str, *, old_name: str, new_name: str) -
             tofile=new_name,
         )
     )
+
+
+def drafter_device_count(text: str) -> int:
+    """How many ranks a node runs for this config: its `topology.drafter_devices` entries
+    (torchrun's `--nproc-per-node`; the trainer refuses any other count)."""
+    return len(_load_text(text, "remote-config.toml").topology.drafter_devices)
