@@ -254,16 +254,33 @@ class TargetModel:
         """Hidden states of the capture layers, concatenated in `layer_ids` order.
 
         Runs only layers 0..max(layer_ids); the rest of the model and the LM head never run.
-        `position_ids` (packed rows: positions restart at each document) is not supported yet.
+
+        Packed rows (`position_ids` [B, T], restarting at 0 at each document, the padding tail
+        counted as one more document; `trainer.pipeline.collate.collate_packed`): each document
+        is attended block-diagonally causal and rotated from position 0, so its features equal
+        those of the document run alone. That is transformers' packed-sequence path
+        (`masking_utils.find_packed_sequence_indices`: a new document wherever a position is not
+        its predecessor's + 1), taken when the 2D attention mask is None and there is no cache,
+        in every supported version (4.56 on; tested on the floor and the locked version). The
+        padding mask is then not passed: the padding tail is a document of its own, which no
+        real token sees.
 
         Returns:
             Tensor[B, T, len(layer_ids) * hidden_size] in the target dtype.
         """
-        if position_ids is not None:
-            raise NotImplementedError("packed rows (position_ids) are not captured yet")
         with self._capturing(stop_early=True) as captured:
             with suppress(_StopForward):
-                self.decoder(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+                if position_ids is None:
+                    self.decoder(
+                        input_ids=input_ids, attention_mask=attention_mask, use_cache=False
+                    )
+                else:
+                    if position_ids.shape != input_ids.shape:
+                        raise TargetError(
+                            f"position_ids {tuple(position_ids.shape)} do not match input_ids "
+                            f"{tuple(input_ids.shape)}"
+                        )
+                    self.decoder(input_ids=input_ids, position_ids=position_ids, use_cache=False)
             return self._concat(captured)
 
     @torch.no_grad()
