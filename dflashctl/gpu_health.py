@@ -22,6 +22,7 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from datetime import datetime
 from enum import StrEnum
 
 from dflashctl.watch_events import EventKind, WatchEvent
@@ -43,6 +44,7 @@ __all__ = [
     "parse_health_csv",
     "parse_xid_lines",
     "unknown_query_field",
+    "xid_wall_time",
 ]
 
 REASONS_PREFIX = "clocks_event_reasons"
@@ -299,6 +301,23 @@ def parse_xid_lines(text: str) -> list[Xid]:
         stamp = re.sub(r"\s*kernel:\s*$", "", stamp)
         out.append(Xid(bus, int(m.group("code")), pid, process, rest.strip(), stamp, n))
     return out
+
+
+_ISO_STAMP_RE = re.compile(
+    r"^(\d{4}-\d{2}-\d{2}T\d{2}:\d{2}:\d{2}(?:\.\d+)?(?:Z|[+-]\d{2}:?\d{2}))\s"
+)
+
+
+def xid_wall_time(x: Xid) -> float | None:
+    """When the kernel logged `x` (epoch seconds), where its stamp says: journalctl's
+    `-o short-iso` prefix does; dmesg's seconds since boot do not (None)."""
+    m = _ISO_STAMP_RE.match(x.stamp + " ")
+    if m is None:
+        return None
+    try:
+        return datetime.fromisoformat(m.group(1).replace("Z", "+00:00")).timestamp()
+    except ValueError:
+        return None
 
 
 # --- events -----------------------------------------------------------------------------------

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeVar, runtime_check
 
 from pydantic import ValidationError
 
-from dflashctl.control import GpuSample, restart_reason, restart_time, run_finished
+from dflashctl.control import ControlError, GpuSample, restart_reason, restart_time, run_finished
 from dflashctl.follow import (
     Backoff,
     Connected,
@@ -44,7 +44,16 @@ from dflashctl.follow import (
     any_failure,
     describe_failure,
 )
-from dflashctl.gpu_health import GpuHealth
+from dflashctl.gpu_health import (
+    GpuEventKind,
+    GpuHealth,
+    Xid,
+    gpu_events,
+    kernel_log_argv,
+    parse_xid_lines,
+    xid_wall_time,
+)
+from dflashctl.remote.transport import NodeCommands, Transport
 from trainer.events import (
     BUCKET_LOSS_KEY,
     CheckpointEvent,
@@ -69,9 +78,26 @@ LOG_TAIL = 400
 STALE_AFTER_S = 60.0
 """A running host whose last line is older than this is shown as stale (with its age)."""
 DASH = "—"
+XID_WINDOW_S = 3600
+"""The node's kernel log read back per Xid poll (as `dflashctl watch` reads it)."""
+XID_KEEP = 32
+"""Xids kept per host (newest last); the GPU pane shows the newest few."""
 T = TypeVar("T")
 
 LinkState = Literal["connecting", "live", "retrying"]
+
+
+@dataclass(frozen=True, slots=True)
+class SeenXid:
+    """One Xid line of the node's kernel log as the TUI saw it."""
+
+    xid: Xid
+    at: float
+    """When it happened: the log's own time where its stamp has one (journalctl), else when the
+    follower first read it (dmesg stamps count seconds since boot)."""
+    history: bool
+    """In the follower's first read: it happened before this view watched, so it is shown as
+    history and never toasted."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,6 +144,11 @@ class RunState:
     gpu_health: tuple[GpuHealth, ...] = ()
     """ECC counts and clock-event (throttle) reasons per GPU, where the control reports them
     (`HealthSource`); matched to `gpus` by index."""
+    xids: tuple[SeenXid, ...] = ()
+    """Xid lines from the node's kernel log (`gpu_health.parse_xid_lines`), oldest first, at
+    most XID_KEEP; each once (by `Xid.key`)."""
+    unreachable_since: float | None = None
+    """When the host was first seen unreachable in this outage (None while reachable)."""
     run_info: contract.RunState = field(default_factory=contract.RunState)
     """RUN/run-state.json as last polled: the trainer's plan (total_steps, end_step,
     warmup_steps, boundaries) once it has written it."""
@@ -289,6 +320,52 @@ def supervisor_events(old: RunState, new: RunState) -> list[tuple[str, str]]:
         detail = (new.supervisor or {}).get("detail")
         out.append(("error", f"{new.host}: supervisor {detail or 'gave up'}"))
     return out
+
+
+def apply_xids(
+    state: RunState, xids: Iterable[Xid], now: float, *, history: bool = False
+) -> RunState:
+    """Fold the Xids of one kernel-log read in (pure): each key once, the newest XID_KEEP kept.
+    `history`: the first read, whose Xids predate the view."""
+    known = {s.xid.key for s in state.xids}
+    out = state.xids
+    for x in xids:
+        if x.key in known:
+            continue
+        known.add(x.key)
+        at = xid_wall_time(x)
+        out = _push(out, SeenXid(x, now if at is None else at, history), XID_KEEP)
+    return state if out is state.xids else replace(state, xids=out)
+
+
+def xid_text(state: RunState, x: Xid) -> str:
+    """`GPU 0: Xid 79 (GPU has fallen off the bus), process python (pid 41233): ...`: the
+    watch's wording (`gpu_health.gpu_events`), the GPU found by bus id in the health rows."""
+    rows = state.gpu_health
+    same = {h.index: h for h in rows}  # one reading against itself: only the Xid is news
+    events = gpu_events(same, rows, [x])
+    return next(e.detail for e in events if e.kind is GpuEventKind.XID)
+
+
+def xid_events(old: RunState, new: RunState) -> list[tuple[str, str]]:
+    """(severity, text) of each Xid `new` adds to `old` that is not history: one toast each."""
+    known = {s.xid.key for s in old.xids}
+    return [
+        ("error", f"{new.host}: {xid_text(new, s.xid)}")
+        for s in new.xids
+        if not s.history and s.xid.key not in known
+    ]
+
+
+def mark_reachability(state: RunState, now: float) -> RunState:
+    """Set `unreachable_since` when the host becomes unreachable (kept through the outage),
+    clear it when it is reachable again (pure)."""
+    down = state.run == "unreachable" or state.link == "retrying"
+    if down and state.unreachable_since is None:
+        return replace(state, unreachable_since=now)
+    if not down and state.unreachable_since is not None:
+        return replace(state, unreachable_since=None)
+    return state
 
 
 def start_new_run(state: RunState) -> RunState:
@@ -613,6 +690,27 @@ class HealthSource(Protocol):
     async def gpu_health(self) -> Sequence[GpuHealth]: ...
 
 
+@runtime_checkable
+class OverTransport(Protocol):
+    """A control that runs over a transport (`RunControl`): where that transport can also run
+    commands on the node (`NodeCommands`), the follower reads the node's kernel log for Xids."""
+
+    @property
+    def transport(self) -> Transport: ...
+
+
+async def read_node_xids(transport: NodeCommands, timeout: float) -> list[Xid] | None:
+    """The Xid lines of the node's kernel log over the last XID_WINDOW_S (journalctl on the
+    node, as `dflashctl watch` reads it); None where the node has no journalctl. Raises
+    ControlError when journalctl fails (e.g. not allowed to read the kernel log)."""
+    res = await transport.run_host(kernel_log_argv(XID_WINDOW_S), timeout=timeout)
+    if res.rc == 127 or "not found" in res.stderr or "No such file" in res.stderr:
+        return None
+    if not res.ok:
+        raise ControlError(f"journalctl: {res.error_line()}")
+    return parse_xid_lines(res.stdout)
+
+
 @dataclass
 class HostFollower:
     """Keeps one host's `RunState` current over a `FollowedHost`; isolates that host's failures.
@@ -634,11 +732,16 @@ class HostFollower:
     call_timeout: float = 20.0
     state: RunState = field(init=False)
     _log: LogFollower | None = field(init=False, default=None)
+    _xid_log: bool = field(init=False, default=True)
+    """False once the node turned out to have no journalctl (or no node to ask)."""
+    _xids_seen: set[tuple[str, str, int, str]] | None = field(init=False, default=None)
+    """The keys of the last kernel-log read; None before the first (which is history)."""
 
     def __post_init__(self) -> None:
         self.state = RunState(host=self.host)
 
     def _set(self, state: RunState) -> None:
+        state = mark_reachability(state, self.clock())
         self.state = state
         self.publish(state)
 
@@ -700,6 +803,24 @@ class HostFollower:
             with contextlib.suppress(Exception):
                 health = await asyncio.wait_for(control.gpu_health(), self.call_timeout)
                 self._set(replace(self.state, gpu_health=tuple(health)))
+        if self.state.gpus:
+            with contextlib.suppress(Exception):
+                await self.poll_xids()
+
+    async def poll_xids(self) -> None:
+        """One read of the node's kernel log: the first read's Xids are history, later reads
+        add each Xid not in the read before (the windows overlap) as news."""
+        transport = self.control.transport if isinstance(self.control, OverTransport) else None
+        if not self._xid_log or not isinstance(transport, NodeCommands):
+            return
+        xids = await read_node_xids(transport, self.call_timeout)
+        if xids is None:
+            self._xid_log = False  # no journalctl on the node: nothing to read there
+            return
+        seen, self._xids_seen = self._xids_seen, {x.key for x in xids}
+        fresh = xids if seen is None else [x for x in xids if x.key not in seen]
+        if fresh:
+            self._set(apply_xids(self.state, fresh, self.clock(), history=seen is None))
 
     async def _on_event(self, event: FollowEvent) -> None:
         state = self.state

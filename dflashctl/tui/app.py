@@ -44,6 +44,7 @@ from dflashctl.monitor import (
     apply_lines,
     plan_restart,
     supervisor_events,
+    xid_events,
 )
 from dflashctl.tui.screens.confirm import ConfirmScreen
 from dflashctl.tui.screens.fleet import FleetScreen
@@ -140,8 +141,8 @@ class DflashApp(App[None]):
         old = self.states.get(state.host)
         self.states[state.host] = state
         self.dirty.add(state.host)
-        if old is not None:  # each new supervisor event once, as a toast
-            for severity, text in supervisor_events(old, state):
+        if old is not None:  # each new supervisor event and Xid once, as a toast
+            for severity, text in [*supervisor_events(old, state), *xid_events(old, state)]:
                 self.notify(text, severity=SEVERITIES.get(severity, "information"), timeout=30)
 
     def feed(self, host: str, lines: Iterable[str], now: float | None = None) -> None:

@@ -11,10 +11,11 @@ from collections.abc import Sequence
 from rich.text import Text
 from textual.widgets import Static
 
-from dflashctl.gpu_health import HARMFUL_REASONS, GpuHealth
+from dflashctl.gpu_health import HARMFUL_REASONS, XID_TEXT, GpuHealth
 from dflashctl.monitor import (
     RunShape,
     RunState,
+    SeenXid,
     best_checkpoint,
     boundaries,
     bucket_labels,
@@ -372,12 +373,53 @@ def _health_line(out: Text, health: GpuHealth) -> None:
         out.append(reason, "bold red" if reason in HARMFUL_REASONS else "dim")
 
 
-def gpus_text(state: RunState) -> Text:
-    """Per-GPU utilisation, memory, temperature and power (`RunControl.gpus()` samples), and
-    under each GPU its ECC counts and throttle reasons where the control reports GPU health."""
+XIDS_SHOWN = 3
+"""Xid lines the GPU pane shows (the newest); older ones are counted."""
+
+
+def _xid_line(out: Text, state: RunState, seen: SeenXid, now: float | None) -> None:
+    """`Xid 79 GPU0 0000:9a:00 GPU has fallen off the bus 3m05s ago` (history dimmed)."""
+    x = seen.xid
+    gpu = next((h.index for h in state.gpu_health if h.bus_id == x.bus_id), None)
+    style = "dim" if seen.history else "bold red"
+    out.append(f"Xid {x.code:>3} ", style=style)
+    out.append(f"GPU{gpu} " if gpu is not None else "", style="bold")
+    out.append(f"{x.bus_id} ", style="dim")
+    meaning = XID_TEXT.get(x.code) or x.detail or "(no text)"
+    out.append(meaning[:48], style="" if seen.history else "red")
+    age = None if now is None else max(0.0, now - seen.at)
+    out.append(f"  {format_age(age)} ago" if age is not None else "", style="dim")
+    if seen.history:
+        out.append(" (before this view)", style="dim")
+
+
+def xids_text(state: RunState, now: float | None) -> Text:
+    """The node kernel log's Xids, newest first: GPU (by bus id), code, meaning, age."""
     out = Text()
+    if not state.xids:
+        return out
+    new = sum(1 for s in state.xids if not s.history)
+    out.append(f"Xids in the node's kernel log: {len(state.xids)}", style="bold")
+    out.append(f" ({new} since this view started)" if new else " (all before this view)", "dim")
+    for seen in reversed(state.xids[-XIDS_SHOWN:]):
+        out.append("\n")
+        _xid_line(out, state, seen, now)
+    if len(state.xids) > XIDS_SHOWN:
+        out.append(f"\n+{len(state.xids) - XIDS_SHOWN} older", style="dim")
+    return out
+
+
+def gpus_text(state: RunState, now: float | None = None) -> Text:
+    """Per-GPU utilisation, memory, temperature and power (`RunControl.gpus()` samples), under
+    each GPU its ECC counts and throttle reasons where the control reports GPU health, then
+    the Xids the node's kernel log holds (`now` gives their ages)."""
+    out = Text()
+    xids = xids_text(state, now)
     if not state.gpus:
         out.append("no GPU samples (nvidia-smi absent or not yet polled)", style="dim")
+        if xids:
+            out.append("\n")
+            out.append_text(xids)
         return out
     for i, g in enumerate(state.gpus):
         util = g.util_pct
@@ -401,6 +443,9 @@ def gpus_text(state: RunState) -> Text:
         out.append(
             f"\nGPU{'s' if len(fine) > 1 else ''} {ids}: ECC 0 errors, no HW throttle", "dim"
         )
+    if xids:
+        out.append("\n")
+        out.append_text(xids)
     return out
 
 
