@@ -8,13 +8,18 @@ and checks itself by running the sampler for one epoch. numpy only; importable w
 
 CLI:
     python -m trainer.buckets plan --lengths PATH --buckets K --token-budget T --max-batch B
-        [--min-share F] [--candidates N] [--json]
+        [--min-share F] [--candidates N] [--objective padding|time --calibration FILE] [--json]
     python -m trainer.buckets compare --lengths PATH --token-budget T --max-batch B
         [--buckets K | --boundaries a,b,c] [--epochs 2] [--candidates N] [--json]
 
 --candidates N (default 2048, less for lengths spanning many batch sizes x classes, whose segments
 cost more): up to N - 1 distinct lengths every one is a candidate cut and the plan is the exact
 optimum; with more, a grid refined around the cuts (the output says so).
+
+--objective time (with --calibration FILE, written by `python -m trainer.measure`) scores each
+bucket by the predicted time of its batches under the fitted step-cost model
+(`trainer.bucketing.timecost`) instead of its padded tokens, and reports predicted samples/s and
+tokens/s (also for the padding-optimal plan, for comparison).
 
 PATH is a `.npy` array of lengths or a token-store directory. Bad input exits 2 with one line.
 """
@@ -27,7 +32,7 @@ import json
 import os
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -41,8 +46,15 @@ from trainer.bucketing.dp import (
     make_grid,
     optimal_segmentations,
     segment_costs,
+    segment_stats,
 )
 from trainer.bucketing.estimate import BucketEstimate, estimate_bucket, histogram
+from trainer.bucketing.timecost import (
+    CalibrationError,
+    StepCostModel,
+    epoch_features,
+    segment_times,
+)
 from trainer.data.lengths import LengthsError, as_lengths, load_lengths
 from trainer.sampler import BatchSampler, SamplerError
 
@@ -105,6 +117,20 @@ class SearchInfo:
 
 
 @dataclass
+class TimeRates:
+    """Predicted throughput of a plan under a step-cost model (`--calibration`)."""
+
+    calibration: str  # the file (or "<model>")
+    predicted_epoch_s: float  # the DP's own segment model (expected batches)
+    predicted_samples_s: float
+    predicted_tokens_s: float
+    simulated_samples_s: float | None = None  # the model on the sampler's real epoch batches
+    simulated_tokens_s: float | None = None
+    padding_plan_boundaries: list[int] | None = None  # the padding objective's plan, same K
+    padding_plan_tokens_s: float | None = None  # ... its simulated tokens/s under the model
+
+
+@dataclass
 class BucketPlan:
     """Boundaries (K+1 edges, bucket k = [edge k, edge k+1)) and what they are predicted to do."""
 
@@ -125,6 +151,8 @@ class BucketPlan:
     simulated_budget_use: float | None = None
     simulated_largest_batch: int | None = None
     timings: dict[str, float] = field(default_factory=dict)
+    objective: str = "padding"  # or "time": predicted step time under a calibration
+    rates: TimeRates | None = None  # with a calibration: predicted and simulated rates
 
     @property
     def k(self) -> int:
@@ -189,6 +217,7 @@ def sampler_for(
         rank=rank,
         world_size=world_size,
         pool_size=batching.pool_size,
+        row_length=batching.row_length,
         exclude=exclude,
     )
 
@@ -221,6 +250,8 @@ def plan_buckets(
     simulate: bool = True,
     seed: int = 0,
     max_candidates: int | None = None,
+    cost_model: StepCostModel | None = None,
+    calibration_name: str = "<model>",
 ) -> BucketPlan:
     """Optimal K-bucket boundaries for greedy token-budget packing, with the efficiency-vs-K curve.
 
@@ -241,6 +272,9 @@ def plan_buckets(
         max_candidates: candidate-edge budget of the DP (exact when the distinct lengths fit).
             None: `default_candidates` (2,048, fewer for lengths spanning many batch-size
             classes, whose segments cost more).
+        cost_model: the time objective: minimise the predicted epoch time under this step-cost
+            model (`trainer.bucketing.timecost`) instead of the padded tokens; the plan's
+            `rates` then hold predicted samples/s and tokens/s.
 
     Raises:
         PlanError: bad lengths, budget below the longest sample, K, min_share or the candidate
@@ -262,7 +296,7 @@ def plan_buckets(
     min_count = max(1, int(np.ceil(min_share * n - 1e-9)))
     k_top = max(k, k_max or DEFAULT_K_MAX)
     grid = make_grid(x, max_candidates=max_candidates, grid_candidates=grid_candidates)
-    solutions = _solve(grid, token_budget, max_batch, min_count, k_top)
+    solutions, padded_of = _solve(grid, token_budget, max_batch, min_count, k_top, cost_model)
     if k not in solutions:
         most = max(solutions) if solutions else 0
         extra = f" with at least {min_count} samples each (min share {min_share})" * (min_share > 0)
@@ -274,7 +308,7 @@ def plan_buckets(
         )
     total = int(x.sum())
     coarse = grid
-    grid_eff = total / solutions[k][0]
+    grid_eff = total / padded_of(solutions[k][1])
     if not grid.exact:
         near = np.zeros(0, dtype=np.int64)  # windows only grow, so each pass is no worse
         for _ in range(REFINE_PASSES):
@@ -286,7 +320,9 @@ def plan_buckets(
             if np.array_equal(refined.edges, grid.edges):
                 break  # every cut's window was already searched
             grid = refined
-            solutions = _solve(grid, token_budget, max_batch, min_count, k_top)
+            solutions, padded_of = _solve(
+                grid, token_budget, max_batch, min_count, k_top, cost_model
+            )
     search = SearchInfo(
         exact=grid.exact,
         distinct_lengths=grid.num_distinct,
@@ -296,7 +332,7 @@ def plan_buckets(
         refine_window=None if grid.exact else coarse.step,
         grid_efficiency=None if grid.exact else grid_eff,
     )
-    by_k = {kk: total / padded for kk, (padded, _) in sorted(solutions.items())}
+    by_k = {kk: total / padded_of(path) for kk, (_, path) in sorted(solutions.items())}
     edges = [int(e) for e in grid.edges[solutions[k][1]]]
     t1 = time.perf_counter()
     ests = evaluate_boundaries(x, edges, token_budget, max_batch)
@@ -339,14 +375,93 @@ def plan_buckets(
     if simulate:
         simulate_plan(plan, x, seed=seed)
         plan.timings["simulate_s"] = time.perf_counter() - t3
+    if cost_model is not None:
+        plan.objective = "time"
+        plan.rates = _time_rates(plan, x, ests, cost_model, calibration_name, seed, simulate)
     return plan
 
 
+def _time_rates(
+    plan: BucketPlan,
+    x: np.ndarray,
+    ests: list[BucketEstimate],
+    model: StepCostModel,
+    name: str,
+    seed: int,
+    simulate: bool,
+) -> TimeRates:
+    """The plan's predicted rates: from the DP's segment model, and (with `simulate`) from the
+    sampler's real epoch batches, for this plan and for the padding objective's plan."""
+    n = np.array([e.count for e in ests], dtype=np.float64)
+    padded = np.array([e.padded for e in ests])
+    batches = np.array([e.batches for e in ests])
+    epoch_s = float(segment_times(model, padded, n, batches).sum())
+    rates = TimeRates(name, epoch_s, plan.num_samples / epoch_s, plan.total_tokens / epoch_s)
+    if simulate:
+        rates.simulated_samples_s, rates.simulated_tokens_s = simulated_rates(
+            x, plan.boundaries, plan.token_budget, plan.max_batch, model, seed
+        )
+        pad = plan_buckets(
+            x,
+            plan.k,
+            plan.token_budget,
+            plan.max_batch,
+            plan.min_share,
+            k_max=plan.k,
+            simulate=False,
+            max_candidates=plan.search.max_candidates,
+        )
+        rates.padding_plan_boundaries = pad.boundaries
+        rates.padding_plan_tokens_s = simulated_rates(
+            x, pad.boundaries, plan.token_budget, plan.max_batch, model, seed
+        )[1]
+    return rates
+
+
+def simulated_rates(
+    lengths: np.ndarray,
+    boundaries: Sequence[int],
+    token_budget: int,
+    max_batch: int,
+    model: StepCostModel,
+    seed: int = 0,
+) -> tuple[float, float]:
+    """(samples/s, tokens/s) the model predicts for one epoch of the bucketed sampler."""
+    sampler = BatchSampler(
+        lengths,
+        boundaries=list(boundaries),
+        token_budget=token_budget,
+        max_batch=max_batch,
+        seed=seed,
+    )
+    batches = sampler.epoch_batches(0)
+    seconds = float(model.predict(epoch_features(batches, model.anchor_blocks_per_sample)))
+    samples = sum(len(b.indices) for b in batches)
+    tokens = sum(b.real_tokens for b in batches)
+    return samples / seconds, tokens / seconds
+
+
 def _solve(
-    grid: Grid, token_budget: int, max_batch: int, min_count: int, k_max: int
-) -> dict[int, tuple[float, list[int]]]:
-    cost, _ = segment_costs(grid, token_budget, max_batch, min_count)
-    return optimal_segmentations(cost, k_max)
+    grid: Grid,
+    token_budget: int,
+    max_batch: int,
+    min_count: int,
+    k_max: int,
+    model: StepCostModel | None = None,
+) -> tuple[dict[int, tuple[float, list[int]]], Callable[[list[int]], float]]:
+    """The DP's optimum for every K (expected padded tokens, or with `model` predicted seconds),
+    and a function giving any solution's expected padded tokens."""
+    if model is None:
+        cost, _ = segment_costs(grid, token_budget, max_batch, min_count)
+        objective = cost
+    else:
+        cost, counts, batches = segment_stats(grid, token_budget, max_batch, min_count)
+        objective = segment_times(model, cost, counts.astype(np.float64), batches)
+
+    def padded_of(path: list[int]) -> float:
+        return float(sum(cost[a, b] for a, b in itertools.pairwise(path)))
+
+    return optimal_segmentations(objective, k_max), padded_of
 
 
 def _near(grid: Grid, cut: int) -> np.ndarray:
@@ -405,6 +520,7 @@ def format_plan_table(plan: dict[str, Any]) -> str:
         )
     curve = "  ".join(f"{k}:{100 * v:.1f}" for k, v in plan["efficiency_by_k"].items())
     lines += ["", f"efficiency by K (%): {curve}"]
+    lines += _rate_lines(plan.get("rates"))
     gap = (plan.get("search") or {}).get("grid_efficiency")
     if gap is not None:
         lines.append(
@@ -412,6 +528,29 @@ def format_plan_table(plan: dict[str, Any]) -> str:
             f"{100 * (plan['padding_efficiency'] - gap):+.3f} pp"
         )
     return "\n".join(lines)
+
+
+def _rate_lines(rates: dict[str, Any] | None) -> list[str]:
+    """The time objective's lines (a padding plan: none)."""
+    if not rates:
+        return []
+    out = [
+        f"objective: predicted time under {rates['calibration']}",
+        f"predicted: {rates['predicted_samples_s']:,.1f} samples/s, "
+        f"{rates['predicted_tokens_s']:,.0f} tokens/s (epoch {rates['predicted_epoch_s']:,.1f} s)",
+    ]
+    if rates.get("simulated_tokens_s") is not None:
+        out.append(
+            f"on the simulated epoch: {rates['simulated_samples_s']:,.1f} samples/s, "
+            f"{rates['simulated_tokens_s']:,.0f} tokens/s"
+        )
+    if rates.get("padding_plan_tokens_s") is not None:
+        gain = rates["simulated_tokens_s"] / rates["padding_plan_tokens_s"] - 1
+        out.append(
+            f"padding objective's plan {rates['padding_plan_boundaries']}: "
+            f"{rates['padding_plan_tokens_s']:,.0f} tokens/s ({100 * gain:+.1f}% for this plan)"
+        )
+    return out
 
 
 COMPARE_LEGEND = (
@@ -471,6 +610,15 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--buckets", type=int, required=True, help="number of buckets K")
     plan.add_argument("--min-share", type=float, default=0.0, help="min share of samples/bucket")
     plan.add_argument("--seed", type=int, default=0, help="seed of the simulated epoch")
+    plan.add_argument(
+        "--objective",
+        choices=("padding", "time"),
+        default="padding",
+        help="minimise expected padded tokens, or predicted epoch time (needs --calibration)",
+    )
+    plan.add_argument(
+        "--calibration", help="step-cost calibration (JSON) from python -m trainer.measure"
+    )
     cmp_ = sub.add_parser("compare", parents=[common], help="strategies side by side")
     which = cmp_.add_mutually_exclusive_group()
     which.add_argument("--buckets", type=int, help="plan K buckets with the DP (default 6)")
@@ -497,6 +645,19 @@ def parse_boundaries(text: str, lengths: np.ndarray) -> list[int]:
 
 
 def _run_plan(args: argparse.Namespace, x: np.ndarray) -> int:
+    model = None
+    if args.objective == "time":
+        if not args.calibration:
+            raise PlanError(
+                "the time objective needs a step-cost calibration: run python -m trainer.measure",
+                "--calibration",
+            )
+        try:
+            model = StepCostModel.load(args.calibration)
+        except CalibrationError as exc:
+            raise PlanError(str(exc), "--calibration") from None
+    elif args.calibration:
+        raise PlanError("only used with --objective time", "--calibration")
     plan = plan_buckets(
         x,
         args.buckets,
@@ -505,6 +666,8 @@ def _run_plan(args: argparse.Namespace, x: np.ndarray) -> int:
         args.min_share,
         seed=args.seed,
         max_candidates=args.candidates,
+        cost_model=model,
+        calibration_name=str(args.calibration),
     )
     d = plan.to_json_dict()
     print(json.dumps(d, indent=1) if args.json else format_plan_table(d))

@@ -118,11 +118,22 @@ def segment_costs(
     with fewer than `min_count` samples (at least 1: no empty buckets) is forbidden. Costs for all
     ends j of one start i are computed together (`_costs_from`); runtime in docs/benchmarks.md.
     """
+    cost, counts, _ = segment_stats(grid, token_budget, max_batch, min_count)
+    return cost, counts
+
+
+def segment_stats(
+    grid: Grid, token_budget: int, max_batch: int, min_count: int = 1
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """`segment_costs` plus the expected number of batches of every segment (the per-step
+    term of the time objective, `trainer.bucketing.timecost`); inf where forbidden."""
     n_e = len(grid.edges)
     bins = np.concatenate(([0], np.cumsum(grid.count)))[grid.bin_of_edge]
     counts = np.triu(bins[None, :] - bins[:, None], 1).astype(np.int64)
-    cost = np.vstack([_costs_from(grid, i, token_budget, max_batch, min_count) for i in range(n_e)])
-    return cost, counts
+    rows = [_costs_from(grid, i, token_budget, max_batch, min_count) for i in range(n_e)]
+    cost = np.vstack([r[0] for r in rows])
+    batches = np.vstack([r[1] for r in rows])
+    return cost, counts, batches
 
 
 def reference_segment_costs(
@@ -174,8 +185,8 @@ def optimal_segmentations(cost: np.ndarray, k_max: int) -> dict[int, tuple[float
 
 def _costs_from(
     grid: Grid, i: int, token_budget: int, max_batch: int, min_count: int
-) -> np.ndarray:
-    """Expected padded tokens of segments [edge i, edge j) for every j > i at once.
+) -> tuple[np.ndarray, np.ndarray]:
+    """Expected padded tokens and batches of segments [edge i, edge j) for every j > i at once.
 
     Same model as `estimate_bucket` (module doc of `trainer.bucketing.estimate`), restructured so
     no (segment x size x class) array is ever built:
@@ -194,15 +205,16 @@ def _costs_from(
     a = int(grid.bin_of_edge[i])
     n_e = len(grid.edges)
     out = np.full(n_e, np.inf)
+    out_b = np.full(n_e, np.inf)
     if a >= len(grid.rep):
-        return out
+        return out, out_b
     cnt_all = grid.count[a:]
     CC_all = np.concatenate(([0], np.cumsum(cnt_all)))
     R_all = grid.bin_of_edge[i + 1 :] - a
     n_all = np.where(R_all > 0, CC_all[np.maximum(R_all, 0)], 0)
     valid = (R_all > 0) & (n_all >= max(1, min_count))
     if not valid.any():
-        return out
+        return out, out_b
     R_j = R_all[valid]
     n_j = n_all[valid].astype(np.float64)
     r_max = int(R_j[-1])
@@ -221,6 +233,7 @@ def _costs_from(
     log_rho = 560.0 / max(c_max - 1.0, 1.0)  # (N_ref / n_j)^(m-1) stays below e^560
     c_end = cls[R_j - 1]  # each segment's smallest class: rows m below it are trivial
     res = np.empty(len(R_j))
+    res_b = np.empty(len(R_j))
     hi = len(R_j)
     while hi > 0:
         # one piece: n_j within a factor rho of the largest, smallest classes within _BAND of it
@@ -231,7 +244,7 @@ def _costs_from(
         s_n = int(np.searchsorted(-cvals, -c_lo, side="right"))  # classes with value >= c_lo
         m = np.arange(c_lo, c_max + 1, dtype=np.int64)
         sl = slice(lo, hi)
-        res[sl] = _chunk(
+        res[sl], res_b[sl] = _chunk(
             u,
             cnt,
             CC,
@@ -253,7 +266,10 @@ def _costs_from(
     full = np.full(len(valid), np.inf)
     full[valid] = res
     out[i + 1 :] = full
-    return out
+    full_b = np.full(len(valid), np.inf)
+    full_b[valid] = res_b
+    out_b[i + 1 :] = full_b
+    return out, out_b
 
 
 def _chunk(
@@ -273,8 +289,9 @@ def _chunk(
     starts: np.ndarray,
     ends: np.ndarray,
     cvals: np.ndarray,
-) -> np.ndarray:
-    """Padded tokens of the segments ending at bins R_j (n_j within a factor rho of exp(ref))."""
+) -> tuple[np.ndarray, np.ndarray]:
+    """Padded tokens and batches of the segments ending at bins R_j (n_j within a factor rho of
+    exp(ref))."""
     r = int(R_j[-1])
     u, cnt, log_cc = u[:r], cnt[:r], log_cc[:r]
     M, J = len(m), len(R_j)
@@ -337,8 +354,10 @@ def _chunk(
     ez = np.where(present, ez / np.where(present, ccount, 1.0), 0.0)
     pc = ccount / n_j[:, None]
     pi = stationary_min_kernel(g, phi, pc)
-    cost: np.ndarray = n_j * (pi * (A + ez)).sum(axis=1) / (pi * (g + (c_lo - 1))).sum(axis=1)
-    return cost
+    mean_size = (pi * (g + (c_lo - 1))).sum(axis=1)  # E_pi[batch size]
+    cost: np.ndarray = n_j * (pi * (A + ez)).sum(axis=1) / mean_size
+    batches: np.ndarray = n_j / mean_size
+    return cost, batches
 
 
 def stationary_min_kernel(g: np.ndarray, phi: np.ndarray, pc: np.ndarray) -> np.ndarray:

@@ -1,0 +1,5 @@
+import sys
+
+from trainer.measure.cli import main
+
+sys.exit(main())

@@ -1,0 +1,159 @@
+"""python -m trainer.measure --config RUN.toml [--strategies sorted,bucketed,...] --steps N
+    [--warmup W] [--rounds R] [--save-calibration FILE] [--predict-with FILE] [--json]
+
+Runs the config's real pipeline (its devices, target, drafter and data) for N timed optimizer
+steps per strategy after W untimed warm-up steps, the strategies interleaved over R rounds (the
+order rotates each round, so a drift in machine speed does not favour one), and prints per
+strategy: samples/s, real tokens/s, anchor blocks/s, padded tokens/s, padding efficiency, the
+largest batch, diversity (share of co-batched pairs repeating next epoch), the ratio of each rate
+to sorted's in the same round (median and range), and the step-cost model's predicted rates next
+to the measured ones. The fitted model (coefficients, R^2) is printed and, with
+--save-calibration, written for `python -m trainer.buckets plan --objective time`;
+--predict-with FILE also shows what an earlier calibration predicted for this config.
+
+Exit 2 with one line for a bad flag, strategy or config key; 1 when a pipeline stage fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+
+from trainer.config import STRATEGIES, ConfigError
+from trainer.errors import TrainerError
+
+DEFAULT_STRATEGIES = ("sorted", "bucketed", "pool-sort", "packed", "random")
+
+
+class UsageError(TrainerError, ValueError):
+    """A bad command line (names the flag)."""
+
+
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="python -m trainer.measure", description=__doc__.split("\n")[0]
+    )
+    ap.add_argument("--config", required=True, help="run config (TOML)")
+    ap.add_argument(
+        "--strategies",
+        default=None,
+        help="comma-separated, in order (default: every strategy the config accepts of "
+        f"{','.join(DEFAULT_STRATEGIES)})",
+    )
+    ap.add_argument("--steps", type=int, required=True, help="timed optimizer steps per strategy")
+    ap.add_argument("--warmup", type=int, default=5, help="untimed steps before (default 5)")
+    ap.add_argument("--rounds", type=int, default=2, help="interleaved rounds (default 2)")
+    ap.add_argument(
+        "--window",
+        type=int,
+        default=None,
+        help="steps per fitted window (default: 8, fewer for short runs)",
+    )
+    ap.add_argument("--save-calibration", help="write the fitted step-cost model (JSON) here")
+    ap.add_argument("--predict-with", help="also predict with this earlier calibration (JSON)")
+    ap.add_argument("--json", action="store_true", help="print one JSON object")
+    return ap
+
+
+def parse_strategies(text: str | None) -> list[str]:
+    if text is None:
+        return [s for s in DEFAULT_STRATEGIES if s in STRATEGIES]
+    names = [s.strip() for s in text.split(",") if s.strip()]
+    if not names:
+        raise UsageError("--strategies: no strategy named")
+    for s in names:
+        if s not in STRATEGIES:
+            raise UsageError(
+                f"--strategies: {s!r} is not a batching strategy (this trainer has: "
+                f"{', '.join(STRATEGIES)})"
+            )
+    if len(set(names)) != len(names):
+        raise UsageError(f"--strategies: {text!r} names a strategy twice")
+    return names
+
+
+def _check(args: argparse.Namespace) -> None:
+    for flag, value, low in (
+        ("--steps", args.steps, 1),
+        ("--warmup", args.warmup, 0),
+        ("--rounds", args.rounds, 1),
+    ):
+        if value < low:
+            raise UsageError(f"{flag}: must be >= {low}, got {value}")
+    if args.window is not None and not 1 <= args.window <= args.steps:
+        raise UsageError(f"--window: must be in [1, --steps], got {args.window}")
+
+
+def measure(args: argparse.Namespace) -> dict[str, object]:
+    """The whole measurement; the JSON result."""
+    from trainer.bucketing.timecost import CalibrationError, StepCostModel
+    from trainer.measure.drive import Measurer, StrategyRun
+    from trainer.measure.report import build_result, default_window
+
+    strategies = parse_strategies(args.strategies)
+    _check(args)
+    prior = None
+    if args.predict_with:
+        try:
+            prior = StepCostModel.load(args.predict_with)
+        except CalibrationError as exc:
+            raise UsageError(f"--predict-with: {exc}") from None
+    with tempfile.TemporaryDirectory(prefix="dflash-measure-") as work:
+        m = Measurer.from_file(args.config, Path(work))
+        runs: dict[str, list[StrategyRun]] = {s: [] for s in strategies}
+        for r in range(args.rounds):
+            k = r % len(strategies)  # rotate the order: a drift in speed favours no one
+            for s in strategies[k:] + strategies[:k]:
+                run = m.run(s, args.steps, args.warmup, f"{r}-{s}")
+                runs[s].append(run)
+                rate = float(run.real_tokens.sum()) / float(run.ends[-1])
+                print(
+                    f"round {r + 1}/{args.rounds} {s}: {rate:,.0f} tok/s",
+                    file=sys.stderr,
+                    flush=True,
+                )
+        infos = m.infos
+    cfg = m.cfg
+    meta: dict[str, object] = {
+        "config": str(args.config),
+        "device": m.device(),
+        "steps": args.steps,
+        "warmup": args.warmup,
+        "rounds": args.rounds,
+        "token_budget": cfg.batching.token_budget,
+        "max_batch": cfg.batching.max_batch,
+    }
+    window = args.window or default_window(args.steps)
+    result, model = build_result(runs, infos, window=window, meta=meta, prior=prior)
+    if args.save_calibration:
+        result["calibration_file"] = str(model.save(Path(args.save_calibration)))
+    return result
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from trainer.measure.report import format_table
+
+    args = _parser().parse_args(argv)
+    try:
+        result = measure(args)
+    except (ConfigError, UsageError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except TrainerError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return int(exc.exit_code) if exc.exit_code != 2 else 1
+    print(json.dumps(result, indent=1) if args.json else format_table(result))
+    return 0
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main())
+    except BrokenPipeError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        sys.exit(1)
