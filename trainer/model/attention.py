@@ -2,8 +2,10 @@
 
 SDPA runs everywhere (CPU tests, any GPU). flex_attention is the CUDA training path: the
 DFlash mask is block-sparse (each block sees a context prefix plus itself), which flex skips
-tile by tile, and its BlockMask never materialises a per-head [Q, KV] mask. On CPU flex runs
-an unfused reference implementation: correct (the tests compare it with SDPA) but slow.
+tile by tile, and its BlockMask (built analytically from the anchors, trainer.model.masks)
+never materialises a [Q, KV] mask. On CPU flex runs an unfused reference implementation:
+correct (the tests compare it with SDPA) but slow. On CUDA a dense mask never meets SDPA's
+enable_gqa (see `attend`).
 """
 
 from __future__ import annotations
@@ -71,15 +73,32 @@ def _flex_fn(device_type: str) -> Callable[..., Tensor]:
     return torch.compile(flex, dynamic=True) if device_type == "cuda" else flex
 
 
-def attend(q: Tensor, k: Tensor, v: Tensor, mask: AttnMask, scale: float) -> Tensor:
-    """Attention of q [B, Hq, Q, D] over k, v [B, Hkv, KV, D] (GQA by head groups)."""
+def attend(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    mask: AttnMask,
+    scale: float,
+    device_type: str | None = None,
+) -> Tensor:
+    """Attention of q [B, Hq, Q, D] over k, v [B, Hkv, KV, D] (GQA by head groups).
+
+    `device_type` is the device the kernel choice is made for (None = q's; tests pass "cuda"
+    on CPU to run the CUDA path). On CUDA, SDPA with both a mask and `enable_gqa` has no fused
+    kernel and falls to the math one, which materialises fp32 scores per head; there K/V are
+    repeated to the query heads instead (query head h reads KV head h // (Hq / Hkv), as
+    enable_gqa does), so the memory-efficient kernel takes the mask.
+    """
+    gqa = q.shape[1] != k.shape[1]
     if mask is None or isinstance(mask, Tensor):
-        return F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1]
-        )
+        kind = q.device.type if device_type is None else device_type
+        if gqa and mask is not None and kind == "cuda":
+            groups = q.shape[1] // k.shape[1]
+            k = k.repeat_interleave(groups, dim=1)
+            v = v.repeat_interleave(groups, dim=1)
+            gqa = False
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
     with warnings.catch_warnings():
         # Eager flex on CPU warns that it is unfused; that path exists for tests only.
         warnings.filterwarnings("ignore", message=".*flex_attention.*")
-        return _flex_fn(q.device.type)(
-            q, k, v, block_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1]
-        )
+        return _flex_fn(q.device.type)(q, k, v, block_mask=mask, scale=scale, enable_gqa=gqa)

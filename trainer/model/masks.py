@@ -13,6 +13,7 @@ masked (a fully masked row is NaN in softmax, and 0 * NaN poisons the loss).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -110,19 +111,16 @@ def dense_dflash_mask(
     return torch.cat([ctx_vis, blk_vis], dim=2)[:, None]
 
 
-def flex_dflash_block_mask(
-    anchors: Tensor,
-    context_valid: Tensor,
-    block_size: int,
-    context_start: Tensor | None = None,
-) -> BlockMask:
-    """The same mask as a flex_attention BlockMask (H=None: no per-head materialisation)."""
-    from torch.nn.attention.flex_attention import create_block_mask
+MaskMod = Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]
+TILE = 128  # flex_attention's default sparse block size (Q and KV tile)
 
-    rows, n = anchors.shape
+
+def _dflash_mask_mod(
+    anchors: Tensor, context_valid: Tensor, block_size: int, context_start: Tensor | None
+) -> MaskMod:
+    """The element-wise DFlash mask as a flex mask_mod (evaluated on partial tiles only)."""
     seq = context_valid.shape[1]
-    q_len, kv_len = n * block_size, seq + n * block_size
-    valid = context_valid.bool()
+    valid = context_valid.bool().to(anchors.device)
     start = torch.zeros_like(anchors) if context_start is None else context_start.to(anchors.device)
 
     def mask_mod(b: Tensor, _h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
@@ -138,6 +136,148 @@ def flex_dflash_block_mask(
         blk_ok = (~in_ctx) & ((kv_idx - seq).clamp(min=0) // block_size == q_block)
         return ctx_ok | blk_ok
 
+    return mask_mod
+
+
+def dflash_tiles(
+    anchors: Tensor,
+    context_valid: Tensor,
+    block_size: int,
+    context_start: Tensor | None = None,
+    tile: tuple[int, int] = (TILE, TILE),
+) -> tuple[Tensor, Tensor]:
+    """Which (Q tile, KV tile) pairs of the DFlash mask are partial and which are full.
+
+    Returns two bool [R, nQ, nKV] tensors (disjoint): `partial` = some but not all elements
+    visible, `full` = every element visible (flex skips the mask_mod there). Tiles that reach
+    past Q_LEN or KV_LEN are never full (as in `create_block_mask`, which pads with False).
+
+    Computed from the structure, not from elements: block n (anchor a, start c) sees the real
+    positions of context [c, a) and the keys of its own block. Per (row, block, KV tile):
+    "any" = the clipped context interval holds a real position (prefix sums of context_valid)
+    or the tile meets the block's keys; "full" = the tile's context part lies inside [c, a) and
+    is all real, and its block part inside the block's keys. A Q tile then ORs (any) / ANDs
+    (full) over the <= ceil(TQ/B)+1 blocks it holds. Memory O(R * N * nKV), no host sync.
+    """
+    tq, tk = tile
+    rows, n = anchors.shape
+    seq = context_valid.shape[1]
+    q_len, kv_len = n * block_size, seq + n * block_size
+    n_q, n_kv = -(-q_len // tq), -(-kv_len // tk)
+    dev = anchors.device
+    a = anchors.long()  # [R, N]
+    c = torch.zeros_like(a) if context_start is None else context_start.to(dev).long()
+    zero = torch.zeros(rows, 1, dtype=torch.long, device=dev)
+    prefix = torch.cat([zero, context_valid.to(dev).long().cumsum(1)], 1)  # [R, S+1]
+
+    k0 = torch.arange(n_kv, device=dev) * tk  # [K] tile starts
+    k1 = (k0 + tk).clamp(max=kv_len)  # [K] tile ends (exclusive)
+    ctx_hi = k1.clamp(max=seq)  # the tile's context part is [k0, ctx_hi), empty if k0 >= S
+    ctx_lo = k0.clamp(max=seq)
+
+    def real_count(lo: Tensor, hi: Tensor) -> Tensor:
+        """Real positions in [lo, hi) per row; lo, hi [R, X] in [0, S]."""
+        return prefix.gather(1, hi) - prefix.gather(1, lo)
+
+    # Context: per (row, block, tile), the visible interval [max(k0, c), min(ctx_hi, a)).
+    lo = torch.maximum(ctx_lo[None, None, :], c[:, :, None])  # [R, N, K]
+    hi = torch.minimum(ctx_hi[None, None, :], a[:, :, None]).clamp(max=seq)
+    hi = torch.maximum(hi, lo)
+    ctx_any = real_count(lo.flatten(1), hi.flatten(1)).view(rows, n, n_kv) > 0
+    del lo, hi
+    ctx_width = ctx_hi - ctx_lo  # [K]
+    tile_all_real = real_count(ctx_lo.expand(rows, -1), ctx_hi.expand(rows, -1)) == ctx_width
+    ctx_full = (ctx_width == 0)[None, None, :] | (
+        (c[:, :, None] <= ctx_lo[None, None, :])
+        & (a[:, :, None] >= ctx_hi[None, None, :])
+        & tile_all_real[:, None, :]
+    )
+    # Own block: keys [S + nB, S + (n+1)B) against the tile's block part [max(k0, S), k1).
+    blk_lo = seq + torch.arange(n, device=dev)[:, None] * block_size  # [N, 1]
+    blk_hi = blk_lo + block_size
+    part_lo = k0.clamp(min=seq)[None, :]  # [1, K]
+    part_hi = k1[None, :]
+    blk_any = torch.maximum(blk_lo, part_lo) < torch.minimum(blk_hi, part_hi)  # [N, K]
+    blk_full = (part_lo >= part_hi) | ((blk_lo <= part_lo) & (part_hi <= blk_hi))
+    per_block_any = ctx_any | blk_any[None]  # [R, N, K]
+    per_block_full = ctx_full & blk_full[None] & ((k1 - k0) == tk)[None, None, :]
+    del ctx_any, ctx_full
+
+    # Q tile m holds query rows [m*TQ, min((m+1)*TQ, Q)), i.e. blocks first[m]..last[m].
+    q0 = torch.arange(n_q, device=dev) * tq
+    first = q0 // block_size
+    last = ((q0 + tq).clamp(max=q_len) - 1) // block_size
+    span = -(-tq // block_size) + 1  # most blocks one Q tile can touch
+    member_idx = first[:, None] + torch.arange(span, device=dev)[None, :]  # [M, J]
+    member = member_idx <= last[:, None]
+    member_idx = member_idx.clamp(max=n - 1).flatten()
+    got_any = per_block_any[:, member_idx].view(rows, n_q, span, n_kv)
+    got_full = per_block_full[:, member_idx].view(rows, n_q, span, n_kv)
+    m = member[None, :, :, None]
+    any_tile = (got_any & m).any(2)
+    q_complete = (q0 + tq) <= q_len
+    full_tile = (got_full | ~m).all(2) & q_complete[None, :, None]
+    return any_tile & ~full_tile, full_tile
+
+
+def _ordered(tiles: Tensor) -> tuple[Tensor, Tensor]:
+    """[R, M, K] bool tiles as flex's (num_blocks [R, 1, M], indices [R, 1, M, K]) int32."""
+    as_int = tiles.to(torch.int32)[:, None]
+    num = as_int.sum(-1).to(torch.int32)
+    idx = torch.argsort(as_int, dim=-1, descending=True, stable=True).to(torch.int32)
+    return num.contiguous(), idx.contiguous()
+
+
+def flex_dflash_block_mask(
+    anchors: Tensor,
+    context_valid: Tensor,
+    block_size: int,
+    context_start: Tensor | None = None,
+    tile: int | tuple[int, int] = TILE,
+) -> BlockMask:
+    """The same mask as a flex_attention BlockMask (H=None: no per-head materialisation).
+
+    Built analytically (`dflash_tiles`, then `BlockMask.from_kv_blocks`): never a dense
+    [Q, KV] tensor; `reference_flex_block_mask` is the create_block_mask twin tests compare.
+    """
+    from torch.nn.attention.flex_attention import BlockMask
+
+    tiles = (tile, tile) if isinstance(tile, int) else tile
+    n = anchors.shape[1]
+    seq = context_valid.shape[1]
+    partial, full = dflash_tiles(anchors, context_valid, block_size, context_start, tiles)
+    kv_num, kv_idx = _ordered(partial)
+    full_num, full_idx = _ordered(full)
+    return BlockMask.from_kv_blocks(
+        kv_num,
+        kv_idx,
+        full_num,
+        full_idx,
+        BLOCK_SIZE=tiles,
+        mask_mod=_dflash_mask_mod(anchors, context_valid, block_size, context_start),
+        seq_lengths=(n * block_size, seq + n * block_size),
+    )
+
+
+def reference_flex_block_mask(
+    anchors: Tensor,
+    context_valid: Tensor,
+    block_size: int,
+    context_start: Tensor | None = None,
+    tile: int | tuple[int, int] = TILE,
+) -> BlockMask:
+    """The BlockMask via `create_block_mask` (materialises [R, 1, Q, KV]: tests and benchmarks
+    only; the training path is `flex_dflash_block_mask`)."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    rows, n = anchors.shape
+    seq = context_valid.shape[1]
     return create_block_mask(
-        mask_mod, B=rows, H=None, Q_LEN=q_len, KV_LEN=kv_len, device=anchors.device
+        _dflash_mask_mod(anchors, context_valid, block_size, context_start),
+        B=rows,
+        H=None,
+        Q_LEN=n * block_size,
+        KV_LEN=seq + n * block_size,
+        device=anchors.device,
+        BLOCK_SIZE=tile,
     )
