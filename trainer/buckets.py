@@ -556,6 +556,7 @@ def _rate_lines(rates: dict[str, Any] | None) -> list[str]:
 COMPARE_LEGEND = (
     "pad eff = real / padded tokens; budget = real tokens / (steps x T)",
     "max padded = largest batch in padded tokens (size x longest sample, never above T)",
+    "row fill = packed only: real tokens / (rows x row_length); its pad eff pads to the fullest row",
     "pairs/ep = sample pairs sharing a batch in one epoch",
     "repeat = share of one epoch's pairs that share a batch again in the next",
     "  (low = fresh batch composition every epoch; needs --epochs >= 2)",
@@ -567,17 +568,22 @@ def format_compare_table(result: dict[str, Any]) -> str:
     lines = [
         f"T={result['token_budget']:,}  B={result['max_batch']}  samples={result['num_samples']:,}"
         f"  epochs={result['epochs']}  bucket boundaries={result['boundaries']}",
-        f"{'strategy':<10} {'pad eff':>8} {'budget':>8} {'steps/ep':>9} {'max padded':>10} "
-        f"{'pairs/ep':>11} {'repeat':>8}",
+        f"{'strategy':<10} {'pad eff':>8} {'row fill':>8} {'budget':>8} {'steps/ep':>9} "
+        f"{'max padded':>10} {'pairs/ep':>11} {'repeat':>8}",
     ]
     for r in result["strategies"]:
         rep = "-" if r["pair_repeat"] is None else f"{100 * r['pair_repeat']:.3f}%"
+        name = r["strategy"] + ("*" if r.get("same_as_sorted") else "")
+        fill = r.get("row_fill")
         lines.append(
-            f"{r['strategy']:<10} {_pct(r['padding_efficiency']):>8} {_pct(r['budget_use']):>8} "
+            f"{name:<10} {_pct(r['padding_efficiency']):>8} "
+            f"{'-' if fill is None else _pct(fill):>8} {_pct(r['budget_use']):>8} "
             f"{r['steps_per_epoch']:>9,.0f} {r['largest_padded_batch']:>10,} "
             f"{r['pairs_per_epoch']:>11,} {rep:>8}"
         )
     lines += COMPARE_LEGEND
+    if any(r.get("same_as_sorted") for r in result["strategies"]):
+        lines.append("* = the pool holds every sample: this IS the sorted strategy (warning below)")
     lines += [f"bucket boundaries: {result['search']}"] if result.get("search") else []
     if result.get("predicted_efficiency") is not None:
         lines.append(f"bucketed predicted by the planner: {_pct(result['predicted_efficiency'])}")
@@ -625,6 +631,9 @@ def _parser() -> argparse.ArgumentParser:
     which.add_argument("--boundaries", help="comma-separated bucket cuts, e.g. 770,1216,1728")
     cmp_.add_argument("--epochs", type=int, default=2, help="epochs to run (>= 2 for diversity)")
     cmp_.add_argument("--pool-size", type=int, default=3200, help="pool size for pool-sort")
+    cmp_.add_argument(
+        "--row-length", type=int, default=None, help="row length for packed (default: longest)"
+    )
     cmp_.add_argument("--seed", type=int, default=0)
     return ap
 
@@ -702,6 +711,7 @@ def _run_compare(args: argparse.Namespace, x: np.ndarray) -> int:
         epochs=args.epochs,
         seed=args.seed,
         pool_size=args.pool_size,
+        row_length=args.row_length,
     )
     result = {
         "token_budget": args.token_budget,

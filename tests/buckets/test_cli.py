@@ -87,7 +87,7 @@ def test_plan_table_is_what_format_plan_table_renders(
     assert "padding efficiency: predicted" in table and "efficiency by K" in table
 
 
-def test_compare_runs_all_four_strategies_side_by_side(
+def test_compare_runs_every_strategy_side_by_side(
     lengths_file: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """Sorted is static (pairs repeat), random pads most, bucketed sits between, none over T."""
@@ -109,7 +109,12 @@ def test_compare_runs_all_four_strategies_side_by_side(
     assert rc == 0
     d = json.loads(out)
     by = {r["strategy"]: r for r in d["strategies"]}
-    assert list(by) == ["sorted", "random", "bucketed", "pool-sort"]
+    assert list(by) == ["sorted", "random", "bucketed", "pool-sort", "packed"]
+    # packed (issue 14 item 5): rows padded only at their end, fresh composition every epoch
+    assert by["packed"]["row_fill"] is not None and by["packed"]["row_fill"] > 0.9
+    assert by["packed"]["padding_efficiency"] >= by["packed"]["row_fill"]
+    assert by["packed"]["pair_repeat"] < 0.01
+    assert all(by[s]["row_fill"] is None for s in ("sorted", "random", "bucketed", "pool-sort"))
     assert d["boundaries"][1:-1] == [770, 1216, 1728, 2432, 3296]
     assert by["sorted"]["pair_repeat"] == 1.0
     assert by["bucketed"]["pair_repeat"] < 0.1 and by["random"]["pair_repeat"] < 0.01
@@ -244,13 +249,17 @@ def test_compare_names_its_columns_and_warns_when_pool_sort_is_just_sorted(
     assert "repeat = share of one epoch's pairs that share a batch again in the next" in out
     warning = [ln for ln in out.splitlines() if ln.startswith("warning: pool-sort")]
     assert len(warning) == 1 and "5,000 samples" in warning[0] and "'sorted'" in warning[0]
+    rows = {ln.split()[0]: ln for ln in out.splitlines()[2:] if ln.split()}
+    assert "pool-sort*" in rows and "* = the pool holds every sample: this IS the sorted" in out
     _, js, _ = run([*base, "--pool-size", "5000", "--json"], capsys)
     d = json.loads(js)
     by = {r["strategy"]: r for r in d["strategies"]}
     assert d["warnings"] == by["pool-sort"]["warnings"] == [warning[0].removeprefix("warning: ")]
     assert by["pool-sort"]["pair_repeat"] > 0.1  # the symptom: pairs come back every epoch
+    assert by["pool-sort"]["same_as_sorted"] and not by["sorted"]["same_as_sorted"]
     _, js, _ = run([*base, "--pool-size", "4999", "--json"], capsys)
     assert json.loads(js)["warnings"] == []
+    assert not any(r["same_as_sorted"] for r in json.loads(js)["strategies"])
 
 
 def test_the_sampler_warns_about_a_pool_holding_every_sample() -> None:

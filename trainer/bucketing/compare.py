@@ -2,7 +2,9 @@
 
 For each strategy: padding efficiency (real / padded tokens), budget use (real tokens / steps x T),
 steps per epoch, the largest padded batch, and diversity: the share of co-batched sample pairs of
-one epoch that are co-batched again in the next. Pairs are hashed to int64 keys (lo * n + hi) per
+one epoch that are co-batched again in the next. Packed rows hold several documents; their
+padding efficiency is real / (rows x fullest row: what the collator pads to) and their row fill
+real / (rows x row_length); documents sharing a row or a batch count as co-batched. Pairs are hashed to int64 keys (lo * n + hi) per
 batch-size group with numpy, so ~15 M pairs per epoch cost a sort, not a Python loop.
 """
 
@@ -14,7 +16,10 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
+from trainer.config import STRATEGIES
 from trainer.sampler import Batch, BatchSampler, SamplerWarning
+
+COMPARED = ("sorted", "random", "bucketed", "pool-sort", "packed")
 
 
 @dataclass(frozen=True)
@@ -29,6 +34,8 @@ class StrategyReport:
     pair_repeat: float | None  # share of pairs repeating next epoch; None with one epoch
     pairs_per_epoch: int
     warnings: tuple[str, ...] = ()  # the sampler's (e.g. a pool-sort pool holding every sample)
+    row_fill: float | None = None  # packed: real tokens / (rows x row_length); else None
+    same_as_sorted: bool = False  # pool-sort with a pool holding every sample: it IS sorted
 
     def to_json_dict(self) -> dict[str, object]:
         return asdict(self)
@@ -90,6 +97,11 @@ def measure(sampler: BatchSampler, epochs: int) -> StrategyReport:
     real = sum(s.real for s in stats)
     padded = sum(s.padded for s in stats)
     steps = sum(s.steps for s in stats)
+    row_fill = None
+    row_length = getattr(sampler, "row_length", None)
+    if sampler.strategy == "packed" and row_length:
+        rows = sum(b.num_rows for e in range(epochs) for g in sampler.global_batches(e) for b in g)
+        row_fill = real / (rows * row_length)
     return StrategyReport(
         strategy=sampler.strategy,
         padding_efficiency=real / padded,
@@ -99,6 +111,8 @@ def measure(sampler: BatchSampler, epochs: int) -> StrategyReport:
         pair_repeat=float(np.mean(repeats)) if repeats else None,
         pairs_per_epoch=int(np.mean(pairs)) if pairs else 0,
         warnings=sampler.warnings,
+        row_fill=row_fill,
+        same_as_sorted=sampler.strategy == "pool-sort" and bool(sampler.warnings),
     )
 
 
@@ -111,10 +125,12 @@ def compare_strategies(
     epochs: int = 2,
     seed: int = 0,
     pool_size: int = 3200,
+    row_length: int | None = None,
 ) -> list[StrategyReport]:
-    """Sorted static, random, bucketed and pool-sort batching on the same lengths."""
+    """Sorted static, random, bucketed, pool-sort and packed batching on the same lengths (each
+    strategy this sampler has, in that order); `row_length` is packed's (None: the longest)."""
     out = []
-    for strategy in ("sorted", "random", "bucketed", "pool-sort"):
+    for strategy in [s for s in COMPARED if s in STRATEGIES]:
         with warnings.catch_warnings():  # reported in the table instead (StrategyReport.warnings)
             warnings.simplefilter("ignore", SamplerWarning)
             sampler = BatchSampler(
@@ -125,6 +141,7 @@ def compare_strategies(
                 max_batch=max_batch,
                 seed=seed,
                 pool_size=pool_size,
+                row_length=row_length if strategy == "packed" else None,
             )
         out.append(measure(sampler, epochs))
     return out
