@@ -9,6 +9,13 @@ valid rows only, so the [rows x vocab] logits never exist.
 
 Everything returned is a sum, not a mean: the pipeline adds sums over micro-batches and data-
 parallel ranks and divides once by the global weight sum (exact token-weighted mean).
+
+Packed rows (`position_ids`, restarting at 0 at each document): anchors are drawn per document
+(`sample_anchors`), a block sees only its own document's earlier context (`context_start` = the
+anchor's document start), RoPE runs at document-relative positions (context and block), and a
+label past its document's end is invalid. A document then contributes exactly the terms it
+contributes alone in a row of its own, so the sums (and the global normalisation) are those of
+the unpacked run on the same samples and anchors.
 """
 
 from __future__ import annotations
@@ -24,7 +31,7 @@ from trainer.kernels import lm_head_cross_entropy
 from trainer.kernels.common import Backend
 from trainer.model.attention import build_mask
 from trainer.model.drafter import DFlashDrafter, default_gamma
-from trainer.model.masks import Anchors, sample_anchors
+from trainer.model.masks import Anchors, eligible_anchors, sample_anchors
 
 
 @dataclass
@@ -45,6 +52,55 @@ class StepResult:
         return {f.name: getattr(self, f.name).detach() for f in fields(self)}
 
 
+def document_eligible(loss_mask: Tensor, attention_mask: Tensor, position_ids: Tensor) -> Tensor:
+    """`masks.eligible_anchors` for packed rows: also the next token must be the same
+    document's (position + 1), so no anchor pair crosses a document boundary. Bool [R, S]."""
+    out = eligible_anchors(loss_mask, attention_mask)
+    pos = position_ids.to(out.device)
+    out[:, :-1] &= pos[:, 1:] == pos[:, :-1] + 1
+    return out
+
+
+def draw_anchors(
+    loss_mask: Tensor,
+    attention_mask: Tensor,
+    num_anchors: int,
+    generator: torch.Generator | None,
+    position_ids: Tensor | None = None,
+) -> Anchors:
+    """`masks.sample_anchors`, and for packed rows the same rule per DOCUMENT (a new one
+    wherever the position is 0): up to `num_anchors` of each document's eligible positions,
+    uniformly, so a document gets the anchors it would get alone in a row. One draw of
+    [R, S] keys from the CPU generator either way; the width is the most any row holds."""
+    if position_ids is None:
+        return sample_anchors(loss_mask, attention_mask, num_anchors, generator)
+    if num_anchors < 1:
+        raise ValueError(f"num_anchors must be >= 1, got {num_anchors}")
+    pos = position_ids.cpu()
+    eligible = document_eligible(loss_mask.cpu(), attention_mask.cpu(), pos)
+    rows, seq = eligible.shape
+    if rows == 0 or not bool(eligible.any()):
+        empty = torch.zeros(rows, 0, dtype=torch.long)
+        return Anchors(empty, empty.bool())
+    # dtype explicit: the process default is global state another thread may change.
+    keys = torch.rand(rows, seq, generator=generator, dtype=torch.float32)
+    keys = keys.masked_fill(~eligible, 2.0)
+    doc = (pos == 0).cumsum(1)  # [R, S] document number in its row
+    # Sort by (document, key): keys lie in [0, 1) or are 2.0, so doc * 4 + key orders both.
+    _, order = (doc.double() * 4 + keys.double()).sort(dim=1, stable=True)
+    sorted_doc = doc.gather(1, order)
+    idx = torch.arange(seq).expand(rows, seq)
+    first = torch.ones_like(eligible)
+    first[:, 1:] = sorted_doc[:, 1:] != sorted_doc[:, :-1]
+    rank = idx - torch.where(first, idx, torch.zeros_like(idx)).cummax(1).values
+    chosen = torch.zeros_like(eligible)
+    chosen.scatter_(1, order, (rank < num_anchors) & eligible.gather(1, order))
+    width = int(chosen.sum(1).max())
+    at = torch.where(chosen, idx, torch.full_like(idx, seq)).sort(dim=1).values[:, :width]
+    keep = at < seq
+    return Anchors(torch.where(keep, at, torch.zeros_like(at)), keep)
+
+
 def slot_weights(block_size: int, gamma: float, device: torch.device | None = None) -> Tensor:
     """exp(-(k-1)/gamma) for slots k = 1..B-1 (slot 0 is the anchor and never scored)."""
     k = torch.arange(1, block_size, dtype=torch.float32, device=device)
@@ -52,18 +108,29 @@ def slot_weights(block_size: int, gamma: float, device: torch.device | None = No
 
 
 def block_labels(
-    input_ids: Tensor, loss_mask: Tensor, attention_mask: Tensor, anchors: Anchors, block_size: int
+    input_ids: Tensor,
+    loss_mask: Tensor,
+    attention_mask: Tensor,
+    anchors: Anchors,
+    block_size: int,
+    position_ids: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """Labels [R, N, B-1] = token a+k and validity (kept block, in range, real, supervised)."""
+    """Labels [R, N, B-1] = token a+k and validity (kept block, in range, real, supervised;
+    packed rows: and still the anchor's document, i.e. at document position pos(a) + k)."""
     seq = input_ids.shape[1]
     device = input_ids.device
     k = torch.arange(1, block_size, device=device)
-    pos = anchors.positions.to(device)[:, :, None] + k  # [R, N, B-1]
+    anchor = anchors.positions.to(device)
+    pos = anchor[:, :, None] + k  # [R, N, B-1]
     in_range = pos < seq
     safe = pos.clamp(max=seq - 1).flatten(1)
     labels = input_ids.gather(1, safe).view_as(pos)
     supervised = (loss_mask.bool() & attention_mask.bool()).gather(1, safe).view_as(pos)
     valid = in_range & supervised & anchors.keep.to(device)[:, :, None]
+    if position_ids is not None:
+        doc_pos = position_ids.to(device)
+        rel = doc_pos.gather(1, anchor)[:, :, None] + k
+        valid &= doc_pos.gather(1, safe).view_as(pos) == rel
     return labels, valid
 
 
@@ -89,6 +156,7 @@ def dflash_objective(
     anchors: Anchors | None = None,
     attn_backend: str = "auto",
     ce_backend: Backend = "auto",
+    position_ids: Tensor | None = None,
 ) -> StepResult:
     """Weighted CE sums and teacher-forced metrics for one micro-batch.
 
@@ -104,6 +172,8 @@ def dflash_objective(
         anchors: explicit anchors (evaluation, tests) instead of sampling.
         attn_backend: "auto" (flex on CUDA), "sdpa" or "flex".
         ce_backend: passed to `trainer.kernels.lm_head_cross_entropy`.
+        position_ids: [R, S] document-relative positions of packed rows (None: one document
+            per row); see the module docstring.
     """
     cfg = drafter.config
     bsz = cfg.block_size
@@ -114,7 +184,7 @@ def dflash_objective(
     if gamma <= 0 or math.isnan(gamma):
         raise ValueError(f"gamma must be positive, got {gamma}")
     if anchors is None:
-        anchors = sample_anchors(loss_mask, attention_mask, num_anchors, generator)
+        anchors = draw_anchors(loss_mask, attention_mask, num_anchors, generator, position_ids)
     if anchors.num_blocks == 0:
         return _empty_result(drafter, bsz, device)
 
@@ -123,11 +193,16 @@ def dflash_objective(
     positions = anchors.positions.to(device)
     anchor_ids = input_ids.gather(1, positions)
     block_ids = drafter.block_input_ids(anchor_ids)
-    block_pos = (positions[:, :, None] + torch.arange(bsz, device=device)).flatten(1)
-    mask = build_mask(positions, attention_mask.to(device), bsz, attn_backend)
-    out = drafter(hidden, block_ids, block_pos, mask)  # [R, N*B, H]
+    context_pos, context_start, first = None, None, positions
+    if position_ids is not None:  # packed: document-relative RoPE, own-document context
+        context_pos = position_ids.to(device)
+        first = context_pos.gather(1, positions)  # the anchor's position in its document
+        context_start = positions - first
+    block_pos = (first[:, :, None] + torch.arange(bsz, device=device)).flatten(1)
+    mask = build_mask(positions, attention_mask.to(device), bsz, attn_backend, context_start)
+    out = drafter(hidden, block_ids, block_pos, mask, context_positions=context_pos)  # [R, N*B, H]
 
-    labels, valid = block_labels(input_ids, loss_mask, attention_mask, anchors, bsz)
+    labels, valid = block_labels(input_ids, loss_mask, attention_mask, anchors, bsz, position_ids)
     out = out.view(*positions.shape, bsz, -1)[:, :, 1:]  # slots 1..B-1
     head = drafter.lm_head.weight
     ce = lm_head_cross_entropy(out[valid].to(head.dtype), head, labels[valid], backend=ce_backend)

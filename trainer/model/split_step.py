@@ -25,8 +25,8 @@ from torch import Tensor
 
 from trainer.kernels.common import Backend
 from trainer.model.drafter import DFlashDrafter
-from trainer.model.masks import Anchors, sample_anchors
-from trainer.model.objective import StepResult, _noise_like, dflash_objective
+from trainer.model.masks import Anchors
+from trainer.model.objective import StepResult, _noise_like, dflash_objective, draw_anchors
 
 Piece = tuple[slice, slice]
 """(sequence rows, anchor columns) of one micro-step."""
@@ -94,13 +94,13 @@ def bounded_objective_backward(
     would); returns the packet's detached sums. `autocast` wraps each forward (not the
     backward). `loss_transform` is applied to each piece's loss before backward (the
     pipeline's non-finite fault hook). The generator draws anchors, then noise, exactly as
-    `dflash_objective` does for the whole packet.
+    `dflash_objective` does for the whole packet. `position_ids` (packed rows): anchors per
+    document, each block inside its own document (see `trainer.model.objective`); the pieces
+    cut rows and anchors exactly as for unpacked rows.
     """
-    if position_ids is not None:
-        raise NotImplementedError("packed rows (position_ids) are not trained yet")
     ctx = autocast if autocast is not None else contextlib.nullcontext()
     bsz = drafter.config.block_size
-    anchors = sample_anchors(loss_mask, attention_mask, num_anchors, generator)
+    anchors = draw_anchors(loss_mask, attention_mask, num_anchors, generator, position_ids)
     if anchors.num_blocks == 0:
         pieces: list[Piece] = [(slice(None), slice(None))]
     else:
@@ -122,6 +122,7 @@ def bounded_objective_backward(
                 anchors=part,
                 attn_backend=attn_backend,
                 ce_backend=ce_backend,
+                position_ids=None if position_ids is None else position_ids[rows],
             )
         loss = res.loss_sum if loss_transform is None else loss_transform(res.loss_sum)
         torch.autograd.backward(loss.float())
