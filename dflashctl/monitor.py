@@ -149,6 +149,9 @@ class RunState:
     most XID_KEEP; each once (by `Xid.key`)."""
     unreachable_since: float | None = None
     """When the host was first seen unreachable in this outage (None while reachable)."""
+    pane_tail: tuple[str, ...] = ()
+    """A dead pane's last lines (status `pane_tail`): in a group, torchrun's failure report
+    names the rank that failed (`dflashctl.group.torchrun_failure`)."""
     run_info: contract.RunState = field(default_factory=contract.RunState)
     """RUN/run-state.json as last polled: the trainer's plan (total_steps, end_step,
     warmup_steps, boundaries) once it has written it."""
@@ -246,6 +249,8 @@ class StatusView(Protocol):
     def supervisor(self) -> Mapping[str, Any] | None: ...
     @property
     def log_lines(self) -> int | None: ...
+    @property
+    def pane_tail(self) -> Sequence[str]: ...
 
 
 def as_run_state(raw: contract.RunState | Mapping[str, object] | None) -> contract.RunState:
@@ -267,8 +272,9 @@ def apply_status(state: RunState, status: StatusView) -> RunState:
     """
     run = status.state
     restarts: tuple[dict[str, Any], ...]
+    pane_tail = tuple(status.pane_tail or ())
     if run == "unreachable":  # what we knew stays shown: the link is down, not the run
-        restarts, supervisor = state.restarts, state.supervisor
+        restarts, supervisor, pane_tail = state.restarts, state.supervisor, state.pane_tail
     else:
         restarts = tuple(dict(r) for r in status.restarts or () if isinstance(r, Mapping))
         sup = status.supervisor
@@ -284,6 +290,7 @@ def apply_status(state: RunState, status: StatusView) -> RunState:
         run_info=info if info.model_fields_set else state.run_info,
         restarts=restarts,
         supervisor=supervisor,
+        pane_tail=pane_tail,
     )
 
 

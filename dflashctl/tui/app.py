@@ -17,7 +17,7 @@ import shlex
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -36,6 +36,7 @@ from dflashctl.fleet import (
     open_inventory,
     restart_details,
 )
+from dflashctl.inventory import GroupConfig, Inventory
 from dflashctl.monitor import (
     HostFollower,
     RestartPlan,
@@ -48,6 +49,7 @@ from dflashctl.monitor import (
 )
 from dflashctl.tui.screens.confirm import ConfirmScreen
 from dflashctl.tui.screens.fleet import FleetScreen
+from dflashctl.tui.screens.group import GroupScreen
 from dflashctl.tui.screens.help import QUIT_KEEPS_RUNS, HelpScreen
 from dflashctl.tui.screens.host import HostScreen
 from dflashctl.tui.screens.log import LogScreen
@@ -103,10 +105,19 @@ class DflashApp(App[None]):
         refresh_hz: float = 4.0,
         editor: str | None = None,
         quit_action: str = QUIT_KEEPS_RUNS,
+        groups: Mapping[str, Sequence[str]] | None = None,
     ) -> None:
         super().__init__()
         self.quit_action = quit_action  # what `q` does, as the help screen says it
         self.hosts: dict[str, HostHandle] = {h.name: h for h in hosts}
+        self.groups: dict[str, tuple[str, ...]] = {
+            name: tuple(nodes) for name, nodes in (groups or {}).items()
+        }
+        """Multi-node runs: group name -> node host names (node 0 first), each one of `hosts`."""
+        for name, nodes in self.groups.items():
+            missing = [n for n in nodes if n not in self.hosts]
+            if missing or not nodes:
+                raise ValueError(f"group {name!r}: nodes not among the hosts: {missing or nodes}")
         self.clock = clock
         self.live = live
         self.refresh_hz = refresh_hz
@@ -178,14 +189,29 @@ class DflashApp(App[None]):
         self.dirty.add(host)
         self.call_later(self.flush)
 
+    def open_group(self, group: str) -> None:
+        self.push_screen(GroupScreen(group))
+        self.dirty.update(self.groups[group])
+        self.call_later(self.flush)
+
     def current_host(self) -> str | None:
-        """The host the keys act on: the host screen's, or the fleet's highlighted row."""
+        """The host the keys act on: the host screen's, or the highlighted row of the fleet or
+        a group's screen (None on a group's own row)."""
         for screen in reversed(self.screen_stack):
             host = getattr(screen, "host", None)
             if isinstance(host, str):
                 return host
-            if isinstance(screen, FleetScreen):
+            if isinstance(screen, FleetScreen | GroupScreen):
                 return screen.selected_host()
+        return None
+
+    def current_group(self) -> str | None:
+        """The group under the keys: a group's screen, or the fleet's highlighted group row."""
+        for screen in reversed(self.screen_stack):
+            if isinstance(screen, GroupScreen):
+                return screen.group
+            if isinstance(screen, FleetScreen):
+                return screen.selected_group()
         return None
 
     # ------------------------------------------------------------------ config watching
@@ -212,7 +238,15 @@ class DflashApp(App[None]):
     def _need_host(self) -> str | None:
         host = self.current_host()
         if host is None:
-            self.notify("no host selected", severity="warning")
+            group = self.current_group()
+            if group is not None:  # the group commands are the CLI's (one node alone cannot be)
+                self.notify(
+                    f"{group} is a group: pick one of its nodes, or run "
+                    f"`dflashctl restart|stop|deploy {group}`",
+                    severity="warning",
+                )
+            else:
+                self.notify("no host selected", severity="warning")
         return host
 
     def action_help(self) -> None:
@@ -394,8 +428,30 @@ def run_app(argv: Sequence[str] | None = None) -> int:
     from dflashctl.inventory import load_inventory
 
     args = parse_tui_args(sys.argv[1:] if argv is None else argv)
-    hosts = open_inventory(load_inventory(args.hosts), args.host)
+    inventory = load_inventory(args.hosts)
+    names = tui_hosts(inventory, args.host)
+    hosts = open_inventory(inventory, names)
     if not hosts:
         raise UsageError("the inventory has no hosts")
-    DflashApp(hosts).run()
+    DflashApp(hosts, groups=tui_groups(inventory, names)).run()
     return ExitCode.OK
+
+
+def tui_hosts(inventory: Inventory, names: Sequence[str]) -> list[str]:
+    """The hosts to follow for `names` (hosts or groups; none: every host), a group's nodes in
+    rank order."""
+    if not names:
+        return list(inventory.hosts)
+    out: list[str] = []
+    for target in inventory.resolve_targets(names):
+        for host in target.hosts if isinstance(target, GroupConfig) else (target.name,):
+            if host not in out:
+                out.append(host)
+    return out
+
+
+def tui_groups(inventory: Inventory, hosts: Sequence[str]) -> dict[str, tuple[str, ...]]:
+    """The inventory's groups whose every node is followed (a group shown in part would show a
+    state its other nodes could contradict)."""
+    shown = set(hosts)
+    return {g.name: g.hosts for g in inventory.groups.values() if set(g.hosts) <= shown}

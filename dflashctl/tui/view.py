@@ -19,10 +19,16 @@ ResultT = TypeVar("ResultT")
 
 @runtime_checkable
 class AppView(Protocol):
-    """The app as its screens see it: the hosts, the dirty set, the redraw, navigation."""
+    """The app as its screens see it: the hosts and groups, the dirty set, the redraw,
+    navigation."""
 
     @property
     def hosts(self) -> Mapping[str, HostHandle]: ...
+
+    @property
+    def groups(self) -> Mapping[str, tuple[str, ...]]:
+        """Groups (multi-node runs): name -> its nodes' host names, node 0 first."""
+        ...
 
     @property
     def dirty(self) -> set[str]:
@@ -34,6 +40,8 @@ class AppView(Protocol):
     def shape_for(self, host: str) -> RunShape: ...
 
     def open_host(self, host: str) -> None: ...
+
+    def open_group(self, group: str) -> None: ...
 
 
 class LiveScreen(Screen[ResultT]):

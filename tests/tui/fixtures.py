@@ -160,6 +160,7 @@ class Status:
     message: str | None = None
     supervisor: dict[str, Any] | None = None
     restarts: list[dict[str, Any]] = field(default_factory=list)
+    pane_tail: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -282,3 +283,45 @@ def deploy_result(release: str, host: str = "kpro6") -> DeployResult:
         previous=None,
         preflight=preflight,
     )
+
+
+GROUP_INVENTORY = """
+[hosts.n0]
+address = "pve-a.lan"
+ctid = 200
+node_address = "10.0.0.10"
+
+[hosts.n1]
+address = "pve-b.lan"
+ctid = 200
+node_address = "10.0.0.11"
+
+[hosts.solo]
+address = "pve-c.lan"
+ctid = 300
+
+[groups.pair]
+hosts = ["n0", "n1"]
+"""
+"""Two Proxmox nodes as one run (`pair`: n0 is node 0) and a single host beside them."""
+
+
+def node_run_state(
+    node_rank: int, *, step: int = 720, state: str = "running", **kw: Any
+) -> contract.RunState:
+    """Node `node_rank` of a 2-node, 1-rank-per-node run as its run-state.json says it (parsed by
+    the contract's own parser from the JSON the trainer writes)."""
+    import json
+
+    doc = {
+        "state": state,
+        "world_size": 2,
+        "node_rank": node_rank,
+        "nnodes": 2,
+        "rank_range": [node_rank, node_rank + 1],
+        "step": step,
+        **kw,
+    }
+    parsed, err = contract.parse_run_state(json.dumps(doc))
+    assert err is None, err
+    return parsed

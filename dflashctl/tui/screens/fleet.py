@@ -1,17 +1,24 @@
-"""Fleet screen: one row per host, the table the seed's user assembled by hand from tmux captures."""
+"""Fleet screen: one row per host, the table the seed's user assembled by hand from tmux captures.
+
+A group (a multi-node run) is one row that opens into its nodes' rows, like a tree's node:
+`space` toggles it. Textual's DataTable has no child rows and adds rows only at the end, so
+opening or closing a group rebuilds the table in the new row order (a handful of rows, only on
+that key); every other tick updates only the cells that changed.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
-from typing import ClassVar
+from collections.abc import Iterable, Mapping, Sequence
+from typing import ClassVar, Literal
 
 from rich.text import Text
 from textual.app import ComposeResult
-from textual.binding import BindingType
+from textual.binding import Binding, BindingType
 from textual.coordinate import Coordinate
 from textual.widgets import DataTable, Footer, Header, Static
 
 from dflashctl.monitor import RunState, display_state, format_age, line_age, restart_summary
+from dflashctl.tui.group_rows import group_figures, node_display, node_step
 from dflashctl.tui.view import LiveScreen
 from dflashctl.tui.widgets.panes import DASH, fmt, state_style
 from trainer.events import format_eta
@@ -30,6 +37,9 @@ COLUMNS: tuple[tuple[str, str, int], ...] = (
 )
 """Fixed widths: auto-sized columns re-measure the table on every cell update and redraw
 rows drawn at older widths."""
+GROUP_STATE_WIDTH = 26
+"""The state column where the inventory has groups (their states and "unreachable since T"
+are longer than a host's)."""
 
 
 def fleet_row(state: RunState, now: float) -> dict[str, Text | str]:
@@ -50,16 +60,66 @@ def fleet_row(state: RunState, now: float) -> dict[str, Text | str]:
     }
 
 
-class FleetScreen(LiveScreen[None]):
-    """The overview; `enter` drills into a host, the app's keys act on the highlighted one."""
+def group_row(
+    name: str, nodes: Sequence[RunState], now: float, *, expanded: bool = False
+) -> dict[str, Text | str]:
+    """A group's one row (`group_rows.group_figures`): its state, and node 0's step, loss,
+    Ktok/s (the whole group's: the trainer counts every rank's tokens there) and ETA."""
+    fig = group_figures(name, nodes, now)
+    st = fig.status
+    return {
+        "host": Text(f"{'▾' if expanded else '▸'} {name}", style="bold"),
+        "state": Text(fig.state, style=state_style(fig.state)),
+        "release": fig.release or DASH,
+        "step": DASH if fig.step is None else str(fig.step),
+        "loss": fmt(st.loss if st else None, ".4f"),
+        "ktok": fmt(st.ktok_s if st else None, ".1f"),
+        "eta": format_eta(st.eta_s) if st else DASH,
+        "age": format_age(fig.line_age),
+        "config": Text("changed", style="bold magenta") if fig.config_changed else "",
+        "restarts": f"{len(nodes)} nodes",
+    }
 
-    BINDINGS: ClassVar[list[BindingType]] = [("enter", "open_host", "Open host")]
+
+def node_row(state: RunState, node_rank: int, now: float, *, last: bool) -> dict[str, Text | str]:
+    """A node's row under its group: its own state ("unreachable since T"), step and release;
+    loss, Ktok/s and ETA only where it prints status lines (node 0)."""
+    cells = fleet_row(state, now)
+    shown = node_display(state, node_rank, now)
+    step = node_step(state)
+    ranks = state.run_info.rank_range
+    where = f"node {node_rank}" + (
+        f" ranks {ranks[0]}-{ranks[1] - 1}" if ranks is not None and len(ranks) == 2 else ""
+    )
+    return {
+        **cells,
+        "host": f"  {'└' if last else '├'} {state.host}",
+        "state": Text(shown, style=state_style(shown)),
+        "step": DASH if step is None else str(step),
+        "restarts": cells["restarts"] or where,
+    }
+
+
+RowKind = Literal["host", "group", "node"]
+
+
+class FleetScreen(LiveScreen[None]):
+    """The overview; `enter` drills into a host (or a group), `space` opens a group's node rows,
+    the app's keys act on the highlighted host."""
+
+    BINDINGS: ClassVar[list[BindingType]] = [
+        ("enter", "open_host", "Open host"),
+        Binding("space", "toggle_group", "Nodes", tooltip="Open or close a group's node rows"),
+    ]
 
     _ready = False
 
     def __init__(self) -> None:
         super().__init__()
         self._shown: dict[str, dict[str, Text | str]] = {}
+        self._order: list[str] | None = None
+        self.expanded: set[str] = set()
+        """Groups whose node rows are shown (a tree's open nodes)."""
 
     def on_mount(self) -> None:
         self._ready = True
@@ -69,9 +129,14 @@ class FleetScreen(LiveScreen[None]):
         yield Header(show_clock=False)
         yield Static("", id="fleet-summary")
         table: DataTable[Text | str] = DataTable(id="fleet", cursor_type="row", zebra_stripes=True)
-        host_width = max([4, *(len(h) for h in self.view.hosts)])
+        groups = self.view.groups
+        in_group = {h for nodes in groups.values() for h in nodes}
+        widths = [4, *(len(h) for h in self.view.hosts if h not in in_group)]
+        widths += [len(g) + 2 for g in groups] + [len(h) + 4 for h in in_group]
         for key, label, width in COLUMNS:
-            table.add_column(label, key=key, width=width or host_width)
+            if key == "state" and groups:
+                width = GROUP_STATE_WIDTH  # "degraded: NODE unreachable", "unreachable since T"
+            table.add_column(label, key=key, width=width or max(widths))
         yield table
         yield Footer()
 
@@ -79,32 +144,87 @@ class FleetScreen(LiveScreen[None]):
     def table(self) -> DataTable[Text | str]:
         return self.query_one("#fleet", DataTable)
 
-    def selected_host(self) -> str | None:
+    def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
+        if action == "toggle_group":
+            return bool(self.view.groups)  # no groups: the key is not offered
+        return True
+
+    def rows(self) -> list[tuple[RowKind, str]]:
+        """(kind, name) of each table row in order: hosts in inventory order, a group in its
+        node 0's place, its nodes after it (rank order) when it is open."""
+        groups = self.view.groups
+        member = {h: g for g, nodes in groups.items() for h in nodes}
+        out: list[tuple[RowKind, str]] = []
+        for host in self.view.hosts:
+            group = member.get(host)
+            if group is None:
+                out.append(("host", host))
+            elif groups[group][0] == host:
+                out.append(("group", group))
+                if group in self.expanded:
+                    out.extend(("node", h) for h in groups[group])
+        return out
+
+    def selected_key(self) -> str | None:
         table = self.table
         if table.row_count == 0:
             return None
         row_key, _ = table.coordinate_to_cell_key(Coordinate(table.cursor_row, 0))
         return None if row_key.value is None else str(row_key.value)
 
+    def selected_host(self) -> str | None:
+        """The highlighted host (a node row is its host); None on a group's row."""
+        key = self.selected_key()
+        return key if key is not None and key in self.view.hosts else None
+
+    def selected_group(self) -> str | None:
+        key = self.selected_key()
+        return key if key is not None and key in self.view.groups else None
+
+    def _cells(
+        self, kind: RowKind, name: str, states: Mapping[str, RunState], now: float
+    ) -> dict[str, Text | str]:
+        if kind == "host":
+            return fleet_row(states.get(name) or RunState(name), now)
+        groups = self.view.groups
+        if kind == "group":
+            nodes = [states.get(h) or RunState(h) for h in groups[name]]
+            return group_row(name, nodes, now, expanded=name in self.expanded)
+        group = next(g for g, nodes in groups.items() if name in nodes)
+        rank = groups[group].index(name)
+        last = rank == len(groups[group]) - 1
+        return node_row(states.get(name) or RunState(name), rank, now, last=last)
+
     def refresh_view(
         self, states: Mapping[str, RunState], now: float, dirty: Iterable[str]
     ) -> None:
+        """Update every row: ages change every tick even when no line arrived. A group opened
+        or closed rebuilds the table in the new row order (the highlighted row stays)."""
         if not self._ready:
             return
-        """Update every row: ages change every tick even when no line arrived."""
         del dirty  # the age column changes for all hosts on every tick
         table = self.table
-        for host, state in states.items():
-            cells = fleet_row(state, now)
-            shown = self._shown.get(host)
-            if shown is None:
-                table.add_row(*(cells[k] for k, _, _ in COLUMNS), key=host)
-                self._shown[host] = cells
-                continue
-            for key, _, _ in COLUMNS[1:]:
-                if cells[key] != shown[key]:  # each update costs a row redraw: skip no-ops
-                    table.update_cell(host, key, cells[key])
-            self._shown[host] = cells
+        rows = self.rows()
+        order = [name for _, name in rows]
+        if order != self._order:
+            keep = self.selected_key() if self._order else None
+            table.clear()
+            self._shown = {}
+            for kind, name in rows:
+                cells = self._cells(kind, name, states, now)
+                table.add_row(*(cells[k] for k, _, _ in COLUMNS), key=name)
+                self._shown[name] = cells
+            self._order = order
+            if keep in order:
+                table.move_cursor(row=order.index(keep), animate=False)
+        else:
+            for kind, name in rows:
+                cells = self._cells(kind, name, states, now)
+                shown = self._shown[name]
+                for key, _, _ in COLUMNS:
+                    if cells[key] != shown[key]:  # each update costs a row redraw: skip no-ops
+                        table.update_cell(name, key, cells[key])
+                self._shown[name] = cells
         counts: dict[str, int] = {}
         for state in states.values():
             label = display_state(state, now).split(" ")[0]
@@ -112,13 +232,45 @@ class FleetScreen(LiveScreen[None]):
         summary = Text(f" {len(states)} hosts  ")
         for name, n in sorted(counts.items()):
             summary.append(f"{name} {n}  ", style=state_style(name))
+        if self.view.groups:
+            n = len(self.view.groups)
+            summary.append(
+                f"{n} group{'s' if n > 1 else ''} (space: nodes; a group's Ktok/s is node 0's,"
+                " which counts every rank)",
+                style="dim",
+            )
         self.query_one("#fleet-summary", Static).update(summary)
 
+    def action_toggle_group(self) -> None:
+        """Open or close the highlighted group (on a node row: close its group)."""
+        key = self.selected_key()
+        groups = self.view.groups
+        group = key if key in groups else next((g for g, n in groups.items() if key in n), None)
+        if group is None:
+            return
+        if group in self.expanded:
+            self.expanded.discard(group)
+        else:
+            self.expanded.add(group)
+        self.refresh_view_now(select=group)
+
+    def refresh_view_now(self, select: str | None = None) -> None:
+        """Redraw now (the row order changed) and highlight `select`."""
+        self.view.flush()
+        if select is not None and self._order and select in self._order:
+            self.table.move_cursor(row=self._order.index(select), animate=False)
+
+    def _open(self, key: str | None) -> None:
+        if key is None:
+            return
+        if key in self.view.groups:
+            self.view.open_group(key)
+        elif key in self.view.hosts:
+            self.view.open_host(key)
+
     def action_open_host(self) -> None:
-        host = self.selected_host()
-        if host is not None:
-            self.view.open_host(host)
+        self._open(self.selected_key())
 
     def on_data_table_row_selected(self, event: DataTable.RowSelected) -> None:
         if event.row_key.value is not None:
-            self.view.open_host(str(event.row_key.value))
+            self._open(str(event.row_key.value))

@@ -28,6 +28,7 @@ from dflashctl.monitor import (
     total_steps,
     warmup_steps,
 )
+from dflashctl.tui.group_rows import node_step, since_text
 from dflashctl.tui.widgets.charts import BLOCKS, bar, curve, spark
 from trainer.events import BOTTLENECK_KEY, STAGE_WAIT_KEYS, format_eta
 
@@ -43,12 +44,18 @@ STATE_STYLES = {
     "restarting": "bold yellow",
     "stalled": "bold yellow",
     "gave-up": "bold red",
+    "degraded": "bold yellow",
+    "partial": "yellow",
 }
 
 
 def state_style(state: str) -> str:
-    """Colour of a display state; any crash is red."""
-    return "bold red" if state.startswith("crashed") else STATE_STYLES.get(state, "")
+    """Colour of a display state by its first word (`crashed (exit 1)`, `unreachable since T`,
+    a group's `degraded: b unreachable`); any crash or failure is red."""
+    word = state.split(" ")[0].rstrip(":")
+    if word in {"crashed", "failed"}:
+        return "bold red"
+    return STATE_STYLES.get(state) or STATE_STYLES.get(word, "")
 
 
 def fmt(value: float | None, spec: str) -> str:
@@ -67,10 +74,20 @@ def header_text(state: RunState, now: float) -> Text:
     out.append(f" {state.host} ", style="bold reverse")
     out.append("  ")
     out.append(shown, style=state_style(shown))
+    if shown == "unreachable" and state.unreachable_since is not None:
+        out.append(f" since {since_text(state.unreachable_since, now)}", style="red")
     out.append("  ")
+    info = state.run_info
+    if info.nnodes is not None and info.nnodes > 1:  # one node of a multi-node run
+        ranks = info.rank_range
+        where = f"node {DASH if info.node_rank is None else info.node_rank} of {info.nnodes}"
+        if ranks is not None and len(ranks) == 2:
+            where += f", ranks {ranks[0]}-{ranks[1] - 1}"
+        out.append(where + "  ", style="cyan")
     _kv(out, "release", state.release or DASH)
     out.append("  ")
-    _kv(out, "step", str(state.status.step) if state.status else DASH)
+    step = node_step(state)
+    _kv(out, "step", DASH if step is None else str(step))
     out.append("  ")
     _kv(out, "last line", format_age(line_age(state, now)) + " ago")
     out.append("  ")

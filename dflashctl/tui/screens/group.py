@@ -1,0 +1,149 @@
+"""Group screen: one multi-node run, its nodes in rank order and every node's GPU pane."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from typing import ClassVar
+
+from rich.text import Text
+from textual.app import ComposeResult
+from textual.binding import BindingType
+from textual.containers import VerticalScroll
+from textual.coordinate import Coordinate
+from textual.widgets import DataTable, Footer, Static
+
+from dflashctl.monitor import RunState, format_age, line_age
+from dflashctl.tui.group_rows import group_figures, node_display, node_step
+from dflashctl.tui.view import LiveScreen
+from dflashctl.tui.widgets.panes import DASH, Pane, fmt, gpus_text, state_style
+from trainer.events import format_eta
+
+NODE_COLUMNS: tuple[tuple[str, str, int], ...] = (
+    ("node", "Node", 4),
+    ("host", "Host", 0),  # 0: sized to the longest node name
+    ("state", "State", 26),
+    ("ranks", "Ranks", 7),
+    ("step", "Step", 9),
+    ("release", "Release", 12),
+    ("age", "Last line", 9),
+)
+
+
+def group_header(name: str, nodes: Sequence[RunState], now: float) -> Text:
+    """One line: the group, its state, world size, and node 0's step, loss, Ktok/s, ETA."""
+    fig = group_figures(name, nodes, now)
+    st = fig.status
+    out = Text()
+    out.append(f" {name} ", style="bold reverse")
+    out.append("  ")
+    out.append(fig.state, style=state_style(fig.state))
+    world = fig.view.world_size
+    parts = [
+        ("nodes", str(len(nodes))),
+        ("world", DASH if world is None else str(world)),
+        ("step", DASH if fig.step is None else str(fig.step)),
+        ("loss", fmt(st.loss if st else None, ".4f")),
+        ("Ktok/s (all ranks)", fmt(st.ktok_s if st else None, ".1f")),
+        ("ETA", format_eta(st.eta_s) if st and st.eta_s is not None else DASH),
+    ]
+    for key, value in parts:
+        out.append("  ")
+        out.append(f"{key} ", style="dim")
+        out.append(value, style="bold")
+    if fig.view.failed is not None:
+        out.append(f"  {fig.view.summary()}", style="red")
+    return out
+
+
+def node_cells(state: RunState, node_rank: int, now: float) -> dict[str, Text | str]:
+    shown = node_display(state, node_rank, now)
+    step = node_step(state)
+    ranks = state.run_info.rank_range
+    return {
+        "node": str(node_rank),
+        "host": state.host,
+        "state": Text(shown, style=state_style(shown)),
+        "ranks": f"{ranks[0]}-{ranks[1] - 1}" if ranks is not None and len(ranks) == 2 else DASH,
+        "step": DASH if step is None else str(step),
+        "release": state.release or DASH,
+        "age": format_age(line_age(state, now)),
+    }
+
+
+class GroupScreen(LiveScreen[None]):
+    """A group's nodes (rank order; `enter` opens a node's host screen) and each node's GPUs."""
+
+    BINDINGS: ClassVar[list[BindingType]] = [
+        ("escape", "app.pop_screen", "Fleet"),
+        ("enter", "open_node", "Open node"),
+    ]
+
+    def __init__(self, group: str) -> None:
+        super().__init__(name=group)
+        self.group = group
+        self._ready = False
+        self._shown: dict[str, dict[str, Text | str]] = {}
+
+    @property
+    def nodes(self) -> tuple[str, ...]:
+        return self.view.groups[self.group]
+
+    def compose(self) -> ComposeResult:
+        yield Static("", id="group-header")
+        table: DataTable[Text | str] = DataTable(
+            id="group-nodes", cursor_type="row", zebra_stripes=True
+        )
+        width = max(4, *(len(h) for h in self.nodes))
+        for key, label, w in NODE_COLUMNS:
+            table.add_column(label, key=key, width=w or width)
+        yield table
+        with VerticalScroll(id="group-gpus"):
+            for rank, host in enumerate(self.nodes):
+                yield Pane(f"node {rank}: {host} GPUs", id=f"gpus-{rank}", classes="node-gpus")
+        yield Footer()
+
+    def on_mount(self) -> None:
+        self._ready = True
+        self.request_redraw()
+
+    @property
+    def table(self) -> DataTable[Text | str]:
+        return self.query_one("#group-nodes", DataTable)
+
+    def selected_host(self) -> str | None:
+        table = self.table
+        if table.row_count == 0:
+            return None
+        row_key, _ = table.coordinate_to_cell_key(Coordinate(table.cursor_row, 0))
+        return None if row_key.value is None else str(row_key.value)
+
+    def refresh_view(
+        self, states: Mapping[str, RunState], now: float, dirty: Iterable[str]
+    ) -> None:
+        if not self._ready:
+            return
+        nodes = [states.get(h) or RunState(h) for h in self.nodes]
+        self.query_one("#group-header", Static).update(group_header(self.group, nodes, now))
+        table = self.table
+        changed = set(dirty)
+        for rank, state in enumerate(nodes):
+            cells = node_cells(state, rank, now)
+            shown = self._shown.get(state.host)
+            if shown is None:
+                table.add_row(*(cells[k] for k, _, _ in NODE_COLUMNS), key=state.host)
+            else:
+                for key, _, _ in NODE_COLUMNS:
+                    if cells[key] != shown[key]:
+                        table.update_cell(state.host, key, cells[key])
+            self._shown[state.host] = cells
+            if shown is None or state.host in changed:
+                self.query_one(f"#gpus-{rank}", Static).update(gpus_text(state, now))
+
+    def action_open_node(self) -> None:
+        host = self.selected_host()
+        if host is not None:
+            self.view.open_host(host)
+
+    def on_data_table_row_selected(self, event: DataTable.RowSelected) -> None:
+        if event.row_key.value is not None:
+            self.view.open_host(str(event.row_key.value))
