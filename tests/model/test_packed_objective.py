@@ -186,3 +186,30 @@ def test_no_anchor_pairs_or_labels_across_a_document_boundary() -> None:
     assert valid[0, 1].tolist() == [True, False, False]  # anchor 1: label 2 only
     assert valid[0, 2].tolist() == [True, True, True]  # anchor 3: labels 4, 5, 6
     assert labels[0, 2].tolist() == [14, 15, 16]
+
+
+def test_packed_step_forward_on_flex_equals_sdpa(target: TargetModel) -> None:
+    """The CUDA path's attention (flex_attention with the document BlockMask, eager here:
+    CPU flex is forward-only) gives the SDPA step's sums on packed rows."""
+    from trainer.model.objective import dflash_objective
+
+    ids, loss, attn, pos = packed(documents())
+    feats = target.capture(ids, position_ids=pos)
+    drafter = make_drafter(target, block_size=BLOCK)
+    anchors = draw_anchors(loss, attn, ALL, torch.Generator().manual_seed(0), pos)
+    with torch.no_grad():
+        got, ref = (
+            dflash_objective(
+                drafter,
+                None,
+                ids,
+                loss,
+                attn,
+                feats,
+                anchors=anchors,
+                attn_backend=backend,
+                position_ids=pos,
+            )
+            for backend in ("flex", "sdpa")
+        )
+    _assert_same(got, ref)

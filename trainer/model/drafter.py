@@ -4,7 +4,8 @@ Forward for one sequence (reference §1.3):
     c = hidden_norm(fc(concat(target layer outputs)))            # once per context position
     z = embed([x_a, mask, ..., mask])                             # the block, size B
     per layer: Q from the block only; K, V = proj([c ; block]) through the same weights,
-               QK-norm per head, RoPE at absolute positions (context 0..S-1, block a..a+B-1)
+               QK-norm per head, RoPE at absolute positions (context 0..S-1, block a..a+B-1;
+               packed rows: positions inside each document, `context_positions`)
     out = norm(z); logits = target lm_head(out); slot k predicts token a+k.
 State-dict names follow z-lab (`fc`, `hidden_norm`, `layers.N.self_attn.q_proj`, ...), so
 exports load in serving engines. The target's embedding and LM head are borrowed by
@@ -289,11 +290,12 @@ class DFlashDrafter(nn.Module):
         Args:
             features: [B, S, F*H] captured target features of the context.
             block_ids: [B, Q] block token ids (anchors and mask tokens).
-            block_positions: [B, Q] absolute positions of the block tokens.
+            block_positions: [B, Q] positions of the block tokens (packed rows: relative to
+                the anchor's document, as `context_positions`).
             mask: None (every block token sees all context and the whole block: inference
                 with one block) or a training mask from `attention.build_mask`.
-            context_positions: [B, S] absolute context positions (default 0..S-1, or
-                following the cached ones).
+            context_positions: [B, S] context positions (default 0..S-1, or following the
+                cached ones; packed rows: restarting at 0 at each document).
             cache: inference only. `features` are then the positions committed since the
                 last call; their per-layer K/V are appended to the cache, and the block
                 attends to everything cached. The block's own K/V are never cached.
