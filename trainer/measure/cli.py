@@ -144,9 +144,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ConfigError, UsageError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    except TrainerError as exc:
+    except TrainerError as exc:  # a bad --steps (2), a failed timing run (1)
         print(f"error: {exc}", file=sys.stderr)
-        return int(exc.exit_code) if exc.exit_code != 2 else 1
+        return int(exc.exit_code)
     print(json.dumps(result, indent=1) if args.json else format_table(result))
     return 0
 

@@ -35,7 +35,7 @@ from trainer.bucketing.timecost import FEATURES, batch_features, eligible_counts
 from trainer.config import TrainConfig
 from trainer.config.overlay import dump_toml, merge
 from trainer.data.store import TokenStore
-from trainer.errors import TrainerError
+from trainer.errors import ExitCode, TrainerError
 from trainer.pipeline.plan import BatchPlan
 from trainer.sampler import BatchSampler
 
@@ -45,7 +45,13 @@ RUN_TIMEOUT_S = 3600.0
 
 
 class MeasureError(TrainerError, ValueError):
-    """A measurement that cannot run as asked (one line naming the flag, key or stage)."""
+    """A measurement that cannot run as asked (one line naming the flag or key): exit 2."""
+
+
+class RunFailed(MeasureError):
+    """A timing run of the trainer failed (one line: its last ERROR line): exit 1."""
+
+    exit_code = ExitCode.FAILED
 
 
 def derive(cfg: TrainConfig, raw: dict[str, Any], strategy: str, max_steps: int) -> dict[str, Any]:
@@ -112,7 +118,6 @@ class Measurer:
         self.work = work or Path(tempfile.mkdtemp(prefix="dflash-measure-"))
         self._store: TokenStore | None = None
         self._eligible: np.ndarray | None = None
-        self.log: list[str] = []
         self.infos: dict[str, StrategyInfo] = {}
 
     @classmethod
@@ -206,20 +211,17 @@ class Measurer:
                 cmd, env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT_S, check=False
             )
         except subprocess.TimeoutExpired:
-            raise MeasureError(
-                f"trainer run {run_dir.name} took over {RUN_TIMEOUT_S:.0f} s"
-            ) from None
-        self.log.append(proc.stdout)
+            raise RunFailed(f"trainer run {run_dir.name} took over {RUN_TIMEOUT_S:.0f} s") from None
         if proc.returncode != 0:
             errors = [ln for ln in proc.stdout.splitlines() if ln.startswith("ERROR")]
             tail = errors[-1] if errors else (proc.stderr.strip().splitlines() or ["?"])[-1]
-            raise MeasureError(f"trainer run {run_dir.name} exited {proc.returncode}: {tail}")
+            raise RunFailed(f"trainer run {run_dir.name} exited {proc.returncode}: {tail}")
         records = [
             json.loads(ln) for ln in (run_dir / "metrics.jsonl").read_text().splitlines() if ln
         ]
         by_step = {int(r["step"]): r for r in records}
         if any(s not in by_step for s in range(1, steps + 1)):
-            raise MeasureError(f"trainer run {run_dir.name}: metrics.jsonl lacks steps 1..{steps}")
+            raise RunFailed(f"trainer run {run_dir.name}: metrics.jsonl lacks steps 1..{steps}")
         if "elapsed_s" not in by_step[1]:
             raise MeasureError(
                 "the trainer's metrics.jsonl has no elapsed_s (a trainer older than this "

@@ -1,0 +1,163 @@
+"""`python -m trainer.measure` on the tiny CPU config (issue 14 item 1): a short smoke run of
+every strategy the trainer has, through the real trainer; its JSON shape, that every strategy
+stepped, the calibration it saves and the planner's use of it; one-line errors. No timings are
+asserted (machines are noisy): only that they exist and agree with each other."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from trainer.bucketing.timecost import FEATURES, StepCostModel
+from trainer.config import STRATEGIES
+from trainer.config.overlay import dump_toml, merge
+
+REPO = Path(__file__).resolve().parents[2]
+TINY = REPO / "configs" / "tiny-cpu.toml"
+KEYS = {
+    "samples_s",
+    "tokens_s",
+    "anchor_blocks_s",
+    "padded_tokens_s",
+    "padding_efficiency",
+    "largest_batch",
+    "repeat",
+    "ratio_to_sorted",
+    "predicted_tokens_s",
+    "predicted_samples_s",
+    "prediction_error",
+    "predicted_loo_tokens_s",
+    "rounds",
+    "flag",
+}
+
+
+def env() -> dict[str, str]:
+    out = {k: v for k, v in os.environ.items() if not k.startswith("DFLASH_")}
+    out.update({"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"})
+    return out
+
+
+def measure_cli(*args: str, timeout: float = 900) -> subprocess.CompletedProcess[str]:
+    argv = [sys.executable, "-m", "trainer.measure", *args]
+    return subprocess.run(
+        argv, cwd=REPO, env=env(), capture_output=True, text=True, timeout=timeout, check=False
+    )
+
+
+@pytest.fixture(scope="module")
+def small_config(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny config at 1/3 the rows, its store and target at absolute paths of their own."""
+    root = tmp_path_factory.mktemp("measure")
+    raw = merge(
+        tomllib.loads(TINY.read_text()),
+        {
+            "data": {"store": str(root / "store"), "synthetic": {"rows": 1000}},
+            "model": {"target_dir": str(root / "target")},
+            "batching": {"pool_size": 400},
+        },
+    )
+    path = root / "tiny.toml"
+    path.write_text(dump_toml(raw))
+    return path
+
+
+@pytest.fixture(scope="module")
+def smoke(small_config: Path) -> tuple[dict[str, Any], Path]:
+    cal = small_config.parent / "calibration.json"
+    proc = measure_cli(
+        "--config", str(small_config), "--steps", "4", "--warmup", "1", "--rounds", "1",
+        "--window", "1", "--json", "--save-calibration", str(cal),
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout), cal
+
+
+def test_every_strategy_stepped_and_the_json_has_the_documented_shape(
+    smoke: tuple[dict[str, Any], Path],
+) -> None:
+    d, _ = smoke
+    want = [s for s in ("sorted", "bucketed", "pool-sort", "packed", "random") if s in STRATEGIES]
+    assert list(d["strategies"]) == want
+    assert d["steps"] == 4 and d["warmup"] == 1 and d["rounds"] == 1
+    for name, e in d["strategies"].items():
+        assert set(e) >= KEYS, name
+        assert len(e["rounds"]) == 1 and e["rounds"][0]["seconds"] > 0, name
+        for rate in ("samples_s", "tokens_s", "anchor_blocks_s", "padded_tokens_s"):
+            assert e[rate] > 0, (name, rate)
+        assert e["padded_tokens_s"] >= e["tokens_s"]
+        assert e["padding_efficiency"] == pytest.approx(e["tokens_s"] / e["padded_tokens_s"])
+        assert 0 < e["largest_batch"] <= d["token_budget"]
+        assert e["predicted_tokens_s"] > 0
+        r = e["ratio_to_sorted"]["tokens_s"]
+        assert r["min"] <= r["median"] <= r["max"]
+        assert r["median"] == pytest.approx(e["tokens_s"] / d["strategies"]["sorted"]["tokens_s"])
+    by = d["strategies"]
+    assert by["sorted"]["repeat"] == 1.0  # static batches: every pair comes back
+    assert by["random"]["repeat"] < 0.05
+    assert by["sorted"]["ratio_to_sorted"]["tokens_s"]["median"] == 1.0
+    assert set(d["calibration"]["coef"]) == set(FEATURES)
+
+
+def test_the_saved_calibration_loads_and_plans_by_time(
+    smoke: tuple[dict[str, Any], Path], small_config: Path
+) -> None:
+    d, cal = smoke
+    model = StepCostModel.load(cal)
+    assert model.coef == d["calibration"]["coef"] and model.points == 4 * len(d["strategies"])
+    store = tomllib.loads(small_config.read_text())["data"]["store"]
+    argv = [sys.executable, "-m", "trainer.buckets", "plan", "--lengths", store, "--buckets", "4"]
+    argv += ["--token-budget", "1024", "--max-batch", "16", "--objective", "time"]
+    argv += ["--calibration", str(cal), "--json"]
+    proc = subprocess.run(argv, cwd=REPO, env=env(), capture_output=True, text=True, check=False)
+    assert proc.returncode == 0, proc.stderr
+    rates = json.loads(proc.stdout)["rates"]
+    assert rates["predicted_tokens_s"] > 0 and rates["simulated_tokens_s"] > 0
+
+
+def test_a_pool_holding_every_sample_is_flagged(small_config: Path, tmp_path: Path) -> None:
+    raw = merge(tomllib.loads(small_config.read_text()), {"batching": {"pool_size": 5000}})
+    path = tmp_path / "big-pool.toml"
+    path.write_text(dump_toml(raw))
+    proc = measure_cli(
+        "--config", str(path), "--strategies", "sorted,pool-sort", "--steps", "2",
+        "--warmup", "1", "--rounds", "1", "--window", "1",
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "flag: pool-sort: pool holds every sample: this is the sorted strategy" in proc.stdout
+    assert "warning: pool-sort: pool_size 5,000 >= the 1,000 samples" in proc.stdout
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["--strategies", "sorted,bogus"], "error: --strategies: 'bogus' is not a batching"),
+        (["--strategies", "sorted,sorted"], "error: --strategies: 'sorted,sorted' names a"),
+        (["--steps", "0"], "error: --steps: must be >= 1, got 0"),
+        (["--steps", "100000"], "error: --steps/--warmup: 5 + 100000 steps need"),
+        (["--predict-with", "/nonexistent.json"], "error: --predict-with: /nonexistent.json"),
+    ],
+)
+def test_bad_flags_are_one_line_naming_the_flag(
+    small_config: Path, args: list[str], needle: str
+) -> None:
+    base = ["--config", str(small_config), "--strategies", "sorted", "--steps", "3"]
+    proc = measure_cli(*base, *args, timeout=300)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.startswith(needle) and proc.stderr.count("\n") == 1, proc.stderr
+
+
+def test_a_bad_config_key_is_named(tmp_path: Path) -> None:
+    raw = merge(tomllib.loads(TINY.read_text()), {"batching": {"strategy": "shuffled"}})
+    path = tmp_path / "bad.toml"
+    path.write_text(dump_toml(raw))
+    proc = measure_cli("--config", str(path), "--steps", "3", timeout=300)
+    assert proc.returncode == 2
+    assert "batching.strategy" in proc.stderr and proc.stderr.count("\n") == 1
