@@ -18,7 +18,7 @@ from trainer.data.store import TokenStore
 from trainer.events import ErrorEvent, RawLine, StatusEvent, parse_line
 from trainer.pipeline.checkpoint import list_checkpoints, load_checkpoint
 
-from .conftest import RunCli, write_config
+from .conftest import RunCli, run_two_ranks, write_config
 
 PACKED = {"strategy": "packed"}
 
@@ -106,3 +106,22 @@ def test_the_demo_config_switched_to_packed_validates_and_steps(
     assert sorted(losses) == list(range(1, 9))
     log = (tmp_path / "run" / "status.log").read_text()
     assert "Eval" in log and "ERROR" not in log
+
+
+@pytest.mark.timeout(240)
+def test_two_ranks_train_on_packed_shards(tmp_path: Path, tiny_assets: dict[str, Any]) -> None:
+    """Two gloo ranks under torchrun: each takes its packed shard of every step (the sampler's
+    row-splitting keeps step counts equal) and both step together to the end."""
+    cfg = write_config(
+        tmp_path / "dp.toml",
+        tiny_assets,
+        batching=PACKED,
+        topology={"drafter_devices": ["cpu", "cpu"], "target_devices": ["cpu"]},
+        schedule={"max_steps": 10},
+    )
+    out = run_two_ranks(cfg, tmp_path / "run")
+    assert out.returncode == 0, (out.stdout[-2000:], out.stderr[-3000:])
+    losses = _losses(tmp_path / "run")
+    assert sorted(losses) == list(range(1, 11)) and all(np.isfinite(list(losses.values())))
+    state = load_checkpoint(list_checkpoints(tmp_path / "run")[-1][1])
+    assert state["world_size"] == 2 and state["sampler"]["config"]["strategy"] == "packed"
