@@ -185,3 +185,71 @@ def test_restart_modal(snap_compare) -> None:  # type: ignore[no-untyped-def]
         await pilot.pause()
 
     assert snap_compare(fleet_app(), terminal_size=SIZE, run_before=open_modal)
+
+
+def group_app() -> DflashApp:
+    """`pair` (n0 node 0, n1 node 1; one rank each) and a single host: n0 streams the run's
+    status lines and has two H100s, one with Xids in its node's kernel log (three from before
+    the view, one since); n1 has been unreachable for 5 minutes; solo runs on its own."""
+    from dflashctl.gpu_health import parse_xid_lines
+    from dflashctl.monitor import apply_xids
+    from tests.tui.fixtures import node_run_state
+
+    names = ["n0", "n1", "solo"]
+    app = DflashApp(
+        [HostBinding(n, service(), shape=seed_shape()) for n in names],
+        clock=lambda: FIXED_NOW,
+        live=False,
+        groups={"pair": ("n0", "n1")},
+    )
+    bus = "00000000:9A:00.0"
+    health, _ = parse_health_csv(
+        f"0, {bus}, Enabled, 0, 0, 0, 0x0000000000000000, Not Active, Not Active, Not Active,"
+        " Not Active, Not Active\n"
+        "1, 00000000:9B:00.0, Enabled, 0, 0, 0, 0x0000000000000000, Not Active, Not Active,"
+        " Not Active, Not Active, Not Active\n"
+    )
+    samples = "0, NVIDIA H100 80GB HBM3, 98, 71234, 81559, 70, 688.0\n"
+    samples += "1, NVIDIA H100 80GB HBM3, 97, 70991, 81559, 64, 655.2\n"
+    n0 = apply_lines(RunState("n0"), run_lines(40), FIXED_NOW - 2)
+    n0 = apply_status(n0, Status(run_state=node_run_state(0, step=1170)))
+    n0 = replace(n0, link="live", gpus=tuple(parse_gpu_csv(samples)), gpu_health=tuple(health))
+    kernel = (GPU_FIXTURES / "journalctl-xid.txt").read_text()
+    n0 = apply_xids(n0, parse_xid_lines(kernel), FIXED_NOW - 3600, history=True)
+    fell = parse_xid_lines(
+        "[ 9843.308151] NVRM: Xid (PCI:0000:9a:00): 79, pid=41233, name=python, GPU has fallen"
+        " off the bus.\n"
+    )
+    n0 = apply_xids(n0, fell, FIXED_NOW - 65)
+    n1 = apply_status(RunState("n1"), Status(run_state=node_run_state(1, step=1170)))
+    n1 = apply_status(n1, Status(state="unreachable", message="n1: ssh: connect timed out"))
+    n1 = replace(n1, link="retrying", link_error="ssh: connect timed out",
+                 retry_at=FIXED_NOW + 16, unreachable_since=FIXED_NOW - 300)  # fmt: skip
+    solo = apply_status(apply_lines(RunState("solo"), run_lines(12), FIXED_NOW - 4), Status())
+    app.states.update(n0=n0, n1=n1, solo=replace(solo, link="live"))
+    return app
+
+
+def test_group_fleet_screen(snap_compare) -> None:  # type: ignore[no-untyped-def]
+    """The group's row opened into its nodes: degraded by the unreachable node, never crashed."""
+
+    async def open_group(pilot) -> None:  # type: ignore[no-untyped-def]
+        await pilot.press("space")
+        await pilot.pause()
+
+    assert snap_compare(group_app(), terminal_size=SIZE, run_before=open_group)
+
+
+def test_group_screen(snap_compare) -> None:  # type: ignore[no-untyped-def]
+    """Every node in rank order, node 0's queues, each node's GPU pane (n0's Xids)."""
+    from dflashctl.tui.screens.group import GroupScreen
+
+    async def open_group(pilot) -> None:  # type: ignore[no-untyped-def]
+        await pilot.press("enter")
+        async with asyncio.timeout(10):
+            while not (isinstance(pilot.app.screen, GroupScreen) and pilot.app.screen.painted):
+                await pilot.pause(0.05)
+                pilot.app.flush()
+        await pilot.pause()
+
+    assert snap_compare(group_app(), terminal_size=SIZE, run_before=open_group)

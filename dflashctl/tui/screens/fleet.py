@@ -37,7 +37,7 @@ COLUMNS: tuple[tuple[str, str, int], ...] = (
 )
 """Fixed widths: auto-sized columns re-measure the table on every cell update and redraw
 rows drawn at older widths."""
-GROUP_STATE_WIDTH = 26
+GROUP_STATE_WIDTH = 24
 """The state column where the inventory has groups (their states and "unreachable since T"
 are longer than a host's)."""
 
@@ -87,16 +87,12 @@ def node_row(state: RunState, node_rank: int, now: float, *, last: bool) -> dict
     cells = fleet_row(state, now)
     shown = node_display(state, node_rank, now)
     step = node_step(state)
-    ranks = state.run_info.rank_range
-    where = f"node {node_rank}" + (
-        f" ranks {ranks[0]}-{ranks[1] - 1}" if ranks is not None and len(ranks) == 2 else ""
-    )
     return {
         **cells,
         "host": f"  {'└' if last else '├'} {state.host}",
         "state": Text(shown, style=state_style(shown)),
         "step": DASH if step is None else str(step),
-        "restarts": cells["restarts"] or where,
+        "restarts": cells["restarts"] or f"node {node_rank}",
     }
 
 

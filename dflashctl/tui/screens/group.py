@@ -1,4 +1,6 @@
-"""Group screen: one multi-node run, its nodes in rank order and every node's GPU pane."""
+"""Group screen: one multi-node run, its nodes in rank order, every node's GPU pane, and the
+queues as node 0's status line has them (its own q_pre; q_hs one entry per rank, every node's,
+gathered by the step's reduce)."""
 
 from __future__ import annotations
 
@@ -8,14 +10,14 @@ from typing import ClassVar
 from rich.text import Text
 from textual.app import ComposeResult
 from textual.binding import BindingType
-from textual.containers import VerticalScroll
+from textual.containers import Horizontal, VerticalScroll
 from textual.coordinate import Coordinate
 from textual.widgets import DataTable, Footer, Static
 
 from dflashctl.monitor import RunState, format_age, line_age
 from dflashctl.tui.group_rows import group_figures, node_display, node_step
 from dflashctl.tui.view import LiveScreen
-from dflashctl.tui.widgets.panes import DASH, Pane, fmt, gpus_text, state_style
+from dflashctl.tui.widgets.panes import DASH, Pane, fmt, gpus_text, queues_text, state_style
 from trainer.events import format_eta
 
 NODE_COLUMNS: tuple[tuple[str, str, int], ...] = (
@@ -83,6 +85,7 @@ class GroupScreen(LiveScreen[None]):
         self.group = group
         self._ready = False
         self._shown: dict[str, dict[str, Text | str]] = {}
+        self._queues_painted = False
 
     @property
     def nodes(self) -> tuple[str, ...]:
@@ -97,9 +100,11 @@ class GroupScreen(LiveScreen[None]):
         for key, label, w in NODE_COLUMNS:
             table.add_column(label, key=key, width=w or width)
         yield table
-        with VerticalScroll(id="group-gpus"):
-            for rank, host in enumerate(self.nodes):
-                yield Pane(f"node {rank}: {host} GPUs", id=f"gpus-{rank}", classes="node-gpus")
+        with Horizontal(id="group-body"):
+            yield Pane("queues (node 0's line: q_hs has every rank's)", id="group-queues")
+            with VerticalScroll(id="group-gpus"):
+                for rank, host in enumerate(self.nodes):
+                    yield Pane(f"node {rank}: {host} GPUs", id=f"gpus-{rank}", classes="node-gpus")
         yield Footer()
 
     def on_mount(self) -> None:
@@ -136,8 +141,29 @@ class GroupScreen(LiveScreen[None]):
                     if cells[key] != shown[key]:
                         table.update_cell(state.host, key, cells[key])
             self._shown[state.host] = cells
-            if shown is None or state.host in changed:
-                self.query_one(f"#gpus-{rank}", Static).update(gpus_text(state, now))
+            if not self._queues_painted or state.host in changed:  # (before layout: each tick)
+                self.query_one(f"#gpus-{rank}", Static).update(
+                    gpus_text(state, now, self._width(f"#gpus-{rank}"))
+                )
+        queues = self.query_one("#group-queues", Static)
+        width = queues.content_size.width
+        node0 = nodes[0]
+        if width and (not self._queues_painted or node0.host in changed):
+            shape = self.view.shape_for(node0.host)
+            queues.update(queues_text(node0, shape, max(8, width)))
+            self._queues_painted = True
+
+    def _width(self, selector: str) -> int:
+        return max(24, self.query_one(selector).content_size.width)
+
+    def on_resize(self) -> None:
+        self._queues_painted = False  # the gauges are sized to the pane
+        self.request_redraw()
+
+    @property
+    def painted(self) -> bool:
+        """True once the queues pane was drawn at its laid-out size (tests wait for it)."""
+        return self._queues_painted
 
     def action_open_node(self) -> None:
         host = self.selected_host()

@@ -14,7 +14,8 @@ from textual.widgets import Static
 QUIT_KEEPS_RUNS = "quit (the runs keep going)"
 
 KEYMAP: tuple[tuple[str, str], ...] = (
-    ("enter", "open the highlighted host"),
+    ("enter", "open the highlighted host (or group: its nodes and their GPUs)"),
+    ("space", "fleet: open or close a group's node rows"),
     ("escape", "back to the fleet (closes modals)"),
     ("r", "restart: show the config diff and resume/fresh verdict, confirm to push + restart"),
     ("d", "deploy the trainer release to the host"),

@@ -102,7 +102,7 @@ class HostScreen(LiveScreen[None]):
             bucket_loss_text(state, shape, self._width("#bucket-loss"))
         )
         self.query_one("#loss-plot", LossPlot).show(state.loss_points, warmup_steps(shape, state))
-        self._pane("#gpus").update(gpus_text(state, now))
+        self._pane("#gpus").update(gpus_text(state, now, self._width("#gpus")))
         self.query_one("#host-log", TailLog).show(state)
 
     def action_smoothing(self) -> None:

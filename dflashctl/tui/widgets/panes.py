@@ -394,44 +394,54 @@ XIDS_SHOWN = 3
 """Xid lines the GPU pane shows (the newest); older ones are counted."""
 
 
-def _xid_line(out: Text, state: RunState, seen: SeenXid, now: float | None) -> None:
-    """`Xid 79 GPU0 0000:9a:00 GPU has fallen off the bus 3m05s ago` (history dimmed)."""
+def _xid_line(out: Text, state: RunState, seen: SeenXid, now: float | None, width: int) -> None:
+    """`Xid  79 GPU0 9a:00   1m05s  GPU has fallen off the bus` (the bus id without its 0000
+    domain; history dimmed; the meaning cut to the pane's width)."""
     x = seen.xid
     gpu = next((h.index for h in state.gpu_health if h.bus_id == x.bus_id), None)
     style = "dim" if seen.history else "bold red"
-    out.append(f"Xid {x.code:>3} ", style=style)
-    out.append(f"GPU{gpu} " if gpu is not None else "", style="bold")
-    out.append(f"{x.bus_id} ", style="dim")
+    head = f"Xid {x.code:>3} "
+    where = f"GPU{gpu} " if gpu is not None else ""
+    bus = x.bus_id.removeprefix("0000:") + " "
+    age = DASH if now is None else format_age(max(0.0, now - seen.at))
+    out.append(head, style=style)
+    out.append(where, style="bold")
+    out.append(bus, style="dim")
+    out.append(f"{age:>6}  ", style="dim")
+    room = max(12, width - len(head) - len(where) - len(bus) - 8)
     meaning = XID_TEXT.get(x.code) or x.detail or "(no text)"
-    out.append(meaning[:48], style="" if seen.history else "red")
-    age = None if now is None else max(0.0, now - seen.at)
-    out.append(f"  {format_age(age)} ago" if age is not None else "", style="dim")
-    if seen.history:
-        out.append(" (before this view)", style="dim")
+    if len(meaning) > room:
+        meaning = meaning[: room - 1] + "…"
+    out.append(meaning, style="dim" if seen.history else "red")
 
 
-def xids_text(state: RunState, now: float | None) -> Text:
-    """The node kernel log's Xids, newest first: GPU (by bus id), code, meaning, age."""
+def xids_text(state: RunState, now: float | None, width: int = 80) -> Text:
+    """The node kernel log's Xids, newest first: code, GPU and bus id, age, meaning; those from
+    before this view (the first read) dimmed."""
     out = Text()
     if not state.xids:
         return out
     new = sum(1 for s in state.xids if not s.history)
-    out.append(f"Xids in the node's kernel log: {len(state.xids)}", style="bold")
-    out.append(f" ({new} since this view started)" if new else " (all before this view)", "dim")
+    old = len(state.xids) - new
+    n = len(state.xids)
+    out.append(f"kernel log Xids: {n}", style="bold")
+    notes = [f"{new} new"] if new else []
+    notes += [f"{old} before this view, dim"] if old else []
+    out.append(f" ({'; '.join(notes)})", style="dim")
     for seen in reversed(state.xids[-XIDS_SHOWN:]):
         out.append("\n")
-        _xid_line(out, state, seen, now)
-    if len(state.xids) > XIDS_SHOWN:
-        out.append(f"\n+{len(state.xids) - XIDS_SHOWN} older", style="dim")
+        _xid_line(out, state, seen, now, width)
+    if n > XIDS_SHOWN:
+        out.append(f"\n+{n - XIDS_SHOWN} older", style="dim")
     return out
 
 
-def gpus_text(state: RunState, now: float | None = None) -> Text:
+def gpus_text(state: RunState, now: float | None = None, width: int = 80) -> Text:
     """Per-GPU utilisation, memory, temperature and power (`RunControl.gpus()` samples), under
     each GPU its ECC counts and throttle reasons where the control reports GPU health, then
-    the Xids the node's kernel log holds (`now` gives their ages)."""
+    the Xids the node's kernel log holds (`now` gives their ages, `width` cuts their text)."""
     out = Text()
-    xids = xids_text(state, now)
+    xids = xids_text(state, now, width)
     if not state.gpus:
         out.append("no GPU samples (nvidia-smi absent or not yet polled)", style="dim")
         if xids:
