@@ -189,3 +189,46 @@ def test_the_group_state_is_its_nodes_states() -> None:
     )
     mixed = replace(n1, release="0123456789ab")
     assert group_figures("pair", [n0, mixed], FIXED_NOW).release == "mixed"
+
+
+async def test_nodes_run_state_files_reach_the_group_row_through_real_status(
+    tmp_path: Path,
+) -> None:
+    """Each node's RUN/run-state.json (as the trainer's node 0 and node 1 write it: node_rank,
+    nnodes, rank_range, step) read by a real RunControl over LocalTransport: the group row and
+    the node rows show the steps, and node 1's host screen says which node it is."""
+    import json
+    import shutil
+    import sys
+
+    from dflashctl.control import RunControl
+    from dflashctl.inventory import local_host
+    from dflashctl.remote import LocalTransport
+    from tests.conftest import require_part
+
+    require_part(shutil.which("tmux") is not None, "tmux not installed")
+    (tmp_path / "tmux").mkdir()
+    transport = LocalTransport(env={"TMUX_TMPDIR": str(tmp_path / "tmux")})
+    hosts = []
+    for rank, name in enumerate(("n0", "n1")):
+        run = tmp_path / name / "run"
+        run.mkdir(parents=True)
+        doc = {"state": "stopped", "world_size": 2, "node_rank": rank, "nnodes": 2,
+               "rank_range": [rank, rank + 1], "step": 40 + rank, "last_step": 40}  # fmt: skip
+        (run / "run-state.json").write_text(json.dumps(doc))
+        host = local_host(name, tmp_path / name, python=sys.executable, session=f"t-{name}")
+        hosts.append(HostBinding(name, RunControl(transport, host)))
+    app = DflashApp(hosts, groups={"pair": ("n0", "n1")})
+    async with app.run_test(size=SIZE) as pilot:
+        table = app.screen.query_one("#fleet", DataTable)
+        await _until(pilot, lambda: _cell(table, "pair", "state") == "stopped", 15)
+        assert _cell(table, "pair", "step") == "40"  # node 0's
+        await pilot.press("space")
+        await _until(pilot, lambda: table.row_count == 3)
+        assert [_cell(table, h, "step") for h in ("n0", "n1")] == ["40", "41"]
+        await pilot.press("down", "down", "enter")
+        await _until(pilot, lambda: isinstance(app.screen, HostScreen))
+        host_screen = app.screen
+        assert isinstance(host_screen, HostScreen) and host_screen.host == "n1"
+        await _until(pilot, lambda: "node 1 of 2, ranks 1-1" in _header(host_screen))
+    await transport.close()
