@@ -20,6 +20,7 @@ from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 from trainer.kernels.peak_memory import cpu_peak_bytes
+from trainer.memory.costs import Piece, flex_block_mask_bytes
 from trainer.model.attention import attend
 from trainer.model.masks import (
     dense_dflash_mask,
@@ -219,3 +220,26 @@ def test_analytic_build_never_materialises_q_by_kv() -> None:
     dense_bytes = rows * n * block * (seq + n * block)  # 1 byte per bool element
     analytic = cpu_peak_bytes(lambda: flex_dflash_block_mask(anchors, valid, block, start))
     assert analytic < dense_bytes / 20, (analytic, dense_bytes)
+
+
+def test_memory_estimate_counts_the_block_masks_bytes() -> None:
+    """costs.flex_block_mask_bytes = the BlockMask's tile tensors (partial and full, kv and q
+    sides) + the anchors, starts and valid mask its mask_mod reads."""
+    for rows, seq, n, block in [(3, 768, 512, 16), (2, 100, 7, 4), (1, 8192, 512, 16)]:
+        g = torch.Generator().manual_seed(seq)
+        anchors = torch.randint(0, seq, (rows, n), generator=g).sort(1).values
+        valid = torch.ones(rows, seq, dtype=torch.bool)
+        bm = flex_dflash_block_mask(anchors, valid, block, torch.zeros_like(anchors))
+        tensors = [
+            bm.kv_num_blocks,
+            bm.kv_indices,
+            bm.full_kv_num_blocks,
+            bm.full_kv_indices,
+            bm.q_num_blocks,
+            bm.q_indices,
+            bm.full_q_num_blocks,
+            bm.full_q_indices,
+        ]
+        tile_bytes = sum(t.nbytes for t in tensors if t is not None)
+        captured = anchors.nbytes * 2 + valid.nbytes
+        assert flex_block_mask_bytes(Piece(rows, seq, n), block) == tile_bytes + captured

@@ -7,10 +7,14 @@ the largest transient of the start of the backward (the chunked CE's fp32 gradie
 vocabulary tile), when nothing has been freed yet. `c` is the compute dtype's size (2 under bf16
 autocast, 4 in fp32); RMSNorm always keeps two fp32 copies of its input (x and x * rsqrt).
 
-The attention backend decides the mask cost: flex (CUDA) keeps a BlockMask of a few KiB; SDPA
-takes a dense bool [R, 1, Q, S+Q] mask, and the CPU kernel converts it to a float mask per
-layer, which it keeps for backward (quadratic in the row's width: the reason real widths use
-flex). Validated on CPU against the allocator profiler (benchmarks/bench_memory.py).
+The attention backend decides the mask cost: flex (CUDA) keeps a BlockMask, built
+analytically from the anchors (`trainer.model.masks.flex_dflash_block_mask`, no dense mask at
+any point): int32 tile lists, 16 bytes per (128-row Q tile, 128-key KV tile) pair, plus the
+anchors, starts and valid mask its mask_mod reads (`flex_block_mask_bytes`; ~0.2 MiB for a
+24,576-row piece). SDPA takes a dense bool [R, 1, Q, S+Q] mask, and the CPU kernel converts it
+to a float mask per layer, which it keeps for backward (quadratic in the row's width: the
+reason real widths use flex). Validated on CPU against the allocator profiler
+(benchmarks/bench_memory.py).
 """
 
 from __future__ import annotations
@@ -95,6 +99,19 @@ class Piece:
         return self.rows * self.width * block
 
 
+def flex_block_mask_bytes(piece: Piece, block: int, tile: int = 128) -> int:
+    """Bytes of the flex BlockMask one piece keeps through forward and backward.
+
+    kv and q sides, partial and full: 4 int32 index lists of [R, nQ, nKV] (or transposed) and 4
+    count vectors; the mask_mod's captured anchors and context starts (int64 [R, N]) and valid
+    mask (bool [R, S]). The build's transients (O(R * N * nKV)) are freed before the forward.
+    """
+    q_len = piece.width * block
+    n_q, n_kv = -(-q_len // tile), -(-(piece.seq + q_len) // tile)
+    tiles = 4 * 4 * n_q * n_kv + 2 * 4 * (n_q + n_kv)
+    return piece.rows * (tiles + 2 * 8 * piece.width + piece.seq)
+
+
 def activation_peak(
     d: DrafterShape, piece: Piece, *, c: int = 2, feature_bytes: int = 2, backend: Backend = "flex"
 ) -> int:
@@ -106,6 +123,8 @@ def activation_peak(
     saved += tokens * per_context_token_shared(d, c, feature_bytes)
     # project_context's fp32 cast of the features, alive while fc's input is made from it
     cast = 4 * d.features * d.hidden * tokens if feature_bytes != 4 else 0
+    if backend == "flex":
+        saved += flex_block_mask_bytes(piece, d.block)
     if backend == "sdpa":
         kv_len = piece.seq + piece.width * d.block
         saved += qr * kv_len  # the bool mask
