@@ -6,7 +6,9 @@ Two halves:
   `RunControl.status()` results into an immutable `RunState`, so replayed status lines give the
   exact state a live stream gives, and every pane is a pure function of one `RunState`;
 * `HostFollower`: one async task per host that follows status.log through the one follow loop
-  (`dflashctl.follow.LogFollower`, typed events, one backoff) and polls `status()` and `gpus()`.
+  (`dflashctl.follow.LogFollower`, typed events, one backoff) and polls `status()` and `gpus()`
+  (with GPU health where the control reports it, and the node's kernel log for Xids where its
+  transport can run commands on the node: the first read is history, later Xids are news).
   It never touches widgets; it publishes each new `RunState` through a callback, and the app
   coalesces those into a few redraws a second.
 

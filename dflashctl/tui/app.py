@@ -249,6 +249,22 @@ class DflashApp(App[None]):
                 self.notify("no host selected", severity="warning")
         return host
 
+    def _need_solo_host(self, verb: str) -> str | None:
+        """The host for a run command (restart, stop, deploy): not a node of a group, which
+        runs one torchrun across its nodes; a node restarted or stopped alone would leave the
+        others waiting at the rendezvous (the group commands are the CLI's)."""
+        host = self._need_host()
+        group = next((g for g, nodes in self.groups.items() if host in nodes), None)
+        if host is not None and group is not None:
+            rank = self.groups[group].index(host)
+            self.notify(
+                f"{host} is node {rank} of group {group}: `dflashctl {verb} {group}` acts on "
+                "every node (one node alone would break the run)",
+                severity="warning",
+            )
+            return None
+        return host
+
     def action_help(self) -> None:
         self.push_screen(HelpScreen(self.quit_action))
 
@@ -265,7 +281,7 @@ class DflashApp(App[None]):
             self.notify(f"{host}: reconnecting now")
 
     def action_restart(self) -> None:
-        host = self._need_host()
+        host = self._need_solo_host("restart")
         if host is not None:
             self._open_restart(host)
 
@@ -322,7 +338,7 @@ class DflashApp(App[None]):
         return line
 
     def action_stop(self) -> None:
-        host = self._need_host()
+        host = self._need_solo_host("stop")
         if host is None:
             return
 
@@ -343,7 +359,7 @@ class DflashApp(App[None]):
         self.notify(f"{host}: stopped")
 
     def action_deploy(self) -> None:
-        host = self._need_host()
+        host = self._need_solo_host("deploy")
         if host is not None:
             self.run_worker(self._deploy(host), name=host, group="deploy", exit_on_error=False)
 

@@ -40,7 +40,7 @@ from trainer.events import StatusEvent, parse_line
 SINCE = time.strftime("%H:%MZ", time.gmtime(FIXED_NOW))
 
 
-def _app(tmp_path: Path, **controls: ReplayControl) -> DflashApp:
+def _app(tmp_path: Path, **controls: ReplayControl) -> Recording:
     inventory = parse_inventory(GROUP_INVENTORY, tmp_path / "hosts.toml")
     names = tui_hosts(inventory, [])
     hosts = [HostBinding(n, service(controls[n]), shape=seed_shape()) for n in names]
@@ -95,12 +95,19 @@ async def test_the_group_is_one_row_that_opens_into_its_nodes(tmp_path: Path) ->
         assert _cell(table, "n1", "restarts") == "node 1"
         await pilot.press("down", "down")  # the node's row: the host keys act on n1
         assert isinstance(app.screen, FleetScreen) and app.current_host() == "n1"
+        await pilot.press("r", "s", "d")  # but not the run commands: those are the group's
+        await pilot.pause()
+        toasts = [t for _, t in app.toasts]
+        assert "n1 is node 1 of group pair: `dflashctl restart pair` acts on every node" in (
+            " ".join(toasts)
+        )
+        assert isinstance(app.screen, FleetScreen)  # no restart modal, no stop confirmation
         await pilot.press("space")  # on a node row: closes its group, the group highlighted
         await _until(pilot, lambda: table.row_count == 2)
         assert app.screen.selected_group() == "pair" and app.current_host() is None
         await pilot.press("s")  # a host key on the group row says what to do instead
         await pilot.pause()
-        assert any("pair is a group" in t for _, t in app.toasts)  # type: ignore[attr-defined]
+        assert any("pair is a group" in t for _, t in app.toasts)
 
 
 async def test_the_group_screen_shows_every_node_and_opens_a_node(tmp_path: Path) -> None:
