@@ -14,6 +14,8 @@ Steps (gpu.sh runs them in this order):
                 steps, resumed from its middle checkpoint: resumed losses and drafter must be equal
   capture       target capture throughput at Qwen3-8B width with a few random layers
   ce            the LM-head CE kernel (Triton vs chunked, dense at the smallest N) at training N
+  measure       `python -m trainer.measure` on the pipeline step's config: every batching
+                strategy through the real trainer, two interleaved rounds, the step-cost fit
 
 `--smoke` runs every step on the CPU at tiny sizes (CI: tests/test_gpu_script.py), so the script
 cannot rot between the rare GPU loans. Records: {"step", "kind", ...}; kind "start" first, "done"
@@ -767,6 +769,60 @@ def step_ce(ctx: Ctx) -> dict[str, Any]:
     return {}
 
 
+def step_measure(ctx: Ctx) -> dict[str, Any]:
+    """`python -m trainer.measure` on the pipeline step's config (GPU: the wider random target,
+    every stage on cuda:0, bf16): every strategy through the real trainer, interleaved over two
+    rounds; one record per strategy and the fitted step-cost model. Its per-run progress lines
+    stream into gpu.log, so a run cut off by the box still shows the rounds it finished."""
+    from trainer.config import TrainConfig
+    from trainer.pipeline import assets
+
+    steps, warmup, rounds = (3, 1, 1) if ctx.smoke else (20, 5, 2)
+    with tempfile.TemporaryDirectory(prefix="gpu-sh-measure-") as tmp:
+        root = Path(tmp)
+        raw = pipeline_config(root, ctx.smoke, warmup + steps)
+        config = root / "run.toml"
+        config.write_text(dump_toml(raw))
+        t0 = time.monotonic()
+        cfg = TrainConfig.from_dict(raw)
+        assets.ensure_store(cfg)
+        assets.ensure_target(cfg)
+        ctx.rec("assets", seconds=round(time.monotonic() - t0, 1))
+        env = {k: v for k, v in os.environ.items() if not k.startswith("DFLASH_")}
+        paths = [str(REPO), os.environ.get("PYTHONPATH", "")]
+        env.update(PYTHONUNBUFFERED="1", PYTHONPATH=os.pathsep.join(p for p in paths if p))
+        cal = root / "calibration.json"
+        argv = [sys.executable, "-m", "trainer.measure", "--config", str(config), "--json"]
+        argv += ["--steps", str(steps), "--warmup", str(warmup), "--rounds", str(rounds)]
+        argv += ["--save-calibration", str(cal)]
+        if ctx.smoke:  # the wiring, not the table: two strategies, one-step windows
+            argv += ["--window", "1", "--strategies", "sorted,packed"]
+        proc = subprocess.run(
+            argv, cwd=REPO, env=env, stdout=subprocess.PIPE, text=True, timeout=max(ctx.left(), 5)
+        )  # stderr (one line per timed run) streams into gpu.log
+        if proc.returncode != 0:
+            raise RuntimeError(f"trainer.measure exit {proc.returncode}")
+        result = json.loads(proc.stdout)
+    for name, e in result["strategies"].items():
+        ratio = e["ratio_to_sorted"]
+        ctx.rec(
+            "strategy",
+            strategy=name,
+            tokens_s=e["tokens_s"],
+            samples_s=e["samples_s"],
+            anchor_blocks_s=e["anchor_blocks_s"],
+            padding_efficiency=e["padding_efficiency"],
+            ratio_to_sorted=None if ratio is None else ratio["tokens_s"],
+            repeat=e["repeat"],
+            predicted_tokens_s=e["predicted_tokens_s"],
+            predicted_loo_tokens_s=e["predicted_loo_tokens_s"],
+            rounds=[r["tokens_s"] for r in e["rounds"]],
+        )
+    c = result["calibration"]
+    ctx.rec("calibration", coef=c["coef"], r2=c["r2"], points=c["points"])
+    return {"strategies": list(result["strategies"]), "device": result["device"]}
+
+
 STEPS: dict[str, Callable[[Ctx], dict[str, Any]]] = {
     "env": step_env,
     "drafter": step_drafter,
@@ -774,6 +830,7 @@ STEPS: dict[str, Callable[[Ctx], dict[str, Any]]] = {
     "pipeline": step_pipeline,
     "capture": step_capture,
     "ce": step_ce,
+    "measure": step_measure,
 }
 
 

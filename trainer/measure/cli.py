@@ -21,8 +21,10 @@ import json
 import os
 import sys
 import tempfile
+import tomllib
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from trainer.config import STRATEGIES, ConfigError
 from trainer.errors import TrainerError
@@ -54,6 +56,19 @@ def _parser() -> argparse.ArgumentParser:
         default=None,
         help="steps per fitted window (default: 8, fewer for short runs)",
     )
+    ap.add_argument(
+        "--clock",
+        choices=("wall", "cpu"),
+        default="wall",
+        help="wall time (default) or the trainer's CPU seconds (steady on a shared machine)",
+    )
+    ap.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a config key for every run, e.g. batching.pool_size=400 (TOML value)",
+    )
     ap.add_argument("--save-calibration", help="write the fitted step-cost model (JSON) here")
     ap.add_argument("--predict-with", help="also predict with this earlier calibration (JSON)")
     ap.add_argument("--json", action="store_true", help="print one JSON object")
@@ -75,6 +90,26 @@ def parse_strategies(text: str | None) -> list[str]:
     if len(set(names)) != len(names):
         raise UsageError(f"--strategies: {text!r} names a strategy twice")
     return names
+
+
+def overrides(items: Sequence[str]) -> dict[str, Any]:
+    """`--set a.b=VALUE` items as one nested table (VALUE is a TOML value; a bare word is a
+    string)."""
+    out: dict[str, Any] = {}
+    for item in items:
+        key, sep, text = item.partition("=")
+        parts = [p.strip() for p in key.split(".")]
+        if not sep or not all(parts):
+            raise UsageError(f"--set: {item!r} is not KEY=VALUE (e.g. batching.pool_size=400)")
+        try:
+            value = tomllib.loads(f"v = {text}")["v"]
+        except tomllib.TOMLDecodeError:
+            value = text
+        node = out
+        for p in parts[:-1]:
+            node = node.setdefault(p, {})
+        node[parts[-1]] = value
+    return out
 
 
 def _check(args: argparse.Namespace) -> None:
@@ -104,7 +139,7 @@ def measure(args: argparse.Namespace) -> dict[str, object]:
         except CalibrationError as exc:
             raise UsageError(f"--predict-with: {exc}") from None
     with tempfile.TemporaryDirectory(prefix="dflash-measure-") as work:
-        m = Measurer.from_file(args.config, Path(work))
+        m = Measurer.from_file(args.config, Path(work), overrides(args.set))
         runs: dict[str, list[StrategyRun]] = {s: [] for s in strategies}
         for r in range(args.rounds):
             k = r % len(strategies)  # rotate the order: a drift in speed favours no one
@@ -121,6 +156,7 @@ def measure(args: argparse.Namespace) -> dict[str, object]:
     cfg = m.cfg
     meta: dict[str, object] = {
         "config": str(args.config),
+        "overrides": list(args.set),
         "device": m.device(),
         "steps": args.steps,
         "warmup": args.warmup,
@@ -129,7 +165,9 @@ def measure(args: argparse.Namespace) -> dict[str, object]:
         "max_batch": cfg.batching.max_batch,
     }
     window = args.window or default_window(args.steps)
-    result, model = build_result(runs, infos, window=window, meta=meta, prior=prior)
+    result, model = build_result(
+        runs, infos, window=window, meta=meta, prior=prior, clock=args.clock
+    )
     if args.save_calibration:
         result["calibration_file"] = str(model.save(Path(args.save_calibration)))
     return result

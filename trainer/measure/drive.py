@@ -88,6 +88,7 @@ class StrategyRun:
 
     strategy: str
     ends: np.ndarray  # seconds from the end of the warm-up to the end of each timed step
+    cpu_ends: np.ndarray  # the trainer process's CPU seconds (all threads), same points
     features: np.ndarray  # (steps, len(FEATURES)) per timed step, summed over micro-batches
     real_tokens: np.ndarray  # per timed step (int64)
     samples: np.ndarray  # per timed step (int64)
@@ -121,9 +122,15 @@ class Measurer:
         self.infos: dict[str, StrategyInfo] = {}
 
     @classmethod
-    def from_file(cls, path: str | Path, work: Path | None = None) -> Measurer:
-        cfg = TrainConfig.load(path)  # ConfigError: one line naming the key
-        raw = tomllib.loads(Path(path).read_text())
+    def from_file(
+        cls, path: str | Path, work: Path | None = None, over: dict[str, Any] | None = None
+    ) -> Measurer:
+        """The config file with `over` laid on top (ConfigError: one line naming the key)."""
+        cfg = TrainConfig.load(path)
+        raw = merge(tomllib.loads(Path(path).read_text()), over or {})
+        if over:
+            cfg = TrainConfig.from_dict(raw, source=f"{path} (with --set)")
+            cfg._source = Path(path).resolve()
         return cls(cfg, raw, work)
 
     def device(self) -> str:
@@ -195,12 +202,13 @@ class Measurer:
         if strategy not in self.infos:
             self.infos[strategy] = self.info(cfg, plan.sampler)
         run_dir = self.work / f"run-{tag}"
-        elapsed = self._train(path, run_dir, warmup + steps)
-        ends = elapsed[warmup:] - (elapsed[warmup - 1] if warmup else 0.0)
-        return self._record(cfg, plan, strategy, steps, warmup, ends)
+        wall, cpu = self._train(path, run_dir, warmup + steps)
+        ends = wall[warmup:] - (wall[warmup - 1] if warmup else 0.0)
+        cpu_ends = cpu[warmup:] - (cpu[warmup - 1] if warmup else 0.0)
+        return self._record(cfg, plan, strategy, steps, warmup, ends, cpu_ends)
 
-    def _train(self, config: Path, run_dir: Path, steps: int) -> np.ndarray:
-        """Run the trainer; the `elapsed_s` of each of its `steps` metrics records."""
+    def _train(self, config: Path, run_dir: Path, steps: int) -> tuple[np.ndarray, np.ndarray]:
+        """Run the trainer; `elapsed_s` and `cpu_s` of each of its `steps` metrics records."""
         env = dict(os.environ)
         root = str(Path(trainer.__file__).resolve().parents[1])
         env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
@@ -222,12 +230,13 @@ class Measurer:
         by_step = {int(r["step"]): r for r in records}
         if any(s not in by_step for s in range(1, steps + 1)):
             raise RunFailed(f"trainer run {run_dir.name}: metrics.jsonl lacks steps 1..{steps}")
-        if "elapsed_s" not in by_step[1]:
+        if "elapsed_s" not in by_step[1] or "cpu_s" not in by_step[1]:
             raise MeasureError(
-                "the trainer's metrics.jsonl has no elapsed_s (a trainer older than this "
+                "the trainer's metrics.jsonl has no elapsed_s/cpu_s (a trainer older than this "
                 "measure tool)"
             )
-        return np.array([float(by_step[s]["elapsed_s"]) for s in range(1, steps + 1)])
+        wall = np.array([float(by_step[s]["elapsed_s"]) for s in range(1, steps + 1)])
+        return wall, np.array([float(by_step[s]["cpu_s"]) for s in range(1, steps + 1)])
 
     def _record(
         self,
@@ -237,6 +246,7 @@ class Measurer:
         steps: int,
         warmup: int,
         ends: np.ndarray,
+        cpu_ends: np.ndarray,
     ) -> StrategyRun:
         accum = cfg.optimizer.grad_accum
         elig, a = self.eligible(cfg), cfg.model.num_anchors
@@ -254,4 +264,6 @@ class Measurer:
                 blocks[i] += int(np.minimum(elig[batch.indices], a).sum())
                 largest = max(largest, batch.padded_tokens)
                 largest_n = max(largest_n, len(batch.indices))
-        return StrategyRun(strategy, ends, feats, tokens, samples, blocks, largest, largest_n)
+        return StrategyRun(
+            strategy, ends, cpu_ends, feats, tokens, samples, blocks, largest, largest_n
+        )

@@ -10,6 +10,12 @@ times mix neighbours; window sums do not, up to the edges). Each strategy's pred
 applies the fit to the features of epoch 0's batches (not to the timed steps: the prediction
 sees only what the planner could), and `predicted_loo_*` does the same with a fit that never saw
 that strategy's timings (leave-one-strategy-out: the honest check).
+
+The clock (`--clock`) is wall time by default. `cpu` uses the trainer process's CPU seconds
+(all threads) instead: on a machine shared with other work, wall time swings with their load
+(3x within minutes on the 2-core development machine) while the CPU time of the work done does
+not; on a quiet machine it is wall time x the cores the pipeline keeps busy. Every rate is then
+per CPU-second; the wall rates and ratios are reported beside them (`wall_*`).
 """
 
 from __future__ import annotations
@@ -39,8 +45,15 @@ class RunRates:
         return value
 
 
-def run_rates(run: StrategyRun) -> RunRates:
-    sec = float(run.ends[-1])
+CLOCKS = ("wall", "cpu")
+
+
+def _ends(run: StrategyRun, clock: str) -> np.ndarray:
+    return run.cpu_ends if clock == "cpu" else run.ends
+
+
+def run_rates(run: StrategyRun, clock: str = "wall") -> RunRates:
+    sec = float(_ends(run, clock)[-1])
     return RunRates(
         seconds=sec,
         samples_s=float(run.samples.sum()) / sec,
@@ -50,10 +63,11 @@ def run_rates(run: StrategyRun) -> RunRates:
     )
 
 
-def windows(run: StrategyRun, window: int) -> tuple[np.ndarray, np.ndarray]:
+def windows(run: StrategyRun, window: int, clock: str = "wall") -> tuple[np.ndarray, np.ndarray]:
     """(summed features, seconds) of consecutive `window`-step windows of one run."""
-    n = len(run.ends) // window
-    starts = np.concatenate(([0.0], run.ends))
+    ends = _ends(run, clock)
+    n = len(ends) // window
+    starts = np.concatenate(([0.0], ends))
     feats = np.stack([run.features[k * window : (k + 1) * window].sum(0) for k in range(n)])
     secs = np.array([starts[(k + 1) * window] - starts[k * window] for k in range(n)])
     return feats.reshape(n, len(FEATURES)), secs
@@ -65,10 +79,13 @@ def default_window(steps: int) -> int:
 
 
 def fit(
-    runs: Mapping[str, Sequence[StrategyRun]], window: int, exclude: str | None = None
+    runs: Mapping[str, Sequence[StrategyRun]],
+    window: int,
+    exclude: str | None = None,
+    clock: str = "wall",
 ) -> tuple[dict[str, float], float, int]:
     """Step-cost fit over every run's windows (but `exclude`'s): (coef, R^2, windows)."""
-    parts = [windows(r, window) for s, rs in runs.items() if s != exclude for r in rs]
+    parts = [windows(r, window, clock) for s, rs in runs.items() if s != exclude for r in rs]
     x = np.concatenate([f for f, _ in parts])
     y = np.concatenate([t for _, t in parts])
     coef, r2 = fit_step_cost(x, y)
@@ -108,11 +125,15 @@ def build_result(
     window: int,
     meta: Mapping[str, object],
     prior: StepCostModel | None = None,
+    clock: str = "wall",
 ) -> tuple[dict[str, object], StepCostModel]:
     """The JSON result (`strategies`, `calibration`, ...) and the fitted model."""
-    coef, r2, points = fit(runs, window)
-    model = StepCostModel(coef, r2, points, anchor_blocks_per_sample(runs), dict(meta))
-    rates = {s: [run_rates(r) for r in rs] for s, rs in runs.items()}
+    coef, r2, points = fit(runs, window, clock=clock)
+    model = StepCostModel(
+        coef, r2, points, anchor_blocks_per_sample(runs), {**meta, "clock": clock}
+    )
+    rates = {s: [run_rates(r, clock) for r in rs] for s, rs in runs.items()}
+    wall = {s: [run_rates(r) for r in rs] for s, rs in runs.items()}
     rounds = min(len(v) for v in rates.values())
     out: dict[str, dict[str, object]] = {}
     for s, rs in rates.items():
@@ -128,20 +149,16 @@ def build_result(
         entry["repeat"] = info.repeat
         entry["steps_per_epoch"] = info.steps_per_epoch
         entry["rounds"] = [{name: r.get(name) for name in ("seconds", *RATES)} for r in rs]
-        if "sorted" in rates and len(rates["sorted"]) >= rounds:
-            entry["ratio_to_sorted"] = {
-                name: _spread(
-                    [rs[i].get(name) / rates["sorted"][i].get(name) for i in range(rounds)]
-                )
-                for name in RATES
-            }
-        else:
-            entry["ratio_to_sorted"] = None
+        entry["ratio_to_sorted"] = _ratios(rates, s, rounds)
+        if clock != "wall":
+            entry["wall_tokens_s"] = statistics.median(r.tokens_s for r in wall[s])
+            ratio = _ratios(wall, s, rounds)
+            entry["wall_ratio_to_sorted"] = None if ratio is None else ratio["tokens_s"]
         ps, pt = predicted(model, info)
         entry["predicted_samples_s"], entry["predicted_tokens_s"] = ps, pt
         entry["prediction_error"] = pt / statistics.median(r.tokens_s for r in rs) - 1
         if len(runs) > 1:
-            loo_coef, _, _ = fit(runs, window, exclude=s)
+            loo_coef, _, _ = fit(runs, window, exclude=s, clock=clock)
             loo = StepCostModel(loo_coef, 0.0, 0, model.anchor_blocks_per_sample)
             entry["predicted_loo_tokens_s"] = predicted(loo, info)[1]
         else:
@@ -153,12 +170,25 @@ def build_result(
         out[s] = entry
     result: dict[str, object] = {
         **meta,
+        "clock": clock,
         "window": window,
         "strategies": out,
         "calibration": model.to_json_dict(),
         "warnings": sorted({w for i in infos.values() for w in i.warnings}),
     }
     return result, model
+
+
+def _ratios(
+    rates: Mapping[str, Sequence[RunRates]], s: str, rounds: int
+) -> dict[str, dict[str, float]] | None:
+    """Each rate of `s` over sorted's in the same round: median and range (None: no sorted)."""
+    if "sorted" not in rates:
+        return None
+    return {
+        name: _spread([rates[s][i].get(name) / rates["sorted"][i].get(name) for i in range(rounds)])
+        for name in RATES
+    }
 
 
 def _spread(values: Sequence[float]) -> dict[str, float]:
@@ -173,10 +203,12 @@ def format_table(result: Mapping[str, object]) -> str:
     """The measure table (what `python -m trainer.measure` prints without --json)."""
     strategies = result["strategies"]
     assert isinstance(strategies, dict)
+    clock = result.get("clock", "wall")
     lines = [
         f"config {result.get('config')}  device {result.get('device')}  "
         f"{result.get('steps')} steps after {result.get('warmup')} warm-up, "
-        f"{result.get('rounds')} round(s), strategies interleaved",
+        f"{result.get('rounds')} round(s), strategies interleaved; clock: {clock}"
+        + (" (rates per CPU-second of the trainer; wall figures at the end)" * (clock == "cpu")),
         f"{'strategy':<10} {'tok/s':>9} {'per round':>19} {'vs sorted':>17} {'samples/s':>9} "
         f"{'blocks/s':>9} {'padded/s':>9} {'pad eff':>7} {'largest':>7} {'repeat':>7} "
         f"{'predicted':>9} {'err':>6} {'loo err':>7}",
@@ -209,6 +241,13 @@ def format_table(result: Mapping[str, object]) -> str:
         "loo = the fit without that strategy's timings",
         model.describe(),
     ]
+    for name, e in strategies.items():
+        if e.get("wall_tokens_s") is not None:
+            w = e.get("wall_ratio_to_sorted")
+            vs = (
+                "" if w is None else f", {w['median']:.2f} [{w['min']:.2f}-{w['max']:.2f}] x sorted"
+            )
+            lines.append(f"wall: {name} {_k(e['wall_tokens_s'])} tok/s{vs}")
     for name, e in strategies.items():
         if e.get("flag"):
             lines.append(f"flag: {name}: {e['flag']}")
