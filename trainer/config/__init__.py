@@ -109,7 +109,9 @@ class BatchingConfig(BaseModel):
     token_budget: int = Field(
         ge=1, description="max padded tokens per batch (packed: rows x row_length)"
     )
-    max_batch: int = Field(default=64, ge=1, description="max samples per batch")
+    max_batch: int = Field(
+        default=64, ge=1, description="max samples per batch (packed: documents, over its rows)"
+    )
     pool_size: int = Field(default=3200, ge=1, description="pool for strategy 'pool-sort'")
     row_length: int | None = Field(
         default=None,
