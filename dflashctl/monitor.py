@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeVar, runtime_check
 
 from pydantic import ValidationError
 
-from dflashctl.control import ControlError, GpuSample, restart_reason, restart_time, run_finished
+from dflashctl.control import GpuSample, restart_reason, restart_time, run_finished
 from dflashctl.follow import (
     Backoff,
     Connected,
@@ -51,11 +51,10 @@ from dflashctl.gpu_health import (
     GpuHealth,
     Xid,
     gpu_events,
-    kernel_log_argv,
-    parse_xid_lines,
     xid_wall_time,
 )
-from dflashctl.remote.transport import NodeCommands, Transport
+from dflashctl.remote.transport import Transport
+from dflashctl.xids import XidReader
 from trainer.events import (
     BUCKET_LOSS_KEY,
     CheckpointEvent,
@@ -80,8 +79,6 @@ LOG_TAIL = 400
 STALE_AFTER_S = 60.0
 """A running host whose last line is older than this is shown as stale (with its age)."""
 DASH = "—"
-XID_WINDOW_S = 3600
-"""The node's kernel log read back per Xid poll (as `dflashctl watch` reads it)."""
 XID_KEEP = 32
 """Xids kept per host (newest last); the GPU pane shows the newest few."""
 T = TypeVar("T")
@@ -708,18 +705,6 @@ class OverTransport(Protocol):
     def transport(self) -> Transport: ...
 
 
-async def read_node_xids(transport: NodeCommands, timeout: float) -> list[Xid] | None:
-    """The Xid lines of the node's kernel log over the last XID_WINDOW_S (journalctl on the
-    node, as `dflashctl watch` reads it); None where the node has no journalctl. Raises
-    ControlError when journalctl fails (e.g. not allowed to read the kernel log)."""
-    res = await transport.run_host(kernel_log_argv(XID_WINDOW_S), timeout=timeout)
-    if res.rc == 127 or "not found" in res.stderr or "No such file" in res.stderr:
-        return None
-    if not res.ok:
-        raise ControlError(f"journalctl: {res.error_line()}")
-    return parse_xid_lines(res.stdout)
-
-
 @dataclass
 class HostFollower:
     """Keeps one host's `RunState` current over a `FollowedHost`; isolates that host's failures.
@@ -741,10 +726,8 @@ class HostFollower:
     call_timeout: float = 20.0
     state: RunState = field(init=False)
     _log: LogFollower | None = field(init=False, default=None)
-    _xid_log: bool = field(init=False, default=True)
-    """False once the node turned out to have no journalctl (or no node to ask)."""
-    _xids_seen: set[tuple[str, str, int, str]] | None = field(init=False, default=None)
-    """The keys of the last kernel-log read; None before the first (which is history)."""
+    _xids: XidReader = field(init=False, default_factory=XidReader)
+    """The node's kernel log (`dflashctl.xids`, the watch's reader too): each Xid once."""
 
     def __post_init__(self) -> None:
         self.state = RunState(host=self.host)
@@ -820,16 +803,11 @@ class HostFollower:
         """One read of the node's kernel log: the first read's Xids are history, later reads
         add each Xid not in the read before (the windows overlap) as news."""
         transport = self.control.transport if isinstance(self.control, OverTransport) else None
-        if not self._xid_log or not isinstance(transport, NodeCommands):
+        if transport is None:
             return
-        xids = await read_node_xids(transport, self.call_timeout)
-        if xids is None:
-            self._xid_log = False  # no journalctl on the node: nothing to read there
-            return
-        seen, self._xids_seen = self._xids_seen, {x.key for x in xids}
-        fresh = xids if seen is None else [x for x in xids if x.key not in seen]
-        if fresh:
-            self._set(apply_xids(self.state, fresh, self.clock(), history=seen is None))
+        read = await self._xids.read(transport, self.call_timeout)
+        if read is not None and read.fresh:
+            self._set(apply_xids(self.state, read.fresh, self.clock(), history=read.history))
 
     async def _on_event(self, event: FollowEvent) -> None:
         state = self.state

@@ -17,8 +17,9 @@ never raises). On stop, a pending burst window is flushed and the queue is drain
 GPU health: where the container has `nvidia-smi`, each reachable poll also runs
 `gpu_health.health_query_argv()`; a host without it (exit 127 / not found) is asked once. The
 node's kernel log (`journalctl -k`, on the node itself, not in the container) is read for new
-`NVRM: Xid` lines each such poll: the first read is history (no events), later reads report
-each Xid once (by its stamp, bus and text), whatever the overlap of the windows read.
+`NVRM: Xid` lines each such poll (`dflashctl.xids.XidReader`, the TUI's reader too): the first
+read is history (no events), later reads report each Xid once (by its stamp, bus and text),
+whatever the overlap of the windows read.
 """
 
 from __future__ import annotations
@@ -42,17 +43,16 @@ from dflashctl.gpu_health import (
     gpu_events,
     health_fields,
     health_query_argv,
-    kernel_log_argv,
     parse_health_csv,
-    parse_xid_lines,
     unknown_query_field,
 )
 from dflashctl.inventory import HostConfig
 from dflashctl.notify import Notifier
 from dflashctl.notify_policy import Notification, PolicyConfig, PolicyState, flush, plan, plan_round
 from dflashctl.remote.connect import TransportFactory
-from dflashctl.remote.transport import NodeCommands, Transport
+from dflashctl.remote.transport import Transport
 from dflashctl.watch_events import HostSnapshot, WatchEvent, format_event_line, snapshot_from_status
+from dflashctl.xids import KernelLogError, XidReader
 from trainer.events import sanitize_for_terminal
 
 __all__ = [
@@ -72,7 +72,6 @@ DEFAULT_INTERVAL_S = 30.0
 DEFAULT_DRAIN_S = 10.0
 TICK_S = 1.0  # the consumer's longest sleep: grace periods and burst windows end on time
 GPU_QUERY_TIMEOUT_S = 30.0
-XID_WINDOW_S = 3600  # the kernel log read back per poll: far wider than any poll interval
 
 
 @dataclass(frozen=True)
@@ -123,8 +122,7 @@ class HostPoller:
         self._gpu_prefix = REASONS_PREFIX
         self._gpu_prev: dict[int, GpuHealth] | None = None
         self._gpu_said: set[str] = set()
-        self._xid_log = True  # False once the node has no journalctl
-        self._xids_seen: set[tuple[str, str, int, str]] | None = None  # None: not read yet
+        self._xids = XidReader()  # the node's kernel log (`dflashctl.xids`), each Xid once
         self._last_failure: str | None = None
 
     async def poll(self) -> PollResult:
@@ -194,27 +192,16 @@ class HostPoller:
     async def _new_xids(self, transport: Transport) -> list[Xid]:
         """Xid lines in the node's kernel log not reported before ([] on the first read, and
         where the node cannot be asked or has no journalctl)."""
-        if not self._xid_log or not isinstance(transport, NodeCommands):
-            return []
         try:
-            res = await transport.run_host(
-                kernel_log_argv(XID_WINDOW_S),
-                timeout=min(GPU_QUERY_TIMEOUT_S, self.host.command_timeout),
+            read = await self._xids.read(
+                transport, timeout=min(GPU_QUERY_TIMEOUT_S, self.host.command_timeout)
             )
-        except Exception as err:
-            self._say_once(f"{self.host.name}: kernel log query failed: {err}")
+        except KernelLogError as err:
+            self._say_once(f"{self.host.name}: {err}")
             return []
-        if res.rc == 127 or "not found" in res.stderr or "No such file" in res.stderr:
-            self._xid_log = False  # no journalctl on the node: nothing to read there
-            return []
-        if not res.ok:
-            self._say_once(f"{self.host.name}: journalctl: {res.error_line()}")
-            return []
-        xids = parse_xid_lines(res.stdout)
-        seen, self._xids_seen = self._xids_seen, {x.key for x in xids}
-        if seen is None:
+        if read is None or read.history:
             return []  # the first read is history: the watch reports what happens from now
-        return [x for x in xids if x.key not in seen]
+        return list(read.fresh)
 
     def _say_once(self, msg: str) -> None:
         if msg not in self._gpu_said:

@@ -12,6 +12,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+import pytest
 from rich.text import Text
 from textual.widgets import Static
 
@@ -23,6 +24,7 @@ from dflashctl.remote import LocalTransport
 from dflashctl.tui.app import HostBinding
 from dflashctl.tui.screens.host import HostScreen
 from dflashctl.tui.widgets.panes import gpus_text, xids_text
+from dflashctl.xids import KernelLogError, XidRead, XidReader
 from tests.conftest import require_part
 from tests.tui.test_app import _until
 from tests.tui.test_supervisor_view import Recording
@@ -157,3 +159,53 @@ async def test_the_follower_reads_the_node_kernel_log_and_toasts_each_new_xid(
 def _plain(pane: Static) -> str:
     content = pane.content
     return content.plain if isinstance(content, Text) else str(content)
+
+
+async def test_one_kernel_log_reader_for_the_watch_and_the_follower(tmp_path: Path) -> None:
+    """`dflashctl.xids.XidReader` over a real LocalTransport whose node runs a `journalctl`
+    script: the first read is history, a later one only what the read before lacked; a failed
+    read is one KernelLogError line and moves nothing on; a node without journalctl is asked
+    once."""
+    kernel_log = tmp_path / "kernel.log"
+    kernel_log.write_text((FIXTURES / "journalctl-xid.txt").read_text())
+    mode = tmp_path / "mode"
+    mode.write_text("ok")
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    tool = bin_dir / "journalctl"
+    tool.write_text(
+        "#!/bin/sh\n"
+        f'case "$(cat {mode})" in\n'
+        f"  ok) cat {kernel_log} ;;\n"
+        "  denied) echo 'No journal files were opened due to insufficient permissions.' >&2;"
+        " exit 1 ;;\n"
+        "  slow) sleep 5 ;;\n"
+        "esac\n"
+    )
+    tool.chmod(0o755)
+    node = LocalTransport(env={"PATH": f"{bin_dir}:{os.environ['PATH']}"})
+    reader = XidReader()
+    first = await reader.read(node, timeout=10)
+    assert first is not None and first.history
+    assert [x.code for x in first.fresh] == [94, 119, 13]
+    again = await reader.read(node, timeout=10)
+    assert again == XidRead((), history=False)  # the same window again: nothing new
+    with kernel_log.open("a") as fh:
+        fh.write(
+            "2026-11-30T04:00:01+0000 gpu-node-1 kernel: NVRM: Xid (PCI:0000:9a:00): 79,"
+            " pid=41233, name=python, GPU has fallen off the bus.\n"
+        )
+    mode.write_text("denied")
+    with pytest.raises(KernelLogError, match=r"^journalctl: No journal files were opened"):
+        await reader.read(node, timeout=10)
+    mode.write_text("slow")
+    with pytest.raises(KernelLogError, match=r"^kernel log query failed: .*no answer within"):
+        await reader.read(node, timeout=0.5)
+    mode.write_text("ok")
+    news = await reader.read(node, timeout=10)  # against the last good read: the new line
+    assert news is not None and not news.history and [x.code for x in news.fresh] == [79]
+
+    bare = XidReader()
+    no_journal = LocalTransport(env={"PATH": str(tmp_path / "empty")})
+    assert await bare.read(no_journal, timeout=10) is None and not bare.available
+    assert await bare.read(node, timeout=10) is None  # asked once: not asked again
