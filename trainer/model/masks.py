@@ -152,12 +152,15 @@ def dflash_tiles(
     visible, `full` = every element visible (flex skips the mask_mod there). Tiles that reach
     past Q_LEN or KV_LEN are never full (as in `create_block_mask`, which pads with False).
 
-    Computed from the structure, not from elements: block n (anchor a, start c) sees the real
-    positions of context [c, a) and the keys of its own block. Per (row, block, KV tile):
-    "any" = the clipped context interval holds a real position (prefix sums of context_valid)
-    or the tile meets the block's keys; "full" = the tile's context part lies inside [c, a) and
-    is all real, and its block part inside the block's keys. A Q tile then ORs (any) / ANDs
-    (full) over the <= ceil(TQ/B)+1 blocks it holds. Memory O(R * N * nKV), no host sync.
+    Computed from the structure, not from elements. Block n (anchor a, start c) sees the real
+    positions of its context interval [c, a) and its own block's keys; a Q tile holds the
+    <= ceil(TQ/B)+1 blocks its rows belong to, and a tile pair is visible somewhere iff one of
+    them sees into the KV tile, everywhere iff all of them see all of it. Context, "full": the
+    tile's context part lies inside every interval (max c <= its start, min a >= its end) and
+    is all real. Context, "any": an interval covers the KV tiles strictly between its first and
+    last (each visible iff it holds a real position; a difference array over KV tiles), and its
+    two end tiles are checked exactly with prefix sums of the valid mask. Block keys depend on
+    no row. Memory and work O(R * nQ * nKV + R * N), no host sync.
     """
     tq, tk = tile
     rows, n = anchors.shape
@@ -165,43 +168,19 @@ def dflash_tiles(
     q_len, kv_len = n * block_size, seq + n * block_size
     n_q, n_kv = -(-q_len // tq), -(-kv_len // tk)
     dev = anchors.device
+    if n == 0:
+        empty = torch.zeros(rows, 0, n_kv, dtype=torch.bool, device=dev)
+        return empty, empty
     a = anchors.long()  # [R, N]
     c = torch.zeros_like(a) if context_start is None else context_start.to(dev).long()
     zero = torch.zeros(rows, 1, dtype=torch.long, device=dev)
     prefix = torch.cat([zero, context_valid.to(dev).long().cumsum(1)], 1)  # [R, S+1]
 
-    k0 = torch.arange(n_kv, device=dev) * tk  # [K] tile starts
-    k1 = (k0 + tk).clamp(max=kv_len)  # [K] tile ends (exclusive)
-    ctx_hi = k1.clamp(max=seq)  # the tile's context part is [k0, ctx_hi), empty if k0 >= S
-    ctx_lo = k0.clamp(max=seq)
-
-    def real_count(lo: Tensor, hi: Tensor) -> Tensor:
-        """Real positions in [lo, hi) per row; lo, hi [R, X] in [0, S]."""
-        return prefix.gather(1, hi) - prefix.gather(1, lo)
-
-    # Context: per (row, block, tile), the visible interval [max(k0, c), min(ctx_hi, a)).
-    lo = torch.maximum(ctx_lo[None, None, :], c[:, :, None])  # [R, N, K]
-    hi = torch.minimum(ctx_hi[None, None, :], a[:, :, None]).clamp(max=seq)
-    hi = torch.maximum(hi, lo)
-    ctx_any = real_count(lo.flatten(1), hi.flatten(1)).view(rows, n, n_kv) > 0
-    del lo, hi
-    ctx_width = ctx_hi - ctx_lo  # [K]
-    tile_all_real = real_count(ctx_lo.expand(rows, -1), ctx_hi.expand(rows, -1)) == ctx_width
-    ctx_full = (ctx_width == 0)[None, None, :] | (
-        (c[:, :, None] <= ctx_lo[None, None, :])
-        & (a[:, :, None] >= ctx_hi[None, None, :])
-        & tile_all_real[:, None, :]
-    )
-    # Own block: keys [S + nB, S + (n+1)B) against the tile's block part [max(k0, S), k1).
-    blk_lo = seq + torch.arange(n, device=dev)[:, None] * block_size  # [N, 1]
-    blk_hi = blk_lo + block_size
-    part_lo = k0.clamp(min=seq)[None, :]  # [1, K]
-    part_hi = k1[None, :]
-    blk_any = torch.maximum(blk_lo, part_lo) < torch.minimum(blk_hi, part_hi)  # [N, K]
-    blk_full = (part_lo >= part_hi) | ((blk_lo <= part_lo) & (part_hi <= blk_hi))
-    per_block_any = ctx_any | blk_any[None]  # [R, N, K]
-    per_block_full = ctx_full & blk_full[None] & ((k1 - k0) == tk)[None, None, :]
-    del ctx_any, ctx_full
+    k0 = torch.arange(n_kv, device=dev) * tk  # [K] KV tile starts
+    k1 = (k0 + tk).clamp(max=kv_len)  # [K] ends (exclusive)
+    ctx_lo, ctx_hi = k0.clamp(max=seq), k1.clamp(max=seq)  # the tile's context part
+    ctx_width = ctx_hi - ctx_lo
+    tile_real = prefix[:, ctx_hi] - prefix[:, ctx_lo]  # [R, K] real positions in that part
 
     # Q tile m holds query rows [m*TQ, min((m+1)*TQ, Q)), i.e. blocks first[m]..last[m].
     q0 = torch.arange(n_q, device=dev) * tq
@@ -210,13 +189,55 @@ def dflash_tiles(
     span = -(-tq // block_size) + 1  # most blocks one Q tile can touch
     member_idx = first[:, None] + torch.arange(span, device=dev)[None, :]  # [M, J]
     member = member_idx <= last[:, None]
-    member_idx = member_idx.clamp(max=n - 1).flatten()
-    got_any = per_block_any[:, member_idx].view(rows, n_q, span, n_kv)
-    got_full = per_block_full[:, member_idx].view(rows, n_q, span, n_kv)
-    m = member[None, :, :, None]
-    any_tile = (got_any & m).any(2)
-    q_complete = (q0 + tq) <= q_len
-    full_tile = (got_full | ~m).all(2) & q_complete[None, :, None]
+    flat_idx = member_idx.clamp(max=n - 1).flatten()
+
+    def per_tile(x: Tensor) -> Tensor:
+        """[R, N] per block -> [R, M, J] per (Q tile, member)."""
+        return x[:, flat_idx].view(rows, n_q, span)
+
+    mem = member[None]  # [1, M, J]
+
+    # Context, full: every member's interval contains the tile's context part, all real.
+    c_max = torch.where(mem, per_tile(c), torch.iinfo(torch.long).min).amax(2)  # [R, M]
+    a_min = torch.where(mem, per_tile(a), torch.iinfo(torch.long).max).amin(2)
+    ctx_full = (ctx_width == 0)[None, None, :] | (
+        (c_max[:, :, None] <= ctx_lo[None, None, :])
+        & (a_min[:, :, None] >= ctx_hi[None, None, :])
+        & (tile_real == ctx_width[None, :])[:, None, :]
+    )
+
+    # Context, any: per block, interval [lo, hi) in context tiles kf..kl.
+    lo = c.clamp(0, seq)
+    hi = torch.maximum(a.clamp(max=seq), lo)
+    nonempty = hi > lo
+    kf, kl = lo // tk, (hi - 1).clamp(min=0) // tk
+    real_first = prefix.gather(1, torch.minimum(hi, (kf + 1) * tk)) - prefix.gather(1, lo)
+    real_last = prefix.gather(1, hi) - prefix.gather(1, torch.maximum(lo, kl * tk))
+    interior = (per_tile(nonempty & (kl > kf + 1)) & mem).int()  # [R, M, J]
+    kf_t, kl_t = per_tile(kf), per_tile(kl)
+    cover = torch.zeros(rows, n_q, n_kv + 1, dtype=torch.int32, device=dev)
+    cover.scatter_add_(2, kf_t + 1, interior)
+    cover.scatter_add_(2, kl_t, -interior)
+    inside = cover.cumsum(2)[:, :, :n_kv] > 0  # strictly between some member's end tiles
+    edge = torch.zeros(rows, n_q, n_kv, dtype=torch.int32, device=dev)
+    edge.scatter_add_(2, kf_t, (per_tile(nonempty & (real_first > 0)) & mem).int())
+    edge.scatter_add_(2, kl_t, (per_tile(nonempty & (real_last > 0)) & mem).int())
+    ctx_any = (inside & (tile_real > 0)[:, None, :]) | (edge > 0)
+
+    # Own block: keys [S + nB, S + (n+1)B) against the tile's block part [max(k0, S), k1).
+    blk_lo = seq + member_idx.clamp(max=n - 1)[:, :, None] * block_size  # [M, J, 1]
+    blk_hi = blk_lo + block_size
+    part_lo, part_hi = k0.clamp(min=seq), k1  # [K]
+    blk_any = (torch.maximum(blk_lo, part_lo) < torch.minimum(blk_hi, part_hi)) & member[..., None]
+    blk_full = (part_lo >= part_hi) | ((blk_lo <= part_lo) & (part_hi <= blk_hi))
+    blk_full = blk_full | ~member[..., None]
+
+    q_complete = (q0 + tq) <= q_len  # [M]
+    kv_complete = (k1 - k0) == tk  # [K]
+    any_tile = ctx_any | blk_any.any(1)[None]
+    full_tile = (
+        ctx_full & blk_full.all(1)[None] & q_complete[None, :, None] & kv_complete[None, None, :]
+    )
     return any_tile & ~full_tile, full_tile
 
 
