@@ -396,6 +396,10 @@ def _time_rates(
     padded = np.array([e.padded for e in ests])
     batches = np.array([e.batches for e in ests])
     epoch_s = float(segment_times(model, padded, n, batches).sum())
+    if not epoch_s > 0:
+        raise PlanError(
+            f"{name}: every coefficient is 0 (no step time to minimise)", "--calibration"
+        )
     rates = TimeRates(name, epoch_s, plan.num_samples / epoch_s, plan.total_tokens / epoch_s)
     if simulate:
         rates.simulated_samples_s, rates.simulated_tokens_s = simulated_rates(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+from typing import Any
 
 import numpy as np
 import pytest
@@ -192,7 +193,7 @@ def test_dp_handles_the_grid_path_and_min_share_masks() -> None:
 )
 def test_bad_plan_arguments_are_named(args: dict[str, int], needle: str) -> None:
     """Each user error is a PlanError naming the argument."""
-    kw = {"token_budget": 1000, "max_batch": 8} | args
+    kw: dict[str, Any] = {"token_budget": 1000, "max_batch": 8} | args
     with pytest.raises(PlanError, match=needle):
         plan_buckets(np.arange(1, 30), kw.pop("k"), **kw, simulate=False)
 
