@@ -6,7 +6,7 @@ app satisfies, and on `LiveScreen`, the base of every screen the app's coalesced
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Protocol, TypeVar, runtime_checkable
 
 from textual.screen import Screen
@@ -19,8 +19,8 @@ ResultT = TypeVar("ResultT")
 
 @runtime_checkable
 class AppView(Protocol):
-    """The app as its screens see it: the hosts and groups, the dirty set, the redraw,
-    navigation."""
+    """The app as its screens (and their self-ticking widgets) see it: the hosts and groups,
+    the clock, the dirty set, the redraw, navigation."""
 
     @property
     def hosts(self) -> Mapping[str, HostHandle]: ...
@@ -33,6 +33,11 @@ class AppView(Protocol):
     @property
     def dirty(self) -> set[str]:
         """Hosts whose state changed since the last redraw (screens add to it)."""
+        ...
+
+    @property
+    def clock(self) -> Callable[[], float]:
+        """The app's wall clock (tests fix it): what every "N ago" counts from."""
         ...
 
     def flush(self) -> None: ...

@@ -12,7 +12,8 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from textual.widgets import Static
+from rich.text import Text
+from textual.widgets import DataTable, Static
 
 from dflashctl.control import GpuSample, parse_gpu_csv
 from dflashctl.gpu_health import GpuHealth, parse_health_csv
@@ -28,6 +29,7 @@ from dflashctl.monitor import (
     tau_history,
 )
 from dflashctl.tui.app import DflashApp, HostBinding
+from dflashctl.tui.screens.fleet import tau_cell
 from dflashctl.tui.screens.host import HostScreen
 from dflashctl.tui.widgets.charts import LOSS_SMOOTHING, SMOOTHING_STEPS, debiased_ema
 from dflashctl.tui.widgets.loss_plot import LossPlot, by_step
@@ -293,3 +295,44 @@ def test_a_resume_replots_the_steps_it_repeats_once() -> None:
     first = [(30, 5.0), (60, 4.8), (90, 4.7), (120, 4.9)]
     resumed = [(90, 4.6), (120, 4.5), (150, 4.4)]
     assert by_step(first + resumed) == ([30, 60, 90, 120, 150], [5.0, 4.8, 4.6, 4.5, 4.4])
+
+
+async def test_the_eval_age_ticks_without_a_new_line() -> None:
+    """No line arrives and nothing is read from the host: the pane's "N ago" still follows the
+    app's clock (the pane's own timer), and the fleet row shows the last eval's tau, marked
+    while it is the best."""
+    now = [FIXED_NOW]
+    app = DflashApp(
+        [HostBinding("kpro6", service(), shape=seed_shape())], clock=lambda: now[0], live=False
+    )
+    async with app.run_test(size=SIZE) as pilot:
+        app.feed("kpro6", eval_run_lines(23), now=FIXED_NOW - 30)  # the last eval: step 600
+        table = app.screen.query_one("#fleet", DataTable)
+        await _until(pilot, lambda: str(table.get_cell("kpro6", "tau")) == "2.61*")
+        await pilot.press("enter")
+        await _until(pilot, lambda: isinstance(app.screen, HostScreen) and app.screen.painted)
+        pane = app.screen.query_one("#eval", Static)
+        assert "eval  step 600, 30s ago" in str(pane.content)
+        frames = app.frames
+        now[0] = FIXED_NOW + 95
+        await _until(pilot, lambda: "eval  step 600, 2m05s ago" in str(pane.content), 5)
+        assert app.frames > frames and "kpro6" not in app.dirty  # redrawn, no state changed
+        lower = EvalEvent(step=750, tau=2.2, loss=4.3, acc=0.8, acc_at=[0.8], best=600)
+        app.feed("kpro6", [format_eval_line(lower)])
+        await pilot.press("escape")
+        fleet = app.screen.query_one("#fleet", DataTable)
+        await _until(pilot, lambda: str(fleet.get_cell("kpro6", "tau")) == "2.20")  # below best
+
+
+def test_the_fleet_tau_cell_is_the_last_eval_with_the_best_marked() -> None:
+    assert tau_cell(RunState("h")) == "—"  # no eval yet
+    state = apply_lines(RunState("h"), eval_run_lines(23), FIXED_NOW)  # 4 evals, best the last
+    best = tau_cell(state)
+    assert isinstance(best, Text) and (best.plain, best.style) == ("2.61*", "bold yellow")
+    info = contract.RunState(best_step=300, best_tau=2.9)  # the trainer's best: an earlier one
+    assert tau_cell(apply_status(state, Status(run_state=info))) == "2.61"
+    ahead = eval_event(5)  # run-state.json's last eval, newer than the lines read
+    polled = apply_status(state, Status(run_state=contract.RunState(last_eval=ahead)))
+    shown = best_checkpoint(polled)
+    mark = "*" if shown is not None and shown.step == ahead.step else ""
+    assert str(tau_cell(polled)) == f"{ahead.tau:.2f}{mark}"

@@ -17,7 +17,15 @@ from textual.binding import Binding, BindingType
 from textual.coordinate import Coordinate
 from textual.widgets import DataTable, Footer, Header, Static
 
-from dflashctl.monitor import RunState, display_state, format_age, line_age, restart_summary
+from dflashctl.monitor import (
+    RunState,
+    best_checkpoint,
+    display_state,
+    format_age,
+    last_eval,
+    line_age,
+    restart_summary,
+)
 from dflashctl.tui.group_rows import group_figures, node_display, node_step
 from dflashctl.tui.view import LiveScreen
 from dflashctl.tui.widgets.panes import DASH, fmt, state_style
@@ -27,19 +35,35 @@ COLUMNS: tuple[tuple[str, str, int], ...] = (
     ("host", "Host", 0),  # 0: sized to the longest host name
     ("state", "State", 18),
     ("release", "Release", 12),
-    ("step", "Step", 9),
-    ("loss", "Loss", 8),
-    ("ktok", "Ktok/s", 7),
-    ("eta", "ETA", 6),
+    ("step", "Step", 7),
+    ("loss", "Loss", 7),
+    ("tau", "Tau", 5),
+    ("ktok", "Ktok/s", 6),
+    ("eta", "ETA", 5),
     ("age", "Last line", 9),
-    ("config", "Config", 8),
+    ("config", "Config", 7),
     ("restarts", "Restarts", 20),
 )
 """Fixed widths: auto-sized columns re-measure the table on every cell update and redraw
-rows drawn at older widths."""
+rows drawn at older widths. Each fits its values (steps to 7 digits, `12.3456`, `2.81*`,
+`1234.5`, `12.3d`, `changed`): 123 columns, a restart summary still whole at 120."""
 GROUP_STATE_WIDTH = 24
 """The state column where the inventory has groups (their states and "unreachable since T"
 are longer than a host's)."""
+
+
+def tau_cell(state: RunState) -> Text | str:
+    """The held-out tau of the last eval (`monitor.last_eval`, as the eval pane reads it),
+    `2.81*` in the best's colour when that eval is the best so far (`monitor.best_checkpoint`);
+    a dash before any eval."""
+    newest = last_eval(state)
+    if newest is None or newest.tau is None:
+        return DASH
+    best = best_checkpoint(state)
+    tau = f"{newest.tau:.{2 if newest.tau < 10 else 1}f}"  # 4 characters, and the mark
+    if best is not None and best.step == newest.step:
+        return Text(f"{tau}*", style="bold yellow")
+    return tau
 
 
 def fleet_row(state: RunState, now: float) -> dict[str, Text | str]:
@@ -52,6 +76,7 @@ def fleet_row(state: RunState, now: float) -> dict[str, Text | str]:
         "release": state.release or DASH,
         "step": str(st.step) if st else DASH,
         "loss": fmt(st.loss if st else None, ".4f"),
+        "tau": tau_cell(state),
         "ktok": fmt(st.ktok_s if st else None, ".1f"),
         "eta": format_eta(st.eta_s) if st else DASH,
         "age": format_age(line_age(state, now)),
@@ -64,7 +89,8 @@ def group_row(
     name: str, nodes: Sequence[RunState], now: float, *, expanded: bool = False
 ) -> dict[str, Text | str]:
     """A group's one row (`group_rows.group_figures`): its state, and node 0's step, loss,
-    Ktok/s (the whole group's: the trainer counts every rank's tokens there) and ETA."""
+    held-out tau (global rank 0 evaluates), Ktok/s (the whole group's: the trainer counts every
+    rank's tokens there) and ETA."""
     fig = group_figures(name, nodes, now)
     st = fig.status
     return {
@@ -73,6 +99,7 @@ def group_row(
         "release": fig.release or DASH,
         "step": DASH if fig.step is None else str(fig.step),
         "loss": fmt(st.loss if st else None, ".4f"),
+        "tau": tau_cell(nodes[0]),
         "ktok": fmt(st.ktok_s if st else None, ".1f"),
         "eta": format_eta(st.eta_s) if st else DASH,
         "age": format_age(fig.line_age),

@@ -15,10 +15,10 @@ from dflashctl.tui.view import LiveScreen
 from dflashctl.tui.widgets.charts import SMOOTHING_STEPS
 from dflashctl.tui.widgets.loss_plot import LossPlot
 from dflashctl.tui.widgets.panes import (
+    EvalPane,
     Pane,
     bucket_loss_text,
     eta_text,
-    eval_text,
     fmt,
     gpus_text,
     header_text,
@@ -50,7 +50,7 @@ class HostScreen(LiveScreen[None]):
         yield Static("", id="host-header")
         with Horizontal(id="row-eval"):  # "are we on track?" first
             yield LossPlot(id="loss-plot")
-            yield Pane("held-out eval (tau, acc@k, best)", id="eval")
+            yield EvalPane("held-out eval (tau, acc@k, best)", id="eval")
         with Horizontal(id="row-top"):
             with Vertical(id="throughput", classes="pane"):
                 yield Digits("—", id="ktok-digits")
@@ -97,7 +97,7 @@ class HostScreen(LiveScreen[None]):
         self._pane("#lr").update(lr_text(state, shape, self._width("#lr")))
         self._pane("#queues").update(queues_text(state, shape, self._width("#queues")))
         self._pane("#metrics").update(metrics_text(state, self._width("#metrics"), loss=False))
-        self._pane("#eval").update(eval_text(state, now, self._width("#eval")))
+        self.query_one("#eval", EvalPane).show(state, now)  # it ages itself between changes
         self._pane("#bucket-loss").update(
             bucket_loss_text(state, shape, self._width("#bucket-loss"))
         )

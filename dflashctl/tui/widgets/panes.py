@@ -29,10 +29,13 @@ from dflashctl.monitor import (
     warmup_steps,
 )
 from dflashctl.tui.group_rows import node_step, since_text
+from dflashctl.tui.view import AppView
 from dflashctl.tui.widgets.charts import BLOCKS, bar, curve, spark
 from trainer.events import BOTTLENECK_KEY, STAGE_WAIT_KEYS, format_eta
 
 DASH = "—"
+AGE_TICK_S = 1.0
+"""How often a pane showing an age ("3m05s ago") redraws it between state changes."""
 
 STATE_STYLES = {
     "running": "bold green",
@@ -486,3 +489,32 @@ class Pane(Static):
     def __init__(self, title: str, *, id: str | None = None, classes: str | None = None) -> None:
         super().__init__(id=id, classes=classes)
         self.border_title = title
+
+
+class EvalPane(Pane):
+    """The held-out eval pane (`eval_text`). Its screen draws it when the host's state changes;
+    between changes it redraws itself every AGE_TICK_S from the state it last drew, so the last
+    eval's "N ago" keeps counting while no line arrives (no remote read, only the app's clock)."""
+
+    def __init__(self, title: str, *, id: str | None = None, classes: str | None = None) -> None:
+        super().__init__(title, id=id, classes=classes)
+        self._state: RunState | None = None
+        self._shown: Text | None = None
+
+    def on_mount(self) -> None:
+        self.set_interval(AGE_TICK_S, self.tick)
+
+    def show(self, state: RunState, now: float) -> None:
+        """Draw `state` as of `now` (skipped when that is what the pane already shows)."""
+        self._state = state
+        text = eval_text(state, now, max(8, self.content_size.width))
+        if text != self._shown:
+            self._shown = text
+            self.update(text)
+
+    def tick(self) -> None:
+        """The age timer: redraw the last state at the app's time (nothing to count before an
+        eval)."""
+        state, app = self._state, self.app
+        if state is not None and state.last_eval_at is not None and isinstance(app, AppView):
+            self.show(state, app.clock())
