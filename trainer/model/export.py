@@ -12,6 +12,10 @@
 
 `target_layer_ids` is always written explicitly: loaders that fall back to the default rule
 read the wrong layers for most published checkpoints.
+
+A finished run exports twice: `RUN/export/` in the fp32 master weights and `RUN/export-bf16/`
+in the training dtype (`TRAINING_DTYPE`, what autocast computes in and what serving engines
+load), half the size; `dtype` in config.json says which.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from trainer.model.target import TargetModel
 
 CONFIG = "config.json"
 WEIGHTS = "model.safetensors"
+TRAINING_DTYPE = torch.bfloat16
 
 
 class ExportError(TrainerError, ValueError):
@@ -101,16 +106,24 @@ def config_from_json(data: dict[str, Any], source: str = CONFIG) -> DrafterConfi
         raise ExportError(f"{source}: {detail}") from None
 
 
-def export_drafter(drafter: DFlashDrafter, out_dir: str | Path) -> Path:
-    """Write `config.json`, `model.safetensors` (trainable weights only) and `dflash.py`.
+def export_drafter(
+    drafter: DFlashDrafter, out_dir: str | Path, *, dtype: torch.dtype | None = None
+) -> Path:
+    """Write `config.json`, `model.safetensors` (trainable weights only) and `dflash.py`;
+    the weights in `dtype` (default: the drafter's own, fp32 in training).
 
     Files are written under temporary names and renamed, so a crash never leaves a
     half-written export that loads.
     """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    state = {k: v.detach().contiguous().cpu() for k, v in drafter.state_dict().items()}
-    dtype = drafter.fc.weight.dtype
+    dtype = dtype or drafter.fc.weight.dtype
+    state = {
+        k: v.detach()
+        .to(device="cpu", dtype=dtype if v.is_floating_point() else v.dtype)
+        .contiguous()
+        for k, v in drafter.state_dict().items()
+    }
     tmp_w, tmp_c = out / (WEIGHTS + ".tmp"), out / (CONFIG + ".tmp")
     save_file(state, tmp_w, metadata={"format": "pt"})
     tmp_c.write_text(json.dumps(drafter_config_json(drafter.config, dtype), indent=2) + "\n")

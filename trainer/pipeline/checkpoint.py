@@ -22,12 +22,11 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import math
 import os
 import random
 import re
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any, cast
@@ -94,22 +93,36 @@ def _tensors(tree: Any, prefix: str = "") -> Iterator[tuple[str, torch.Tensor]]:
             yield from _tensors(v, f"{prefix}.{i}" if prefix else str(i))
 
 
-def _finite(t: torch.Tensor) -> bool:
-    # min and max propagate NaN and show inf, without a full-size bool tensor: 6x faster than
-    # isfinite(t).all() on CPU (77 M floats: 40 ms vs 240 ms), and unlike a sum it cannot
-    # overflow on large finite values.
-    lo, hi = torch.aminmax(t.detach())
-    return math.isfinite(float(lo)) and math.isfinite(float(hi))
-
-
 def nonfinite_entries(state: dict[str, Any]) -> list[str]:
-    """Dotted names of the drafter/optimizer tensors holding inf or NaN (empty: all finite)."""
-    bad = []
-    for part in ("drafter", "optimizer"):
-        for name, t in _tensors(state.get(part, {}), part):
-            if t.is_floating_point() and t.numel() and not _finite(t):
-                bad.append(name)
-    return bad
+    """Dotted names of the drafter/optimizer tensors holding inf or NaN (empty: all finite).
+
+    One host sync for the whole state (the per-tensor min/max are stacked on their device and
+    read back together), so it is cheap on the drafter's GPU before a checkpoint's host copy."""
+    named = [
+        (name, t)
+        for part in ("drafter", "optimizer")
+        for name, t in _tensors(state.get(part, {}), part)
+        if t.is_floating_point() and t.numel()
+    ]
+    by_device: dict[torch.device, list[int]] = {}
+    for i, (_, t) in enumerate(named):
+        by_device.setdefault(t.device, []).append(i)
+    finite = [True] * len(named)
+    for idx in by_device.values():
+        # min and max propagate NaN and show inf, without a full-size bool tensor: 6x faster
+        # than isfinite(t).all() on CPU, and unlike a sum they cannot overflow.
+        ends = torch.stack([torch.stack(torch.aminmax(named[i][1].detach())).double() for i in idx])
+        for i, ok in zip(idx, torch.isfinite(ends).all(dim=1).tolist(), strict=True):
+            finite[i] = bool(ok)
+    return [name for (name, _), ok in zip(named, finite, strict=True) if not ok]
+
+
+def nonfinite_message(run_dir: Path, step: int, bad: list[str]) -> str:
+    """The one line for a checkpoint refused because its state holds inf/NaN."""
+    return (
+        f"checkpoint {checkpoint_path(run_dir, step).name} not written: non-finite values in "
+        f"{_names(bad)}; {_kept(run_dir)}"
+    )
 
 
 def _names(items: list[str], limit: int = 2) -> str:
@@ -205,9 +218,12 @@ def save_checkpoint(
     *,
     keep_every_steps: int | None = None,
     protect: set[int] | frozenset[int] = frozenset(),
+    before_sync: Callable[[], None] | None = None,
 ) -> Path:
     """Write `state` atomically as step-`step`.pt, then prune to the newest `keep_last`
     (keeping multiples of `keep_every_steps`, the `protect`ed steps and the current best).
+    `before_sync` runs once the bytes are in the temp file, before its fsync (the tests'
+    slow-disk hook: `DFLASH_STAGE_DELAY=checkpoint:S`).
 
     Raises CheckpointWriteError (one line, nothing changed on disk) when the state is not finite
     or the filesystem is full; pruning runs only after the new file is in place.
@@ -217,10 +233,7 @@ def save_checkpoint(
     final = checkpoint_path(run_dir, step)
     bad = nonfinite_entries(state)
     if bad:
-        raise CheckpointWriteError(
-            f"checkpoint {final.name} not written: non-finite values in {_names(bad)}; "
-            f"{_kept(run_dir)}"
-        )
+        raise CheckpointWriteError(nonfinite_message(run_dir, step, bad))
     tmp = root / f".{final.name}.tmp-{os.getpid()}"
     rec: _Recorder | None = None
     try:
@@ -229,6 +242,8 @@ def save_checkpoint(
             # duck-typed file: torch's writer only calls write() and flush()
             torch.save({"version": CHECKPOINT_VERSION, **state}, cast(IO[bytes], rec))
             fh.flush()
+            if before_sync is not None:
+                before_sync()
             os.fsync(fh.fileno())
         os.replace(tmp, final)
         _fsync_dir(root)

@@ -1,13 +1,27 @@
 """The run's checkpoints: when one is due, one written from the parts' `state_dict()`s, and one
 loaded back into them (file format, atomic writes and retention: `trainer.pipeline.checkpoint`).
+
+Writes are off the drafter's hot path: the drafter thread checks the state is finite, copies it
+into host memory (`HostCopy`: pinned buffers when the parts live on CUDA, reused from one
+checkpoint to the next) and hands the copy to a background thread (`BackgroundWrite`) that
+writes it atomically as before; the drafter goes on training meanwhile. At most one write is in
+flight: a checkpoint due while the previous one is still being written waits for it (one
+WARNING line says how long). A final or stop checkpoint, and a new best (its `best.pt` link
+needs the file), wait for their own write; the drafter's loop drains the writer before it ends.
 """
 
 from __future__ import annotations
 
+import copy
 import math
+import threading
 import time
+import traceback
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+import torch
 
 from trainer.config import config_hash
 from trainer.pipeline import checkpoint, distributed
@@ -22,6 +36,83 @@ class NonFiniteState(RuntimeError):
     """The drafter's parameters or optimizer state went non-finite: no checkpoint is written."""
 
 
+class HostCopy:
+    """A state tree copied off the live parts into host memory. Tensors on CUDA go to pinned
+    buffers without blocking (the writer waits on `event` before reading them); CPU tensors
+    are copied at once. Buffers are kept for the next copy, which may reuse them only once the
+    write reading them has finished (the caller waits for it first)."""
+
+    def __init__(self) -> None:
+        self._buffers: dict[str, torch.Tensor] = {}
+        self.event: torch.cuda.Event | None = None  # set when the last copy queued CUDA work
+
+    def copy(self, tree: Any) -> Any:
+        self.event = None
+        out = self._walk(tree, "")
+        if self.event is not None:
+            self.event.record()
+        return out
+
+    def _walk(self, x: Any, path: str) -> Any:
+        if isinstance(x, torch.Tensor):
+            return self._tensor(x, path)
+        if isinstance(x, dict):
+            out = copy.copy(x)  # keeps the type and attributes (a state_dict's _metadata)
+            for k, v in x.items():
+                out[k] = self._walk(v, f"{path}/{k}")
+            return out
+        if isinstance(x, list | tuple):
+            items = [self._walk(v, f"{path}/{i}") for i, v in enumerate(x)]
+            return items if isinstance(x, list) else tuple(items)
+        return x
+
+    def _tensor(self, t: torch.Tensor, path: str) -> torch.Tensor:
+        buf = self._buffers.get(path)
+        if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
+            buf = torch.empty(t.shape, dtype=t.dtype, pin_memory=t.is_cuda)
+            self._buffers[path] = buf
+        buf.copy_(t.detach(), non_blocking=t.is_cuda)
+        if t.is_cuda and self.event is None:
+            self.event = torch.cuda.Event()  # type: ignore[no-untyped-call]  # unannotated in torch
+        return buf
+
+
+class BackgroundWrite:
+    """At most one checkpoint write in flight, on its own thread."""
+
+    def __init__(self) -> None:
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None  # not a write error (those are reported)
+        self.ok = True  # the last write finished and its file is in place
+
+    @property
+    def busy(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def start(self, write: Callable[[], bool]) -> None:
+        def body() -> None:
+            try:
+                self.ok = write()
+            except BaseException as exc:  # re-raised on the drafter thread by `wait`
+                self.ok = False
+                self._error = exc
+
+        self._thread = threading.Thread(target=body, name="checkpoint-writer")
+        self._thread.start()
+
+    def wait(self) -> float:
+        """Block until the write in flight (if any) has finished; the seconds waited. An
+        unexpected exception in the writer is raised here."""
+        t0 = time.monotonic()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._error is not None:
+            exc, self._error = self._error, None
+            raise exc
+        return time.monotonic() - t0
+
+
 class Checkpointer:
     """Checkpoints of one run: `due`, `save`, `load`; it knows the newest one on disk."""
 
@@ -32,9 +123,16 @@ class Checkpointer:
         self.reporter, self.record = reporter, record
         self.saved_step = 0  # step of the newest checkpoint on disk (0: none yet)
         self.saved_path: Path | None = None  # that checkpoint (may be another run's, --resume)
-        self.saving = False  # a write is in progress (a stop does not interrupt it)
         self.every_s = (p.cfg.checkpoint.every_minutes or math.inf) * 60
         self.last_t = time.monotonic()
+        self.host = HostCopy()
+        self.writer = BackgroundWrite()
+        self.blocked_s: list[float] = []  # per save: time the drafter thread spent in it
+
+    @property
+    def saving(self) -> bool:
+        """A write is in progress (a stop does not interrupt it)."""
+        return self.writer.busy
 
     @property
     def saved_name(self) -> str:
@@ -59,6 +157,7 @@ class Checkpointer:
             "step": step,
             "micro": micro,
             "world_size": p.world.size,
+            "topology": {"world_size": p.world.size, "local_world_size": p.world.local_size},
             "config": p.cfg.model_dump(mode="json"),
             "config_hash": config_hash(p.cfg),
             "drafter_config": p.dcfg.model_dump(mode="json"),
@@ -71,19 +170,63 @@ class Checkpointer:
             "eval": self.best.state_dict(len(p.holdout)),
         }
 
-    def save(self, step: int, rng: RngState | None = None) -> bool:
-        """Write the checkpoint of `step` (`rng`: the RNGs at its start, else now); False, after
-        one ERROR line, when it was not written. Every rank calls it (the RNGs are gathered)."""
+    def save(self, step: int, rng: RngState | None = None, *, wait: bool = True) -> bool:
+        """Checkpoint `step` (`rng`: the RNGs at its start, else now). Every rank calls it (the
+        RNGs are gathered); rank 0 writes in the background. With `wait` (the default), returns
+        whether the file is in place (False after one ERROR line); `wait=False` (the drafter's
+        periodic saves) returns True once the write started. The other ranks count it as saved
+        (rank 0 is the run's truth)."""
         p = self.p
         ranks = distributed.gather_objects(rng or checkpoint.rng_state(p.gen), p.world)
+        t0 = time.monotonic()
         try:
-            return self._write(step, ranks) if p.world.is_main else True
+            self.record.progress(step)
+            if not p.world.is_main:
+                self.saved_step = step
+                return True
+            self._submit(step, ranks, t0)
+            if not wait:
+                return True
+            self.writer.wait()
+            return self.writer.ok
         finally:
             self.last_t = time.monotonic()
 
-    def _write(self, step: int, rng: list[RngState]) -> bool:
-        cfg, state = self.p.cfg.checkpoint, self.state_dict(step, rng)
-        self.saving = True
+    def _submit(self, step: int, ranks: list[RngState], t0: float) -> None:
+        prev = self.saved_step
+        busy = self.writer.busy
+        waited = self.writer.wait()  # also raises what an earlier write hit unexpectedly
+        if busy:
+            self.reporter.warn(
+                f"checkpoint of step {step} waited {waited:.1f} s for the previous write "
+                f"(after step {prev}): writes take longer than the checkpoint interval"
+            )
+        state = self.state_dict(step, ranks)
+        bad = checkpoint.nonfinite_entries(state)
+        if bad:
+            # The weights themselves diverged: every later step is NaN too, so stop here
+            # with the good checkpoints intact rather than train on garbage.
+            why = checkpoint.nonfinite_message(self.p.run_dir, step, bad)
+            raise NonFiniteState(
+                f"step {step}: {why}; the run diverged: lower optimizer.lr and resume"
+            )
+        snap = self.host.copy(state)
+        event = self.host.event
+        protect = {self.best.value[0]} if self.best.value else set()
+        self.writer.start(lambda: self._write(step, snap, protect, event))
+        self.blocked_s.append(time.monotonic() - t0)
+
+    def _write(
+        self,
+        step: int,
+        state: dict[str, Any],
+        protect: set[int],
+        event: torch.cuda.Event | None,
+    ) -> bool:
+        """The writer thread's part: the host copy to disk, atomically (then retention)."""
+        if event is not None:
+            event.synchronize()  # the copies the drafter queued have landed
+        cfg = self.p.cfg.checkpoint
         try:
             path = checkpoint.save_checkpoint(
                 self.p.run_dir,
@@ -91,24 +234,26 @@ class Checkpointer:
                 state,
                 cfg.keep_last,
                 keep_every_steps=cfg.keep_every_steps,
-                protect={self.best.value[0]} if self.best.value else set(),
+                protect=protect,
+                before_sync=lambda: self.p.faults.tick("checkpoint"),
             )
         except checkpoint.CheckpointWriteError as exc:
-            if checkpoint.nonfinite_entries(state):
-                # The weights themselves diverged: every later step is NaN too, so stop here
-                # with the good checkpoints intact rather than train on garbage.
-                raise NonFiniteState(
-                    f"step {step}: {exc}; the run diverged: lower optimizer.lr and resume"
-                ) from None
             self.reporter.error(str(exc))
             self.record(checkpoint_error=str(exc))
             return False
-        finally:
-            self.saving = False
         self.saved_step, self.saved_path = step, path
         self.reporter.checkpoint(step, path)
         self.record(last_step=step, last_checkpoint=str(path), checkpoint_error=None)
         return True
+
+    def drain(self) -> None:
+        """Wait for the write in flight (a stop or the end of training waits for it); an
+        unexpected writer failure not raised yet is reported here."""
+        try:
+            self.writer.wait()
+        except BaseException:
+            tb = traceback.format_exc()
+            self.reporter.error(f"checkpoint writer failed: {tb.strip().splitlines()[-1]}", tb)
 
     def load(self, path: Path, state: dict[str, Any], seq: int) -> int:
         """Load a checked checkpoint (`resume.check_compatible`) into the parts; its step."""

@@ -4,6 +4,11 @@
 are named (ERROR lines) and moved to `checkpoints/rejected/`. `--resume PATH|STEP` takes that
 one, and sets aside the newer ones (the timeline being abandoned). `--fresh` archives them all.
 The position resumed at is the plan's micro-batch sequence number (`BatchPlan.load_state_dict`).
+
+Only global rank 0 looks at its run dir: it decides (a checkpoint, none, or a refusal) and the
+decision with the whole state reaches every other rank through torch.distributed
+(`checkpoint_sync.share_state`), so nodes without shared storage resume the same step from
+node 0's checkpoint, and a copy another node may hold is never read.
 """
 
 from __future__ import annotations
@@ -12,8 +17,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
+import torch.distributed as dist
+
 from trainer.config import ConfigError, TrainConfig, resume_critical_changes
-from trainer.pipeline import assets, checkpoint, distributed
+from trainer.pipeline import assets, checkpoint, checkpoint_sync, distributed
 from trainer.pipeline.build import Parts, RunOptions
 from trainer.pipeline.checkpointer import Checkpointer
 from trainer.pipeline.status import Reporter
@@ -41,14 +49,13 @@ def _explicit(run_dir: Path, value: str) -> Path:
 
 
 def choose(opts: RunOptions, world: distributed.World, reporter: Reporter) -> Choice | None:
-    """The checkpoint to resume from (None: start from scratch)."""
+    """The checkpoint to resume from (None: start from scratch); rank 0 only calls it."""
     run_dir = opts.run_dir
     found = checkpoint.list_checkpoints(run_dir)
     if opts.fresh:
         if world.is_main and found:
             dest = checkpoint.archive_checkpoints(run_dir)
             reporter.line(f"Archived old checkpoints to {dest}", status_log=False)
-        distributed.barrier(world)
         return None
     if opts.resume == "never":
         if found:
@@ -95,9 +102,23 @@ def check_compatible(config: Path, p: Parts, path: Path, state: dict[str, Any]) 
         )
     if state["world_size"] != p.world.size:
         raise assets.UserError(
-            f"{path}: written by {state['world_size']} rank(s), this run has "
-            f"{p.world.size}: the data order would change; use --fresh"
+            f"{path}: cannot resume: changed world_size {state['world_size']} -> "
+            f"{p.world.size} (written by {state['world_size']} rank(s), this run has "
+            f"{p.world.size}): the data order would change; use --fresh"
         )
+    # Nodes x ranks per node may change (the data is sharded by global rank), but a rank
+    # restores the CUDA RNGs of every device its writer saw: their count must match.
+    saved = state["rng"][p.world.rank].get("cuda")
+    if saved is not None and torch.cuda.is_available():
+        have = torch.cuda.device_count()
+        if len(saved) != have:
+            topo = state.get("topology") or {}
+            was = topo.get("local_world_size", "?")
+            raise assets.UserError(
+                f"{path}: cannot resume: changed rng.cuda ({len(saved)} CUDA device(s) per "
+                f"rank when written, {have} now; topology.local_world_size {was} -> "
+                f"{p.world.local_size}): the random streams would change; use --fresh"
+            )
     from trainer.sampler import SamplerError
 
     try:
@@ -126,17 +147,48 @@ def _set_aside(
         reporter.error(f"skipped checkpoint {k.path}: {k.reason}{where}")
 
 
+def _comm_device(p: Parts) -> torch.device:
+    if p.world.distributed and dist.get_backend() == "nccl":
+        return p.drafter_device
+    return torch.device("cpu")
+
+
 def resume(opts: RunOptions, p: Parts, ckpt: Checkpointer, reporter: Reporter) -> int:
-    """Load the checkpoint `opts` asks for into the parts; the step it holds (0: none)."""
-    choice = choose(opts, p.world, reporter)
-    if choice is None:
+    """Load the checkpoint `opts` asks for into the parts; the step it holds (0: none). Rank 0
+    decides and shares the decision and the state; a refusal is every rank's."""
+    world = p.world
+    choice: Choice | None = None
+    refusal: assets.UserError | checkpoint.CheckpointError | None = None
+    seq = 0
+    if world.is_main:
+        try:
+            choice = choose(opts, world, reporter)
+            if choice is not None:
+                seq = check_compatible(opts.config, p, choice.path, choice.state)
+        except (assets.UserError, checkpoint.CheckpointError) as exc:
+            refusal, choice = exc, None
+    header = {
+        "refused": str(refusal) if refusal else None,
+        "path": str(choice.path) if choice else None,
+    }
+    got, state = checkpoint_sync.share_state(
+        choice.state if choice else None, header, world, _comm_device(p)
+    )
+    if refusal is not None:
+        raise refusal
+    if got["refused"]:
+        raise assets.UserError(str(got["refused"]))
+    if state is None:
         return 0
-    seq = check_compatible(opts.config, p, choice.path, choice.state)
-    step = ckpt.load(choice.path, choice.state, seq)
-    distributed.barrier(p.world)  # every rank has read its checkpoint before any moves
-    _set_aside(choice.skipped, p.world, reporter)
-    detail = f"step={step} path={choice.path}"
-    if choice.skipped:
-        detail += " skipped=" + ",".join(k.path.name for k in choice.skipped)
+    path = Path(str(got["path"]))
+    if not world.is_main:
+        seq = check_compatible(opts.config, p, path, state)
+    step = ckpt.load(path, state, seq)
+    distributed.barrier(world)  # every rank has its state before any moves
+    skipped = choice.skipped if choice else ()
+    _set_aside(skipped, world, reporter)
+    detail = f"step={step} path={path}"
+    if skipped:
+        detail += " skipped=" + ",".join(k.path.name for k in skipped)
     reporter.phase("resuming", detail)
     return step

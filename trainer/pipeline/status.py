@@ -15,6 +15,7 @@ import sys
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TextIO
@@ -354,21 +355,82 @@ class RunStateFile:
         return problems
 
 
-class RunRecord:
-    """The run's updates of run-state.json: written by the main rank only, and a corrupted file
-    or a failed write is one ERROR line (training goes on)."""
+# Node-level keys: written only on a multi-node run (a single-node run-state is unchanged).
+NODE_ONLY = frozenset({"node_rank", "nnodes", "rank_range", "step", "failed_rank"})
 
-    def __init__(self, file: RunStateFile, reporter: Reporter, enabled: bool) -> None:
-        self.file, self.reporter, self.enabled = file, reporter, enabled
+
+@dataclass(frozen=True)
+class NodeInfo:
+    """Where this process sits in a multi-node torchrun launch (one torchrun agent per node).
+
+    torchrun (2.13, `LocalElasticAgent`) exports GROUP_RANK = the agent's rank = the node's
+    index (`--node-rank` under the static rendezvous) and GROUP_WORLD_SIZE = the number of
+    agents (`--nnodes`); a node's ranks are the contiguous global ranks RANK - LOCAL_RANK ..
+    + LOCAL_WORLD_SIZE. ROLE_RANK is a worker's rank within its role (the global rank here)."""
+
+    node_rank: int
+    nnodes: int
+    rank_range: tuple[int, int]  # [first, last + 1) global ranks on this node
+
+    @classmethod
+    def from_env(cls, env: dict[str, str] | None = None) -> NodeInfo | None:
+        """This node's place, or None on a single-node (or non-torchrun) run."""
+        env = dict(os.environ) if env is None else env
+        nnodes = int(env.get("GROUP_WORLD_SIZE", "1"))
+        if nnodes <= 1:
+            return None
+        first = int(env["RANK"]) - int(env.get("LOCAL_RANK", "0"))
+        size = int(env.get("LOCAL_WORLD_SIZE", "1"))
+        return cls(int(env["GROUP_RANK"]), nnodes, (first, first + size))
+
+    def fields(self) -> dict[str, object]:
+        return {
+            "node_rank": self.node_rank,
+            "nnodes": self.nnodes,
+            "rank_range": list(self.rank_range),
+        }
+
+
+class RunRecord:
+    """The run's updates of run-state.json: written by each node's first local rank (global rank
+    0 on a single node), and a corrupted file or a failed write is one ERROR line (training goes
+    on). On a multi-node run (`node` set) every update carries the node's place, and `progress`
+    and each status interval's `heal` write the node's step; without `node` the node-level
+    keys are dropped, so a single-node run-state is what it always was."""
+
+    def __init__(
+        self,
+        file: RunStateFile,
+        reporter: Reporter,
+        enabled: bool,
+        node: NodeInfo | None = None,
+    ) -> None:
+        self.file, self.reporter, self.enabled, self.node = file, reporter, enabled, node
+        self.step_of: Callable[[], int] | None = None  # the node's live step (for `heal`)
+        self._placed = False
 
     def __call__(self, **fields: object) -> None:
         if not self.enabled:
             return
+        if self.node is None:
+            fields = {k: v for k, v in fields.items() if k not in NODE_ONLY}
+        elif not self._placed:
+            fields = {**self.node.fields(), **fields}
+            self._placed = True
         for problem in self.file.update(**fields):
             self.reporter.error(problem)
 
+    def progress(self, step: int) -> None:
+        """The node's completed optimizer steps (multi-node runs only)."""
+        if self.node is not None:
+            self(step=step)
+
     def heal(self) -> None:
-        """A corrupted run-state heals within a status line."""
-        if self.enabled:
-            for problem in self.file.heal():
-                self.reporter.error(problem)
+        """A corrupted run-state heals within a status line (and a node's step is current)."""
+        if not self.enabled:
+            return
+        if self.node is not None and self.step_of is not None:
+            self(step=self.step_of())  # a whole write, which heals as well
+            return
+        for problem in self.file.heal():
+            self.reporter.error(problem)
