@@ -5,12 +5,15 @@ and marks the host dirty; a single timer redraws the visible screen at `refresh_
 at 2 lines/s each cost a handful of redraws per second, not 32. Every service call (restart, stop,
 deploy, config read) runs in a worker and reports through notifications, so a slow or dead host
 never freezes the app.
+
+The app is the Textual shell: it wires followers and timers to screens and keys to commands.
+What it shows and what a key acts on is `targets`; the run commands themselves are `commands`
+(Textual-free); what becomes a toast, and its words, is `toasts`.
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import contextlib
 import os
 import shlex
@@ -24,29 +27,13 @@ from typing import Any, ClassVar
 from textual.app import App, SystemCommand
 from textual.binding import Binding, BindingType
 from textual.css.query import NoMatches
-from textual.notifications import SeverityLevel
 from textual.screen import ModalScreen, Screen
 from textual.worker import Worker, WorkerState
 
-from dflashctl.errors import DflashctlError, ExitCode, UsageError
-from dflashctl.fleet import (
-    ConfigWatcher,
-    HostHandle,
-    deploy_summary,
-    open_inventory,
-    restart_details,
-)
-from dflashctl.inventory import GroupConfig, Inventory
-from dflashctl.monitor import (
-    HostFollower,
-    RestartPlan,
-    RunShape,
-    RunState,
-    apply_lines,
-    plan_restart,
-    supervisor_events,
-    xid_events,
-)
+from dflashctl.errors import ExitCode, UsageError
+from dflashctl.fleet import ConfigWatcher, HostHandle, open_inventory
+from dflashctl.monitor import HostFollower, RestartPlan, RunShape, RunState, apply_lines
+from dflashctl.tui import commands, targets
 from dflashctl.tui.screens.confirm import ConfirmScreen
 from dflashctl.tui.screens.fleet import FleetScreen
 from dflashctl.tui.screens.group import GroupScreen
@@ -54,29 +41,16 @@ from dflashctl.tui.screens.help import QUIT_KEEPS_RUNS, HelpScreen
 from dflashctl.tui.screens.host import HostScreen
 from dflashctl.tui.screens.log import LogScreen
 from dflashctl.tui.screens.restart import Report, RestartScreen
+from dflashctl.tui.targets import tui_groups, tui_hosts
+from dflashctl.tui.toasts import Toast, news, worker_failure
 from dflashctl.tui.view import LiveScreen
 
+__all__ = ["DflashApp", "HostBinding", "parse_tui_args", "run_app", "tui_groups", "tui_hosts"]
+
 CONFIG_CHECK_S = 2.0
-STOP_TIMEOUT_S = 120.0
 
 HostBinding = HostHandle
 """The app's name for a host handle (`dflashctl.fleet.HostHandle`)."""
-
-SEVERITIES: dict[str, SeverityLevel] = {
-    "information": "information",
-    "warning": "warning",
-    "error": "error",
-}
-
-WORKER_FAILURES: dict[str, tuple[str, str]] = {
-    "restart-plan": ("Restart", "cannot read the deployed config"),
-    "stop": ("Stop", "stop failed"),
-    "deploy": ("Deploy", "deploy failed"),
-    "config": ("Config check", "config check failed"),
-    "follow": ("Follow", "following the run failed"),
-}
-"""Worker group -> (notification title, what failed): how `on_worker_state_changed` words a
-failure. A worker's name is the host it acts on."""
 
 
 class DflashApp(App[None]):
@@ -153,8 +127,14 @@ class DflashApp(App[None]):
         self.states[state.host] = state
         self.dirty.add(state.host)
         if old is not None:  # each new supervisor event and Xid once, as a toast
-            for severity, text in [*supervisor_events(old, state), *xid_events(old, state)]:
-                self.notify(text, severity=SEVERITIES.get(severity, "information"), timeout=30)
+            for toast in news(old, state):
+                self.show_toast(toast)
+
+    def show_toast(self, toast: Toast) -> None:
+        """Show one of `toasts`' notifications."""
+        self.notify(
+            toast.message, title=toast.title, severity=toast.severity, timeout=toast.timeout
+        )
 
     def feed(self, host: str, lines: Iterable[str], now: float | None = None) -> None:
         """Fold replayed status.log lines into a host's state (tests, benchmarks, replays)."""
@@ -195,24 +175,12 @@ class DflashApp(App[None]):
         self.call_later(self.flush)
 
     def current_host(self) -> str | None:
-        """The host the keys act on: the host screen's, or the highlighted row of the fleet or
-        a group's screen (None on a group's own row)."""
-        for screen in reversed(self.screen_stack):
-            host = getattr(screen, "host", None)
-            if isinstance(host, str):
-                return host
-            if isinstance(screen, FleetScreen | GroupScreen):
-                return screen.selected_host()
-        return None
+        """The host the keys act on (`targets.current_host`)."""
+        return targets.current_host(self.screen_stack)
 
     def current_group(self) -> str | None:
-        """The group under the keys: a group's screen, or the fleet's highlighted group row."""
-        for screen in reversed(self.screen_stack):
-            if isinstance(screen, GroupScreen):
-                return screen.group
-            if isinstance(screen, FleetScreen):
-                return screen.selected_group()
-        return None
+        """The group under the keys (`targets.current_group`)."""
+        return targets.current_group(self.screen_stack)
 
     # ------------------------------------------------------------------ config watching
 
@@ -235,33 +203,13 @@ class DflashApp(App[None]):
 
     # ------------------------------------------------------------------ actions
 
-    def _need_host(self) -> str | None:
+    def _need_host(self, verb: str | None = None) -> str | None:
+        """The host a key acts on, or None after a warning saying why not (`targets.refusal`:
+        a group's row, nothing highlighted, a run command `verb` on a node of a group)."""
         host = self.current_host()
-        if host is None:
-            group = self.current_group()
-            if group is not None:  # the group commands are the CLI's (one node alone cannot be)
-                self.notify(
-                    f"{group} is a group: pick one of its nodes, or run "
-                    f"`dflashctl restart|stop|deploy {group}`",
-                    severity="warning",
-                )
-            else:
-                self.notify("no host selected", severity="warning")
-        return host
-
-    def _need_solo_host(self, verb: str) -> str | None:
-        """The host for a run command (restart, stop, deploy): not a node of a group, which
-        runs one torchrun across its nodes; a node restarted or stopped alone would leave the
-        others waiting at the rendezvous (the group commands are the CLI's)."""
-        host = self._need_host()
-        group = next((g for g, nodes in self.groups.items() if host in nodes), None)
-        if host is not None and group is not None:
-            rank = self.groups[group].index(host)
-            self.notify(
-                f"{host} is node {rank} of group {group}: `dflashctl {verb} {group}` acts on "
-                "every node (one node alone would break the run)",
-                severity="warning",
-            )
+        why = targets.refusal(host, self.current_group(), self.groups, verb)
+        if why is not None:
+            self.notify(why, severity="warning")
             return None
         return host
 
@@ -281,20 +229,13 @@ class DflashApp(App[None]):
             self.notify(f"{host}: reconnecting now")
 
     def action_restart(self) -> None:
-        host = self._need_solo_host("restart")
+        host = self._need_host("restart")
         if host is not None:
             self._open_restart(host)
 
     async def build_restart_plan(self, host: str) -> RestartPlan:
         """Deployed config (fresh from the host) vs. the local file, through the trainer's rules."""
-        handle = self.hosts[host]
-        if handle.config_path is None:
-            return RestartPlan(
-                diff="", fresh=False, error=f"{host}: no run_config in the inventory"
-            )
-        deployed = await handle.control.deployed_config()
-        checkpoint = await handle.control.checkpoint_config()
-        return await asyncio.to_thread(plan_restart, deployed, handle.config_path, checkpoint)
+        return await commands.build_restart_plan(self.hosts[host])
 
     def _open_restart(self, host: str) -> None:
         self.run_worker(
@@ -312,33 +253,14 @@ class DflashApp(App[None]):
         )
 
     async def do_restart(self, host: str, plan: RestartPlan, report: Report) -> str:
-        """Push the local config, deploy if needed, stop gracefully, start (fresh when the plan
-        says so) via `RunControl.restart`; returns the one-line result."""
-        handle = self.hosts[host]
-        report(
-            "stopping gracefully, pushing the config, starting ..."
-            if plan.changed
-            else "restarting ..."
-        )
-        result = await handle.control.restart(
-            fresh=plan.fresh, config=handle.config_path, progress=report
-        )
-        self.configs.forget(host)
+        """`commands.restart_host`; returns (and says) the one-line result."""
         follower = self.followers.get(host)
-        if follower is not None:
-            if plan.fresh:
-                follower.new_run()
-            follower.mark_config(False)
-            await follower.poll_status()
-            follower.reconnect_now()
-        line = f"{host}: restarted ({'fresh' if plan.fresh else 'resume'})" + restart_details(
-            result
-        )
+        line = await commands.restart_host(self.hosts[host], plan, report, follower, self.configs)
         self.notify(line)
         return line
 
     def action_stop(self) -> None:
-        host = self._need_solo_host("stop")
+        host = self._need_host("stop")
         if host is None:
             return
 
@@ -352,26 +274,15 @@ class DflashApp(App[None]):
         )
 
     async def _stop(self, host: str) -> None:
-        self.notify(f"{host}: stopping (waiting for the checkpoint) ...")
-        await self.hosts[host].control.stop(timeout=STOP_TIMEOUT_S)
-        if host in self.followers:
-            await self.followers[host].poll_status()
-        self.notify(f"{host}: stopped")
+        await commands.stop_host(self.hosts[host], self.followers.get(host), self.notify)
 
     def action_deploy(self) -> None:
-        host = self._need_solo_host("deploy")
+        host = self._need_host("deploy")
         if host is not None:
             self.run_worker(self._deploy(host), name=host, group="deploy", exit_on_error=False)
 
     async def _deploy(self, host: str) -> None:
-        deploy = self.hosts[host].deploy
-        if deploy is None:
-            self.notify(f"{host}: deploy is not available here", severity="warning")
-            return
-        self.notify(f"{host}: deploying ...")
-        self.notify(deploy_summary(host, await deploy()))
-        if host in self.followers:
-            await self.followers[host].poll_status()
+        await commands.deploy_host(self.hosts[host], self.followers.get(host), self.notify)
 
     def action_edit(self) -> None:
         host = self._need_host()
@@ -405,13 +316,8 @@ class DflashApp(App[None]):
     def on_worker_state_changed(self, event: Worker.StateChanged) -> None:
         """The one place a failed service call becomes a notification, titled by what failed."""
         worker = event.worker
-        if event.state != WorkerState.ERROR:
-            return
-        title, what = WORKER_FAILURES.get(worker.group, ("Error", f"{worker.group} failed"))
-        err = worker.error
-        why = err.one_line() if isinstance(err, DflashctlError) else str(err)
-        host = f"{worker.name}: " if worker.name else ""
-        self.notify(f"{host}{what}: {why}", title=title, severity="error")
+        if event.state == WorkerState.ERROR:
+            self.show_toast(worker_failure(worker.group, worker.name, worker.error))
 
     def get_system_commands(self, screen: Screen[Any]) -> Iterable[SystemCommand]:
         yield from super().get_system_commands(screen)
@@ -451,23 +357,3 @@ def run_app(argv: Sequence[str] | None = None) -> int:
         raise UsageError("the inventory has no hosts")
     DflashApp(hosts, groups=tui_groups(inventory, names)).run()
     return ExitCode.OK
-
-
-def tui_hosts(inventory: Inventory, names: Sequence[str]) -> list[str]:
-    """The hosts to follow for `names` (hosts or groups; none: every host), a group's nodes in
-    rank order."""
-    if not names:
-        return list(inventory.hosts)
-    out: list[str] = []
-    for target in inventory.resolve_targets(names):
-        for host in target.hosts if isinstance(target, GroupConfig) else (target.name,):
-            if host not in out:
-                out.append(host)
-    return out
-
-
-def tui_groups(inventory: Inventory, hosts: Sequence[str]) -> dict[str, tuple[str, ...]]:
-    """The inventory's groups whose every node is followed (a group shown in part would show a
-    state its other nodes could contradict)."""
-    shown = set(hosts)
-    return {g.name: g.hosts for g in inventory.groups.values() if set(g.hosts) <= shown}
