@@ -6,6 +6,12 @@ eligible positions), eligible = supervised positions whose next token is supervi
 of `trainer.model.masks.eligible_anchors`), counted from the store's loss mask. Without a
 readable store the shipped seed-shaped lengths stand in (the same planner and sampler) and every
 position but the last counts as eligible: an upper bound, said so in the output.
+
+Packed batches (strategy "packed") are shaped as the trainer collates them: one row per packed
+row (`Batch.rows()`), `Batch.max_len` (the fullest row) wide, and a row's anchors are the sum of
+its documents' min(num_anchors, eligible): the drafter step draws up to num_anchors per
+DOCUMENT and never across a boundary (`objective.draw_anchors`), and a document's eligible
+positions are those it has alone (its last position pairs with nothing, as at a row's end).
 """
 
 from __future__ import annotations
@@ -14,12 +20,16 @@ import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from trainer.config import TrainConfig
 from trainer.memory.costs import Piece
 from trainer.memory.shapes import MemoryEstimateError
+
+if TYPE_CHECKING:
+    from trainer.sampler import Batch
 
 SHIPPED_LENGTHS = Path(__file__).resolve().parent.parent / "data" / "samples" / "seed_lengths.npy"
 
@@ -50,6 +60,18 @@ class Shapes:
     exact_anchors: bool  # False: eligible counts are the length-1 upper bound
     num_batches: int  # before de-duplication
     epochs: int
+    row_length: int | None = None  # packed: tokens per row the sampler used; else None
+
+
+@dataclass(frozen=True)
+class StoreFacts:
+    """What the estimate reads of the configured store (or the shipped stand-in)."""
+
+    lengths: np.ndarray  # tokens per row (document)
+    eligible: np.ndarray  # eligible anchor positions per row
+    source: str
+    exact: bool  # False: `eligible` is the length-1 upper bound
+    max_length: int | None  # the manifest's max_length (None: no store read)
 
 
 def _eligible_from_store(store: object) -> np.ndarray:
@@ -76,6 +98,12 @@ def _eligible_from_store(store: object) -> np.ndarray:
 
 def load_lengths_and_eligible(cfg: TrainConfig) -> tuple[np.ndarray, np.ndarray, str, bool]:
     """(lengths, eligible anchors per row, source line, exact?) for the configured store."""
+    facts = load_store_facts(cfg)
+    return facts.lengths, facts.eligible, facts.source, facts.exact
+
+
+def load_store_facts(cfg: TrainConfig) -> StoreFacts:
+    """Lengths, eligible counts and max_length of the configured store, or the stand-in."""
     from trainer.data.lengths import LengthsError, load_lengths
     from trainer.data.store import StoreError, TokenStore
 
@@ -92,9 +120,20 @@ def load_lengths_and_eligible(cfg: TrainConfig) -> tuple[np.ndarray, np.ndarray,
             f"data.store {path} not readable ({reason}); the shipped seed-shaped lengths "
             f"({SHIPPED_LENGTHS.name}, {len(lengths)} samples), every position eligible"
         )
-        return lengths, np.maximum(lengths - 1, 0), source, False
+        return StoreFacts(lengths, np.maximum(lengths - 1, 0), source, False, None)
     lengths = np.asarray(store.lengths, dtype=np.int64)
-    return lengths, _eligible_from_store(store), f"data.store {path} ({len(lengths)} rows)", True
+    source = f"data.store {path} ({len(lengths)} rows)"
+    return StoreFacts(lengths, _eligible_from_store(store), source, True, store.manifest.max_length)
+
+
+def row_anchors(batch: Batch, anchors: np.ndarray) -> tuple[int, ...]:
+    """Per collated row, the anchors the drafter step draws with every one kept: a sample's
+    own count, or for a packed row the sum over its documents (`anchors` per sample id)."""
+    per_doc = anchors[batch.indices]
+    if batch.row_sizes is None:
+        return tuple(per_doc.tolist())
+    starts = np.concatenate(([0], np.cumsum(batch.row_sizes)[:-1])).astype(np.int64)
+    return tuple(np.add.reduceat(per_doc, starts).tolist()) if len(per_doc) else ()
 
 
 def batch_shapes(cfg: TrainConfig) -> Shapes:
@@ -102,14 +141,17 @@ def batch_shapes(cfg: TrainConfig) -> Shapes:
     from trainer.buckets import PlanError, sampler_for
     from trainer.sampler import SamplerError
 
-    lengths, eligible, source, exact = load_lengths_and_eligible(cfg)
+    facts = load_store_facts(cfg)
     try:
         sampler = sampler_for(
-            cfg.batching, lengths, seed=cfg.seed, world_size=len(cfg.topology.drafter_devices)
+            cfg.batching,
+            facts.lengths,
+            seed=cfg.seed,
+            world_size=len(cfg.topology.drafter_devices),
         )
     except (PlanError, SamplerError) as exc:
         raise MemoryEstimateError(f"batching: {exc}") from None
-    anchors = np.minimum(eligible, cfg.model.num_anchors)
+    anchors = np.minimum(facts.eligible, cfg.model.num_anchors)
     epochs = max(1, math.ceil(cfg.schedule.epochs))
     seen: set[BatchShape] = set()
     total = 0
@@ -117,8 +159,15 @@ def batch_shapes(cfg: TrainConfig) -> Shapes:
         for group in sampler.global_batches(epoch):
             for batch in group:
                 total += 1
-                seen.add(BatchShape(batch.max_len, tuple(anchors[batch.indices].tolist())))
-    return Shapes(sorted(seen, key=lambda s: (s.seq, s.anchors)), source, exact, total, epochs)
+                seen.add(BatchShape(batch.max_len, row_anchors(batch, anchors)))
+    return Shapes(
+        sorted(seen, key=lambda s: (s.seq, s.anchors)),
+        facts.source,
+        facts.exact,
+        total,
+        epochs,
+        sampler.row_length,
+    )
 
 
 def pieces(

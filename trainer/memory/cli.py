@@ -45,7 +45,9 @@ def _text(rep: dict, config: Path) -> str:  # type: ignore[type-arg]
         f"memory estimate for {config} on {gib(rep['device_memory'])} per device "
         f"(reserve {gib(rep['reserve'])} for CUDA itself; available {gib(rep['available'])})",
         f"  batches: {rep['batches']} over {rep['epochs_scanned']} epoch(s), "
-        f"{rep['distinct_batch_shapes']} distinct shapes; lengths: {rep['lengths_source']}",
+        f"{rep['distinct_batch_shapes']} distinct shapes"
+        + (f", packed rows of {rep['row_length']} tokens" if rep["row_length"] else "")
+        + f"; lengths: {rep['lengths_source']}",
         f"  drafter: {d['params'] / 1e9:.3f} B params; activations {d['per_query_row_bytes'] / 2**20:.3f} "
         f"MiB per query row ({rep['precision']['attention']}, compute {rep['precision']['compute_bytes']} B)",
     ]

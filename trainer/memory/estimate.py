@@ -60,10 +60,12 @@ class Estimator:
     _fixed: dict[str, int] | None = None
 
     def packet_bytes(self, shape: BatchShape) -> int:
-        """Features [R, S, F*H] in the target dtype, plus ids, attention and loss masks."""
+        """Features [R, S, F*H] in the target dtype, plus ids, attention and loss masks (and
+        packed rows' position ids)."""
         tokens = shape.rows * shape.seq
         feat = self.drafter.features * self.drafter.hidden * self.precision.features
-        return tokens * (feat + 3 * 8)
+        per_token = 4 if self.shapes.row_length is not None else 3
+        return tokens * (feat + per_token * 8)
 
     def _activation(self, piece: Piece) -> int:
         got = self._act.get(piece)
@@ -220,6 +222,8 @@ def report(est: Estimator, device_memory: int, reserve: int) -> dict[str, Any]:
         "batches": sh.num_batches,
         "distinct_batch_shapes": len(sh.batches),
         "epochs_scanned": sh.epochs,
+        "strategy": cfg.batching.strategy,
+        "row_length": sh.row_length,  # packed: the sampler's tokens per row; else None
         "precision": {
             "compute_bytes": est.precision.compute,
             "feature_bytes": est.precision.features,
