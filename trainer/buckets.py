@@ -196,12 +196,18 @@ def sampler_for(
     rank: int = 0,
     world_size: int = 1,
     exclude: np.ndarray | None = None,
+    max_length: int | None = None,
 ) -> BatchSampler:
     """The sampler a run config's `[batching]` describes, planning `boundaries = "plan"` first.
 
     One builder for the trainer and for every tool that must see the trainer's exact batches
-    (the memory estimate). Raises PlanError or SamplerError (one line).
+    (the memory estimate). `max_length`: the store's (its manifest's), the packed rows' length
+    when `batching.row_length` is unset (capped at token_budget; None: the longest sample).
+    Raises PlanError or SamplerError (one line).
     """
+    row_length = batching.row_length
+    if row_length is None and max_length is not None and batching.strategy == "packed":
+        row_length = min(max_length, batching.token_budget)
     bounds = batching.boundaries
     if bounds == "plan" and batching.strategy == "bucketed":
         bounds = plan_buckets(
@@ -217,7 +223,7 @@ def sampler_for(
         rank=rank,
         world_size=world_size,
         pool_size=batching.pool_size,
-        row_length=batching.row_length,
+        row_length=row_length,
         exclude=exclude,
     )
 

@@ -116,7 +116,9 @@ def test_the_cli_on_a_packed_config_prints_a_peak_no_larger_than_padded(tmp_path
     packed, rep = _peak(_config(tmp_path, "packed", 'strategy = "packed"', 1000))
     bucketed, _ = _peak(_config(tmp_path, "bucketed", "num_buckets = 4", 1000))
     sorted_, _ = _peak(_config(tmp_path, "sorted", 'strategy = "sorted"', 1000))
-    assert rep["strategy"] == "packed" and rep["row_length"] == 199  # the longest sample
+    assert (
+        rep["strategy"] == "packed" and rep["row_length"] == 199
+    )  # the manifest max_length (the longest)
     worst = rep["drafter"]["unbounded"]["worst_batch"]
     assert worst["rows"] * worst["seq"] <= 1024  # rows x fullest row within the budget
     assert packed <= bucketed and packed <= sorted_, (packed, bucketed, sorted_)

@@ -12,6 +12,7 @@ row (`Batch.rows()`), `Batch.max_len` (the fullest row) wide, and a row's anchor
 its documents' min(num_anchors, eligible): the drafter step draws up to num_anchors per
 DOCUMENT and never across a boundary (`objective.draw_anchors`), and a document's eligible
 positions are those it has alone (its last position pairs with nothing, as at a row's end).
+The rows' default length is the store's manifest max_length, as the trainer's (`sampler_for`).
 """
 
 from __future__ import annotations
@@ -148,6 +149,7 @@ def batch_shapes(cfg: TrainConfig) -> Shapes:
             facts.lengths,
             seed=cfg.seed,
             world_size=len(cfg.topology.drafter_devices),
+            max_length=facts.max_length,
         )
     except (PlanError, SamplerError) as exc:
         raise MemoryEstimateError(f"batching: {exc}") from None
