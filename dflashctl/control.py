@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import signal
-from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -595,13 +595,24 @@ def interrupt_children(pid: int) -> list[str]:
     return ["pkill", "-INT", "-P", str(int(pid))]
 
 
+def kill_if_childless(pid: int) -> list[str]:
+    """SIGKILL `pid` unless it still has children (a torchrun whose ranks all exited)."""
+    script = 'pgrep -P "$1" >/dev/null || kill -KILL "$1"'
+    return ["sh", "-c", script, "kill-if-childless", str(int(pid))]
+
+
 def last_error_line(log_text: str, capture: str) -> str | None:
     """The run's own ERROR line (status.log, else the pane), else the pane's last line."""
     for text in (log_text, capture):
         errors = [e for e in _events(text) if isinstance(e, ErrorEvent)]
         if errors:
             return errors[-1].message
-    rows = [ln.strip() for ln in capture.splitlines() if ln.strip()]
+    # tmux's own remain-on-exit line ("Pane is dead (status 1, ...)") says nothing new
+    rows = [
+        ln.strip()
+        for ln in capture.splitlines()
+        if ln.strip() and not ln.strip().startswith("Pane is dead")
+    ]
     return rows[-1] if rows else None
 
 
@@ -852,7 +863,15 @@ class RunControl:
             await asyncio.sleep(0.1 * (attempt + 1))
         return res
 
-    async def stop(self, timeout: float = 120.0, *, workers: bool = False) -> StopResult:
+    async def stop(
+        self,
+        timeout: float = 120.0,
+        *,
+        workers: bool = False,
+        settle_s: float = 0.0,
+        interrupt: bool = True,
+        after_interrupt: Callable[[], Awaitable[None]] | None = None,
+    ) -> StopResult:
         """SIGINT, wait for the checkpoint line (or exit) up to `timeout`, then kill the session.
 
         The C-c reaches the pane's process: the supervisor forwards it to the trainer once (a
@@ -861,6 +880,12 @@ class RunControl:
         children, the trainer ranks, not to torchrun: torchrun would pass a second SIGINT on
         (a stop at once, no checkpoint) and exit as a signal death; the ranks' stop is agreed
         in the step's reduce, so they stop at the same step and torchrun exits 0.
+        `settle_s`: after the checkpoint line, wait up to this long more for the pane's
+        process to exit by itself (torchrun meets its peers at an exit barrier: ending its
+        session before would fail the other nodes' agents and leave this one holding its
+        rendezvous port while it shuts down). `interrupt=False`: the ranks were signalled
+        already (a group's other nodes): only wait and clear. `after_interrupt` runs right
+        after this node's SIGINT, before the wait (a group signals its other nodes there).
         """
         st = await self.status(setup_errors=True)
         if st.state == "unreachable":
@@ -876,22 +901,27 @@ class RunControl:
                 st.exit_status,
             )
         mark = st.log_lines
-        if workers:
-            pane = await self._pane_state()
-            pid = pane.pid if pane is not None else None
-            sent = await self._run(interrupt_children(pid)) if pid is not None else None
-            # pkill's 1: no child (the ranks exited meanwhile): the wait below sees the exit
-            if sent is not None and sent.rc not in {0, 1}:
-                raise ControlError(f"{self.host.name}: SIGINT to the ranks: {sent.error_line()}")
-        else:
+        if workers and interrupt:
+            await self.interrupt_workers()
+        elif not workers:
             sent = await self._run(tmux_interrupt(self.host.session))
             if not sent.ok:
                 raise ControlError(f"{self.host.name}: sending C-c: {sent.error_line()}")
+        if after_interrupt is not None:
+            await after_interrupt()
         waited = await self._run(
             stop_wait_argv(self.host.workdir, self.host.session, mark, timeout),
             timeout=timeout + 30,
         )
         outcome = (waited.stdout.strip().splitlines() or ["timeout"])[-1]
+        if outcome == "checkpointed" and settle_s > 0:
+            # the same wait past the log's end: it ends only when the pane's process exits
+            settled = await self._run(
+                stop_wait_argv(self.host.workdir, self.host.session, 10**9, settle_s),
+                timeout=settle_s + 30,
+            )
+            if (settled.stdout.strip().splitlines() or [""])[-1] == "exited":
+                outcome = "exited"
         log = await self._run(tail_from(self.layout.status_log, mark))
         cap = await self._run(tmux_capture(self.host.session, 300))
         # Only checkpoints written after the interrupt count: status.log lines past the mark, or
@@ -902,11 +932,26 @@ class RunControl:
             pane_events = _events(cap.stdout if cap.ok else "")  # -J: rows already joined
             ckpts = [e for e in pane_events if isinstance(e, CheckpointEvent) and e.step > before]
         state = await self._pane_state()
+        if workers and state is not None and not state.dead and state.pid is not None:
+            # torchrun outlived its ranks (stuck at its exit barrier: a peer's agent failed);
+            # ending the session alone would not end it (it handles SIGHUP only between
+            # waits) and it would hold the rendezvous port: killed, once it has no ranks left
+            await self._run(kill_if_childless(state.pid))
         await self._run(tmux_kill_session(self.host.session))
         best = max(ckpts, key=lambda e: e.step) if ckpts else None
         return StopResult(
             self.host.name, True, best, outcome, state.exit_status if state and state.dead else None
         )
+
+    async def interrupt_workers(self) -> None:
+        """SIGINT to the pane process's children (a group node's torchrun: its ranks)."""
+        pane = await self._pane_state()
+        if pane is None or pane.pid is None or pane.dead:
+            return
+        sent = await self._run(interrupt_children(pane.pid))
+        # pkill's 1: no child (the ranks exited meanwhile): the stop's wait sees the exit
+        if sent.rc not in {0, 1}:
+            raise ControlError(f"{self.host.name}: SIGINT to the ranks: {sent.error_line()}")
 
     async def restart(
         self,

@@ -46,6 +46,39 @@ if TYPE_CHECKING:
     from dflashctl.release import Release
 
 T = TypeVar("T")
+SETTLE_S = 60.0
+"""After a group stop's checkpoint, how long each node's torchrun gets to exit by itself
+(its agents meet at an exit barrier) before its session is ended."""
+PORT_WAIT_S = 60.0
+"""How long start waits for node 0's rendezvous port to be free (a stopped torchrun that
+was ended by its session's end shuts down for up to 30 s and holds it meanwhile)."""
+# Run with the node's python: exits 0 once PORT can be listened on (as torchrun's store does,
+# SO_REUSEADDR), 1 if it is still taken after SECONDS.
+PORT_FREE_SCRIPT = """
+import socket, sys, time
+port, end = int(sys.argv[1]), time.monotonic() + float(sys.argv[2])
+while True:
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        s.bind(("", port))
+        s.listen(1)
+        sys.exit(0)
+    except OSError as err:
+        if time.monotonic() > end:
+            print(err.strerror or err)
+            sys.exit(1)
+    finally:
+        s.close()
+    time.sleep(0.5)
+"""
+
+
+def port_free_argv(python: str, port: int, seconds: float) -> list[str]:
+    """Wait (on the node) until `port` can be listened on; see PORT_FREE_SCRIPT."""
+    return [python, "-c", PORT_FREE_SCRIPT, str(int(port)), f"{seconds:g}"]
+
+
 Progress = Callable[[str], None]
 
 GroupPhase = Literal[
@@ -102,7 +135,7 @@ class NodeReport:
             release=st.release,
             config_hash=st.config_hash,
             deployed_config_hash=st.deployed_config_hash,
-            step=rs.step if rs.step is not None else st.step,
+            step=rs.step if rs.step is not None else _known_step(st),
             message=st.message,
             run_state=rs,
             pane_tail=tuple(st.pane_tail),
@@ -191,10 +224,20 @@ class GroupView:
         return FailedJson(host=f.host, node_rank=f.node_rank, rank=f.rank)
 
 
+def _known_step(st: RunStatus) -> int | None:
+    """Without the node's own step: the later of its last status line and its last checkpoint
+    (a stop's checkpoint comes after the last status line)."""
+    known = [x for x in (st.step, st.run_state.last_step) if x is not None]
+    return max(known) if known else None
+
+
 def torchrun_failure(pane_tail: Sequence[str]) -> tuple[int, int] | None:
     """(global rank, exit code) of the first rank torchrun reported failed in this pane."""
     rank: int | None = None
-    for line in pane_tail:
+    lines = list(pane_tail)
+    # "Failures:" lists the other ranks first; "Root Cause (first observed failure)" is the one
+    roots = [i for i, line in enumerate(lines) if "Root Cause" in line]
+    for line in lines[roots[-1] :] if roots else lines:
         m = _TORCHRUN_RANK.search(line)
         if m:
             rank = int(m.group(1))
@@ -547,6 +590,7 @@ class GroupControl:
                 f"`dflashctl stop {g}` first, then start it whole"
             )
         launches = group_launches(self.group, await self._node_procs(), fresh=fresh, resume=resume)
+        await self._port_free(progress)
         outcomes = await _each(
             self.hosts,
             [
@@ -579,6 +623,20 @@ class GroupControl:
             raise StartFailed(f"group {g!r}: node {i}: {err}")
         return GroupStartResult(g, True, results, release, config_hash, ready == "ready", took)
 
+    async def _port_free(self, progress: Progress | None) -> None:
+        """Node 0's rendezvous port must be free: torchrun there listens on it."""
+        node0, port = self.controls[0], self.group.rdzv_port
+        res = await node0.transport.run(
+            port_free_argv(node0.host.python, port, PORT_WAIT_S), timeout=PORT_WAIT_S + 30
+        )
+        if not res.ok:
+            raise ControlError(
+                f"group {self.name!r}: node 0 ({node0.host.name}) rendezvous port {port} is "
+                f"in use after {PORT_WAIT_S:g} s ({res.stdout.strip() or res.error_line()}): a "
+                f"torchrun still exiting, or another service; choose rdzv_port in [groups."
+                f"{self.name}] if it stays taken"
+            )
+
     async def _stop_started(self, started: Sequence[NodeOutcome[T]]) -> None:
         """After a failed group start: end the nodes that did start (they would wait for the
         rendezvous until its timeout)."""
@@ -588,9 +646,11 @@ class GroupControl:
         )
 
     async def stop(self, timeout: float = 120.0) -> GroupStopResult:
-        """Node 0 first: SIGINT to its ranks, wait for rank 0's checkpoint (or exit), end its
-        session; the other nodes' ranks stop at the same step (the stop is agreed in the step's
-        reduce) and are then stopped the same way (a node already exited is just cleared)."""
+        """Node 0's ranks get SIGINT first (rank 0 writes the stop's checkpoint), then every
+        other node's; the stop is agreed in the step's reduce, so all ranks stop at the same
+        step. Then node 0 is waited for (its checkpoint line, then its torchrun's exit, which
+        meets the others at torchrun's exit barrier) and the other nodes the same way; a
+        session is ended only after that (or at the time limits)."""
         sts = await self.statuses(setup_errors=True)
         down = [st for st in sts if st.state == "unreachable"]
         if down:
@@ -598,10 +658,23 @@ class GroupControl:
                 f"group {self.name!r}: not stopping: "
                 + "; ".join(st.message or f"{st.host}: unreachable" for st in down)
             )
-        first = await self.controls[0].stop(timeout, workers=True)
+        others = self.controls[1:]
+
+        async def signal_others() -> None:
+            # Every rank is signalled, not only node 0's: today a rank that stops only on the
+            # reduced flag exits as failed ("stopped before the end of the plan"), and its
+            # node's torchrun with it.
+            await asyncio.gather(*(c.interrupt_workers() for c in others), return_exceptions=True)
+
+        first = await self.controls[0].stop(
+            timeout, workers=True, settle_s=SETTLE_S, after_interrupt=signal_others
+        )
         rest = await _each(
             self.hosts[1:],
-            [c.stop(min(timeout, 60.0), workers=True) for c in self.controls[1:]],
+            [
+                c.stop(min(timeout, 60.0), workers=True, settle_s=SETTLE_S, interrupt=False)
+                for c in others
+            ],
             first_rank=1,
         )
         errors = [o.error_line() for o in rest if not o.ok]

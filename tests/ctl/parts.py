@@ -146,14 +146,27 @@ def reap_stale_containers() -> None:
     for name in r.stdout.split():
         if not name.startswith(NAME_PREFIX):
             continue
-        pid = name[len(NAME_PREFIX) :]
+        pid = name[len(NAME_PREFIX) :].split("-")[0]  # dflt-PID or dflt-PID-SUFFIX
         if pid.isdigit() and not Path(f"/proc/{pid}").exists():
             _destroy(name)
 
 
 @contextlib.contextmanager
-def lxc_container(workdir_host: Path, *, name: str | None = None) -> Iterator[Container]:
-    """A running LXC container (template sshd, no network) with the venv visible inside."""
+def lxc_container(
+    workdir_host: Path,
+    *,
+    name: str | None = None,
+    host_network: bool = False,
+    workdir: str = CONTAINER_WORKDIR,
+    shared: tuple[Path, ...] = (),
+) -> Iterator[Container]:
+    """A running LXC container (template sshd, no network) with the venv visible inside.
+
+    `host_network`: `lxc.net.0.type = none`, the host's network namespace (a group's nodes
+    meet on 127.0.0.1); the template's sshd would then bind the host's port 22, so the
+    container's init runs `sleep infinity` instead (nothing here uses the container's sshd).
+    `workdir`: where the workdir is mounted inside; `shared`: host directories mounted
+    read-write at the same path inside (a store both nodes read)."""
     reap_stale_containers()
     name = name or f"{NAME_PREFIX}{os.getpid()}"
     _destroy(name)
@@ -170,13 +183,22 @@ def lxc_container(workdir_host: Path, *, name: str | None = None) -> Iterator[Co
             for ln in cfg_path.read_text().splitlines()
             if not ln.startswith(("lxc.net.", "lxc.apparmor."))
         ]
+        if host_network:
+            lines += [
+                "lxc.net.0.type = none",
+                "lxc.init.cmd = /usr/sbin/init.lxc --name " + name + " -- /bin/sleep infinity",
+            ]
+        else:
+            lines.append("lxc.net.0.type = empty")  # loopback only: no network
         lines += [
-            "lxc.net.0.type = empty",  # loopback only: no network
+            *(
+                f"lxc.mount.entry = {d} {str(d).lstrip('/')} none rw,bind,create=dir 0 0"
+                for d in shared
+            ),
             "lxc.apparmor.profile = unconfined",
             f"lxc.mount.entry = {venv} {str(venv).lstrip('/')} none ro,bind,create=dir 0 0",
             f"lxc.mount.entry = {base} {str(base).lstrip('/')} none ro,bind,create=dir 0 0",
-            f"lxc.mount.entry = {workdir_host} {CONTAINER_WORKDIR.lstrip('/')} none "
-            "rw,bind,create=dir 0 0",
+            f"lxc.mount.entry = {workdir_host} {workdir.lstrip('/')} none rw,bind,create=dir 0 0",
         ]
         cfg_path.write_text("\n".join(lines) + "\n")
         r = _run(["lxc-start", "-n", name, "-d"], timeout=60)

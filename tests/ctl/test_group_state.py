@@ -25,6 +25,18 @@ KILLED_TAIL = (
     "  traceback : Signal 9 (SIGKILL) received by PID 4321",
     "============================================================",
 )
+# torchrun lists the other failed ranks under "Failures:" before the root cause
+OTHERS_FIRST_TAIL = (
+    "Failures:",
+    "[1]:",
+    "  rank      : 1 (local_rank: 1)",
+    "  exitcode  : 1 (pid: 14989)",
+    "------------------------------------------------------------",
+    "Root Cause (first observed failure):",
+    "[0]:",
+    "  rank      : 0 (local_rank: 0)",
+    "  exitcode  : -9 (pid: 14988)",
+)
 PEER_TAIL = tuple(
     line.replace("rank      : 1", "rank      : 0").replace("exitcode  : -9", "exitcode  : 1")
     for line in KILLED_TAIL
@@ -164,3 +176,4 @@ def test_torchrun_failure_parser() -> None:
     assert torchrun_failure(KILLED_TAIL) == (1, -9)
     assert torchrun_failure(PEER_TAIL) == (0, 1)
     assert torchrun_failure(("Traceback", "ValueError: x")) is None
+    assert torchrun_failure(OTHERS_FIRST_TAIL) == (0, -9)
