@@ -173,22 +173,29 @@ class Checkpointer:
     def save(self, step: int, rng: RngState | None = None, *, wait: bool = True) -> bool:
         """Checkpoint `step` (`rng`: the RNGs at its start, else now). Every rank calls it (the
         RNGs are gathered); rank 0 writes in the background. With `wait` (the default), returns
-        whether the file is in place (False after one ERROR line); `wait=False` (the drafter's
-        periodic saves) returns True once the write started. The other ranks count it as saved
-        (rank 0 is the run's truth)."""
+        whether the file is in place (False after one ERROR line), on every rank (one small
+        all-reduce); `wait=False` (the drafter's periodic saves) returns True once the write
+        started, and the other ranks count it as saved (rank 0 is the run's truth)."""
         p = self.p
         ranks = distributed.gather_objects(rng or checkpoint.rng_state(p.gen), p.world)
         t0 = time.monotonic()
         try:
             self.record.progress(step)
-            if not p.world.is_main:
+            ok = True
+            if p.world.is_main:
+                self._submit(step, ranks, t0)
+                if wait:
+                    self.writer.wait()
+                    ok = self.writer.ok
+            if wait and p.world.distributed:
+                # every rank waits for rank 0's file and learns whether it is in place (the
+                # same decision everywhere: `wait` follows the step's all-reduced flags)
+                failed = torch.tensor([0.0 if ok else 1.0], dtype=torch.float64)
+                failed = distributed.all_reduce_sum(failed.to(p.drafter_device), p.world)
+                ok = failed.item() == 0
+            if ok and not p.world.is_main:
                 self.saved_step = step
-                return True
-            self._submit(step, ranks, t0)
-            if not wait:
-                return True
-            self.writer.wait()
-            return self.writer.ok
+            return ok
         finally:
             self.last_t = time.monotonic()
 
