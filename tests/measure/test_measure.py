@@ -122,17 +122,19 @@ def test_the_saved_calibration_loads_and_plans_by_time(
     assert rates["predicted_tokens_s"] > 0 and rates["simulated_tokens_s"] > 0
 
 
-def test_a_pool_holding_every_sample_is_flagged(small_config: Path, tmp_path: Path) -> None:
-    raw = merge(tomllib.loads(small_config.read_text()), {"batching": {"pool_size": 5000}})
-    path = tmp_path / "big-pool.toml"
-    path.write_text(dump_toml(raw))
+def test_a_pool_holding_every_sample_is_flagged(small_config: Path) -> None:
+    """--set reaches every run (a pool of 5,000 holds the 1,000 samples: flagged as sorted);
+    --clock cpu rates per CPU-second and prints the wall figures beside them."""
     proc = measure_cli(
-        "--config", str(path), "--strategies", "sorted,pool-sort", "--steps", "2",
-        "--warmup", "1", "--rounds", "1", "--window", "1",
+        "--config", str(small_config), "--strategies", "sorted,pool-sort", "--steps", "2",
+        "--warmup", "1", "--rounds", "1", "--window", "1", "--clock", "cpu",
+        "--set", "batching.pool_size=5000",
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "flag: pool-sort: pool holds every sample: this is the sorted strategy" in proc.stdout
     assert "warning: pool-sort: pool_size 5,000 >= the 1,000 samples" in proc.stdout
+    assert "clock: cpu (rates per CPU-second" in proc.stdout
+    assert "wall: sorted " in proc.stdout and "wall: pool-sort " in proc.stdout
 
 
 @pytest.mark.parametrize(
