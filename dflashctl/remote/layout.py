@@ -14,6 +14,7 @@
         supervisor.json       the in-container supervisor's record
         .release              the release the running trainer was started from
         checkpoints/          step-NNNNNNNN.pt
+        .config.memory-check.<pid>.toml  deploy's memory check's copy of a config (removed)
       secrets/<name>          0600 files written through stdin
 
 Scripts `cd "$1"` (the workdir) and use the relative names (the module constants); services
@@ -31,6 +32,8 @@ RUN_STATE = f"{RUN_DIR}/run-state.json"
 SUPERVISOR_STATE = f"{RUN_DIR}/supervisor.json"
 RUNNING_RELEASE = f"{RUN_DIR}/.release"
 CHECKPOINTS = f"{RUN_DIR}/checkpoints"
+CHECKPOINT_FILES = "step-*.pt"  # inside checkpoints/
+MEMORY_CHECK_CONFIG = f"{RUN_DIR}/.config.memory-check.%d.toml"  # %d: the probe's pid
 RELEASES = "releases"
 RELEASE_COMPLETE = ".complete"  # inside releases/<id>: the tree was verified whole
 CURRENT = "current"
@@ -40,6 +43,8 @@ SWITCH_MARKER = ".deploy-switched"
 SECRETS = "secrets"
 # In a release: the in-container supervisor (a tree deployed before it has none).
 SUPERVISOR_SOURCE = "trainer/supervise.py"
+# In a release: the memory estimator deploy's memory check runs (`python -m trainer.memory`).
+MEMORY_SOURCE = "trainer/memory/__main__.py"
 
 
 @dataclass(frozen=True)

@@ -2,17 +2,43 @@
 only): the preflight facts and the release's memory estimate. Each prints one JSON object;
 judging it is dflashctl.preflight's. Pure builders: no I/O here.
 
-The probes take the workdir as an argument and find the layout's names under it
-(dflashctl.remote.layout: releases/<id>/.complete, current, run/, run/checkpoints; a test keeps
-them spelled the same).
+The probes take the workdir as an argument and find the layout's paths under it: the script
+texts are rendered once from dflashctl.remote.layout's names (releases/<id>/.complete, current,
+run/, run/checkpoints/step-*.pt, the release's trainer/memory), so no name is spelled twice.
 """
 
 from __future__ import annotations
 
+import json
+import posixpath
+from string import Template
+
+from dflashctl.remote import layout as L
+
+
+def py_names(rel: str, under: str = "") -> str:
+    """A layout name as os.path.join arguments: `run/checkpoints` under `run` -> `"checkpoints"`."""
+    inner = posixpath.relpath(rel, under) if under else rel
+    return ", ".join(json.dumps(part) for part in inner.split("/"))
+
+
+def _render(template: str) -> str:
+    """Fill a script's `$name` slots with the layout's names (os.path.join arguments)."""
+    return Template(template).substitute(
+        releases=py_names(L.RELEASES),
+        release_complete=py_names(L.RELEASE_COMPLETE),
+        current=py_names(L.CURRENT),
+        run_dir=py_names(L.RUN_DIR),
+        memory_source=py_names(L.MEMORY_SOURCE),
+        memory_config=py_names(L.MEMORY_CHECK_CONFIG, under=L.RUN_DIR),
+        checkpoint_files=py_names(f"{L.CHECKPOINTS}/{L.CHECKPOINT_FILES}", under=L.RUN_DIR),
+    )
+
+
 # argv: WORKDIR RELEASE_ID MODE. Prints one JSON object. Never raises for a missing module.
 # MODE "import" really imports the modules (catches broken CUDA/ABI installs; torch takes
 # seconds); "metadata" only reads installed versions (fast; for repeated deploys in tests).
-PROBE_SCRIPT = r"""
+PROBE_SCRIPT = _render(r"""
 import importlib, importlib.metadata, json, os, shutil, subprocess, sys
 workdir, release, mode = sys.argv[1], sys.argv[2], sys.argv[3]
 out = {"python": sys.version.split()[0], "modules": {}, "errors": {}}
@@ -28,8 +54,8 @@ for name in ("numpy", "pydantic", "torch"):
 os.makedirs(workdir, exist_ok=True)
 st = os.statvfs(workdir)
 out["free_bytes"] = st.f_bavail * st.f_frsize
-out["complete"] = os.path.isfile(os.path.join(workdir, "releases", release, ".complete"))
-cur = os.path.join(workdir, "current")
+out["complete"] = os.path.isfile(os.path.join(workdir, $releases, release, $release_complete))
+cur = os.path.join(workdir, $current)
 out["current"] = os.path.basename(os.readlink(cur)) if os.path.islink(cur) else None
 smi = shutil.which("nvidia-smi")
 out["nvidia_smi"] = bool(smi)
@@ -50,7 +76,7 @@ if smi:
         out["cuda_available"] = bool(torch.cuda.is_available())
         out["torch_cuda"] = torch.version.cuda
 print(json.dumps(out))
-"""
+""")
 
 
 def probe_argv(python: str, workdir: str, release: str, *, import_check: bool = True) -> list[str]:
@@ -64,17 +90,17 @@ def probe_argv(python: str, workdir: str, release: str, *, import_check: bool = 
 # after. Runs the release's `python -m trainer.memory --json` and prints one JSON object: the
 # estimator's exit status, its report, its last stderr line, free bytes of the run dir and the
 # bytes of the checkpoints already there (retention replaces them).
-MEMORY_SCRIPT = r"""
+MEMORY_SCRIPT = _render(r"""
 import glob, json, os, subprocess, sys
 workdir, release, device = sys.argv[1], sys.argv[2], sys.argv[3]
-rel = os.path.join(workdir, "releases", release)
-run = os.path.join(workdir, "run")
+rel = os.path.join(workdir, $releases, release)
+run = os.path.join(workdir, $run_dir)
 os.makedirs(run, exist_ok=True)
 out = {"tmp": None}
-if not os.path.isfile(os.path.join(rel, "trainer", "memory", "__main__.py")):
+if not os.path.isfile(os.path.join(rel, $memory_source)):
     out["absent"] = True
 else:
-    tmp = os.path.join(run, ".config.memory-check.%d.toml" % os.getpid())
+    tmp = os.path.join(run, $memory_config % os.getpid())
     out["tmp"] = tmp
     with open(tmp, "wb") as fh:
         fh.write(sys.stdin.buffer.read())
@@ -99,11 +125,11 @@ else:
 st = os.statvfs(run)
 out["free_bytes"] = st.f_bavail * st.f_frsize
 out["existing_bytes"] = sum(
-    os.path.getsize(p) for p in glob.glob(os.path.join(run, "checkpoints", "step-*.pt"))
+    os.path.getsize(p) for p in glob.glob(os.path.join(run, $checkpoint_files))
     if os.path.isfile(p) and not os.path.islink(p)
 )
 print(json.dumps(out))
-"""
+""")
 
 
 def memory_argv(

@@ -3,6 +3,8 @@ scripts run for real against a workdir laid out as the layout says (sh, no tmux 
 
 from __future__ import annotations
 
+import hashlib
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -64,12 +66,21 @@ def test_the_scripts_use_the_layout_names() -> None:
     assert f"{L.CURRENT}/{L.SUPERVISOR_SOURCE}" in U.STATUS_SCRIPT
     assert f'mv -f "{L.RUN_DIR}/.config.toml.tmp.$$" {L.CONFIG}' in R.SWITCH_SCRIPT
     assert f"rm -rf {L.DEPLOY_LOCK}\n" in R.SWITCH_SCRIPT
-    # the python probes spell the same names (os.path.join parts)
-    assert '"releases", release, ".complete"' in P.PROBE_SCRIPT
-    assert '"current"' in P.PROBE_SCRIPT
-    assert (
-        '"releases", release' in P.MEMORY_SCRIPT and '"checkpoints", "step-*.pt"' in P.MEMORY_SCRIPT
-    )
+
+
+# sha256 of the probe texts as they were spelled inline, before they were rendered from the
+# layout's names: the default layout renders them byte for byte (containers run the same code).
+INLINE_PROBE_SHA256 = "627558de8b7c784f7ce58f390eded9cc1bb937e6a7981bddc21aced45819b161"
+INLINE_MEMORY_SHA256 = "6d883d2ab39f701b21bd1c0aba9df4a98e715c295df28a6137ac996fe6b53a23"
+
+
+def test_the_python_probes_render_from_the_layout_byte_identical() -> None:
+    assert hashlib.sha256(P.PROBE_SCRIPT.encode()).hexdigest() == INLINE_PROBE_SHA256
+    assert hashlib.sha256(P.MEMORY_SCRIPT.encode()).hexdigest() == INLINE_MEMORY_SHA256
+    assert "$" not in P.PROBE_SCRIPT + P.MEMORY_SCRIPT  # every slot filled
+    assert P.py_names(L.CHECKPOINTS) == '"run", "checkpoints"'
+    assert P.py_names(L.CHECKPOINTS, under=L.RUN_DIR) == '"checkpoints"'
+    assert f"os.path.join(rel, {P.py_names(L.MEMORY_SOURCE)})" in P.MEMORY_SCRIPT
 
 
 def test_release_builders_are_exact_argv() -> None:
@@ -162,6 +173,24 @@ def test_python_probe_runs_against_the_layout(tmp_path: Path) -> None:
     (wd / L.CURRENT).symlink_to(f"{L.RELEASES}/id")
     out = _sh(P.probe_argv(sys.executable, str(wd), "id", import_check=False)).stdout
     assert '"complete": true' in out and '"current": "id"' in out
+
+
+def test_memory_probe_runs_against_the_layout(tmp_path: Path) -> None:
+    wd = tmp_path / "wd"
+    (wd / L.RELEASES / "id").mkdir(parents=True)
+    (wd / L.CHECKPOINTS).mkdir(parents=True)
+    (wd / L.CHECKPOINTS / "step-00000010.pt").write_bytes(b"x" * 1000)
+    (wd / L.CHECKPOINTS / "other.pt").write_bytes(b"x" * 5)  # not a checkpoint file
+    out = json.loads(_sh(P.memory_argv(sys.executable, str(wd), "id", None)).stdout)
+    assert out["absent"] is True and out["existing_bytes"] == 1000
+    source = wd / L.RELEASES / "id" / L.MEMORY_SOURCE
+    source.parent.mkdir(parents=True)
+    source.write_text("import sys; print('{}'); sys.exit(3)\n")
+    argv = P.memory_argv(sys.executable, str(wd), "id", None)
+    res = subprocess.run(argv, input="[x]", capture_output=True, text=True, timeout=60)
+    got = json.loads(res.stdout)
+    assert got["rc"] == 3 and got["report"] == {} and "absent" not in got
+    assert Path(got["tmp"]).parent == wd / L.RUN_DIR and not Path(got["tmp"]).exists()
 
 
 def test_commands_names_the_pct_tmux_and_files_builders_from_their_modules() -> None:
