@@ -661,9 +661,9 @@ class GroupControl:
         others = self.controls[1:]
 
         async def signal_others() -> None:
-            # Every rank is signalled, not only node 0's: today a rank that stops only on the
-            # reduced flag exits as failed ("stopped before the end of the plan"), and its
-            # node's torchrun with it.
+            # Every rank is signalled, not only node 0's: each then records a stop of its own
+            # (a rank that stopped only on the reduced flag exited failed before the trainer
+            # agreed the stop's checkpoint across ranks, and an older release still does).
             await asyncio.gather(*(c.interrupt_workers() for c in others), return_exceptions=True)
 
         first = await self.controls[0].stop(

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+REPO = HERE.parents[1]
 SHIM = HERE / "pct"
 CONTAINER_WORKDIR = "/srv/dflash"
 CTID = 4242
@@ -293,3 +294,124 @@ def node_processes(pattern: str) -> list[str]:
     """`pid args` of the processes on this machine (the "node") whose command line matches."""
     r = _run(["pgrep", "-a", "-f", pattern])
     return [ln for ln in r.stdout.splitlines() if ln.strip()]
+
+
+TINY_ASSETS_BUILD = """
+import sys
+from trainer.config import TrainConfig
+from trainer.pipeline import assets
+cfg = TrainConfig.load(sys.argv[1])
+assets.ensure_store(cfg)
+assets.ensure_target(cfg)
+"""
+
+
+def frozen_tree(dest: Path) -> Path:
+    """The committed trainer/ (HEAD), not the working tree: other work in progress in this
+    checkout must not race the test, and HEAD is what every commit keeps green."""
+    dest.mkdir(parents=True)
+    archive = subprocess.run(
+        ["git", "-C", str(REPO), "archive", "HEAD", "trainer"], capture_output=True, timeout=60
+    )
+    if archive.returncode != 0:  # not a git checkout: the files as they are
+        shutil.copytree(
+            REPO / "trainer", dest / "trainer", ignore=shutil.ignore_patterns("__pycache__")
+        )
+        return dest
+    subprocess.run(["tar", "-x", "-C", str(dest)], input=archive.stdout, check=True, timeout=60)
+    return dest
+
+
+def tree_env(tree: Path) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("DFLASH_", "WORLD", "RANK"))}
+    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PYTHONPATH=str(tree))
+    return env
+
+
+def build_tiny_assets(config: Path, tree: Path) -> None:
+    """Build the store and tiny target `config` names (by the trainer in `tree`)."""
+    built = subprocess.run(
+        [sys.executable, "-c", TINY_ASSETS_BUILD, str(config)],
+        env=tree_env(tree),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    if built.returncode != 0:
+        raise RuntimeError(f"building the tiny assets failed: {built.stderr[-3000:]}")
+
+
+GROUP_WORKDIRS = ("/srv/dflash0", "/srv/dflash1")  # distinct: nothing may assume one path
+
+
+@dataclass(frozen=True)
+class GroupPair:
+    """Two "Proxmox hosts" (loopback sshd + pct shim each) and their containers, in the host's
+    network namespace, as the inventory's hosts n0, n1 and group g."""
+
+    inventory: Path
+    containers: tuple[Container, Container]
+    workdirs: tuple[str, str]
+
+
+@contextlib.contextmanager
+def group_pair(
+    base: Path, *, run_config: Path, shared: tuple[Path, ...] = (), session: str = "dflash-g"
+) -> Iterator[GroupPair]:
+    """Two containers sharing the host's network (gloo meets on 127.0.0.1, node_address
+    127.0.0.1 for both), each behind its own sshd with its key pinned; `shared` directories are
+    mounted at their own path in both (a store every node reads)."""
+    stack = contextlib.ExitStack()
+    with stack:
+        cts = tuple(
+            stack.enter_context(
+                lxc_container(
+                    base / f"ws{i}",
+                    name=f"{NAME_PREFIX}{os.getpid()}-n{i}",
+                    host_network=True,
+                    workdir=GROUP_WORKDIRS[i],
+                    shared=shared,
+                )
+            )
+            for i in range(2)
+        )
+        sshds = [stack.enter_context(sshd(base / f"sshd{i}")) for i in range(2)]
+        known = base / "known_hosts"
+        pins = []
+        for sd, ct in zip(sshds, cts, strict=True):
+            sd.map_file.write_text(f"{ct.ctid} {ct.name}\n")
+            pub = sd.host_pub.read_text().split()
+            pins.append(f"[127.0.0.1]:{sd.port} {pub[0]} {pub[1]}\n")
+        known.write_text("".join(pins))
+        text = [
+            "[defaults]",
+            f'known_hosts = "{known}"',
+            "use_agent = false",
+            "connect_timeout = 5",
+            f'run_config = "{run_config}"',
+            f'session = "{session}"',
+            'gloo_socket_ifname = "lo"',
+            "",
+        ]
+        for i, (sd, ct) in enumerate(zip(sshds, cts, strict=True)):
+            text += [
+                f"[hosts.n{i}]",
+                'address = "127.0.0.1"',
+                f"port = {sd.port}",
+                f'identity_file = "{sd.client_key}"',
+                f"ctid = {ct.ctid}",
+                f'workdir = "{GROUP_WORKDIRS[i]}"',
+                f'python = "{ct.python}"',
+                'node_address = "127.0.0.1"',
+                'env = { OMP_NUM_THREADS = "1" }',
+                "",
+            ]
+        text += ["[groups.g]", 'hosts = ["n0", "n1"]', f"rdzv_port = {free_port()}", ""]
+        inv = base / "hosts.toml"
+        inv.write_text("\n".join(text))
+        inv.chmod(0o600)
+        try:
+            yield GroupPair(inv, (cts[0], cts[1]), GROUP_WORKDIRS)
+        finally:
+            for ct in cts:
+                kill_tmux_in(ct)
