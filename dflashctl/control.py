@@ -724,13 +724,8 @@ class RunControl:
         resume: str = "auto",
         wait_s: float = DEFAULT_START_WAIT_S,
         progress: Callable[[str], None] | None = None,
-        launch: NodeLaunch | None = None,
     ) -> StartResult:
         """Start the trainer and wait (up to `wait_s`) until it is past its setup or has exited.
-
-        `launch` (a group's node, `dflashctl.launch`): the pane runs that torchrun argv with its
-        env added, and no supervisor: a node restarted alone cannot rejoin the group's static
-        rendezvous, so a group's restarts are the whole group's (`dflashctl restart GROUP`).
 
         The trainer runs under the in-container supervisor (`python -m trainer.supervise`) with
         the host's restart policy, when the release ships it (an older release runs bare, with
@@ -739,6 +734,30 @@ class RunControl:
         the supervisor is about to restart it: "started" must never be said of a run that is
         already dead. `wait_s=0` skips the wait.
         """
+        return await self._start(fresh, resume, wait_s, progress, None)
+
+    async def start_node(
+        self,
+        launch: NodeLaunch,
+        *,
+        wait_s: float = DEFAULT_START_WAIT_S,
+        progress: Callable[[str], None] | None = None,
+    ) -> StartResult:
+        """Start this host's part of a group (`dflashctl.launch`): the pane runs the launch's
+        torchrun argv with its env added, and no supervisor: a node restarted alone cannot
+        rejoin the group's static rendezvous, so a group's restarts are the whole group's
+        (`dflashctl restart GROUP`). Otherwise as `start`."""
+        fresh = "--fresh" in launch.program
+        return await self._start(fresh, "auto", wait_s, progress, launch)
+
+    async def _start(
+        self,
+        fresh: bool,
+        resume: str,
+        wait_s: float,
+        progress: Callable[[str], None] | None,
+        launch: NodeLaunch | None,
+    ) -> StartResult:
         st = await self.status(setup_errors=True)
         if st.state == "unreachable":
             raise HostUnreachable(st.message or f"{self.host.name}: unreachable")
@@ -863,23 +882,28 @@ class RunControl:
             await asyncio.sleep(0.1 * (attempt + 1))
         return res
 
-    async def stop(
-        self,
-        timeout: float = 120.0,
-        *,
-        workers: bool = False,
-        settle_s: float = 0.0,
-        interrupt: bool = True,
-        after_interrupt: Callable[[], Awaitable[None]] | None = None,
-    ) -> StopResult:
+    async def stop(self, timeout: float = 120.0) -> StopResult:
         """SIGINT, wait for the checkpoint line (or exit) up to `timeout`, then kill the session.
 
         The C-c reaches the pane's process: the supervisor forwards it to the trainer once (a
         graceful stop, never restarted) or, in a restart backoff, exits without another attempt.
-        `workers` (a group's node, whose pane runs torchrun): SIGINT goes to the pane process's
-        children, the trainer ranks, not to torchrun: torchrun would pass a second SIGINT on
-        (a stop at once, no checkpoint) and exit as a signal death; the ranks' stop is agreed
-        in the step's reduce, so they stop at the same step and torchrun exits 0.
+        """
+        return await self._stop(timeout)
+
+    async def stop_node(
+        self,
+        timeout: float = 120.0,
+        *,
+        settle_s: float = 0.0,
+        interrupt: bool = True,
+        after_interrupt: Callable[[], Awaitable[None]] | None = None,
+    ) -> StopResult:
+        """Stop this host's part of a group, as `stop` does, except:
+
+        SIGINT goes to the pane process's children, the trainer ranks, not to torchrun:
+        torchrun would pass a second SIGINT on (a stop at once, no checkpoint) and exit as a
+        signal death; the ranks' stop is agreed in the step's reduce, so they stop at the same
+        step and torchrun exits 0.
         `settle_s`: after the checkpoint line, wait up to this long more for the pane's
         process to exit by itself (torchrun meets its peers at an exit barrier: ending its
         session before would fail the other nodes' agents and leave this one holding its
@@ -887,6 +911,23 @@ class RunControl:
         already (a group's other nodes): only wait and clear. `after_interrupt` runs right
         after this node's SIGINT, before the wait (a group signals its other nodes there).
         """
+        return await self._stop(
+            timeout,
+            workers=True,
+            settle_s=settle_s,
+            interrupt=interrupt,
+            after_interrupt=after_interrupt,
+        )
+
+    async def _stop(
+        self,
+        timeout: float,
+        *,
+        workers: bool = False,
+        settle_s: float = 0.0,
+        interrupt: bool = True,
+        after_interrupt: Callable[[], Awaitable[None]] | None = None,
+    ) -> StopResult:
         st = await self.status(setup_errors=True)
         if st.state == "unreachable":
             raise HostUnreachable(st.message or f"{self.host.name}: unreachable")

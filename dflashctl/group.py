@@ -456,7 +456,7 @@ class GroupControl:
 
     Node 0 holds the checkpoints: it is stopped first (its rank 0 writes the stop's checkpoint)
     and a config push is checked for resume against its checkpoint only. Nodes run torchrun
-    under tmux without the per-node supervisor (`RunControl.start(launch=...)`): a node
+    under tmux without the per-node supervisor (`RunControl.start_node`): a node
     restarted alone cannot rejoin the group's static rendezvous.
     """
 
@@ -593,10 +593,7 @@ class GroupControl:
         await self._port_free(progress)
         outcomes = await _each(
             self.hosts,
-            [
-                ctl.start(fresh=fresh, resume=resume, wait_s=0, launch=x)
-                for ctl, x in zip(self.controls, launches, strict=True)
-            ],
+            [ctl.start_node(x, wait_s=0) for ctl, x in zip(self.controls, launches, strict=True)],
         )
         failed = [o for o in outcomes if not o.ok]
         if failed:
@@ -641,7 +638,7 @@ class GroupControl:
         """After a failed group start: end the nodes that did start (they would wait for the
         rendezvous until its timeout)."""
         await asyncio.gather(
-            *(self.controls[o.node_rank].stop(10.0, workers=True) for o in started),
+            *(self.controls[o.node_rank].stop_node(10.0) for o in started),
             return_exceptions=True,
         )
 
@@ -666,15 +663,12 @@ class GroupControl:
             # agreed the stop's checkpoint across ranks, and an older release still does).
             await asyncio.gather(*(c.interrupt_workers() for c in others), return_exceptions=True)
 
-        first = await self.controls[0].stop(
-            timeout, workers=True, settle_s=SETTLE_S, after_interrupt=signal_others
+        first = await self.controls[0].stop_node(
+            timeout, settle_s=SETTLE_S, after_interrupt=signal_others
         )
         rest = await _each(
             self.hosts[1:],
-            [
-                c.stop(min(timeout, 60.0), workers=True, settle_s=SETTLE_S, interrupt=False)
-                for c in others
-            ],
+            [c.stop_node(min(timeout, 60.0), settle_s=SETTLE_S, interrupt=False) for c in others],
             first_rank=1,
         )
         errors = [o.error_line() for o in rest if not o.ok]
