@@ -1,5 +1,9 @@
-"""Pieces of the in-container supervisor (`python -m trainer.supervise`), torch-free.
+"""Pieces of the in-container supervisor (`python -m trainer.supervise`), torch-free; the
+supervise loop itself stays in trainer/supervise.py.
 
-`trainer.config.policy` decides (pure), `progress` reads RUN/status.log for the stall watchdog, `procinfo` reads
-/proc (no privileges), `statefile` owns RUN/supervisor.json.
+`trainer.config.policy` decides (pure); `flags` parses the command line; `child` spawns, waits
+for and signals the trainer; `progress` reads RUN/status.log for the stall watchdog and `stall`
+stops a stalled trainer; `restarts` counts restarts in the window and records them; `disk` and
+`diskwatch` check free space against retention; `procinfo` reads /proc (no privileges);
+`console` writes the supervisor's lines; `statefile` owns RUN/supervisor.json.
 """

@@ -1,0 +1,51 @@
+"""The trainer as the supervisor's child: spawned in its own session (a Ctrl-C in the pane
+reaches it exactly once, forwarded) with SIGTERM as its parent-death signal, waited for with a
+deadline, and sent the signals the supervisor receives.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import signal
+import subprocess
+import sys
+import time
+
+TICK_S = 0.1
+"""How often the supervisor looks at its child (and the clock) while it waits."""
+
+Child = subprocess.Popen[bytes]
+
+
+def _set_parent_death_signal() -> None:
+    # Runs in the child before exec: if the supervisor is SIGKILLed, the trainer gets SIGTERM
+    # (a graceful stop) instead of running on orphaned, outside the tmux session.
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGTERM), 0, 0, 0)  # PR_SET_PDEATHSIG
+
+
+def spawn(argv: list[str]) -> Child:
+    """Start the trainer in its own session; OSError when it cannot be started."""
+    return subprocess.Popen(argv, start_new_session=True, preexec_fn=_set_parent_death_signal)
+
+
+def wait_exit(child: Child, seconds: float) -> bool:
+    """Wait up to `seconds` for the child to exit; True when it did."""
+    deadline = time.monotonic() + seconds
+    while child.poll() is None:
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(min(TICK_S, max(0.0, deadline - time.monotonic())))
+    return True
+
+
+def forward(child: Child | None, signum: int) -> None:
+    """Pass a received signal on to the child (safe inside a signal handler)."""
+    # returncode, not poll(): no reaping inside a handler. Until the child is reaped its pid
+    # cannot be reused, so the kill reaches the child or its zombie.
+    if child is not None and child.returncode is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(child.pid, signum)  # one per signal received: the child has its own pgrp
+            os.kill(child.pid, signal.SIGCONT)  # a SIGSTOPped child must see it too
