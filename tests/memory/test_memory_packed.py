@@ -18,7 +18,7 @@ from trainer.buckets import sampler_for
 from trainer.config import TrainConfig
 from trainer.data.store import TokenStore
 from trainer.memory.batches import BatchShape, batch_shapes, load_lengths_and_eligible
-from trainer.model.objective import draw_anchors
+from trainer.model.masks import sample_anchors
 from trainer.pipeline.collate import collate_batch
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -58,7 +58,7 @@ def test_packed_shapes_are_the_rows_the_drafter_step_draws(
     tmp_path: Path, num_anchors: int
 ) -> None:
     """Every packed batch of both epochs, collated as the trainer collates it and drawn by
-    `draw_anchors` (the drafter step's per-document rule) with num_anchors as configured: its
+    `masks.sample_anchors` (the drafter step's per-document rule) with num_anchors as configured: its
     kept anchors per row, its width and so its query rows are the estimate's shape for it, and
     the estimate's shapes are exactly those. num_anchors 6 caps most documents (a packed row's
     width is then several documents' 6); 1000 takes every eligible position."""
@@ -76,7 +76,7 @@ def test_packed_shapes_are_the_rows_the_drafter_step_draws(
         for batch in sampler.epoch_batches(epoch):
             host = collate_batch(store, batch.max_len, batch, pin=False)
             assert host.position_ids is not None
-            anchors = draw_anchors(
+            anchors = sample_anchors(
                 host.loss_mask, host.attention_mask, num_anchors, generator, host.position_ids
             )
             per_row = tuple(anchors.keep.sum(1).tolist())

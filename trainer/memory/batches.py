@@ -10,7 +10,7 @@ position but the last counts as eligible: an upper bound, said so in the output.
 Packed batches (strategy "packed") are shaped as the trainer collates them: one row per packed
 row (`Batch.rows()`), `Batch.max_len` (the fullest row) wide, and a row's anchors are the sum of
 its documents' min(num_anchors, eligible): the drafter step draws up to num_anchors per
-DOCUMENT and never across a boundary (`objective.draw_anchors`), and a document's eligible
+DOCUMENT and never across a boundary (`masks.sample_anchors`), and a document's eligible
 positions are those it has alone (its last position pairs with nothing, as at a row's end).
 The rows' default length is the store's manifest max_length, as the trainer's (`sampler_for`).
 """

@@ -1,4 +1,4 @@
-"""Anchor sampling and the DFlash training attention mask.
+"""Anchor sampling (per document on packed rows) and the DFlash training attention mask.
 
 Layout of one training forward for a row with S context positions and N blocks of size B:
 queries are the N*B block tokens; keys are [S context positions | N*B block tokens]. Query
@@ -55,15 +55,26 @@ def sample_anchors(
     attention_mask: Tensor | None,
     num_anchors: int,
     generator: torch.Generator | None = None,
+    position_ids: Tensor | None = None,
 ) -> Anchors:
     """Draw up to `num_anchors` distinct eligible anchors per row, uniformly, then sort them.
 
     The batch width is min(num_anchors, max eligible count); rows with fewer eligible
     positions are padded with keep=False. Runs on the CPU (the generator is a CPU generator,
     so the draw is identical on every device); the result is on the CPU.
+
+    Packed rows (`position_ids`, restarting at 0 at each document): the same rule per
+    DOCUMENT (a new one wherever the position is 0; eligibility from `document_eligible`): up
+    to `num_anchors` of each document's eligible positions, uniformly, so a document gets the
+    anchors it would get alone in a row. One draw of [R, S] keys from the CPU generator either
+    way; the width is the most any row holds.
     """
     if num_anchors < 1:
         raise ValueError(f"num_anchors must be >= 1, got {num_anchors}")
+    if position_ids is not None:
+        return _sample_document_anchors(
+            loss_mask, attention_mask, num_anchors, generator, position_ids
+        )
     eligible = eligible_anchors(
         loss_mask.cpu(), None if attention_mask is None else attention_mask.cpu()
     )
@@ -83,6 +94,51 @@ def sample_anchors(
     keep = keep.gather(1, order)
     positions = torch.where(keep, order_key, torch.zeros_like(order_key))
     return Anchors(positions, keep)
+
+
+def document_eligible(
+    loss_mask: Tensor, attention_mask: Tensor | None, position_ids: Tensor
+) -> Tensor:
+    """`eligible_anchors` for packed rows: also the next token must be the same
+    document's (position + 1), so no anchor pair crosses a document boundary. Bool [R, S]."""
+    out = eligible_anchors(loss_mask, attention_mask)
+    pos = position_ids.to(out.device)
+    out[:, :-1] &= pos[:, 1:] == pos[:, :-1] + 1
+    return out
+
+
+def _sample_document_anchors(
+    loss_mask: Tensor,
+    attention_mask: Tensor | None,
+    num_anchors: int,
+    generator: torch.Generator | None,
+    position_ids: Tensor,
+) -> Anchors:
+    """`sample_anchors` on packed rows (see there)."""
+    pos = position_ids.cpu()
+    attn = None if attention_mask is None else attention_mask.cpu()
+    eligible = document_eligible(loss_mask.cpu(), attn, pos)
+    rows, seq = eligible.shape
+    if rows == 0 or not bool(eligible.any()):
+        empty = torch.zeros(rows, 0, dtype=torch.long)
+        return Anchors(empty, empty.bool())
+    # dtype explicit: the process default is global state another thread may change.
+    keys = torch.rand(rows, seq, generator=generator, dtype=torch.float32)
+    keys = keys.masked_fill(~eligible, 2.0)
+    doc = (pos == 0).cumsum(1)  # [R, S] document number in its row
+    # Sort by (document, key): keys lie in [0, 1) or are 2.0, so doc * 4 + key orders both.
+    _, order = (doc.double() * 4 + keys.double()).sort(dim=1, stable=True)
+    sorted_doc = doc.gather(1, order)
+    idx = torch.arange(seq).expand(rows, seq)
+    first = torch.ones_like(eligible)
+    first[:, 1:] = sorted_doc[:, 1:] != sorted_doc[:, :-1]
+    rank = idx - torch.where(first, idx, torch.zeros_like(idx)).cummax(1).values
+    chosen = torch.zeros_like(eligible)
+    chosen.scatter_(1, order, (rank < num_anchors) & eligible.gather(1, order))
+    width = int(chosen.sum(1).max())
+    at = torch.where(chosen, idx, torch.full_like(idx, seq)).sort(dim=1).values[:, :width]
+    keep = at < seq
+    return Anchors(torch.where(keep, at, torch.zeros_like(at)), keep)
 
 
 def dense_dflash_mask(

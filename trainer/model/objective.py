@@ -11,9 +11,9 @@ Everything returned is a sum, not a mean: the pipeline adds sums over micro-batc
 parallel ranks and divides once by the global weight sum (exact token-weighted mean).
 
 Packed rows (`position_ids`, restarting at 0 at each document): anchors are drawn per document
-(`sample_anchors`), a block sees only its own document's earlier context (`context_start` = the
-anchor's document start), RoPE runs at document-relative positions (context and block), and a
-label past its document's end is invalid. A document then contributes exactly the terms it
+(`masks.sample_anchors`), a block sees only its own document's earlier context (`context_start`
+= the anchor's document start), RoPE runs at document-relative positions (context and block),
+and a label past its document's end is invalid. A document then contributes exactly the terms it
 contributes alone in a row of its own, so the sums (and the global normalisation) are those of
 the unpacked run on the same samples and anchors.
 """
@@ -31,7 +31,8 @@ from trainer.kernels import lm_head_cross_entropy
 from trainer.kernels.common import Backend
 from trainer.model.attention import build_mask
 from trainer.model.drafter import DFlashDrafter, default_gamma
-from trainer.model.masks import Anchors, eligible_anchors, sample_anchors
+from trainer.model.masks import Anchors, sample_anchors
+from trainer.model.masks import document_eligible as document_eligible
 
 
 @dataclass
@@ -52,53 +53,8 @@ class StepResult:
         return {f.name: getattr(self, f.name).detach() for f in fields(self)}
 
 
-def document_eligible(loss_mask: Tensor, attention_mask: Tensor, position_ids: Tensor) -> Tensor:
-    """`masks.eligible_anchors` for packed rows: also the next token must be the same
-    document's (position + 1), so no anchor pair crosses a document boundary. Bool [R, S]."""
-    out = eligible_anchors(loss_mask, attention_mask)
-    pos = position_ids.to(out.device)
-    out[:, :-1] &= pos[:, 1:] == pos[:, :-1] + 1
-    return out
-
-
-def draw_anchors(
-    loss_mask: Tensor,
-    attention_mask: Tensor,
-    num_anchors: int,
-    generator: torch.Generator | None,
-    position_ids: Tensor | None = None,
-) -> Anchors:
-    """`masks.sample_anchors`, and for packed rows the same rule per DOCUMENT (a new one
-    wherever the position is 0): up to `num_anchors` of each document's eligible positions,
-    uniformly, so a document gets the anchors it would get alone in a row. One draw of
-    [R, S] keys from the CPU generator either way; the width is the most any row holds."""
-    if position_ids is None:
-        return sample_anchors(loss_mask, attention_mask, num_anchors, generator)
-    if num_anchors < 1:
-        raise ValueError(f"num_anchors must be >= 1, got {num_anchors}")
-    pos = position_ids.cpu()
-    eligible = document_eligible(loss_mask.cpu(), attention_mask.cpu(), pos)
-    rows, seq = eligible.shape
-    if rows == 0 or not bool(eligible.any()):
-        empty = torch.zeros(rows, 0, dtype=torch.long)
-        return Anchors(empty, empty.bool())
-    # dtype explicit: the process default is global state another thread may change.
-    keys = torch.rand(rows, seq, generator=generator, dtype=torch.float32)
-    keys = keys.masked_fill(~eligible, 2.0)
-    doc = (pos == 0).cumsum(1)  # [R, S] document number in its row
-    # Sort by (document, key): keys lie in [0, 1) or are 2.0, so doc * 4 + key orders both.
-    _, order = (doc.double() * 4 + keys.double()).sort(dim=1, stable=True)
-    sorted_doc = doc.gather(1, order)
-    idx = torch.arange(seq).expand(rows, seq)
-    first = torch.ones_like(eligible)
-    first[:, 1:] = sorted_doc[:, 1:] != sorted_doc[:, :-1]
-    rank = idx - torch.where(first, idx, torch.zeros_like(idx)).cummax(1).values
-    chosen = torch.zeros_like(eligible)
-    chosen.scatter_(1, order, (rank < num_anchors) & eligible.gather(1, order))
-    width = int(chosen.sum(1).max())
-    at = torch.where(chosen, idx, torch.full_like(idx, seq)).sort(dim=1).values[:, :width]
-    keep = at < seq
-    return Anchors(torch.where(keep, at, torch.zeros_like(at)), keep)
+# The packed draw's name before it joined `masks.sample_anchors` (split_step and tests).
+draw_anchors = sample_anchors
 
 
 def slot_weights(block_size: int, gamma: float, device: torch.device | None = None) -> Tensor:
@@ -184,7 +140,7 @@ def dflash_objective(
     if gamma <= 0 or math.isnan(gamma):
         raise ValueError(f"gamma must be positive, got {gamma}")
     if anchors is None:
-        anchors = draw_anchors(loss_mask, attention_mask, num_anchors, generator, position_ids)
+        anchors = sample_anchors(loss_mask, attention_mask, num_anchors, generator, position_ids)
     if anchors.num_blocks == 0:
         return _empty_result(drafter, bsz, device)
 
