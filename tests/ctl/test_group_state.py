@@ -2,8 +2,24 @@
 
 from __future__ import annotations
 
-from dflashctl.control import RunStatus
-from dflashctl.group import NodeReport, group_json, group_state, torchrun_failure
+from pathlib import Path
+
+import pytest
+
+from dflashctl.control import ControlError, RunStatus
+from dflashctl.errors import UsageError
+from dflashctl.group import (
+    GroupControl,
+    NodeReport,
+    group_config_path,
+    group_json,
+    group_state,
+    torchrun_failure,
+)
+from dflashctl.inventory import GroupConfig, parse_inventory
+from dflashctl.remote.transport import LocalTransport
+from dflashctl.runconfig import config_hash_of_file
+from tests.ctl.parts import REPO, halve_lr
 from trainer.events.run_state import RunState
 
 # torchrun's report in the dead pane of a node whose worker was SIGKILLed (torch 2.x layout)
@@ -177,3 +193,55 @@ def test_torchrun_failure_parser() -> None:
     assert torchrun_failure(PEER_TAIL) == (0, 1)
     assert torchrun_failure(("Traceback", "ValueError: x")) is None
     assert torchrun_failure(OTHERS_FIRST_TAIL) == (0, -9)
+
+
+# --- the refusals a group command makes before touching a node ----------------------------
+
+
+def _pair(tmp_path: Path, cfg0: Path | None, cfg1: Path | None) -> GroupConfig:
+    lines = []
+    for i, cfg in enumerate((cfg0, cfg1)):
+        lines += [f"[hosts.n{i}]", f'address = "p{i}"', f"ctid = {200 + i}"]
+        lines += [f'node_address = "192.0.2.{10 + i}"']
+        if cfg is not None:
+            lines.append(f'run_config = "{cfg}"')
+    lines += ["[groups.g]", 'hosts = ["n0", "n1"]']
+    return parse_inventory("\n".join(lines) + "\n", tmp_path / "hosts.toml").groups["g"]
+
+
+def test_one_config_per_group_or_a_refusal_naming_nodes_and_hashes(tmp_path: Path) -> None:
+    tiny = (REPO / "configs" / "tiny-cpu.toml").read_text()
+    a, b, c = tmp_path / "a.toml", tmp_path / "b.toml", tmp_path / "c.toml"
+    a.write_text(tiny)
+    b.write_text(tiny)  # the same config in another file: fine
+    c.write_text(halve_lr(tiny)[0])
+    assert group_config_path(_pair(tmp_path, a, b), None) == a
+    assert group_config_path(_pair(tmp_path, a, c), b) == b  # --config wins
+    with pytest.raises(UsageError) as err:
+        group_config_path(_pair(tmp_path, a, c), None)
+    ha, hc = config_hash_of_file(a), config_hash_of_file(c)
+    assert str(err.value) == (
+        f"group 'g': the nodes' run_config differ (n0 {ha}, n1 {hc}); give them one file, "
+        f"or pass --config PATH"
+    )
+
+
+def test_start_refuses_nodes_with_another_release_or_nothing_deployed(tmp_path: Path) -> None:
+    group = _pair(tmp_path, None, None)
+    gc = GroupControl(group, [LocalTransport(), LocalTransport()])
+    same = [
+        RunStatus(host=h, state="stopped", release="r1", deployed_config_hash="c1")
+        for h in ("n0", "n1")
+    ]
+    assert gc._refuse_mixed(same) == ("r1", "c1")
+    other = [
+        same[0],
+        RunStatus(host="n1", state="stopped", release="r2", deployed_config_hash="c1"),
+    ]
+    with pytest.raises(ControlError, match=r"the nodes' releases differ \(n0 r1, n1 r2\)"):
+        gc._refuse_mixed(other)
+    bare = [same[0], RunStatus(host="n1", state="stopped")]
+    with pytest.raises(ControlError, match="nothing deployed on n1; run `dflashctl deploy g`"):
+        gc._refuse_mixed(bare)
+    with pytest.raises(ValueError, match="1 transports, 2 nodes"):
+        GroupControl(group, [LocalTransport()])
