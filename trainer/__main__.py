@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import faulthandler
+import os
 import signal
 import sys
 from pathlib import Path
@@ -41,7 +42,14 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def cuda_allocator_env() -> None:
+    """`expandable_segments` unless the operator chose: set before torch can initialise CUDA
+    (the allocator reads it once), so the trainer gets it however it is started."""
+    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+
+
 def main(argv: list[str] | None = None) -> int:
+    cuda_allocator_env()
     args = _parser().parse_args(argv)
     from trainer.config import ConfigError, TrainConfig
 

@@ -195,12 +195,42 @@ class ModelConfig(BaseModel):
 class TopologyConfig(BaseModel):
     model_config = _SECTION
 
+    targets: Literal["per_rank", "shared"] = Field(
+        default="per_rank",
+        description="per_rank: each drafter rank runs target threads on its share of "
+        "target_devices; shared: each target device is a rank of its own serving every drafter "
+        "rank (any M:N split; launch len(drafter_devices) + len(target_devices) processes)",
+    )
     target_devices: list[str] = Field(
         default=["cpu"], min_length=1, description='one target worker per entry, e.g. "cuda:1"'
     )
     drafter_devices: list[str] = Field(
         default=["cpu"], min_length=1, description="one per data-parallel rank on this node"
     )
+
+    @field_validator("target_devices", "drafter_devices")
+    @classmethod
+    def _each_device_once(cls, value: list[str], info: ValidationInfo) -> list[str]:
+        """targets = "shared": every process owns its device ("cpu" may repeat: CPU ranks)."""
+        if info.data.get("targets") != "shared":
+            return value
+        others = info.data.get("target_devices", []) if info.field_name == "drafter_devices" else []
+        seen: set[str] = set()
+        others = ["cuda:0" if d == "cuda" else d for d in others]
+        for dev in ("cuda:0" if d == "cuda" else d for d in value):
+            if dev == "cpu":
+                continue
+            if dev in seen:
+                raise ValueError(
+                    f"{dev!r} is listed twice (targets = 'shared': one rank per device)"
+                )
+            if dev in others:
+                raise ValueError(
+                    f"{dev!r} is also in target_devices (targets = 'shared': one rank per device)"
+                )
+            seen.add(dev)
+        return value
+
     prefetch_depth: int = Field(
         default=4, ge=1, description="capacity of each q_pre queue (one prefetch thread per bucket)"
     )

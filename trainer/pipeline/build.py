@@ -81,7 +81,7 @@ class Parts:
         return self.cfg.optimizer.grad_accum
 
 
-def _target_dtype(cfg: TrainConfig, drafter_device: torch.device) -> torch.dtype:
+def target_dtype(cfg: TrainConfig, drafter_device: torch.device) -> torch.dtype:
     name = cfg.topology.target_dtype
     if name != "auto":
         dtype = getattr(torch, name)
@@ -115,6 +115,26 @@ def _data(
     return holdout, sampler
 
 
+def _open_store(cfg: TrainConfig) -> TokenStore:
+    from trainer.data.store import StoreError
+
+    try:
+        return TokenStore.open(assets.ensure_store(cfg))
+    except StoreError as exc:
+        raise assets.UserError(f"data.store: {exc}") from None
+
+
+def plans_for(cfg: TrainConfig, drafters: int) -> tuple[TokenStore, list[BatchPlan]]:
+    """The store and every drafter rank's plan (an M:N target rank captures for all of them:
+    the same plans the drafter ranks build, a pure function of the seed and the rank)."""
+    store = _open_store(cfg)
+    plans = []
+    for d in range(drafters):
+        _, sampler = _data(cfg, distributed.World(rank=d, size=drafters), store)
+        plans.append(BatchPlan(sampler, cfg.schedule.epochs))
+    return store, plans
+
+
 def _schedule(cfg: TrainConfig, plan: BatchPlan) -> Schedule:
     accum = cfg.optimizer.grad_accum
     total = plan.total // accum
@@ -137,18 +157,12 @@ def build_parts(
     cfg: TrainConfig, world: distributed.World, run_dir: Path, faults: FaultPlan
 ) -> Parts:
     """Everything one rank trains with, fresh (weights from the seed, no step taken)."""
-    from trainer.data.store import StoreError
-
     drafter_device, target_devices = distributed.pick_devices(cfg, world)
     if world.is_main:  # build the tiny store/target once, before the other ranks look
         assets.ensure_store(cfg)
         assets.ensure_target(cfg)
     distributed.barrier(world)
-    store_path, target_dir = assets.ensure_store(cfg), assets.ensure_target(cfg)
-    try:
-        store = TokenStore.open(store_path)
-    except StoreError as exc:
-        raise assets.UserError(f"data.store: {exc}") from None
+    store, target_dir = _open_store(cfg), assets.ensure_target(cfg)
     holdout, sampler = _data(cfg, world, store)
     plan = BatchPlan(sampler, cfg.schedule.epochs)
     schedule = _schedule(cfg, plan)
@@ -156,8 +170,8 @@ def build_parts(
     hf = assets.target_hf_config(target_dir)
     layer_ids = assets.layer_ids_for(cfg, hf)
     dcfg = assets.drafter_config(cfg, hf, layer_ids)
-    target_dtype = _target_dtype(cfg, drafter_device)
-    borrowed = assets.load_borrowed(target_dir, hf, drafter_device, target_dtype)
+    dtype = target_dtype(cfg, drafter_device)
+    borrowed = assets.load_borrowed(target_dir, hf, drafter_device, dtype)
     drafter = assets.build_drafter(
         dcfg,
         borrowed,
@@ -180,7 +194,7 @@ def build_parts(
         schedule=schedule,
         target_dir=target_dir,
         layer_ids=layer_ids,
-        target_dtype=target_dtype,
+        target_dtype=dtype,
         drafter_device=drafter_device,
         target_devices=target_devices,
         dcfg=dcfg,

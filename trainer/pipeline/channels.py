@@ -114,6 +114,19 @@ class ReorderBuffer(Generic[T]):
             if clock is not None:
                 clock.end("output_s", t0)
 
+    def wait_room(self, seq: int, stop: threading.Event, clock: WaitClock | None = None) -> None:
+        """Block until `put(seq)` would not (counted as output wait, as a blocked put is)."""
+        t0 = clock.begin("output_s") if clock else 0.0
+        try:
+            with self._cond:
+                while seq >= self.next_seq + self.capacity:
+                    if stop.is_set():
+                        raise Stopped
+                    self._cond.wait(POLL_S)
+        finally:
+            if clock is not None:
+                clock.end("output_s", t0)
+
     def get(self, stop: threading.Event, clock: WaitClock | None = None) -> tuple[int, T]:
         t0 = clock.begin("input_s") if clock else 0.0
         try:
@@ -130,6 +143,17 @@ class ReorderBuffer(Generic[T]):
         finally:
             if clock is not None:
                 clock.end("input_s", t0)
+
+    def poll(self) -> tuple[int, T] | None:
+        """The next item in order if it is here already, else None (never blocks)."""
+        with self._cond:
+            if self.next_seq not in self._items:
+                return None
+            seq = self.next_seq
+            item = self._items.pop(seq)
+            self.next_seq += 1
+            self._cond.notify_all()
+            return seq, item
 
     def depth(self) -> int:
         """Packets ready or waiting for their turn (the status line's q_hs)."""

@@ -13,7 +13,7 @@ from trainer.pipeline.build import Parts
 from trainer.pipeline.channels import ReorderBuffer, WaitClock
 from trainer.pipeline.collate import HostBatch
 from trainer.pipeline.signals import StopSignals
-from trainer.pipeline.stages import Counter, Packet
+from trainer.pipeline.stages import Counter, Packet, Stager
 from trainer.pipeline.status import (
     Board,
     RateWindow,
@@ -31,6 +31,7 @@ class Queues:
 
     pre: list[queue.Queue[HostBatch]]  # prefetch -> target, one per bucket
     hs: ReorderBuffer[Packet]  # target -> drafter, in sequence order
+    feed: Stager  # the drafter's end of `hs` (with the packet staged ahead on its device)
 
 
 class Monitor:
@@ -48,7 +49,8 @@ class Monitor:
         self.p, self.board, self.reporter, self.tracker = p, board, reporter, tracker
         self.last_tau, self.t0 = last_tau, t0
         self.pre_clocks = [WaitClock() for _ in range(p.sampler.num_buckets)]
-        self.tgt_clocks = [WaitClock() for _ in p.target_devices]
+        # one per target worker; M:N: the rank's receiver, which stands in for them
+        self.tgt_clocks = [WaitClock() for _ in range(max(1, len(p.target_devices)))]
         self.dft_clock = WaitClock()
         self.tgt_done = Counter()  # micro-batches the targets captured
         window = p.cfg.status.rate_window_s
@@ -108,7 +110,7 @@ class Monitor:
         remaining = plan.real_tokens_before(end_micro) - plan.real_tokens_before(b.micro)
         eta = remaining / tok if tok and tok > 0 else None
         # One rank sees its own buffer live; the others' depths come with each step's reduce.
-        q_hs = [queues.hs.depth()] if world.size == 1 or not b.q_hs else b.q_hs
+        q_hs = [queues.feed.depth()] if world.size == 1 or not b.q_hs else b.q_hs
         nb = self.p.sampler.num_buckets  # loss_b only when batches come from several buckets
         line = status_line(
             elapsed_s=now - self.t0,

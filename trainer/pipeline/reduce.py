@@ -5,6 +5,9 @@ a timed evaluation is due), its reorder-buffer depth (in its own slot, so the su
 rank's depth) and its per-bucket (loss, weight) sums. One float64 tensor carries them, summed
 over ranks, read back once per step (the step's one host sync): a flag is set when any rank
 set it, so every rank takes the same decision at the same step.
+
+The host-known part (flags, depths) goes up from pinned memory without a sync; values known only
+after the reduce (the gradient norm) ride the same read (`all_reduce_step(..., local=...)`).
 """
 
 from __future__ import annotations
@@ -75,13 +78,29 @@ class StepContribution:
 
     def pack(self, world: distributed.World) -> torch.Tensor:
         dev = self.metrics.device
-        flags = torch.tensor(self.flags.values(), dtype=torch.float64, device=dev)
-        depths = torch.zeros(world.size, dtype=torch.float64, device=dev)
+        depths = [0.0] * world.size
         depths[world.rank] = float(self.depth)
-        return torch.cat([self.metrics, flags, depths, self.bucket_sums])
+        host = torch.tensor(self.flags.values() + depths, dtype=torch.float64)
+        if dev.type == "cuda":  # a pageable host->device copy would wait for the stream
+            host = host.pin_memory().to(dev, non_blocking=True)
+        return torch.cat([self.metrics, host, self.bucket_sums])
 
 
-def all_reduce_step(mine: StepContribution, world: distributed.World) -> StepTotals:
-    """Sum every rank's contribution; the one host sync of the step."""
+def read_back(t: torch.Tensor) -> list[float]:
+    """A device tensor's values on the host: the step's one device->host sync."""
+    return list(t.to("cpu").tolist())
+
+
+def all_reduce_step(
+    mine: StepContribution, world: distributed.World, local: torch.Tensor | None = None
+) -> tuple[StepTotals, list[float]]:
+    """Sum every rank's contribution; the one host sync of the step. `local` (this rank's
+    values, not summed: e.g. the norm of the already reduced gradients) rides the same read;
+    returns the totals and `local`'s values."""
     summed = distributed.all_reduce_sum(mine.pack(world), world)
-    return StepTotals.unpack(summed.tolist(), world.size, len(mine.bucket_sums) // 2)
+    n = summed.numel()
+    if local is not None:
+        summed = torch.cat([summed, local.detach().reshape(-1).to(summed.dtype)])
+    values = read_back(summed)
+    totals = StepTotals.unpack(values[:n], world.size, len(mine.bucket_sums) // 2)
+    return totals, values[n:]

@@ -7,6 +7,10 @@ Threads (one process per data-parallel rank):
     drafter      reorder buffer (strict seq order) -> `train_step` -> checkpoints   (`train`)
     main         status line every status.interval_s, signals, failure handling   (`Monitor`)
 
+M:N (`topology.targets = "shared"`, `trainer.pipeline.topology`): the target devices are
+processes of their own; in a drafter rank one `receiver` thread stands in for the target
+threads (features from its target rank, in sequence order, into a one-deep reorder buffer).
+
 Any exception in any thread sets the shared stop event (every blocking op polls it), the run
 prints the traceback and one ERROR line, and exits 1. SIGINT/SIGTERM ask the drafter to finish
 its step, write a checkpoint and stop; a second signal stops at once: no more data is waited
@@ -41,7 +45,7 @@ import torch
 from trainer.config import ConfigError, TrainConfig, config_hash
 from trainer.errors import ExitCode
 from trainer.model.target import TargetModel
-from trainer.pipeline import assets, checkpoint, distributed
+from trainer.pipeline import assets, checkpoint, checkpoint_sync, distributed, topology
 from trainer.pipeline.build import Parts, build_parts
 from trainer.pipeline.build import RunOptions as RunOptions
 from trainer.pipeline.channels import ReorderBuffer, Stopped
@@ -53,8 +57,15 @@ from trainer.pipeline.monitor import Monitor, Queues
 from trainer.pipeline.reduce import StepFlags
 from trainer.pipeline.resume import resume
 from trainer.pipeline.signals import StopSignals
-from trainer.pipeline.stages import Claims, Supervisor, prefetch_body, target_body
-from trainer.pipeline.status import Board, Reporter, RunRecord, RunStateFile
+from trainer.pipeline.stages import (
+    Claims,
+    Packet,
+    Stager,
+    Supervisor,
+    prefetch_body,
+    target_body,
+)
+from trainer.pipeline.status import Board, NodeInfo, Reporter, RunRecord, RunStateFile
 from trainer.pipeline.step import Feed, StepResult, autocast_for, train_step
 from trainer.pipeline.track import TrackerSink
 
@@ -97,6 +108,7 @@ class Run:
     signals: StopSignals = field(init=False)
     tracker: TrackerSink = field(init=False)
     ckpt: Checkpointer | None = None  # once the parts are built
+    links: topology.Links | None = None  # M:N: features from the target ranks
     completed: bool = False  # the drafter trained to the end of the plan
     final_save_failed: bool = False  # the last step's checkpoint was not written
 
@@ -135,11 +147,21 @@ def run(opts: RunOptions) -> int:
         print(f"ERROR: {exc}", flush=True)
         return ExitCode.USAGE
     opts.run_dir.mkdir(parents=True, exist_ok=True)
-    world = distributed.init_world(torch.device(cfg.topology.drafter_devices[0]).type)
+    try:
+        world = distributed.init_world(cfg.topology)
+    except assets.UserError as exc:
+        print(f"ERROR: {exc}", flush=True)
+        return ExitCode.USAGE
+    if isinstance(world, distributed.TargetRank):  # M:N: this process captures, not trains
+        return topology.serve(cfg, world)
     reporter = Reporter(opts.run_dir, enabled=world.is_main)
-    r = Run(
-        opts, cfg, world, reporter, RunRecord(RunStateFile(opts.run_dir), reporter, world.is_main)
-    )
+    # every node's first local rank keeps its node's run-state (node 0's is the run's)
+    node = NodeInfo.from_env()
+    record = RunRecord(RunStateFile(opts.run_dir), reporter, world.local_rank == 0, node)
+    r = Run(opts, cfg, world, reporter, record)
+    if world.layout is not None:  # every process of the launch joins the features group
+        r.links = topology.connect(world)
+    record.step_of = lambda: r.board.step
     newest = checkpoint.list_checkpoints(opts.run_dir)[-1:]
     # Every field the trainer owns, written whole (a corrupted file is replaced, not merged).
     r.record(
@@ -188,9 +210,14 @@ def run(opts: RunOptions) -> int:
             state = "stopped"  # a signalled stop that could not keep every step (see detail)
         else:
             state = "crashed"
+        failure = r.sup.failure[1] if r.sup.failure else None
         r.record(
             state=state,
             exit_status=int(status),
+            step=r.board.step,
+            failed_rank=checkpoint_sync.first_failed_rank(failure, world)
+            if failure and node
+            else None,
             stop_signal=received[0].name if received else None,
             signals=len(received),
             stop_detail=r.stop_detail(),
@@ -210,6 +237,8 @@ def _run(r: Run) -> ExitCode:
         r.reporter.error(str(exc))
         return ExitCode.USAGE
     r.reporter.phase("starting")
+    if r.links is not None:
+        topology.start_targets(r.world, r.links, t.start_micro, t.end_micro)
     queues, drafter = start_stages(r, t)
     p = t.p
     r.record(
@@ -285,14 +314,16 @@ def _finish(r: Run, t: Training, queues: Queues, drafter: threading.Thread) -> E
 
 def _export(r: Run, p: Parts) -> None:
     """The finished drafter to RUN/export, and the held-out best to RUN/export-best."""
-    from trainer.model.export import export_drafter
+    from trainer.model.export import TRAINING_DTYPE, export_drafter
 
     out = export_drafter(p.drafter, r.opts.run_dir / "export")
-    r.reporter.line(f"Exported drafter to {out}", status_log=False)
+    export_drafter(p.drafter, r.opts.run_dir / "export-bf16", dtype=TRAINING_DTYPE)
+    r.reporter.line(f"Exported drafter to {out} (bf16: {out}-bf16)", status_log=False)
     best = checkpoint.best_checkpoint(r.opts.run_dir)
     if best is not None:  # the held-out best, alongside the last
         p.drafter.load_state_dict(checkpoint.load_checkpoint(best[1])["drafter"])
         out = export_drafter(p.drafter, r.opts.run_dir / "export-best")
+        export_drafter(p.drafter, r.opts.run_dir / "export-best-bf16", dtype=TRAINING_DTYPE)
         r.reporter.line(f"Exported best drafter (step {best[0]}) to {out}", status_log=False)
 
 
@@ -331,9 +362,13 @@ def start_stages(r: Run, t: Training) -> tuple[Queues, threading.Thread]:
     p, m = t.p, t.monitor
     topo = p.cfg.topology
     nb = p.sampler.num_buckets
+    # M:N: packets arrive on the drafter's device, one ahead (capacity 1, nothing to stage)
+    shared = r.links is not None
+    hs: ReorderBuffer[Packet] = ReorderBuffer(1 if shared else topo.hidden_depth, t.start_micro)
     queues = Queues(
         pre=[queue.Queue(maxsize=topo.prefetch_depth) for _ in range(nb)],
-        hs=ReorderBuffer(topo.hidden_depth, t.start_micro),
+        hs=hs,
+        feed=Stager(hs, p.drafter_device, r.sup.stop, m.dft_clock, ahead=not shared),
     )
     pin = p.drafter_device.type == "cuda" or any(d.startswith("cuda") for d in p.target_devices)
     # One prefetch thread per bucket: a thread serving several buckets in sequence order
@@ -350,8 +385,26 @@ def start_stages(r: Run, t: Training) -> tuple[Queues, threading.Thread]:
             clock=m.pre_clocks[w],
             faults=p.faults,
             pin=pin,
+            device=p.drafter_device,
         )
         r.sup.spawn(f"prefetch[{w}]", body)
+    if r.links is not None:
+        body = topology.receiver_body(
+            world=r.world,
+            links=r.links,
+            plan=p.plan,
+            queues=queues.pre,
+            out=queues.hs,
+            start_seq=t.start_micro,
+            end_seq=t.end_micro,
+            width=p.dcfg.num_features * p.dcfg.hidden_size,
+            dtype=p.target_dtype,
+            device=p.drafter_device,
+            stop=r.sup.stop,
+            clock=m.tgt_clocks[0],
+            done=m.tgt_done,
+        )
+        r.sup.spawn("receiver", body)
     claims = Claims(t.start_micro, t.end_micro)
     for i, dev in enumerate(p.target_devices):
 
@@ -361,24 +414,24 @@ def start_stages(r: Run, t: Training) -> tuple[Queues, threading.Thread]:
 
         body = target_body(
             load_target=load,
+            device=dev,
             plan=p.plan,
             claims=claims,
             queues=queues.pre,
             out=queues.hs,
-            drafter_device=p.drafter_device,
             stop=r.sup.stop,
             clock=m.tgt_clocks[i],
             done=m.tgt_done,
             faults=p.faults,
         )
         r.sup.spawn(f"target[{dev}#{i}]", body)
-    feed = Feed(queues.hs, r.sup.stop, m.dft_clock)
-    return queues, r.sup.spawn("drafter", lambda: train(r, t, feed))
+    return queues, r.sup.spawn("drafter", lambda: train(r, t, queues.feed))
 
 
 def train(r: Run, t: Training, feed: Feed) -> None:
     """The drafter's loop: step, account, evaluate, checkpoint, until the end or a stop."""
     p, ckpt, ev, sig = t.p, t.ckpt, t.evaluator, r.signals
+    distributed.bind_thread(p.drafter_device)  # this thread's CUDA work goes to its own GPU
     autocast = autocast_for(p.drafter_device)
     # Line-buffered: a full disk shows at the write (one line, training goes on), not at close.
     metrics_log = (
@@ -434,6 +487,9 @@ def train(r: Run, t: Training, feed: Feed) -> None:
                 return
         r.completed = True
     finally:
+        ckpt.drain()  # a stop, the end or a failure waits for the write in flight
+        if r.links is not None:  # every drafter is past its last step: the targets may go
+            topology.release_targets(r.world, r.links)
         if metrics_log is not None:
             with contextlib.suppress(OSError):
                 metrics_log.close()
@@ -455,6 +511,10 @@ def _account(r: Run, p: Parts, res: StepResult, metrics_log: TextIO | None) -> N
     )
     if metrics_log is not None:
         rec = {"step": res.step, "loss": res.loss, "lr": res.lr, "gnorm": res.gnorm, "micro": micro}
+        # seconds since the run started, at the end of this step's host sync: step times for
+        # `python -m trainer.measure` (differences of consecutive records)
+        rec["elapsed_s"] = round(time.monotonic() - r.t0, 6)
+        rec["cpu_s"] = round(time.process_time(), 6)  # this process's CPU seconds, all threads
         r.reporter.append(metrics_log, json.dumps(rec) + "\n")
 
 
@@ -485,7 +545,7 @@ def _after_step(
         if new_best and evaluated is not None and evaluated.tau is not None:
             ckpt.best.value = (step, evaluated.tau)  # saved with this checkpoint
     if ckpt.due(step, final=final, time_due=flags.checkpoint_due, new_best=new_best):
-        saved = ckpt.save(step)
+        saved = ckpt.save(step, wait=final or new_best)  # best.pt needs the file
         if new_best and t.evals is not None:
             t.evals.mark_best(step, saved, prev_best)
         if t.evals is not None:

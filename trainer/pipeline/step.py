@@ -1,20 +1,25 @@
 """One optimizer step of the drafter: `grad_accum` micro-batches forward and backward, the
-step's all-reduce, then clip and AdamW (skipped when the loss is not finite)."""
+step's all-reduce, then clip and AdamW (skipped when the loss is not finite).
+
+One host sync per step: the gradients are summed over ranks unscaled and their norm is taken on
+the device before anything is read; the step's sums, flags and that norm come back in one read
+(`reduce.all_reduce_step`), and the normalisation (1 / global weight) and the clip coefficient
+are then one host scalar applied to the gradients, as `clip_grad_norm_` would (its 1e-6 too).
+"""
 
 from __future__ import annotations
 
 import contextlib
 import math
-import threading
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
 from trainer.model.split_step import bounded_objective_backward
 from trainer.pipeline import distributed
 from trainer.pipeline.build import Parts
-from trainer.pipeline.channels import ReorderBuffer, WaitClock
 from trainer.pipeline.reduce import (
     METRIC_KEYS,
     StepContribution,
@@ -25,13 +30,13 @@ from trainer.pipeline.reduce import (
 from trainer.pipeline.stages import Packet
 
 
-@dataclass(frozen=True)
-class Feed:
-    """Where the drafter's micro-batches come from: the reorder buffer, in sequence order."""
+class Feed(Protocol):
+    """Where the drafter's micro-batches come from, in sequence order, on its device
+    (`stages.Stager`: a wait for data gives up with `Stopped` when the pipeline stops)."""
 
-    buffer: ReorderBuffer[Packet]
-    stop: threading.Event  # the pipeline's stop: a wait for data gives up (Stopped)
-    clock: WaitClock  # the drafter's input wait
+    def get(self) -> tuple[int, Packet]: ...
+
+    def depth(self) -> int: ...  # packets waiting for the drafter (the status line's q_hs)
 
 
 @dataclass(frozen=True)
@@ -81,7 +86,7 @@ def train_step(
     sums = torch.zeros(len(METRIC_KEYS), dtype=torch.float64, device=dev)
     bucket_sums = torch.zeros(2 * nb, dtype=torch.float64, device=dev)
     for _ in range(o.grad_accum):
-        seq, pkt = feed.buffer.get(feed.stop, feed.clock)
+        seq, pkt = feed.get()  # packet n-1 is dropped: at most n and n+1 on the device
         p.faults.tick("drafter")
         # forward+backward in pieces of <= m.max_query_rows query rows (None: one)
         res = bounded_objective_backward(
@@ -104,13 +109,22 @@ def train_step(
             i = 2 * p.plan.batch(seq).bucket
             pair = torch.stack([res.loss_sum.detach(), res.weight_sum.detach()])
             bucket_sums[i : i + 2] += pair.to(torch.float64)
-    mine = StepContribution(sums, bucket_sums, flags(), feed.buffer.depth())
-    totals = all_reduce_step(mine, p.world)
+        del pkt, res
+    mine = StepContribution(sums, bucket_sums, flags(), feed.depth())
+    grads = distributed.sum_gradients(p.params, p.world)  # unscaled: W is not known yet
+    raw_norm = (
+        torch.nn.utils.get_total_norm(grads)
+        if grads
+        else torch.zeros((), dtype=torch.float32, device=dev)
+    )
+    totals, (raw,) = all_reduce_step(mine, p.world, local=raw_norm)
     gnorm: float | None = None
     if math.isfinite(totals.loss_sum) and totals.weight_sum > 0:
-        distributed.reduce_gradients(p.params, p.world, 1.0 / totals.weight_sum)
+        scale = 1.0 / totals.weight_sum
+        gnorm = raw * scale  # the norm of the normalised gradient
         max_norm = o.clip if o.clip > 0 else math.inf
-        gnorm = float(torch.nn.utils.clip_grad_norm_(p.params, max_norm))
+        coef = min(1.0, max_norm / (gnorm + 1e-6))  # clip_grad_norm_'s coefficient
+        distributed.scale_gradients(grads, scale * coef)
         p.opt.step()
     p.opt.zero_grad(set_to_none=True)
     return StepResult(step + 1, lr, gnorm, totals)
