@@ -199,3 +199,43 @@ def test_the_status_line_names_the_real_bottleneck(
     named = [s.extra.get("bottleneck") for s in _status(tmp_path / "run") if s.step > 2]
     named = [x for x in named if x is not None]
     assert named and named.count(expected) >= len(named) - 1, named
+
+
+@pytest.mark.timeout(600)
+def test_two_targets_for_one_drafter_train_the_single_process_losses(
+    tmp_path: Path, tiny_assets: dict[str, Any]
+) -> None:
+    """2 target ranks : 1 drafter rank: batches alternate between the targets, and the drafter
+    still trains the losses of a plain single-process run (one target thread), bit for bit."""
+    single = write_config(tmp_path / "1.toml", tiny_assets, schedule={"max_steps": STEPS})
+    shared = write_config(
+        tmp_path / "21.toml",
+        tiny_assets,
+        topology={
+            "targets": "shared",
+            "target_devices": ["cpu", "cpu"],
+            "drafter_devices": ["cpu"],
+        },
+        schedule={"max_steps": STEPS},
+    )
+    a = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "trainer",
+            "--config",
+            str(single),
+            "--run-dir",
+            str(tmp_path / "1"),
+        ],
+        cwd=REPO,
+        env=cli_env(),
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert a.returncode == 0, a.stderr[-3000:]
+    b = run_ranks(shared, tmp_path / "21", 3)
+    assert b.returncode == 0, (b.stdout[-2000:], b.stderr[-3000:])
+    assert _losses(tmp_path / "21") == _losses(tmp_path / "1")
+    assert all(len(s.q_hs) == 1 for s in _status(tmp_path / "21"))
