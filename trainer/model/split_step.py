@@ -24,6 +24,8 @@ import torch
 from torch import Tensor
 
 from trainer.kernels.common import Backend
+from trainer.model.attention import resolve_backend
+from trainer.model.documents import unpack_documents
 from trainer.model.drafter import DFlashDrafter
 from trainer.model.masks import Anchors
 from trainer.model.objective import StepResult, _noise_like, dflash_objective, draw_anchors
@@ -87,6 +89,7 @@ def bounded_objective_backward(
     ce_backend: Backend = "auto",
     loss_transform: Callable[[Tensor], Tensor] | None = None,
     position_ids: Tensor | None = None,
+    unpack: bool | None = None,
 ) -> StepResult:
     """Forward+backward of one packet in pieces of at most `max_query_rows` query rows.
 
@@ -96,7 +99,10 @@ def bounded_objective_backward(
     pipeline's non-finite fault hook). The generator draws anchors, then noise, exactly as
     `dflash_objective` does for the whole packet. `position_ids` (packed rows): anchors per
     document, each block inside its own document (see `trainer.model.objective`); the pieces
-    cut rows and anchors exactly as for unpacked rows.
+    cut rows and anchors exactly as for unpacked rows. `unpack` (packed rows; None = when the
+    attention backend is SDPA, whose dense mask costs a packed row's every block the whole
+    row): after the draws, each document with an anchor becomes a row of its own
+    (`trainer.model.documents`), the same computation at less attention work.
     """
     ctx = autocast if autocast is not None else contextlib.nullcontext()
     bsz = drafter.config.block_size
@@ -106,6 +112,19 @@ def bounded_objective_backward(
     else:
         if noise > 0:
             hidden = hidden + _noise_like(hidden, noise, generator)
+        if unpack is None:
+            unpack = resolve_backend(attn_backend, hidden.device) == "sdpa"
+        if position_ids is not None and unpack:
+            u = unpack_documents(
+                input_ids, loss_mask, attention_mask, hidden, position_ids, anchors
+            )
+            input_ids, loss_mask, attention_mask, hidden = (
+                u.input_ids,
+                u.loss_mask,
+                u.attention_mask,
+                u.hidden,
+            )
+            anchors, position_ids = u.anchors, None
         pieces = split_pieces(anchors, bsz, max_query_rows)
     total: StepResult | None = None
     for rows, cols in pieces:

@@ -1,0 +1,130 @@
+"""Packed rows unpacked for the drafter's SDPA step (`trainer.model.documents`).
+
+The drafter step on packed rows may run on the packed rows themselves (document masks inside
+each row) or on the documents laid one per row (`unpack=True`, SDPA's default): both are the
+unpacked computation on the same documents, so each equals the padded step, split or not, and
+the two equal each other with noise and a drawn anchor subset (the draws happen on the packed
+rows before unpacking). The unpacked layout itself is checked against the padded documents.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import Tensor
+
+from trainer.model.documents import unpack_documents
+from trainer.model.masks import sample_anchors
+from trainer.model.objective import StepResult, draw_anchors
+from trainer.model.split_step import bounded_objective_backward
+from trainer.model.target import TargetModel
+
+from .helpers import make_drafter
+from .test_packed_objective import (
+    ALL,
+    BLOCK,
+    DOCS,
+    ROWS,
+    _assert_same,
+    _assert_same_grads,
+    _grads,
+    documents,
+    packed,
+    padded,
+)
+
+
+def _step(
+    target: TargetModel,
+    batch: tuple[Tensor, ...],
+    *,
+    unpack: bool | None,
+    max_query_rows: int | None = None,
+    noise: float = 0.0,
+    num_anchors: int = ALL,
+) -> tuple[StepResult, dict[str, Tensor]]:
+    ids, loss, attn = batch[:3]
+    pos = batch[3] if len(batch) > 3 else None
+    feats = target.capture(ids, attn) if pos is None else target.capture(ids, position_ids=pos)
+    drafter = make_drafter(target, block_size=BLOCK)
+    res = bounded_objective_backward(
+        drafter,
+        ids,
+        loss,
+        attn,
+        feats,
+        max_query_rows=max_query_rows,
+        num_anchors=num_anchors,
+        noise=noise,
+        generator=torch.Generator().manual_seed(3),
+        position_ids=pos,
+        unpack=unpack,
+    )
+    return res, _grads(drafter)
+
+
+@pytest.mark.parametrize("unpack", [True, False, None])
+@pytest.mark.parametrize("max_query_rows", [None, 8, 2])
+def test_both_layouts_equal_the_padded_step(
+    target: TargetModel, unpack: bool | None, max_query_rows: int | None
+) -> None:
+    docs = documents()
+    ref, ref_grads = _step(target, padded(docs), unpack=None)
+    got, grads = _step(target, packed(docs), unpack=unpack, max_query_rows=max_query_rows)
+    assert int(ref.n_pred) > 20 and int(ref.n_blocks) > 10  # not vacuous
+    _assert_same(got, ref)
+    _assert_same_grads(grads, ref_grads)
+
+
+@pytest.mark.parametrize("max_query_rows", [None, 8])
+def test_unpacked_equals_packed_rows_with_noise_and_drawn_anchors(
+    target: TargetModel, max_query_rows: int | None
+) -> None:
+    """2 anchors per document drawn from the generator, then noise: the same draws either way
+    (so runs and resumes do not depend on the layout), the same sums and gradients."""
+    batch = packed(documents())
+    rows, rows_grads, got, grads = (
+        *_step(
+            target, batch, unpack=False, noise=0.5, num_anchors=2, max_query_rows=max_query_rows
+        ),
+        *_step(target, batch, unpack=True, noise=0.5, num_anchors=2, max_query_rows=max_query_rows),
+    )
+    assert int(rows.n_blocks) > 4
+    _assert_same(got, rows)
+    _assert_same_grads(grads, rows_grads)
+
+
+def test_the_unpacked_rows_are_the_padded_documents_with_an_anchor(target: TargetModel) -> None:
+    """One row per document holding an anchor, in order (doc 2, one token, holds none and is
+    left out), right-padded to the longest: its tokens, loss mask, attention, hidden states and
+    its anchors at document-relative positions, as the padded layout has them."""
+    docs = documents()
+    ids, loss, attn, pos = packed(docs)
+    feats = target.capture(ids, position_ids=pos)
+    anchors = draw_anchors(loss, attn, ALL, torch.Generator().manual_seed(0), pos)
+    u = unpack_documents(ids, loss, attn, feats, pos, anchors)
+    order = [i for row in ROWS for i in row]
+    kept = [i for i in order if DOCS[i][0] > 1]
+    assert len(kept) == len(order) - 1 and u.input_ids.shape[0] == len(kept)
+    p_ids, p_loss, p_attn = padded([docs[i] for i in kept])
+    width = int(p_attn.sum(1).max())
+    assert torch.equal(u.input_ids, p_ids[:, :width])
+    assert torch.equal(u.loss_mask, p_loss[:, :width])
+    assert torch.equal(u.attention_mask, p_attn[:, :width])
+    p_feats = target.capture(p_ids, p_attn)
+    real = p_attn[:, :width].bool()
+    torch.testing.assert_close(u.hidden[real], p_feats[:, :width][real], rtol=1e-5, atol=1e-5)
+    ref = sample_anchors(p_loss, p_attn, ALL, torch.Generator().manual_seed(0))
+    assert torch.equal(u.anchors.keep, ref.keep)
+    assert torch.equal(u.anchors.positions[u.anchors.keep], ref.positions[ref.keep])
+
+
+def test_no_anchor_at_all_gives_the_zero_step(target: TargetModel) -> None:
+    """Nothing supervised: no document is unpacked, the step is the empty one (zero sums that
+    still reach every parameter), as on the packed rows."""
+    ids, loss, attn, pos = packed(documents())
+    none = torch.zeros_like(loss)
+    for unpack in (True, False):
+        res, grads = _step(target, (ids, none, attn, pos), unpack=unpack)
+        assert float(res.loss_sum) == 0.0 and int(res.n_blocks) == 0
+        assert grads and all(float(g.abs().sum()) == 0.0 for g in grads.values())
