@@ -211,7 +211,16 @@ def _capture_all(
             pos = None if pos is None else pos.to(device, non_blocking=True)
             hidden = target.capture(ids, attn, position_ids=pos)
             if len(in_flight) >= cfg.topology.hidden_depth:
-                in_flight.popleft()[0].wait()
+                _sent(in_flight.popleft()[0], pin)
             in_flight.append((links.send(hidden, rank.layout.drafter_process(d)), hidden))
     while in_flight:
-        in_flight.popleft()[0].wait()
+        _sent(in_flight.popleft()[0], pin)
+
+
+def _sent(work: dist.Work, cuda: bool) -> None:
+    """Wait for a send: gloo's wait blocks this thread; NCCL's only orders the stream, so the
+    host polls the send's completion too (else captures would run ahead of the sends and
+    memory would grow past `hidden_depth` packets)."""
+    work.wait()
+    while cuda and not work.is_completed():
+        time.sleep(0.001)
