@@ -21,6 +21,48 @@ import pytest
 IN_CI = os.environ.get("CI", "").lower() in {"1", "true", "yes"}
 
 
+def _gpu_may_run_kernels() -> bool:
+    """What tests/kernels/helpers.kernels_on_gpu answers, without importing torch on a machine
+    with no GPU device node (torch.cuda cannot see a GPU there)."""
+    if os.environ.get("DFLASH_KERNEL_TESTS_CUDA") == "1":
+        return True
+    dev = Path("/dev")
+    if not (any(dev.glob("nvidia[0-9]*")) or (dev / "kfd").exists() or (dev / "dxg").exists()):
+        return False
+    import torch
+
+    return bool(torch.cuda.is_available())
+
+
+def _build_triton_language_for_the_interpreter() -> None:
+    """Import triton once, before any test module, with TRITON_INTERPRET=1 where the kernel tests
+    will interpret (no GPU), then restore the variable.
+
+    triton.language's own jit helpers (tl.max, tl.argmax, tl.sum) read TRITON_INTERPRET when
+    triton is first imported, and torch, transformers and trainer.model import triton: a test
+    module collected before tests/kernels would build them compiled, and the interpreted kernels
+    would then fail calling them. Only the import is guarded: the variable itself stays as it was,
+    so other tests' backend="auto" does not switch onto the interpreter. With a GPU nothing happens
+    (the kernels, and torch.compile's Triton, compile).
+    """
+    if "triton" in sys.modules or importlib.util.find_spec("triton") is None:
+        return
+    if _gpu_may_run_kernels():
+        return
+    saved = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        importlib.import_module("triton.language")
+    finally:
+        if saved is None:
+            os.environ.pop("TRITON_INTERPRET", None)
+        else:
+            os.environ["TRITON_INTERPRET"] = saved
+
+
+_build_triton_language_for_the_interpreter()
+
+
 def require_part(available: bool, reason: str) -> None:
     """Skip (locally) or fail (in CI) when a real part the test needs cannot be started."""
     if available:

@@ -2,8 +2,10 @@
 
 Triton's `@triton.jit` reads TRITON_INTERPRET when a decorated module is imported (triton's own
 `triton.language` helpers included), and the launcher reads it again at every call, so the variable
-is set around the first import of triton here and again, through monkeypatch, while each Triton
-test runs. Between those it is restored: a leaked TRITON_INTERPRET=1 would switch every other
+is set around the import of the kernels here and again, through monkeypatch, while each Triton
+test runs. triton.language itself is built for the interpreter by tests/conftest.py before any test
+module is collected (torch, transformers and trainer.model import triton, and a test directory
+collected before this one would otherwise build its helpers compiled). Between those it is restored: a leaked TRITON_INTERPRET=1 would switch every other
 test's backend="auto" onto the slow interpreter. Where torch sees a GPU (or
 DFLASH_KERNEL_TESTS_CUDA=1, which benchmarks/gpu.sh sets) the interpreter is never touched: the
 kernels are compiled and the tests run them on the GPU, and other tests' torch.compile keeps a

@@ -233,11 +233,28 @@ def _dlogits_kernel(
 
 
 def _built_for_interpreter() -> bool:
+    """Whether the kernels were built for the interpreter; ImportError when triton.language's own
+    jit helpers (tl.max, tl.argmax, tl.sum: the kernels call them) were built in the other mode.
+
+    Each module reads TRITON_INTERPRET as its functions are decorated, so triton first imported
+    without it (torch and transformers import triton) and this module imported with it would give
+    interpreted kernels calling compiled helpers, which fail at the first launch with "Cannot call
+    @triton.jit'd outside of the scope of a kernel" (and the other way round fails to compile).
+    """
     try:
         from triton.runtime.interpreter import InterpretedFunction
     except ImportError:  # layout changed in a future triton: fall back to the documented switch
         return bool(triton.knobs.runtime.interpret)
-    return isinstance(_forward_kernel, InterpretedFunction)
+    kernels = isinstance(_forward_kernel, InterpretedFunction)
+    helpers = isinstance(tl.argmax, InterpretedFunction)
+    if kernels != helpers:
+        mode = {True: "the CPU interpreter", False: "compilation"}
+        raise ImportError(
+            f"triton.language was built for {mode[helpers]} but these kernels for {mode[kernels]}: "
+            "TRITON_INTERPRET must have the same value at triton's first import (torch and "
+            "transformers import it) as when trainer.kernels.triton_ce is imported"
+        )
+    return kernels
 
 
 INTERPRETED: bool = _built_for_interpreter()
