@@ -77,3 +77,18 @@ def test_the_memory_estimate_packs_rows_of_the_stores_max_length(tmp_path: Path)
     assert store.manifest.max_length == 256 and int(np.max(store.lengths)) == int(LENGTHS.max())
     assert int(LENGTHS.max()) < 256
     assert batch_shapes(cfg).row_length == 256
+
+
+def test_the_trainer_packs_rows_of_the_stores_max_length(tmp_path: Path) -> None:
+    """The trainer's own plans (`build.plans_for`, what every rank builds): rows of the
+    manifest's 256 tokens, so a batch holds token_budget // 256 = 4 rows at most; the same
+    row_length the memory estimate uses."""
+    from trainer.pipeline.build import plans_for
+
+    cfg = _run(tmp_path)
+    _, plans = plans_for(cfg, 2)
+    for plan in plans:
+        assert plan.sampler.row_length == 256
+        batches = plan.sampler.epoch_batches(0)
+        assert max(b.num_rows for b in batches) <= 4 and max(b.max_len for b in batches) <= 256
+        assert max(b.max_len for b in batches) > int(LENGTHS.max())  # rows longer than a sample

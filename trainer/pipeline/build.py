@@ -109,6 +109,7 @@ def _data(
             rank=world.rank,
             world_size=world.size,
             exclude=holdout,
+            max_length=store.manifest.max_length,  # packed rows' default row_length
         )
     except (PlanError, SamplerError) as exc:
         raise assets.UserError(f"batching: {store.name_rows(str(exc))}") from None
