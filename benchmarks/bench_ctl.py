@@ -26,6 +26,7 @@ sys.path.insert(0, str(REPO))
 
 from dflashctl.control import RunControl  # noqa: E402
 from dflashctl.deploy import deploy  # noqa: E402
+from dflashctl.follow import Line  # noqa: E402
 from dflashctl.inventory import HostConfig, load_inventory, local_host  # noqa: E402
 from dflashctl.release import build_release  # noqa: E402
 from dflashctl.remote import LocalTransport, Transport  # noqa: E402
@@ -93,9 +94,11 @@ async def latency(transport: Transport, host: HostConfig) -> list[float]:
     )
     assert res.ok, res.stderr
     lags: list[float] = []
-    async for line in ctl.follow(0):
+    async for event in ctl.follow(0):
+        if not isinstance(event, Line):  # Connected / Lost / LogRestarted carry no status line
+            continue
         now = time.time()
-        lags.append(now - float(line.rsplit("t=", 1)[1]))
+        lags.append(now - float(event.text.rsplit("t=", 1)[1]))
         if len(lags) == LINES:
             break
     await transport.run(tmux_kill_session("bench"))
