@@ -120,6 +120,14 @@ def default_gamma(block_size: int) -> float:
     return DEFAULT_GAMMA[lo] + t * (DEFAULT_GAMMA[hi] - DEFAULT_GAMMA[lo])
 
 
+def _autocasts(features: Tensor, weight: Tensor) -> bool:
+    """Whether a linear layer of `features` by `weight` runs under autocast (which then casts
+    both to its dtype): autocast is on for their device type and covers both dtypes."""
+    cast = (torch.float32, torch.float16, torch.bfloat16)  # autocast leaves float64 alone
+    covered = features.dtype in cast and weight.dtype in cast
+    return covered and torch.is_autocast_enabled(features.device.type)
+
+
 class DrafterAttention(nn.Module):
     """GQA attention whose queries come from the block and keys/values from [context; block]."""
 
@@ -265,8 +273,17 @@ class DFlashDrafter(nn.Module):
         return self._borrow()[1]
 
     def project_context(self, features: Tensor) -> Tensor:
-        """hidden_norm(fc(features)): the fused context, shared by all layers."""
-        fused: Tensor = self.hidden_norm(self.fc(features.to(self.fc.weight.dtype)))
+        """hidden_norm(fc(features)): the fused context, shared by all layers.
+
+        Under autocast the [R, S, F*H] features go to `fc` as they are: autocast casts them to
+        its compute dtype itself, so bf16 features under bf16 autocast are never copied (a cast
+        to the fp32 master weights' dtype first was a full fp32 copy of them, cast back again,
+        for the same result: bf16 -> fp32 -> bf16 is exact). Without autocast they are cast to
+        the weight's dtype when it differs, as `fc` needs."""
+        weight = self.fc.weight
+        if features.dtype != weight.dtype and not _autocasts(features, weight):
+            features = features.to(weight.dtype)
+        fused: Tensor = self.hidden_norm(self.fc(features))
         return fused
 
     def block_input_ids(self, anchor_ids: Tensor) -> Tensor:
