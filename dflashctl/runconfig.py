@@ -91,6 +91,10 @@ def config_diff(old_text: str, new_text: str, *, old_name: str, new_name: str) -
 
 
 def drafter_device_count(text: str) -> int:
-    """How many ranks a node runs for this config: its `topology.drafter_devices` entries
-    (torchrun's `--nproc-per-node`; the trainer refuses any other count)."""
-    return len(_load_text(text, "remote-config.toml").topology.drafter_devices)
+    """How many ranks a node runs for this config (torchrun's `--nproc-per-node`; the trainer
+    refuses any other count): its `topology.drafter_devices` entries, plus its
+    `target_devices` entries with `topology.targets = "shared"` (each target device is a rank
+    of its own there, serving every drafter rank)."""
+    topo = _load_text(text, "remote-config.toml").topology
+    shared = len(topo.target_devices) if topo.targets == "shared" else 0
+    return len(topo.drafter_devices) + shared
