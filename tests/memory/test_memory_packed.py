@@ -40,13 +40,15 @@ def _assets(tmp_path: Path) -> None:
     (tmp_path / "target" / "config.json").write_text(json.dumps(cfg))
 
 
-def _config(tmp_path: Path, name: str, batching: str, num_anchors: int) -> Path:
+def _config(
+    tmp_path: Path, name: str, batching: str, num_anchors: int, device: str = "cuda:0"
+) -> Path:
     text = (
         f'seed = 0\n[data]\nstore = "store"\n[batching]\n{batching}\n'
         'token_budget = 1024\nmax_batch = 16\n[model]\ntarget_dir = "target"\n'
         f"mask_token_id = 511\nnum_anchors = {num_anchors}\n[model.drafter]\nnum_layers = 2\n"
         f'block_size = {BLOCK}\n[topology]\ntarget_devices = ["cuda:1"]\n'
-        'drafter_devices = ["cuda:0"]\n[schedule]\nepochs = 2\n'
+        f'drafter_devices = ["{device}"]\n[schedule]\nepochs = 2\n'
     )
     path = tmp_path / f"{name}.toml"
     path.write_text(text)
@@ -90,6 +92,49 @@ def test_packed_shapes_are_the_rows_the_drafter_step_draws(
     )
     if num_anchors == 6:  # rows whose documents together hold more than one document's cap
         assert several > 0
+
+
+@pytest.mark.parametrize("num_anchors", [6, 1000])
+def test_under_sdpa_the_shapes_are_the_documents_the_step_lays_out(
+    tmp_path: Path, num_anchors: int
+) -> None:
+    """A CPU drafter (SDPA): the step lays each packed batch's documents with an anchor out
+    one per row (`trainer.model.documents.unpack_documents`, after the draw); the estimate's
+    shapes are exactly those rows (width = the longest such document, anchors per document)
+    and remember the packed packet the target captured."""
+    from trainer.model.documents import unpack_documents
+
+    _assets(tmp_path)
+    config = _config(tmp_path, "packed", 'strategy = "packed"', num_anchors, device="cpu")
+    cfg = TrainConfig.load(config)
+    shapes = batch_shapes(cfg)
+    store = TokenStore.open(tmp_path / "store")
+    sampler = sampler_for(cfg.batching, load_lengths_and_eligible(cfg)[0], seed=0)
+    want: set[BatchShape] = set()
+    generator = torch.Generator().manual_seed(0)
+    for epoch in range(2):
+        for batch in sampler.epoch_batches(epoch):
+            host = collate_batch(store, batch.max_len, batch, pin=False)
+            assert host.position_ids is not None
+            anchors = sample_anchors(
+                host.loss_mask, host.attention_mask, num_anchors, generator, host.position_ids
+            )
+            assert anchors.num_blocks > 0  # every batch here has anchors: the step unpacks
+            hidden = torch.zeros(*host.input_ids.shape, 1)
+            u = unpack_documents(
+                host.input_ids,
+                host.loss_mask,
+                host.attention_mask,
+                hidden,
+                host.position_ids,
+                anchors,
+            )
+            per_row = tuple(u.anchors.keep.sum(1).tolist())
+            packet = (batch.num_rows, batch.max_len)
+            want.add(BatchShape(u.input_ids.shape[1], per_row, packet))
+    assert set(shapes.batches) == want
+    assert all(s.packet is not None and s.seq <= s.packet[1] for s in shapes.batches)
+    assert set(batch_shapes(cfg, unpack=False).batches) != want  # the flex (CUDA) shapes
 
 
 def _peak(config: Path) -> tuple[int, dict[str, Any]]:

@@ -12,6 +12,9 @@ row (`Batch.rows()`), `Batch.max_len` (the fullest row) wide, and a row's anchor
 its documents' min(num_anchors, eligible): the drafter step draws up to num_anchors per
 DOCUMENT and never across a boundary (`masks.sample_anchors`), and a document's eligible
 positions are those it has alone (its last position pairs with nothing, as at a row's end).
+Under SDPA (CPU) the step lays a packed batch's documents out one per row after the draw (the
+dense mask would cost every block the whole row), so there the shape is those rows' and the
+packet the packed one (`BatchShape.packet`); flex (CUDA) keeps the packed rows.
 The rows' default length is the store's manifest max_length, as the trainer's (`sampler_for`).
 """
 
@@ -37,14 +40,24 @@ SHIPPED_LENGTHS = Path(__file__).resolve().parent.parent / "data" / "samples" / 
 
 @dataclass(frozen=True)
 class BatchShape:
-    """One packet: padded length and per-row anchor counts (packet row order)."""
+    """One packet: padded length and per-row anchor counts (packet row order).
+
+    `packet`: (rows, seq) of the packed packet itself when the drafter step lays its documents
+    out one per row (`seq` and `anchors` are then those rows'); None: the rows are the packet's.
+    """
 
     seq: int
     anchors: tuple[int, ...]
+    packet: tuple[int, int] | None = None
 
     @property
     def rows(self) -> int:
         return len(self.anchors)
+
+    @property
+    def packet_tokens(self) -> int:
+        """Tokens of the packet the target captures and the queues carry."""
+        return self.rows * self.seq if self.packet is None else self.packet[0] * self.packet[1]
 
     @property
     def width(self) -> int:
@@ -137,8 +150,31 @@ def row_anchors(batch: Batch, anchors: np.ndarray) -> tuple[int, ...]:
     return tuple(np.add.reduceat(per_doc, starts).tolist()) if len(per_doc) else ()
 
 
-def batch_shapes(cfg: TrainConfig) -> Shapes:
-    """Distinct packet shapes over every epoch the schedule trains (all data-parallel ranks)."""
+def unpacked_shape(batch: Batch, anchors: np.ndarray, lengths: np.ndarray) -> BatchShape:
+    """A packed batch as the SDPA drafter step runs it (`trainer.model.documents`): each
+    document with an anchor a row of its own, padded to the longest such document, rows in
+    packet order; a batch without any anchor stays packed (the step's empty path)."""
+    per_doc = anchors[batch.indices]
+    used = per_doc > 0
+    if not used.any():
+        return BatchShape(batch.max_len, row_anchors(batch, anchors))
+    seq = int(lengths[batch.indices][used].max())
+    return BatchShape(seq, tuple(per_doc[used].tolist()), (batch.num_rows, batch.max_len))
+
+
+def step_unpacks(cfg: TrainConfig) -> bool:
+    """Whether the drafter step lays packed rows out one document per row: when its attention
+    is SDPA (`split_step.bounded_objective_backward`'s default), i.e. no CUDA drafter device,
+    the rule `estimate.precision_for` also picks the backend by."""
+    return not any(d.startswith("cuda") for d in cfg.topology.drafter_devices)
+
+
+def batch_shapes(cfg: TrainConfig, *, unpack: bool | None = None) -> Shapes:
+    """Distinct packet shapes over every epoch the schedule trains (all data-parallel ranks).
+
+    `unpack` (packed batches): shape them as the step runs them under SDPA, one document per
+    row (`unpacked_shape`); None: as the trainer does for this config (`step_unpacks`).
+    """
     from trainer.buckets import PlanError, sampler_for
     from trainer.sampler import SamplerError
 
@@ -154,6 +190,8 @@ def batch_shapes(cfg: TrainConfig) -> Shapes:
     except (PlanError, SamplerError) as exc:
         raise MemoryEstimateError(f"batching: {exc}") from None
     anchors = np.minimum(facts.eligible, cfg.model.num_anchors)
+    if unpack is None:
+        unpack = step_unpacks(cfg)
     epochs = max(1, math.ceil(cfg.schedule.epochs))
     seen: set[BatchShape] = set()
     total = 0
@@ -161,9 +199,12 @@ def batch_shapes(cfg: TrainConfig) -> Shapes:
         for group in sampler.global_batches(epoch):
             for batch in group:
                 total += 1
-                seen.add(BatchShape(batch.max_len, row_anchors(batch, anchors)))
+                if unpack and batch.row_sizes is not None:
+                    seen.add(unpacked_shape(batch, anchors, facts.lengths))
+                else:
+                    seen.add(BatchShape(batch.max_len, row_anchors(batch, anchors)))
     return Shapes(
-        sorted(seen, key=lambda s: (s.seq, s.anchors)),
+        sorted(seen, key=lambda s: (s.seq, s.anchors, s.packet or (0, 0))),
         facts.source,
         facts.exact,
         total,

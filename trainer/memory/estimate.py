@@ -62,10 +62,17 @@ class Estimator:
     def packet_bytes(self, shape: BatchShape) -> int:
         """Features [R, S, F*H] in the target dtype, plus ids, attention and loss masks (and
         packed rows' position ids)."""
-        tokens = shape.rows * shape.seq
         feat = self.drafter.features * self.drafter.hidden * self.precision.features
         per_token = 4 if self.shapes.row_length is not None else 3
-        return tokens * (feat + per_token * 8)
+        return shape.packet_tokens * (feat + per_token * 8)
+
+    def unpacked_bytes(self, shape: BatchShape) -> int:
+        """The step's one-document-per-row copy of a packed packet (features, ids, masks); 0
+        when it keeps the packet's rows."""
+        if shape.packet is None:
+            return 0
+        feat = self.drafter.features * self.drafter.hidden * self.precision.features
+        return shape.rows * shape.seq * (feat + 3 * 8)
 
     def _activation(self, piece: Piece) -> int:
         got = self._act.get(piece)
@@ -108,6 +115,7 @@ class Estimator:
         for shape in self.shapes.batches:
             packet = self.packet_bytes(shape)
             extra = packet + (packet if noise else 0)  # noise adds a copy of the features
+            extra += self.unpacked_bytes(shape)  # noise: over-counted (its copy is freed then)
             act, piece = max(
                 (
                     (self._activation(p), p)
@@ -152,7 +160,7 @@ class Estimator:
         )
 
     def target_device(self) -> dict[str, int]:
-        tokens = max(s.rows * s.seq for s in self.shapes.batches)
+        tokens = max(s.packet_tokens for s in self.shapes.batches)
         return target_peak(
             self.target, tokens, self.drafter.features, dtype_bytes=self.precision.features
         )
