@@ -14,6 +14,7 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -25,6 +26,10 @@ from trainer.events import StatusEvent, parse_line
 
 ROOT = Path(__file__).resolve().parents[2]
 ROW = re.compile(r"^\s*demo\s+(\S+)\s+\S+\s+(\d+)\s", re.M)
+LIVE_EDIT_BUDGET_S = 900.0
+"""The whole live-edit test's budget: every step waits on its condition until this runs out, so a
+loaded machine that is slow at one step (the first run's startup, the restart) is not failed for
+it; only a run stuck for this long is."""
 
 
 def _row(text: str) -> tuple[str, int] | None:
@@ -34,7 +39,7 @@ def _row(text: str) -> tuple[str, int] | None:
 
 @pytest.mark.parts
 @pytest.mark.slow
-@pytest.mark.timeout(420)
+@pytest.mark.timeout(LIVE_EDIT_BUDGET_S + 120)
 def test_demo_tui_live_edit_and_one_key_restart(tmp_path: Path) -> None:
     require_part(shutil.which("tmux") is not None, "tmux is not installed")
     require_part(importlib.util.find_spec("torch") is not None, "torch (the train extra) missing")
@@ -48,50 +53,51 @@ def test_demo_tui_live_edit_and_one_key_restart(tmp_path: Path) -> None:
     editor.chmod(0o755)
     env = {"TERM": "xterm-256color", "OMP_NUM_THREADS": "1", "COLUMNS": "140", "LINES": "45"}
     env |= {"EDITOR": str(editor), "VISUAL": ""}
+    deadline = time.monotonic() + LIVE_EDIT_BUDGET_S
+
+    def wait(what: str, predicate: Callable[[str], bool]) -> str:
+        return term.wait(what, predicate, max(deadline - time.monotonic(), 0.0))
+
     try:
         term.start(
             [sys.executable, "-m", "dflashctl.demo", "--dir", str(demo_dir), "--session", session],
             env,
         )
-        first = term.wait(
-            "a running demo row with a step", lambda t: (_row(t) or ("", 0))[0] == "running", 240
+        first = wait(
+            "a running demo row with a step", lambda t: (_row(t) or ("", 0))[0] == "running"
         )
         step0 = _row(first)[1]  # type: ignore[index]
-        live = term.wait("the step to advance", lambda t: (_row(t) or ("", -1))[1] > step0, 120)
+        live = wait("the step to advance", lambda t: (_row(t) or ("", -1))[1] > step0)
         assert "Ktok/s" in live and "ETA" in live
 
         config = demo_dir / "demo.toml"
         assert "interval_s = 2" in config.read_text()
         term.keys("e")  # the app suspends and runs $EDITOR on the demo config
-        term.wait("the fleet to flag the change", lambda t: "changed" in t, 30)
+        wait("the fleet to flag the change", lambda t: "changed" in t)
         assert "interval_s = 1" in config.read_text()
 
         term.keys("r")
-        modal = term.wait("the restart modal", lambda t: "Restart demo" in t and "Will" in t, 30)
+        modal = wait("the restart modal", lambda t: "Restart demo" in t and "Will" in t)
         assert "+interval_s = 1" in modal and "-interval_s = 2" in modal
         assert "resume from the latest checkpoint" in modal
         before = _row(term.screen())
         term.keys("Enter")
-        term.wait("the restart result", lambda t: "restarted (resume)" in t, 180)
+        wait("the restart result", lambda t: "restarted (resume)" in t)
         term.keys("Enter")
-        after = term.wait(
+        after = wait(
             "the restarted run to report",
             lambda t: "changed" not in t and (_row(t) or ("", -1))[0] == "running",
-            120,
         )
         assert before is not None and _row(after) is not None
         run_dir = demo_dir / "host" / "run"
         assert "interval_s = 1" in (run_dir / "config.toml").read_text()
         want = config_hash(TrainConfig.load(config))
-        deadline = time.monotonic() + 90
         while json.loads((run_dir / "run-state.json").read_text()).get("config_hash") != want:
             assert time.monotonic() < deadline, "the restarted run never reported the new config"
             time.sleep(0.5)
-        term.wait(
-            "status lines from the restarted run", lambda t: (_row(t) or ("", -1))[1] >= 0, 60
-        )
+        wait("status lines from the restarted run", lambda t: (_row(t) or ("", -1))[1] >= 0)
         term.keys("q")
-        term.wait("the demo to stop its run and exit", lambda t: "stop:" in t, 120)
+        wait("the demo to stop its run and exit", lambda t: "stop:" in t)
     finally:
         term.kill()
         subprocess.run(
