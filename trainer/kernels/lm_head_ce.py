@@ -171,12 +171,21 @@ def _validate(
             "call weight.requires_grad_(False) or pass weight.detach()"
         )
     labels = labels.long()
-    vocab = weight.shape[0]
-    bad = (labels != ignore_index) & ((labels < 0) | (labels >= vocab))
-    if bool(bad.any()):  # one host sync per call; a silent wrong loss is far more expensive
-        first = int(labels[bad][0])
-        raise KernelInputError(
-            f"{_PREFIX}: {int(bad.sum())} label(s) outside [0, {vocab}) and not "
-            f"ignore_index={ignore_index}, e.g. {first}"
-        )
+    _check_label_range(labels, weight.shape[0], ignore_index)
     return labels
+
+
+def _check_label_range(labels: torch.Tensor, vocab: int, ignore_index: int) -> None:
+    """Every label is a row of the head or `ignore_index` (a silent wrong loss is far more
+    expensive than the check). Host tensors: checked here, KernelInputError naming the count
+    and one of them. Device tensors: checked on the device (`torch._assert_async`), so the
+    call never waits for the device (it was a host sync per call, per drafter micro-step); a
+    bad label fails the device's next synchronisation with this message instead."""
+    bad = (labels != ignore_index) & ((labels < 0) | (labels >= vocab))
+    what = f"label(s) outside [0, {vocab}) and not ignore_index={ignore_index}"
+    if labels.device.type != "cpu":
+        torch._assert_async(~bad.any(), f"{_PREFIX}: {what}")
+        return
+    if bool(bad.any()):
+        first = int(labels[bad][0])
+        raise KernelInputError(f"{_PREFIX}: {int(bad.sum())} {what}, e.g. {first}")
