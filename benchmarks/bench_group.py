@@ -6,8 +6,8 @@ runs them:
 
 * group start: from `dflashctl start g` being called to node 0's first metrics row (its step 1
   is all-reduced, so every rank of both nodes finished it), polled every 20 ms on the bind
-  mount; and to `start` returning (node 0 past its setup, every node's torchrun alive);
-  ROUNDS times (stop g in between, each start resuming node 0's checkpoint).
+  mount while `start` runs; and to `start` returning (node 0 past its setup, every node's
+  torchrun alive); ROUNDS times (stop g in between, each start resuming node 0's checkpoint).
 * throughput: optimizer steps per second between steps WARM and WARM + SPAN, for the group
   (2 nodes x 1 rank, through dflashctl) and for the same config as 1 node x 2 ranks
   (`torchrun --standalone --nproc-per-node 2` on this machine, no container).
@@ -23,10 +23,12 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import tomllib
 from pathlib import Path
@@ -73,6 +75,29 @@ def cli(inv: Path, *args: str) -> None:
         raise RuntimeError(f"dflashctl {' '.join(args)}: exit {rc}")
 
 
+def start_group(inv: Path, done: list[float]) -> None:
+    cli(inv, "start", "g", "--wait-s", "240")
+    done.append(time.monotonic())
+
+
+def single_host(config: Path, tree: Path, env: dict[str, str], run_dir: Path) -> float:
+    """Steps/s of the same config as 1 node x 2 ranks (torchrun --standalone, no container)."""
+    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    argv += ["-m", "trainer", "--config", str(config), "--run-dir", str(run_dir)]
+    proc = subprocess.Popen(
+        argv, cwd=tree, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+    try:
+        return steps_per_s(run_dir, 0)
+    finally:
+        proc.send_signal(signal.SIGINT)  # torchrun passes it on: the ranks stop
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
 def main() -> None:
     base = Path(tempfile.mkdtemp(prefix="bench-group-"))
     tree = P.frozen_tree(base / "tree")
@@ -90,44 +115,35 @@ def main() -> None:
     config.write_text(dump_toml(raw))
     P.build_tiny_assets(config, tree)
 
-    # 1 node x 2 ranks, no container: the reference
     env = P.tree_env(tree)
-    single = base / "single-run"
-    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
-    argv += ["-m", "trainer", "--config", str(config), "--run-dir", str(single)]
-    proc = subprocess.Popen(
-        argv, cwd=tree, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
-    )
-    try:
-        one_by_two = steps_per_s(single, 0)
-    finally:
-        proc.send_signal(2)  # SIGINT: torchrun passes it on, the ranks stop
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-
     starts: list[float] = []
     returns: list[float] = []
     two_by_one: list[float] = []
+    one_by_two: list[float] = []
     with P.group_pair(base, run_config=config, shared=(shared,)) as pair:
         run0 = pair.containers[0].workdir_host / "run"
         cli(pair.inventory, "deploy", "g", "--tree", str(tree), "--no-memory-check")
-        for _ in range(ROUNDS):
+        for n in range(ROUNDS):  # interleaved, so the box's other load hits both alike
+            one_by_two.append(single_host(config, tree, env, base / f"single-{n}"))
             before = rows(run0)
             t0 = time.monotonic()
-            cli(pair.inventory, "start", "g", "--wait-s", "240")
-            returns.append(time.monotonic() - t0)
+            done: list[float] = []
+            th = threading.Thread(target=start_group, args=(pair.inventory, done))
+            th.start()
             starts.append(wait_rows(run0, before + 1) - t0)
+            th.join()
+            returns.append(done[0] - t0)
             two_by_one.append(steps_per_s(run0, before))
             cli(pair.inventory, "stop", "g", "--timeout", "120")
     report: dict[str, Any] = {
         "group_start_to_first_step_s": [round(x, 2) for x in starts],
         "group_start_command_returns_s": [round(x, 2) for x in returns],
         "steps_per_s_2x1_group": [round(x, 2) for x in two_by_one],
-        "steps_per_s_1x2_single_host": round(one_by_two, 2),
-        "ratio_2x1_over_1x2": round(statistics.median(two_by_one) / one_by_two, 3),
+        "steps_per_s_1x2_single_host": [round(x, 2) for x in one_by_two],
+        "ratio_2x1_over_1x2": round(
+            statistics.median(two_by_one) / statistics.median(one_by_two), 3
+        ),
+        "loadavg_after": os.getloadavg(),
         "cores": os.cpu_count(),
     }
     print(json.dumps(report, indent=2))

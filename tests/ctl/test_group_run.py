@@ -1,0 +1,310 @@
+"""A group (issue 15) end to end through the CLI, on real parts: two "Proxmox hosts" (two
+loopback sshd, each with the pct shim) and two LXC containers in the host's network namespace
+(`lxc.net.0.type = none`, so gloo meets on 127.0.0.1), the tiny CPU config with one rank per
+node:
+
+deploy GROUP + start GROUP -> both nodes step, status GROUP --json shows world size 2 and the
+same step on both; the first K losses equal a 2-rank single-host run of the same config;
+stop GROUP -> one complete checkpoint on node 0, none half-written, none on node 1; restart
+GROUP resumes at the next step on both; kill node 1's rank -> the group stops and status names
+node 1, rank 1.
+
+The store and the tiny target are built once here and mounted at the same path in both
+containers (every node needs the data; building it is the trainer's rank 0's job on one node).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+import tomllib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from dflashctl.cli import main as cli_main
+from dflashctl.runconfig import config_hash_of_file
+from tests.conftest import require_part
+from tests.ctl import parts as P
+from trainer.config.overlay import dump_toml, merge
+
+REPO = Path(__file__).resolve().parents[2]
+TINY = REPO / "configs" / "tiny-cpu.toml"
+K = 8  # losses compared with the single-host run
+SESSION = "dflash-g"
+pytestmark = [pytest.mark.parts, pytest.mark.slow, pytest.mark.timeout(900)]
+
+
+@dataclass(frozen=True)
+class Pair:
+    inv: list[str]  # --hosts FILE
+    config: Path
+    raw: dict[str, Any]
+    containers: tuple[P.Container, P.Container]
+    tree: Path
+
+
+def run_config(assets: Path) -> dict[str, Any]:
+    """The tiny config, its store and target at `assets` (absolute, the same in every
+    container), many epochs (the run must outlast the test), only the stop's checkpoints."""
+    raw = tomllib.loads(TINY.read_text())
+    return merge(
+        raw,
+        {
+            "data": {"store": str(assets / "store")},
+            "model": {"target_dir": str(assets / "target")},
+            "schedule": {"epochs": 20},
+            "status": {"interval_s": 1, "rate_window_s": 5},
+            "checkpoint": {"every_steps": 100000, "every_minutes": 600.0, "keep_last": 3},
+        },
+    )
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
+    missing = P.have("/usr/sbin/sshd", "ssh-keygen", "lxc-create", "lxc-attach", "tmux")
+    require_part(missing is None, missing or "")
+    require_part(os.geteuid() == 0, "LXC containers need root")
+    require_part(TINY.is_file(), "configs/tiny-cpu.toml is not in this checkout")
+    base = tmp_path_factory.mktemp("group")
+    tree = P.frozen_tree(base / "tree")
+    shared = base / "assets"
+    raw = run_config(shared)
+    config = base / "run.toml"
+    config.write_text(dump_toml(raw))
+    P.build_tiny_assets(config, tree)
+    with contextlib.ExitStack() as stack:
+        try:
+            got = stack.enter_context(
+                P.group_pair(base, run_config=config, shared=(shared,), session=SESSION)
+            )
+        except (RuntimeError, OSError) as err:
+            require_part(False, f"real parts did not start: {err}")
+            raise
+        yield Pair(["--hosts", str(got.inventory)], config, raw, got.containers, tree)
+
+
+def cli(pair: Pair, capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str]:
+    capsys.readouterr()
+    rc = cli_main([*pair.inv, *args])
+    got = capsys.readouterr()
+    return rc, got.out + got.err
+
+
+def group_status(pair: Pair, capsys: pytest.CaptureFixture[str]) -> dict[str, Any]:
+    rc, out = cli(pair, capsys, "status", "g", "--json")
+    assert rc == 0, out
+    got = json.loads(out)
+    assert isinstance(got, list) and len(got) == 1 and isinstance(got[0], dict), got
+    return got[0]
+
+
+def wait_group(
+    pair: Pair,
+    capsys: pytest.CaptureFixture[str],
+    pred: Callable[[dict[str, Any]], bool],
+    timeout: float,
+    *,
+    allow_failed: bool = False,
+) -> dict[str, Any]:
+    end = time.monotonic() + timeout
+    while True:
+        st = group_status(pair, capsys)
+        if pred(st):
+            return st
+        if not allow_failed:
+            assert st["state"] != "failed", f"the group failed: {st}"
+        assert time.monotonic() < end, f"not reached within {timeout} s: {st}"
+        time.sleep(1)
+
+
+def node_steps(st: dict[str, Any]) -> list[int | None]:
+    return [n["step"] for n in st["nodes"]]
+
+
+def metrics(run_dir: Path) -> list[dict[str, Any]]:
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+
+
+def single_host_losses(raw: dict[str, Any], tmp: Path, tree: Path) -> list[float]:
+    """The first K losses of the same config as two ranks of one host (torchrun --standalone);
+    `max_steps` ends it there (it changes no schedule: the LR still spans every epoch)."""
+    cfg = tmp / "single.toml"
+    cfg.write_text(dump_toml(merge(raw, {"schedule": {"max_steps": K}})))
+    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    argv += ["-m", "trainer", "--config", str(cfg), "--run-dir", str(tmp / "single-run")]
+    out = subprocess.run(
+        argv, cwd=tree, env=P.tree_env(tree), capture_output=True, text=True, timeout=300
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = metrics(tmp / "single-run")
+    return [r["loss"] for r in rows]
+
+
+def pane_pid(ct: P.Container) -> int:
+    tmux = ["tmux", "-L", "dflash", "display-message", "-p", "-t", f"={SESSION}:", "#{pane_pid}"]
+    r = subprocess.run(
+        ["lxc-attach", "-n", ct.name, "--", *tmux],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert r.returncode == 0 and r.stdout.strip().isdigit(), r.stderr
+    return int(r.stdout.strip())
+
+
+def test_a_group_steps_stops_resumes_and_fails_as_one(
+    pair: Pair, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    ws0, ws1 = (ct.workdir_host for ct in pair.containers)
+    # the reference first, while the cores are free: 2 ranks on one host, same config
+    reference = single_host_losses(pair.raw, tmp_path, pair.tree)
+    assert len(reference) == K
+
+    rc, out = cli(pair, capsys, "deploy", "g", "--tree", str(pair.tree), "--no-memory-check")
+    assert rc == 0, out
+    releases = set(re.findall(r"^n[01]: release (\w+): sent", out, re.M))
+    assert len(releases) == 1 and "on all 2 nodes" in out, out
+
+    # a node with another config: start refuses, naming the nodes and their hashes
+    other = tmp_path / "other.toml"
+    other.write_text(P.halve_lr(pair.config.read_text())[0])
+    rc, out = cli(
+        pair,
+        capsys,
+        "deploy",
+        "n1",
+        "--config",
+        str(other),
+        "--no-memory-check",
+        "--tree",
+        str(pair.tree),
+    )
+    assert rc == 0, out
+    rc, out = cli(pair, capsys, "start", "g")
+    assert rc == 1, out
+    h0, h1 = config_hash_of_file(pair.config), config_hash_of_file(other)
+    assert f"the nodes' config hashes differ (n0 {h0}, n1 {h1})" in out, out
+    assert not list((ws0 / "run").glob("metrics.jsonl")), "a refused start started something"
+    rc, out = cli(pair, capsys, "deploy", "g", "--no-memory-check", "--tree", str(pair.tree))
+    assert rc == 0, out
+
+    rc, out = cli(pair, capsys, "start", "g", "--wait-s", "240")
+    assert rc == 0, out
+    assert "n0: node 0 of g" in out and "n1: node 1 of g" in out, out
+    assert "--node-rank 1" in out and "--rdzv-backend static" in out
+    st = wait_group(
+        pair,
+        capsys,
+        lambda s: s["state"] == "running" and all((x or 0) > 0 for x in node_steps(s)),
+        timeout=180,
+    )
+    # each node's own step (its first local rank records it at every status interval): both
+    # train; that they are the same step is checked once they stopped (below)
+    assert st["world_size"] == 2 and st["failed"] is None
+    assert [n["rank_range"] for n in st["nodes"]] == [[0, 1], [1, 2]]
+    assert len({n["release"] for n in st["nodes"]}) == 1
+
+    # the loss sequence over the first K steps is the single-host run's
+    end = time.monotonic() + 120
+    while len(metrics(ws0 / "run")) < K:
+        assert time.monotonic() < end, "node 0 wrote fewer than K metrics rows"
+        time.sleep(1)
+    assert [r["loss"] for r in metrics(ws0 / "run")[:K]] == reference
+
+    rc, out = cli(pair, capsys, "stop", "g", "--timeout", "120")
+    assert rc == 0, out
+    m = re.search(r"^n0: node 0: stopped \(\w+\); checkpoint step (\d+)", out, re.M)
+    assert m, out
+    step = int(m.group(1))
+    ckpt_dir = ws0 / "run" / "checkpoints"
+    assert sorted(p.name for p in ckpt_dir.iterdir()) == [f"step-{step:08d}.pt"]  # no tmp
+    assert not list((ws1 / "run").glob("checkpoints/*"))  # only node 0 keeps checkpoints
+    st = group_status(pair, capsys)
+    assert st["state"] == "stopped" and [n["state"] for n in st["nodes"]] == ["stopped"] * 2
+    assert node_steps(st) == [step, step]
+
+    before = len(metrics(ws0 / "run"))
+    rc, out = cli(pair, capsys, "restart", "g", "--timeout", "120", "--tree", str(pair.tree))
+    assert rc == 0, out
+    st = wait_group(
+        pair,
+        capsys,
+        lambda s: s["state"] == "running" and all((x or 0) > step for x in node_steps(s)),
+        timeout=180,
+    )
+    resumed = [r["step"] for r in metrics(ws0 / "run")[before:]]
+    assert resumed[:2] == [step + 1, step + 2], resumed  # the next step, not step 0 or 1
+
+    # kill node 1's rank: the group stops, and status names node 1, rank 1
+    torchrun = pane_pid(pair.containers[1])
+    kids = subprocess.run(
+        ["lxc-attach", "-n", pair.containers[1].name, "--", "pgrep", "-P", str(torchrun)],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    ).stdout.split()
+    assert len(kids) == 1, kids
+    subprocess.run(
+        ["lxc-attach", "-n", pair.containers[1].name, "--", "kill", "-KILL", kids[0]],
+        check=True,
+        timeout=30,
+    )
+    st = wait_group(
+        pair,
+        capsys,
+        lambda s: s["state"] == "failed" and all(n["state"] != "running" for n in s["nodes"]),
+        timeout=120,
+        allow_failed=True,
+    )
+    assert st["failed"] == {"host": "n1", "node_rank": 1, "rank": 1}, st
+    rc, out = cli(pair, capsys, "status", "g")
+    assert "g: failed: node 1 (n1) rank 1 failed first" in out, out
+
+
+def test_one_node_unreachable_is_that_node_not_the_group(
+    pair: Pair, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A group whose node 1 cannot be reached: deploy reaches node 0 and names node 1 in one
+    line (exit 1); status calls the group degraded, node 1 unreachable, nothing failed."""
+    cli(pair, capsys, "stop", "n0")  # a dead pane left by the test before: cleared
+    inv = Path(pair.inv[1])
+    text = inv.read_text()
+    key = re.search(r'identity_file = "([^"]+)"', text)
+    assert key
+    gone = [
+        "[hosts.gone]",
+        'address = "127.0.0.1"',
+        f"port = {P.free_port()}",  # nothing listens: connection refused
+        "ctid = 4243",
+        'workdir = "/srv/dflash9"',
+        'node_address = "127.0.0.1"',
+        f'identity_file = "{key.group(1)}"',
+    ]
+    lost = tmp_path / "hosts.toml"
+    lost.write_text(
+        text.replace('hosts = ["n0", "n1"]', 'hosts = ["n0", "gone"]') + "\n".join(gone) + "\n"
+    )
+    lost.chmod(0o600)
+    other = Pair(["--hosts", str(lost)], pair.config, pair.raw, pair.containers, pair.tree)
+    rc, out = cli(other, capsys, "deploy", "g", "--no-memory-check", "--tree", str(pair.tree))
+    assert rc == 1, out
+    assert re.search(r"^n0: release \w+", out, re.M), out  # node 0 still deployed, reported
+    assert re.search(r"^dflashctl: gone: .*", out, re.M), out  # node 1: one line, named
+    assert "deploy failed on gone" in out, out
+    st = group_status(other, capsys)
+    assert st["state"] == "degraded" and st["failed"] is None, st
+    assert [n["state"] for n in st["nodes"]] == ["stopped", "unreachable"], st
+    rc, out = cli(other, capsys, "start", "g")
+    assert rc == 3 and "not starting" in out and "gone" in out, out
