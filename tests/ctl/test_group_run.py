@@ -235,6 +235,12 @@ def test_a_group_steps_stops_resumes_and_fails_as_one(
     assert st["state"] == "stopped" and [n["state"] for n in st["nodes"]] == ["stopped"] * 2
     assert node_steps(st) == [step, step]
 
+    rc, out = cli(pair, capsys, "logs", "g", "-n", "2")
+    assert rc == 0 and f"n0| Checkpoint saved: step={step} " in out, out
+    assert all(ln.startswith(("n0| ", "n1| ")) for ln in out.splitlines()), out
+    rc, out = cli(pair, capsys, "attach", "g", "--print")
+    assert rc == 0 and "attaching to node 0 (n0)" in out and SESSION in out, out
+
     before = len(metrics(ws0 / "run"))
     rc, out = cli(pair, capsys, "restart", "g", "--timeout", "120", "--tree", str(pair.tree))
     assert rc == 0, out
