@@ -7,9 +7,11 @@ queue whose peer died. Every channel is bounded: backpressure, not memory growth
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import threading
 import time
+from collections.abc import Callable, Iterator
 from typing import Generic, TypeVar
 
 T = TypeVar("T")
@@ -48,10 +50,22 @@ class WaitClock:
         return done + running
 
 
+@contextlib.contextmanager
+def _blocked(clock: WaitClock | None, kind: str) -> Iterator[None]:
+    """Count the time inside as `clock`'s `kind` wait ("input_s" or "output_s"; no clock: none)."""
+    if clock is None:
+        yield
+        return
+    t0 = clock.begin(kind)
+    try:
+        yield
+    finally:
+        clock.end(kind, t0)
+
+
 def put(q: queue.Queue[T], item: T, stop: threading.Event, clock: WaitClock | None = None) -> None:
     """Blocking put that gives up (raises Stopped) as soon as `stop` is set."""
-    t0 = clock.begin("output_s") if clock else 0.0
-    try:
+    with _blocked(clock, "output_s"):
         while True:
             if stop.is_set():
                 raise Stopped
@@ -60,15 +74,11 @@ def put(q: queue.Queue[T], item: T, stop: threading.Event, clock: WaitClock | No
                 return
             except queue.Full:
                 continue
-    finally:
-        if clock is not None:
-            clock.end("output_s", t0)
 
 
 def get(q: queue.Queue[T], stop: threading.Event, clock: WaitClock | None = None) -> T:
     """Blocking get that gives up (raises Stopped) as soon as `stop` is set."""
-    t0 = clock.begin("input_s") if clock else 0.0
-    try:
+    with _blocked(clock, "input_s"):
         while True:
             if stop.is_set():
                 raise Stopped
@@ -76,9 +86,6 @@ def get(q: queue.Queue[T], stop: threading.Event, clock: WaitClock | None = None
                 return q.get(timeout=POLL_S)
             except queue.Empty:
                 continue
-    finally:
-        if clock is not None:
-            clock.end("input_s", t0)
 
 
 class ReorderBuffer(Generic[T]):
@@ -99,61 +106,42 @@ class ReorderBuffer(Generic[T]):
         self._cond = threading.Condition()
 
     def put(self, seq: int, item: T, stop: threading.Event, clock: WaitClock | None = None) -> None:
-        t0 = clock.begin("output_s") if clock else 0.0
-        try:
-            with self._cond:
-                while seq >= self.next_seq + self.capacity:
-                    if stop.is_set():
-                        raise Stopped
-                    self._cond.wait(POLL_S)
-                if seq < self.next_seq or seq in self._items:
-                    raise RuntimeError(f"sequence number {seq} delivered twice")
-                self._items[seq] = item
-                self._cond.notify_all()
-        finally:
-            if clock is not None:
-                clock.end("output_s", t0)
+        with _blocked(clock, "output_s"), self._cond:
+            self._wait_until(lambda: seq < self.next_seq + self.capacity, stop)
+            if seq < self.next_seq or seq in self._items:
+                raise RuntimeError(f"sequence number {seq} delivered twice")
+            self._items[seq] = item
+            self._cond.notify_all()
 
     def wait_room(self, seq: int, stop: threading.Event, clock: WaitClock | None = None) -> None:
         """Block until `put(seq)` would not (counted as output wait, as a blocked put is)."""
-        t0 = clock.begin("output_s") if clock else 0.0
-        try:
-            with self._cond:
-                while seq >= self.next_seq + self.capacity:
-                    if stop.is_set():
-                        raise Stopped
-                    self._cond.wait(POLL_S)
-        finally:
-            if clock is not None:
-                clock.end("output_s", t0)
+        with _blocked(clock, "output_s"), self._cond:
+            self._wait_until(lambda: seq < self.next_seq + self.capacity, stop)
 
     def get(self, stop: threading.Event, clock: WaitClock | None = None) -> tuple[int, T]:
-        t0 = clock.begin("input_s") if clock else 0.0
-        try:
-            with self._cond:
-                while self.next_seq not in self._items:
-                    if stop.is_set():
-                        raise Stopped
-                    self._cond.wait(POLL_S)
-                seq = self.next_seq
-                item = self._items.pop(seq)
-                self.next_seq += 1
-                self._cond.notify_all()
-                return seq, item
-        finally:
-            if clock is not None:
-                clock.end("input_s", t0)
+        with _blocked(clock, "input_s"), self._cond:
+            self._wait_until(lambda: self.next_seq in self._items, stop)
+            return self._pop_next()
 
     def poll(self) -> tuple[int, T] | None:
         """The next item in order if it is here already, else None (never blocks)."""
         with self._cond:
-            if self.next_seq not in self._items:
-                return None
-            seq = self.next_seq
-            item = self._items.pop(seq)
-            self.next_seq += 1
-            self._cond.notify_all()
-            return seq, item
+            return self._pop_next() if self.next_seq in self._items else None
+
+    def _wait_until(self, ready: Callable[[], bool], stop: threading.Event) -> None:
+        """With the lock held: wait in POLL_S slices until `ready()`; Stopped once `stop` is set."""
+        while not ready():
+            if stop.is_set():
+                raise Stopped
+            self._cond.wait(POLL_S)
+
+    def _pop_next(self) -> tuple[int, T]:
+        """With the lock held and item `next_seq` here: take it, advance, wake the putters."""
+        seq = self.next_seq
+        item = self._items.pop(seq)
+        self.next_seq += 1
+        self._cond.notify_all()
+        return seq, item
 
     def depth(self) -> int:
         """Packets ready or waiting for their turn (the status line's q_hs)."""
