@@ -123,6 +123,28 @@ def node_row(state: RunState, node_rank: int, now: float, *, last: bool) -> dict
     }
 
 
+def cursor_row_key(table: DataTable[Text | str]) -> str | None:
+    """The key of the row under `table`'s cursor (None on an empty table)."""
+    if table.row_count == 0:
+        return None
+    row_key, _ = table.coordinate_to_cell_key(Coordinate(table.cursor_row, 0))
+    return None if row_key.value is None else str(row_key.value)
+
+
+def update_changed_cells(
+    table: DataTable[Text | str],
+    row: str,
+    columns: Sequence[tuple[str, str, int]],
+    cells: Mapping[str, Text | str],
+    shown: Mapping[str, Text | str],
+) -> None:
+    """Update the cells of `row` that differ from those `shown`: each update costs a row
+    redraw, so no-ops are skipped."""
+    for key, _, _ in columns:
+        if cells[key] != shown[key]:
+            table.update_cell(row, key, cells[key])
+
+
 RowKind = Literal["host", "group", "node"]
 
 
@@ -189,11 +211,7 @@ class FleetScreen(LiveScreen[None]):
         return out
 
     def selected_key(self) -> str | None:
-        table = self.table
-        if table.row_count == 0:
-            return None
-        row_key, _ = table.coordinate_to_cell_key(Coordinate(table.cursor_row, 0))
-        return None if row_key.value is None else str(row_key.value)
+        return cursor_row_key(self.table)
 
     def selected_host(self) -> str | None:
         """The highlighted host (a node row is its host); None on a group's row."""
@@ -243,10 +261,7 @@ class FleetScreen(LiveScreen[None]):
         else:
             for kind, name in rows:
                 cells = self._cells(kind, name, states, now)
-                shown = self._shown[name]
-                for key, _, _ in COLUMNS:
-                    if cells[key] != shown[key]:  # each update costs a row redraw: skip no-ops
-                        table.update_cell(name, key, cells[key])
+                update_changed_cells(table, name, COLUMNS, cells, self._shown[name])
                 self._shown[name] = cells
         counts: dict[str, int] = {}
         for state in states.values():

@@ -11,11 +11,11 @@ from rich.text import Text
 from textual.app import ComposeResult
 from textual.binding import BindingType
 from textual.containers import Horizontal, VerticalScroll
-from textual.coordinate import Coordinate
 from textual.widgets import DataTable, Footer, Static
 
 from dflashctl.monitor import RunState, format_age, line_age
 from dflashctl.tui.group_rows import group_figures, node_display, node_step
+from dflashctl.tui.screens.fleet import cursor_row_key, update_changed_cells
 from dflashctl.tui.view import LiveScreen
 from dflashctl.tui.widgets.panes import DASH, Pane, fmt, gpus_text, queues_text, state_style
 from trainer.events import format_eta
@@ -116,11 +116,7 @@ class GroupScreen(LiveScreen[None]):
         return self.query_one("#group-nodes", DataTable)
 
     def selected_host(self) -> str | None:
-        table = self.table
-        if table.row_count == 0:
-            return None
-        row_key, _ = table.coordinate_to_cell_key(Coordinate(table.cursor_row, 0))
-        return None if row_key.value is None else str(row_key.value)
+        return cursor_row_key(self.table)
 
     def refresh_view(
         self, states: Mapping[str, RunState], now: float, dirty: Iterable[str]
@@ -137,9 +133,7 @@ class GroupScreen(LiveScreen[None]):
             if shown is None:
                 table.add_row(*(cells[k] for k, _, _ in NODE_COLUMNS), key=state.host)
             else:
-                for key, _, _ in NODE_COLUMNS:
-                    if cells[key] != shown[key]:
-                        table.update_cell(state.host, key, cells[key])
+                update_changed_cells(table, state.host, NODE_COLUMNS, cells, shown)
             self._shown[state.host] = cells
             if not self._queues_painted or state.host in changed:  # (before layout: each tick)
                 self.query_one(f"#gpus-{rank}", Static).update(
