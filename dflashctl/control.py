@@ -597,7 +597,8 @@ def interrupt_children(pid: int) -> list[str]:
 
 def kill_if_childless(pid: int) -> list[str]:
     """SIGKILL `pid` unless it still has children (a torchrun whose ranks all exited)."""
-    script = 'pgrep -P "$1" >/dev/null || kill -KILL "$1"'
+    # without pgrep nothing is known of its children: then nothing is killed
+    script = 'command -v pgrep >/dev/null && ! pgrep -P "$1" >/dev/null && kill -KILL "$1"'
     return ["sh", "-c", script, "kill-if-childless", str(int(pid))]
 
 
