@@ -51,13 +51,67 @@ def cli_env(**extra: str) -> dict[str, str]:
     return env
 
 
+def torchrun_argv(nproc: int, *program: str) -> list[str]:
+    """`torchrun --standalone --nproc-per-node NPROC PROGRAM...`: one node's ranks here."""
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        str(nproc),
+        *program,
+    ]
+
+
+def ranks_env(**extra: str) -> dict[str, str]:
+    """`cli_env` for a torchrun launch: WORLD_SIZE is torchrun's to set."""
+    env = cli_env(**extra)
+    env.pop("WORLD_SIZE", None)
+    return env
+
+
+def run_rank_script(script: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    """A test's own Python script as two ranks under torchrun (standalone rendezvous)."""
+    return subprocess.run(
+        torchrun_argv(2, str(script), *args),
+        cwd=REPO,
+        env=cli_env(),
+        capture_output=True,
+        text=True,
+        timeout=100,
+    )
+
+
+def run_ranks(
+    config: Path, run_dir: Path, nproc: int, *, timeout: float = 240, **env: str
+) -> subprocess.CompletedProcess[str]:
+    """The trainer as `nproc` CPU processes under torchrun (standalone rendezvous)."""
+    return subprocess.run(
+        torchrun_argv(nproc, *trainer_argv(config, run_dir)[1:]),
+        cwd=REPO,
+        env=ranks_env(**env),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def start_ranks(config: Path, run_dir: Path, nproc: int, **env: str) -> subprocess.Popen[str]:
+    """`run_ranks` without waiting: the torchrun process, its output piped."""
+    return subprocess.Popen(
+        torchrun_argv(nproc, *trainer_argv(config, run_dir)[1:]),
+        cwd=REPO,
+        env=ranks_env(**env),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
 def run_two_ranks(config: Path, run_dir: Path) -> subprocess.CompletedProcess[str]:
     """The trainer as two CPU ranks under torchrun (standalone rendezvous), as a node runs it."""
-    env = cli_env()
-    env.pop("WORLD_SIZE", None)
-    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
-    argv += ["-m", "trainer", "--config", str(config), "--run-dir", str(run_dir)]
-    return subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=200)
+    return run_ranks(config, run_dir, 2, timeout=200)
 
 
 def write_config(path: Path, base: dict[str, Any], **over: Any) -> Path:

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +12,7 @@ import torch
 from trainer.events import StatusEvent, parse_line
 from trainer.pipeline.checkpoint import list_checkpoints, load_checkpoint
 
-from .conftest import REPO, cli_env, run_two_ranks, write_config
+from .conftest import run_rank_script, run_two_ranks, write_config
 
 RANK_SCRIPT = """
 import sys, torch, torch.distributed as dist
@@ -38,15 +36,7 @@ def test_gradients_are_normalised_by_the_global_weight(tmp_path: Path) -> None:
     """Two ranks' all-reduced, globally normalised gradient equals one process on all tokens."""
     script = tmp_path / "rank.py"
     script.write_text(RANK_SCRIPT)
-    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
-    out = subprocess.run(
-        [*argv, str(script), str(tmp_path / "g")],
-        cwd=REPO,
-        env=cli_env(),
-        capture_output=True,
-        text=True,
-        timeout=100,
-    )
+    out = run_rank_script(script, str(tmp_path / "g"))
     assert out.returncode == 0, out.stderr[-3000:]
     w = torch.nn.Parameter(torch.tensor(0.5))
     x = torch.tensor([1.0, 2.0, 3.0, 4.0, 5.0, 10.0, -2.0])

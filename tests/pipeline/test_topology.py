@@ -9,8 +9,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -22,22 +20,10 @@ from trainer.events import StatusEvent, parse_line
 from trainer.pipeline.checkpoint import list_checkpoints, load_checkpoint
 from trainer.pipeline.distributed import Layout
 
-from .conftest import REPO, cli_env, run_two_ranks, write_config
+from .conftest import RunCli, run_ranks, run_two_ranks, start_ranks, write_config
 
 SHARED = {"targets": "shared", "target_devices": ["cpu"], "drafter_devices": ["cpu", "cpu"]}
 STEPS = 10
-
-
-def run_ranks(
-    config: Path, run_dir: Path, nproc: int, **env: str
-) -> subprocess.CompletedProcess[str]:
-    """The trainer as `nproc` CPU processes under torchrun (standalone rendezvous)."""
-    e = cli_env(**env)
-    e.pop("WORLD_SIZE", None)
-    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-    argv += ["--nproc-per-node", str(nproc), "-m", "trainer"]
-    argv += ["--config", str(config), "--run-dir", str(run_dir)]
-    return subprocess.run(argv, cwd=REPO, env=e, capture_output=True, text=True, timeout=240)
 
 
 def _losses(run_dir: Path) -> list[tuple[int, float]]:
@@ -89,31 +75,13 @@ def test_each_device_runs_one_rank(tiny_assets: dict[str, Any]) -> None:
 
 
 def test_a_launch_of_the_wrong_size_is_refused_naming_the_process_count(
-    tmp_path: Path, tiny_assets: dict[str, Any]
+    tmp_path: Path, tiny_assets: dict[str, Any], run_cli: RunCli
 ) -> None:
     cfg = write_config(tmp_path / "mn.toml", tiny_assets, topology=SHARED)
-    out = subprocess.run(
-        [sys.executable, "-m", "trainer", "--config", str(cfg), "--run-dir", str(tmp_path / "r")],
-        cwd=REPO,
-        env=cli_env(),
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
+    out = run_cli(cfg, tmp_path / "r", timeout=240)
     assert out.returncode == 2, out.stderr[-2000:]
     assert "topology.targets = 'shared'" in out.stdout
     assert "torchrun --nproc-per-node 3" in out.stdout
-
-
-def _start_ranks(config: Path, run_dir: Path, nproc: int, **env: str) -> subprocess.Popen[str]:
-    e = cli_env(**env)
-    e.pop("WORLD_SIZE", None)
-    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-    argv += ["--nproc-per-node", str(nproc), "-m", "trainer"]
-    argv += ["--config", str(config), "--run-dir", str(run_dir)]
-    return subprocess.Popen(
-        argv, cwd=REPO, env=e, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-    )
 
 
 @pytest.mark.timeout(600)
@@ -144,7 +112,7 @@ def test_one_target_for_two_drafters_trains_the_one_to_one_losses_through_a_stop
     assert sorted(whole) == list(range(1, STEPS + 1))
 
     run_dir = tmp_path / "mn"
-    proc = _start_ranks(shared, run_dir, 3, DFLASH_STAGE_DELAY="drafter:0.3")
+    proc = start_ranks(shared, run_dir, 3, DFLASH_STAGE_DELAY="drafter:0.3")
     try:
         deadline = time.monotonic() + 200
         while time.monotonic() < deadline and proc.poll() is None:
@@ -203,7 +171,7 @@ def test_the_status_line_names_the_real_bottleneck(
 
 @pytest.mark.timeout(600)
 def test_two_targets_for_one_drafter_train_the_single_process_losses(
-    tmp_path: Path, tiny_assets: dict[str, Any]
+    tmp_path: Path, tiny_assets: dict[str, Any], run_cli: RunCli
 ) -> None:
     """2 target ranks : 1 drafter rank: batches alternate between the targets, and the drafter
     still trains the losses of a plain single-process run (one target thread), bit for bit."""
@@ -218,22 +186,7 @@ def test_two_targets_for_one_drafter_train_the_single_process_losses(
         },
         schedule={"max_steps": STEPS},
     )
-    a = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "trainer",
-            "--config",
-            str(single),
-            "--run-dir",
-            str(tmp_path / "1"),
-        ],
-        cwd=REPO,
-        env=cli_env(),
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
+    a = run_cli(single, tmp_path / "1", timeout=240)
     assert a.returncode == 0, a.stderr[-3000:]
     b = run_ranks(shared, tmp_path / "21", 3)
     assert b.returncode == 0, (b.stdout[-2000:], b.stderr[-3000:])
