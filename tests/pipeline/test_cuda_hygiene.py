@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import trainer.pipeline.runner as runner_mod
 import trainer.pipeline.stages as stages_mod
@@ -233,6 +234,160 @@ def test_python_m_trainer_sets_expandable_segments_unless_set(
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:False")
     main(["--config", str(bad), "--run-dir", str(tmp_path / "r")])
     assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:False"
+
+
+TRAINER = str(Path(runner_mod.__file__).parent.parent)
+
+# Ops that read a device tensor's values on the host (a CUDA sync): `.item()`/`int()`/`bool()`
+# and what sizes its output by the values (boolean-mask indexing, nonzero, masked_select).
+SYNC_OPS = {
+    "aten._local_scalar_dense.default",
+    "aten.is_nonzero.default",
+    "aten.nonzero.default",
+    "aten.masked_select.default",
+    "aten.equal.default",
+    "aten.repeat_interleave.Tensor",
+    "aten._unique2.default",
+}
+MASK_INDEXED = {"aten.index.Tensor", "aten.index_put_.default", "aten.index_put.default"}
+
+
+class DeviceReads(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's mode is untyped
+    """Host reads of "device" values in the drafter's step, by the trainer file:line asking.
+
+    On a CPU run every tensor is a host tensor, so device-ness is tracked: the staged packets'
+    tensors (cloned by the test's Stager, so they differ from the host masks they came from)
+    and the drafter's parameters are device tensors, and so is every op's output computed from
+    one (gradients included); a host copy (`_host_read`) is host memory."""
+
+    def __init__(self) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]  # as the class line
+        self.device: dict[int, weakref.ref[torch.Tensor]] = {}
+        self.by_site: collections.Counter[str] = collections.Counter()
+        self.thread: int | None = None  # the drafter thread, while in its step
+
+    def mark(self, t: torch.Tensor) -> None:
+        self.device[id(t)] = weakref.ref(t)
+
+    def on_device(self, t: object) -> bool:
+        if not isinstance(t, torch.Tensor):
+            return False
+        ref = self.device.get(id(t))
+        return ref is not None and ref() is t
+
+    def read(self) -> None:
+        frame = sys._getframe(1)
+        while frame is not None and not (
+            frame.f_code.co_filename.startswith(TRAINER)
+            and "site-packages" not in frame.f_code.co_filename
+        ):
+            frame = frame.f_back  # type: ignore[assignment]  # the loop's end tests it
+        where = "?" if frame is None else f"{frame.f_code.co_filename}:{frame.f_lineno}"
+        self.by_site[where] += 1
+
+    def __torch_dispatch__(
+        self,
+        func: Any,
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        kwargs = kwargs or {}
+        flat = [*args, *kwargs.values()]
+        flat += [t for a in flat if isinstance(a, (list, tuple)) for t in a]
+        from_device = any(self.on_device(a) for a in flat)
+        name = str(func)
+        if from_device and name in SYNC_OPS:
+            self.read()
+        elif name in MASK_INDEXED:
+            index = args[1] if len(args) > 1 else []
+            if any(
+                isinstance(i, torch.Tensor) and i.dtype == torch.bool and self.on_device(i)
+                for i in index
+            ):
+                self.read()
+        out = func(*args, **kwargs)
+        if from_device:
+            for t in out if isinstance(out, (list, tuple)) else (out,):
+                if isinstance(t, torch.Tensor):
+                    self.mark(t)
+        return out
+
+
+def _host_read(name: str, mode: DeviceReads) -> Callable[..., object]:
+    """Tensor.`name` that counts a read of a device tensor in the step's DeviceReads: `.cpu()`,
+    `.tolist()`, `.numpy()`, and `.to("cpu")` spelled as the string (a `.to(device)` with a
+    torch.device is a move to the compute device, the CPU on this run). The copy is host
+    memory from then on (on a CPU run it is the same tensor)."""
+    original = getattr(torch.Tensor, name)
+
+    def read(self: torch.Tensor, *args: Any, **kwargs: Any) -> object:
+        target = kwargs.get("device", args[0] if args else None) if name == "to" else "cpu"
+        counted = mode.thread == threading.get_ident() and target == "cpu" and mode.on_device(self)
+        out = original(self, *args, **kwargs)
+        if counted:
+            mode.read()
+            if isinstance(out, torch.Tensor):
+                mode.device.pop(id(out), None)
+        return out
+
+    return read
+
+
+@pytest.mark.timeout(300)
+def test_the_drafter_step_reads_device_values_only_in_its_one_reduce(
+    tmp_path: Path, tiny_assets: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The whole drafter step, model code included, with device-ness tracked (DeviceReads;
+    the reduce's one read is a `.to("cpu")`, counted by the test above): the anchor draw reads
+    the host masks the packet carries (it read the staged masks back: 2 reads per micro-step,
+    3 packed). grad_accum 2, pieces of 64 query rows."""
+    cfg = write_config(
+        tmp_path / "run.toml",
+        tiny_assets,
+        schedule={"max_steps": 3},
+        optimizer={**tiny_assets["optimizer"], "grad_accum": 2},
+        model={**tiny_assets["model"], "max_query_rows": 64},
+    )
+    made = stages_mod._with
+    with counting_syncs(monkeypatch) as counter:
+        mode = DeviceReads()
+
+        def staged(pkt: Packet, moved: list[torch.Tensor], ready: object) -> Packet:
+            out = made(pkt, [t.clone() for t in moved], None)  # "the drafter's device"
+            for t in out.tensors():
+                mode.mark(t)
+            return out
+
+        counted: Callable[..., Any] = runner_mod.__dict__["train_step"]  # counting_syncs's
+
+        def watched(*args: Any, **kwargs: Any) -> Any:
+            for t in [*args[0].drafter.parameters(), *args[0].params]:
+                mode.mark(t)
+            mode.thread = threading.get_ident()
+            try:
+                with mode:
+                    return counted(*args, **kwargs)
+            finally:
+                mode.thread = None
+
+        monkeypatch.setattr(stages_mod, "_with", staged)
+        monkeypatch.setattr(runner_mod, "train_step", watched)
+        for name in ("cpu", "to", "tolist", "numpy"):  # reads that do not dispatch on a CPU run
+            monkeypatch.setattr(torch.Tensor, name, _host_read(name, mode))
+        status = run(RunOptions(cfg, tmp_path / "run"))
+    assert status == 0 and counter.steps == 3
+    sites = mode.by_site
+    files = {s.rsplit(":", 1)[0].removeprefix(TRAINER + "/") for s in sites}
+    # The label check reads only host labels (its CPU branch, here): device labels are checked
+    # on the device (tests/kernels/test_label_check_device.py). The objective's boolean-mask
+    # selections (and their backward in split_step) are the known rest.
+    assert files <= {"model/objective.py", "model/split_step.py", "kernels/lm_head_ce.py"} | {
+        "pipeline/reduce.py"
+    }, sites
+    assert not any("masks.py" in s for s in sites), sites
+    reduce_reads = [n for s, n in sites.items() if "pipeline/reduce.py" in s]
+    assert reduce_reads == [counter.steps], sites  # the step's one read, seen here too
 
 
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

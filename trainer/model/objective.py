@@ -76,13 +76,13 @@ def block_labels(
     seq = input_ids.shape[1]
     device = input_ids.device
     k = torch.arange(1, block_size, device=device)
-    anchor = anchors.positions.to(device)
+    anchor = _to_device(anchors.positions, device)
     pos = anchor[:, :, None] + k  # [R, N, B-1]
     in_range = pos < seq
     safe = pos.clamp(max=seq - 1).flatten(1)
     labels = input_ids.gather(1, safe).view_as(pos)
     supervised = (loss_mask.bool() & attention_mask.bool()).gather(1, safe).view_as(pos)
-    valid = in_range & supervised & anchors.keep.to(device)[:, :, None]
+    valid = in_range & supervised & _to_device(anchors.keep, device)[:, :, None]
     if position_ids is not None:
         doc_pos = position_ids.to(device)
         rel = doc_pos.gather(1, anchor)[:, :, None] + k
@@ -146,7 +146,8 @@ def dflash_objective(
 
     if noise > 0:
         hidden = hidden + _noise_like(hidden, noise, generator)
-    positions = anchors.positions.to(device)
+    anchors = Anchors(_to_device(anchors.positions, device), _to_device(anchors.keep, device))
+    positions = anchors.positions
     anchor_ids = input_ids.gather(1, positions)
     block_ids = drafter.block_input_ids(anchor_ids)
     context_pos, context_start, first = None, None, positions
@@ -177,6 +178,17 @@ def dflash_objective(
         pos_correct=correct.sum((0, 1)),
         pos_count=valid.sum((0, 1)),
     )
+
+
+def _to_device(t: Tensor, device: torch.device) -> Tensor:
+    """A host tensor (the anchors, drawn on the CPU) onto `device` without blocking the host:
+    on CUDA through pinned memory with a non-blocking copy (a pageable one waits for the copy;
+    the caching host allocator keeps the pinned block until the copy has read it)."""
+    if t.device == device:
+        return t
+    if device.type == "cuda" and t.device.type == "cpu":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
 
 
 def _noise_like(hidden: Tensor, std: float, generator: torch.Generator | None) -> Tensor:

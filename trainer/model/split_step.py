@@ -90,6 +90,7 @@ def bounded_objective_backward(
     loss_transform: Callable[[Tensor], Tensor] | None = None,
     position_ids: Tensor | None = None,
     unpack: bool | None = None,
+    anchors: Anchors | None = None,
 ) -> StepResult:
     """Forward+backward of one packet in pieces of at most `max_query_rows` query rows.
 
@@ -102,11 +103,14 @@ def bounded_objective_backward(
     cut rows and anchors exactly as for unpacked rows. `unpack` (packed rows; None = when the
     attention backend is SDPA, whose dense mask costs a packed row's every block the whole
     row): after the draws, each document with an anchor becomes a row of its own
-    (`trainer.model.documents`), the same computation at less attention work.
+    (`trainer.model.documents`), the same computation at less attention work. `anchors`:
+    drawn by the caller (`masks.sample_anchors` on host copies of the masks, from the same
+    generator, so nothing here reads the masks back from the device); None = drawn here.
     """
     ctx = autocast if autocast is not None else contextlib.nullcontext()
     bsz = drafter.config.block_size
-    anchors = draw_anchors(loss_mask, attention_mask, num_anchors, generator, position_ids)
+    if anchors is None:
+        anchors = draw_anchors(loss_mask, attention_mask, num_anchors, generator, position_ids)
     if anchors.num_blocks == 0:
         pieces: list[Piece] = [(slice(None), slice(None))]
     else:

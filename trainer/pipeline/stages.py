@@ -48,10 +48,29 @@ class Packet:
     real_tokens: int
     position_ids: Tensor | None = None  # [B, L] document-relative (packed rows); None: 0..L-1
     ready: torch.cuda.Event | None = None  # CUDA: recorded once the tensors are written
+    # From `Stager.get`: the host tensors the masks were copied from (None: the packet's own
+    # masks are those). The anchor draw reads them, so it never waits on the drafter's device.
+    host: HostMasks | None = None
 
     def tensors(self) -> list[Tensor]:
         t = [self.input_ids, self.loss_mask, self.attention_mask, self.hidden]
         return t if self.position_ids is None else [*t, self.position_ids]
+
+    def host_masks(self) -> HostMasks:
+        """The masks on the host: the staged copies' sources, else the packet's own."""
+        if self.host is not None:
+            return self.host
+        return HostMasks(self.loss_mask, self.attention_mask, self.position_ids)
+
+
+@dataclass(frozen=True)
+class HostMasks:
+    """A packet's loss mask, attention mask and position ids as the prefetcher made them (host
+    memory, pinned on CUDA): what the anchor draw reads (`masks.sample_anchors`)."""
+
+    loss_mask: Tensor
+    attention_mask: Tensor
+    position_ids: Tensor | None
 
 
 class Supervisor:
@@ -288,5 +307,14 @@ def _event() -> torch.cuda.Event:
 
 
 def _with(pkt: Packet, moved: list[Tensor], ready: torch.cuda.Event | None) -> Packet:
+    """`pkt` with its tensors `moved`; its host masks travel along (the anchor draw's)."""
     ids, loss, attn, hidden, *pos = moved
-    return Packet(ids, loss, attn, hidden, pkt.real_tokens, pos[0] if pos else None, ready)
+    host = pkt.host
+    masks = [
+        pkt.loss_mask,
+        pkt.attention_mask,
+        *([] if pkt.position_ids is None else [pkt.position_ids]),
+    ]
+    if host is None and all(t.device.type == "cpu" for t in masks):
+        host = HostMasks(pkt.loss_mask, pkt.attention_mask, pkt.position_ids)
+    return Packet(ids, loss, attn, hidden, pkt.real_tokens, pos[0] if pos else None, ready, host)

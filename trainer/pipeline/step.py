@@ -17,6 +17,7 @@ from typing import Protocol
 
 import torch
 
+from trainer.model.masks import sample_anchors
 from trainer.model.split_step import bounded_objective_backward
 from trainer.pipeline import distributed
 from trainer.pipeline.build import Parts
@@ -88,6 +89,10 @@ def train_step(
     for _ in range(o.grad_accum):
         seq, pkt = feed.get()  # packet n-1 is dropped: at most n and n+1 on the device
         p.faults.tick("drafter")
+        host = pkt.host_masks()  # the draw reads host copies: no wait on the drafter's device
+        anchors = sample_anchors(
+            host.loss_mask, host.attention_mask, m.num_anchors, p.gen, host.position_ids
+        )
         # forward+backward in pieces of <= m.max_query_rows query rows (None: one)
         res = bounded_objective_backward(
             p.drafter,
@@ -103,6 +108,7 @@ def train_step(
             autocast=autocast,
             loss_transform=_poison if p.faults.nonfinite_at(step) else None,
             position_ids=pkt.position_ids,
+            anchors=anchors,
         )
         sums += torch.stack([getattr(res, k).detach().to(torch.float64) for k in METRIC_KEYS])
         if nb > 1:  # this rank's batch of seq comes from one length bucket
