@@ -167,6 +167,16 @@ class Counter:
             self.value += n
 
 
+def capture_batch(target: TargetModel, host: HostBatch, device: torch.device) -> Tensor:
+    """`host`'s hidden features from `target`: its ids, attention mask and position ids copied
+    to `device` without blocking (on CUDA the caller's current stream orders them), captured."""
+    ids = host.input_ids.to(device, non_blocking=True)
+    attn = host.attention_mask.to(device, non_blocking=True)
+    pos = host.position_ids
+    pos = None if pos is None else pos.to(device, non_blocking=True)
+    return target.capture(ids, attn, position_ids=pos)
+
+
 def target_body(
     *,
     load_target: Callable[[], TargetModel],
@@ -195,11 +205,7 @@ def target_body(
             host = get(queues[bucket], stop, clock)  # FIFO per bucket: this is seq or a peer's
             faults.tick("target")
             with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-                ids = host.input_ids.to(dev, non_blocking=True)
-                attn = host.attention_mask.to(dev, non_blocking=True)
-                pos = host.position_ids
-                pos = None if pos is None else pos.to(dev, non_blocking=True)
-                hidden = target.capture(ids, attn, position_ids=pos)
+                hidden = capture_batch(target, host, dev)
             ready = None
             if stream is not None:
                 ready = _event()

@@ -189,6 +189,7 @@ def _capture_all(
     from trainer.model.target import TargetModel
     from trainer.pipeline.build import plans_for, target_dtype
     from trainer.pipeline.evals import quiet_hf
+    from trainer.pipeline.stages import capture_batch
 
     device = torch.device(rank.device)
     store, plans = plans_for(cfg, rank.layout.drafters)
@@ -205,11 +206,7 @@ def _capture_all(
         host = collate_batch(store, seq, plans[d].batch(seq), pin)
         faults.tick("target")
         with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-            ids = host.input_ids.to(device, non_blocking=True)
-            attn = host.attention_mask.to(device, non_blocking=True)
-            pos = host.position_ids
-            pos = None if pos is None else pos.to(device, non_blocking=True)
-            hidden = target.capture(ids, attn, position_ids=pos)
+            hidden = capture_batch(target, host, device)
             if len(in_flight) >= cfg.topology.hidden_depth:
                 _sent(in_flight.popleft()[0], pin)
             in_flight.append((links.send(hidden, rank.layout.drafter_process(d)), hidden))
