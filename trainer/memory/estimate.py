@@ -1,12 +1,15 @@
 """Will the run fit? Per device: fixed costs plus the peak of the worst batch; the largest budget.
 
-A drafter device holds the fixed state (`costs.drafter_fixed`), the staged feature packets (the
-q_hs buffer's `hidden_depth`, one per target worker blocked on a full buffer, and the one in use:
-features are copied to the drafter before the put today) and the worst micro-step's activations
-(`costs.activation_peak`) over every batch shape the sampler produces, split by
-`model.max_query_rows` exactly as the trainer splits it. A target device holds the target's
-weights and one layer's capture working set at the largest padded batch. `reserve` is what
-CUDA itself takes (context, cuBLAS workspace, allocator slack): a guess, not measured here.
+A drafter device holds the fixed state (`costs.drafter_fixed`), two feature packets (the one in
+use and the one the drafter's Stager pulls ahead: `pipeline.stages.Stager`; in an M:N run the
+one received ahead) and the worst micro-step's activations (`costs.activation_peak`) over every
+batch shape the sampler produces, split by `model.max_query_rows` exactly as the trainer splits
+it. A target device holds the target's weights, one layer's capture working set and the
+features of the batch it captures at the largest padded batch, and the features of the packets
+waiting for the drafter there: up to `topology.hidden_depth` (the q_hs buffer's capacity, whose
+packets keep their features on the target that made them, and claims are dynamic, so one target
+may hold most of them; in an M:N run a target rank's sends in flight). `reserve` is what CUDA
+itself takes (context, cuBLAS workspace, allocator slack): a guess, not measured here.
 """
 
 from __future__ import annotations
@@ -97,8 +100,7 @@ class Estimator:
             c=self.precision.compute,
         )
         worst_packet = max(self.packet_bytes(s) for s in self.shapes.batches)
-        topo = self.cfg.topology
-        staged = topo.hidden_depth + len(topo.target_devices)
+        staged = 1  # pulled ahead by the Stager; the one in use is the plan's `packet`
         return {
             "master_weights_fp32": fx.master,
             "grads_fp32": fx.grads,
@@ -160,10 +162,13 @@ class Estimator:
         )
 
     def target_device(self) -> dict[str, int]:
+        """A target device's items: `costs.target_peak` and the packets waiting there."""
         tokens = max(s.packet_tokens for s in self.shapes.batches)
-        return target_peak(
+        items = target_peak(
             self.target, tokens, self.drafter.features, dtype_bytes=self.precision.features
         )
+        items["waiting_packets"] = self.cfg.topology.hidden_depth * items["captured_features"]
+        return items
 
 
 def report(est: Estimator, device_memory: int, reserve: int) -> dict[str, Any]:
