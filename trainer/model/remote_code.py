@@ -29,7 +29,7 @@ PIECES: tuple[tuple[ModuleType, tuple[str, ...]], ...] = (
     (errors, ("ExitCode", "TrainerError")),  # TargetError's base
     (layers, ("RMSNorm", "SwiGLU", "Rotary", "apply_rotary")),
     (attention, ("AttnMask", "_flex_fn", "attend")),
-    (drafter, ("DrafterAttention", "DrafterLayer", "DrafterCache", "DFlashDrafter")),
+    (drafter, ("_autocasts", "DrafterAttention", "DrafterLayer", "DrafterCache", "DFlashDrafter")),
     (
         target,
         (
