@@ -113,6 +113,7 @@ def dflash_objective(
     attn_backend: str = "auto",
     ce_backend: Backend = "auto",
     position_ids: Tensor | None = None,
+    host_masks: tuple[Tensor, Tensor, Tensor | None] | None = None,
 ) -> StepResult:
     """Weighted CE sums and teacher-forced metrics for one micro-batch.
 
@@ -130,6 +131,9 @@ def dflash_objective(
         ce_backend: passed to `trainer.kernels.lm_head_cross_entropy`.
         position_ids: [R, S] document-relative positions of packed rows (None: one document
             per row); see the module docstring.
+        host_masks: (loss_mask, attention_mask, position_ids) of the same rows on the host,
+            with host `anchors`: which slots are valid is then known on the host and nothing
+            is read back from the device (else one read: the valid slots' indices).
     """
     cfg = drafter.config
     bsz = cfg.block_size
@@ -146,6 +150,7 @@ def dflash_objective(
 
     if noise > 0:
         hidden = hidden + _noise_like(hidden, noise, generator)
+    host_anchors = anchors
     anchors = Anchors(_to_device(anchors.positions, device), _to_device(anchors.keep, device))
     positions = anchors.positions
     anchor_ids = input_ids.gather(1, positions)
@@ -160,20 +165,33 @@ def dflash_objective(
     out = drafter(hidden, block_ids, block_pos, mask, context_positions=context_pos)  # [R, N*B, H]
 
     labels, valid = block_labels(input_ids, loss_mask, attention_mask, anchors, bsz, position_ids)
-    out = out.view(*positions.shape, bsz, -1)[:, :, 1:]  # slots 1..B-1
+    # The valid slots by index, in the order boolean-mask indexing takes them (row-major):
+    # `x[valid]` reads the mask back to size its result (a sync, and one more in backward).
+    host_valid = None
+    if host_masks is not None and host_anchors.positions.device.type == "cpu":
+        h_loss, h_attn, h_pos = host_masks  # labels unused: the loss mask stands in for ids
+        host_valid = block_labels(h_loss, h_loss, h_attn, host_anchors, bsz, h_pos)[1]
+    flat = valid.flatten()
+    if host_valid is None:
+        idx = flat.nonzero().squeeze(1)
+    else:
+        idx = _to_device(host_valid.flatten().nonzero().squeeze(1), device)
+    rows = idx + idx // (bsz - 1) + 1  # slot k of block (r, n) is row (r*N + n)*B + k of out
     head = drafter.lm_head.weight
-    ce = lm_head_cross_entropy(out[valid].to(head.dtype), head, labels[valid], backend=ce_backend)
-    w_slot = slot_weights(bsz, gamma, device).expand_as(valid)[valid]
-    correct = torch.zeros_like(valid)
-    correct[valid] = ce.correct
-    block_streak = streaks(correct, valid)
+    hidden_sel = out.reshape(-1, out.shape[-1]).index_select(0, rows)
+    ce = lm_head_cross_entropy(
+        hidden_sel.to(head.dtype), head, labels.flatten().index_select(0, idx), backend=ce_backend
+    )
+    w_slot = slot_weights(bsz, gamma, device).index_select(0, idx % (bsz - 1))
+    correct = torch.zeros_like(flat).scatter(0, idx, ce.correct).view_as(valid)
+    block_streak = streaks(correct, valid)  # 0 for a block without a valid slot
     has_pred = valid.any(-1)
     return StepResult(
         loss_sum=(ce.loss * w_slot).sum(),
         weight_sum=w_slot.sum(),
         n_correct=ce.correct.sum(),
         n_pred=valid.sum(),
-        streak_sum=block_streak[has_pred].sum(),
+        streak_sum=block_streak.sum(),
         n_blocks=has_pred.sum(),
         pos_correct=correct.sum((0, 1)),
         pos_count=valid.sum((0, 1)),

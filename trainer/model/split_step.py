@@ -91,6 +91,7 @@ def bounded_objective_backward(
     position_ids: Tensor | None = None,
     unpack: bool | None = None,
     anchors: Anchors | None = None,
+    host_masks: tuple[Tensor, Tensor, Tensor | None] | None = None,
 ) -> StepResult:
     """Forward+backward of one packet in pieces of at most `max_query_rows` query rows.
 
@@ -106,6 +107,8 @@ def bounded_objective_backward(
     (`trainer.model.documents`), the same computation at less attention work. `anchors`:
     drawn by the caller (`masks.sample_anchors` on host copies of the masks, from the same
     generator, so nothing here reads the masks back from the device); None = drawn here.
+    `host_masks`: (loss_mask, attention_mask, position_ids) on the host, so each piece's valid
+    slots are known there too (`dflash_objective`); not used for unpacked documents.
     """
     ctx = autocast if autocast is not None else contextlib.nullcontext()
     bsz = drafter.config.block_size
@@ -128,7 +131,7 @@ def bounded_objective_backward(
                 u.attention_mask,
                 u.hidden,
             )
-            anchors, position_ids = u.anchors, None
+            anchors, position_ids, host_masks = u.anchors, None, None
         pieces = split_pieces(anchors, bsz, max_query_rows)
     total: StepResult | None = None
     for rows, cols in pieces:
@@ -146,6 +149,7 @@ def bounded_objective_backward(
                 attn_backend=attn_backend,
                 ce_backend=ce_backend,
                 position_ids=None if position_ids is None else position_ids[rows],
+                host_masks=_rows(host_masks, rows),
             )
         loss = res.loss_sum if loss_transform is None else loss_transform(res.loss_sum)
         torch.autograd.backward(loss.float())
@@ -153,6 +157,15 @@ def bounded_objective_backward(
         total = _detached(res) if total is None else _add(total, res)
     assert total is not None
     return total
+
+
+def _rows(
+    masks: tuple[Tensor, Tensor, Tensor | None] | None, rows: slice
+) -> tuple[Tensor, Tensor, Tensor | None] | None:
+    if masks is None:
+        return None
+    loss, attn, pos = masks
+    return loss[rows], attn[rows], None if pos is None else pos[rows]
 
 
 def _detached(res: StepResult) -> StepResult:

@@ -109,6 +109,7 @@ def train_step(
             loss_transform=_poison if p.faults.nonfinite_at(step) else None,
             position_ids=pkt.position_ids,
             anchors=anchors,
+            host_masks=(host.loss_mask, host.attention_mask, host.position_ids),
         )
         sums += torch.stack([getattr(res, k).detach().to(torch.float64) for k in METRIC_KEYS])
         if nb > 1:  # this rank's batch of seq comes from one length bucket
