@@ -46,7 +46,7 @@ from dflashctl.remote.layout import SUPERVISOR_STATE as SUPERVISOR_STATE_FILE
 from dflashctl.remote.release import acknowledge_switch
 from dflashctl.remote.run import MARK as MARK
 from dflashctl.remote.run import STATUS_SCRIPT as STATUS_SCRIPT
-from dflashctl.remote.run import gpu_query_argv, start_wait_argv, status_argv
+from dflashctl.remote.run import gpu_query_argv, host_trainer_argv, start_wait_argv, status_argv
 from dflashctl.remote.run import stop_wait_argv as stop_wait_argv
 from dflashctl.remote.run import trainer_argv as trainer_argv
 from dflashctl.remote.tmux import (
@@ -590,6 +590,17 @@ def parse_status(host: str, stdout: str, hash_text: Callable[[str], str | None])
     )
 
 
+def _rank_count(config_text: str) -> int:
+    """The ranks the deployed config needs on this host; 1 when it does not validate here (the
+    trainer names the problem itself, as it did before torchrun starts existed)."""
+    from dflashctl.runconfig import RunConfigError, drafter_device_count
+
+    try:
+        return drafter_device_count(config_text) if config_text else 1
+    except RunConfigError:
+        return 1
+
+
 def interrupt_children(pid: int) -> list[str]:
     """SIGINT to every child of `pid` (a group node's torchrun: its trainer ranks)."""
     return ["pkill", "-INT", "-P", str(int(pid))]
@@ -769,11 +780,14 @@ class RunControl:
             raise ControlError(
                 f"{self.host.name}: nothing deployed; run `dflashctl deploy {self.host.name}`"
             )
-        if st.deployed_config_hash is None and not (await self.deployed_config()):
+        config_text = await self.deployed_config()  # read once: it also gives the rank count
+        if st.deployed_config_hash is None and not config_text:
             raise ControlError(
                 f"{self.host.name}: no {self.layout.config}; "
                 f"deploy with --config PATH or set run_config in hosts.toml"
             )
+        if launch is None:  # several drafter (or shared target) ranks: torchrun --standalone
+            argv = host_trainer_argv(self.host.python, fresh, resume, _rank_count(config_text))
         if st.exit_status is not None:  # a dead pane from the last run: clear it
             await self._run(tmux_kill_session(self.host.session))
         release = st.release

@@ -1,5 +1,5 @@
-"""Pure argv and script builders for the run: its status round trip, the trainer's argv, the
-start and stop waits, the GPU query. Parsing their output into typed results is run control's
+"""Pure argv and script builders for the run: its status round trip, the trainer's argv (under
+torchrun when the run config needs several ranks), the start and stop waits, the GPU query. Parsing their output into typed results is run control's
 (dflashctl.control); the paths are dflashctl.remote.layout's.
 """
 
@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import re
 
+from dflashctl.errors import UsageError
 from dflashctl.remote import layout as L
 from dflashctl.remote.tmux import SETTLED_PANE_FN, TMUX_SOCKET
 from trainer.events import PHASE_TEXTS
@@ -44,6 +45,34 @@ def trainer_argv(python: str, fresh: bool, resume: str = "auto") -> list[str]:
     """The trainer's argv; `resume` is passed as given (auto | never | STEP | PATH)."""
     argv = [python, "-m", "trainer", "--config", L.CONFIG, "--run-dir", L.RUN_DIR]
     return [*argv, "--fresh"] if fresh else [*argv, "--resume", resume]
+
+
+TORCHRUN_MODULE = "torch.distributed.run"
+"""torchrun as `python -m`: the container's clean PATH need not hold its console script."""
+
+
+def standalone_launcher(python: str, nproc: int) -> list[str]:
+    """torchrun on one node, up to the program: `--standalone` (a local rendezvous on a free
+    port), `nproc` ranks, and no restarts of its own (restarts are the supervisor's)."""
+    return [
+        python,
+        "-m",
+        TORCHRUN_MODULE,
+        "--standalone",
+        "--nproc-per-node",
+        str(nproc),
+        "--max-restarts",
+        "0",
+    ]
+
+
+def host_trainer_argv(python: str, fresh: bool, resume: str = "auto", nproc: int = 1) -> list[str]:
+    """A single-host start's argv: `trainer_argv` for one rank; for `nproc` > 1 (the run
+    config's rank count) the same trainer arguments under `standalone_launcher`."""
+    if isinstance(nproc, bool) or not isinstance(nproc, int) or nproc < 1:
+        raise UsageError(f"rank count {nproc!r} is not a positive integer")
+    argv = trainer_argv(python, fresh, resume)
+    return argv if nproc == 1 else [*standalone_launcher(python, nproc), *argv[1:]]
 
 
 GPU_QUERY = "index,name,utilization.gpu,memory.used,memory.total,temperature.gpu,power.draw"
