@@ -46,7 +46,13 @@ from dflashctl.remote.layout import SUPERVISOR_STATE as SUPERVISOR_STATE_FILE
 from dflashctl.remote.release import acknowledge_switch
 from dflashctl.remote.run import MARK as MARK
 from dflashctl.remote.run import STATUS_SCRIPT as STATUS_SCRIPT
-from dflashctl.remote.run import gpu_query_argv, host_trainer_argv, start_wait_argv, status_argv
+from dflashctl.remote.run import (
+    TORCHRUN_MODULE,
+    gpu_query_argv,
+    host_trainer_argv,
+    start_wait_argv,
+    status_argv,
+)
 from dflashctl.remote.run import stop_wait_argv as stop_wait_argv
 from dflashctl.remote.run import trainer_argv as trainer_argv
 from dflashctl.remote.tmux import (
@@ -590,6 +596,10 @@ def parse_status(host: str, stdout: str, hash_text: Callable[[str], str | None])
     )
 
 
+TORCHRUN_SHUTDOWN_TIMEOUT_S = 600
+"""How long torchrun waits for its ranks after forwarding a stop before it SIGKILLs them."""
+
+
 def _rank_count(config_text: str) -> int:
     """The ranks the deployed config needs on this host; 1 when it does not validate here (the
     trainer names the problem itself, as it did before torchrun starts existed)."""
@@ -804,6 +814,11 @@ class RunControl:
             "DFLASH_RELEASE": release,
             **(launch.env if launch is not None else {}),
         }
+        if launch is None and argv[1:3] == ["-m", TORCHRUN_MODULE]:
+            # torchrun SIGKILLs its ranks 30 s after forwarding a stop's SIGINT by default: a
+            # checkpoint of a real-width drafter can take longer (the operator's env wins). Not
+            # for group nodes: there a dead peer must end the others' ranks promptly.
+            env.setdefault("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", str(TORCHRUN_SHUTDOWN_TIMEOUT_S))
         notes = [st.switch_note] if st.switch_note else []
         if st.release_has_supervisor and launch is None:
             argv = supervised(self.host.python, self.host.supervisor_policy().cli_args(), argv)

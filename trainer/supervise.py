@@ -48,7 +48,7 @@ from trainer.supervision.flags import parser as flags_parser
 from trainer.supervision.progress import LogTail, Progress
 from trainer.supervision.restarts import GiveUp, RestartHistory
 from trainer.supervision.stall import stop_stalled
-from trainer.supervision.statefile import now_iso, read_trainer_state, write_state
+from trainer.supervision.statefile import now_iso, read_trainer_record, write_state
 
 __all__ = ["DISK_CHECK_S", "TICK_S", "Supervisor", "main", "parse_policy"]
 
@@ -155,11 +155,13 @@ class Supervisor:
                 stop_stalled(child, idle, limit, self.policy.kill_grace_s, self.console)
         self._feed(tail, progress, time.monotonic())
         oom_after = procinfo.oom_kills()
+        trainer_state, trainer_exit = read_trainer_record(self.run_dir, child.pid)
         ending = Ending(
             returncode=child.returncode,
             operator_stop=self.stop_signal is not None,
             stalled_s=stalled,
-            trainer_state=read_trainer_state(self.run_dir, child.pid),
+            trainer_state=trainer_state,
+            trainer_exit=trainer_exit if trainer_exit != child.returncode else None,
             errors=tuple(progress.errors),
             oom_killed=child.returncode == -signal.SIGKILL
             and oom_before is not None

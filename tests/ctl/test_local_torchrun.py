@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from dflashctl.control import RunControl, trainer_argv
+from dflashctl.control import TORCHRUN_SHUTDOWN_TIMEOUT_S, RunControl, trainer_argv
 from dflashctl.deploy import deploy
 from dflashctl.errors import UsageError
 from dflashctl.inventory import local_host
@@ -169,6 +169,12 @@ async def test_two_cpu_drafter_ranks_start_step_and_stop_under_torchrun(
         await asyncio.sleep(0.5)
     rank0 = state["pid"]
     assert isinstance(rank0, int) and alive(rank0)
+    # torchrun's grace before it SIGKILLs the ranks after a stop: raised for the checkpoint
+    environ = Path(f"/proc/{rank0}/environ").read_bytes().split(b"\0")
+    grace = [e for e in environ if e.startswith(b"TORCH_ELASTIC_SHUTDOWN_TIMEOUT=")]
+    assert grace == [f"TORCH_ELASTIC_SHUTDOWN_TIMEOUT={TORCHRUN_SHUTDOWN_TIMEOUT_S}".encode()]
+    # rank 0's parent is torchrun, the supervisor's child: its record names that parent
+    assert state["parent_pid"] != state["pid"] and alive(state["parent_pid"])
 
     stopped = await ctl.stop(timeout=180)
     assert stopped.was_running and stopped.outcome in {"exited", "checkpointed"}, stopped

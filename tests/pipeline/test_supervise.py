@@ -192,6 +192,12 @@ def test_decide_and_reasons() -> None:
     assert decide(Ending(returncode=1, trainer_state="stopped"), p)[0] == "stopped"
     assert decide(Ending(returncode=-9, operator_stop=True), p)[0] == "stopped"
     assert decide(Ending(returncode=2), p)[0] == "not-restarted"
+    # under torchrun the child's exit is 1 whatever the rank's: the rank's recorded code counts
+    assert decide(Ending(returncode=1, trainer_exit=2), p) == (
+        "not-restarted",
+        "the trainer's exit 2 (launcher exit 1) is in no_restart_exit_codes",
+    )
+    assert decide(Ending(returncode=1, trainer_exit=3), p)[0] == "failure"
     assert decide(Ending(returncode=1), Policy(restart="never"))[0] == "not-restarted"
     err = "stage drafter failed: NonFiniteLoss: 3 non-finite losses in a row (step 12)"
     assert decide(Ending(returncode=1, errors=(err,)), p)[0] == "not-restarted"
@@ -304,6 +310,40 @@ def test_no_restart_exit_codes_and_restart_never_are_not_restarted(
     assert _sup_state(run)["state"] == "not-restarted" and _sup_state(run)["restarts"] == []
     (line,) = _phases(run, "not_restarting")
     assert line.detail == why
+
+
+# A launcher (torchrun's role) whose child writes run-state.json as rank 0 would: its own pid,
+# the launcher as parent, exit_status 2; the launcher exits 1, as torchrun does for any failure.
+LAUNCHER = """
+import json, os, subprocess, sys
+run, starts = sys.argv[1], sys.argv[2]
+open(starts, "a").write("start\\n")
+rank = (
+    "import json, os, sys; os.makedirs(sys.argv[1], exist_ok=True); "
+    "open(os.path.join(sys.argv[1], 'run-state.json'), 'w').write(json.dumps("
+    "{'pid': os.getpid(), 'parent_pid': os.getppid(), 'state': 'refused', 'exit_status': 2}))"
+    "; sys.exit(2)"
+)
+code = subprocess.run([sys.executable, "-c", rank, run]).returncode
+sys.exit(1 if code else 0)
+"""
+
+
+@pytest.mark.timeout(60)
+def test_a_rank_s_no_restart_code_counts_through_a_launcher(
+    tmp_path: Path, sups: list[Sup]
+) -> None:
+    """The supervisor's child is torchrun (exit 1 for any rank failure); rank 0's recorded exit 2
+    (a usage error) is in no_restart_exit_codes, so it is not restarted."""
+    run, starts = tmp_path / "run", tmp_path / "starts"
+    argv = _sup_argv(run, "--backoff-s", "0.05", child=[*_script(LAUNCHER), str(run), str(starts)])
+    s = Sup(argv, tmp_path / "out")
+    sups.append(s)
+    assert s.wait(30) == 1
+    assert starts.read_text().count("start") == 1
+    assert _sup_state(run)["state"] == "not-restarted"
+    (line,) = _phases(run, "not_restarting")
+    assert line.detail == "the trainer's exit 2 (launcher exit 1) is in no_restart_exit_codes"
 
 
 @pytest.mark.timeout(60)

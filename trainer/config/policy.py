@@ -62,6 +62,9 @@ class Ending:
     operator_stop: bool = False  # the supervisor itself was signalled (dflashctl stop, Ctrl-C)
     stalled_s: float | None = None  # the watchdog stopped it after this timeout
     trainer_state: str | None = None  # RUN/run-state.json `state`, only when its pid is the child's
+    # (or its parent is: rank 0 under torchrun); the trainer's own exit_status recorded there,
+    # which torchrun's exit code hides (it turns a rank's exit 2 into 1)
+    trainer_exit: int | None = None
     errors: tuple[str, ...] = ()  # ERROR messages the attempt printed to status.log
     oom_killed: bool = False  # the cgroup's oom_kill counter rose during the attempt
 
@@ -102,6 +105,12 @@ def decide(e: Ending, policy: Policy) -> tuple[Verdict, str]:
             )
         if e.returncode in policy.no_restart_exit_codes:
             return "not-restarted", f"{reason(e)} is in no_restart_exit_codes"
+        if e.trainer_exit is not None and e.trainer_exit in policy.no_restart_exit_codes:
+            return (
+                "not-restarted",
+                f"the trainer's exit {e.trainer_exit} (launcher {reason(e)}) is in "
+                "no_restart_exit_codes",
+            )
     if policy.restart == "never":
         return "not-restarted", f"{reason(e)}; restart = never"
     return "failure", reason(e)

@@ -36,6 +36,9 @@ class RunState(BaseModel):
 
     # who and what
     pid: int | None = None
+    # the trainer's parent: the supervisor, or a launcher (torchrun) between them; lets the
+    # supervisor recognise rank 0's record when its own child is torchrun
+    parent_pid: int | None = None
     config_hash: str | None = None
     release: str | None = None
     world_size: int | None = Field(default=None, ge=1)

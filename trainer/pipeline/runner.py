@@ -166,6 +166,7 @@ def run(opts: RunOptions) -> int:
     # Every field the trainer owns, written whole (a corrupted file is replaced, not merged).
     r.record(
         pid=os.getpid(),
+        parent_pid=os.getppid(),
         config_hash=config_hash(cfg),
         release=_release(),
         started_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),

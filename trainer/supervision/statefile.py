@@ -43,13 +43,17 @@ def read_state(run_dir: Path) -> dict[str, Any] | None:
     return data if isinstance(data, dict) else None
 
 
-def read_trainer_state(run_dir: Path, pid: int) -> str | None:
-    """RUN/run-state.json `state` when that file was written by process `pid`, else None."""
+def read_trainer_record(run_dir: Path, pid: int) -> tuple[str | None, int | None]:
+    """(`state`, `exit_status`) of RUN/run-state.json when process `pid` wrote it or is the
+    writer's parent (torchrun between the supervisor and rank 0), else (None, None)."""
     try:
         data = json.loads((run_dir / "run-state.json").read_text())
     except (OSError, ValueError):
-        return None
-    if not isinstance(data, dict) or data.get("pid") != pid:
-        return None
-    state = data.get("state")
-    return state if isinstance(state, str) else None
+        return None, None
+    if not isinstance(data, dict) or pid not in (data.get("pid"), data.get("parent_pid")):
+        return None, None
+    state, status = data.get("state"), data.get("exit_status")
+    return (
+        state if isinstance(state, str) else None,
+        status if isinstance(status, int) and not isinstance(status, bool) else None,
+    )
