@@ -81,7 +81,10 @@ def _step(
     ce_backend: Backend = "auto",
     noise: float = 0.0,
     num_anchors: int = ALL,
+    unpack: bool | None = None,
 ) -> tuple[StepResult, dict[str, Tensor]]:
+    """One drafter step on `batch` (padded, or packed with position ids) from a fresh drafter:
+    its sums and gradients. `unpack` as `bounded_objective_backward`'s (None: by backend)."""
     ids, loss, attn = batch[:3]
     pos = batch[3] if len(batch) > 3 else None
     feats = target.capture(ids, attn) if pos is None else target.capture(ids, position_ids=pos)
@@ -98,6 +101,7 @@ def _step(
         generator=torch.Generator().manual_seed(3),
         ce_backend=ce_backend,
         position_ids=pos,
+        unpack=unpack,
     )
     return res, _grads(drafter)
 

@@ -11,56 +11,23 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch import Tensor
 
 from trainer.model.documents import unpack_documents
 from trainer.model.masks import sample_anchors
-from trainer.model.objective import StepResult, draw_anchors
-from trainer.model.split_step import bounded_objective_backward
+from trainer.model.objective import draw_anchors
 from trainer.model.target import TargetModel
 
-from .helpers import make_drafter
 from .test_packed_objective import (
     ALL,
-    BLOCK,
     DOCS,
     ROWS,
     _assert_same,
     _assert_same_grads,
-    _grads,
+    _step,
     documents,
     packed,
     padded,
 )
-
-
-def _step(
-    target: TargetModel,
-    batch: tuple[Tensor, ...],
-    *,
-    unpack: bool | None,
-    max_query_rows: int | None = None,
-    noise: float = 0.0,
-    num_anchors: int = ALL,
-) -> tuple[StepResult, dict[str, Tensor]]:
-    ids, loss, attn = batch[:3]
-    pos = batch[3] if len(batch) > 3 else None
-    feats = target.capture(ids, attn) if pos is None else target.capture(ids, position_ids=pos)
-    drafter = make_drafter(target, block_size=BLOCK)
-    res = bounded_objective_backward(
-        drafter,
-        ids,
-        loss,
-        attn,
-        feats,
-        max_query_rows=max_query_rows,
-        num_anchors=num_anchors,
-        noise=noise,
-        generator=torch.Generator().manual_seed(3),
-        position_ids=pos,
-        unpack=unpack,
-    )
-    return res, _grads(drafter)
 
 
 @pytest.mark.parametrize("unpack", [True, False, None])
