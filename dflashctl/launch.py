@@ -23,11 +23,9 @@ from dataclasses import dataclass, field
 
 from dflashctl.errors import UsageError
 from dflashctl.inventory import GroupConfig, HostConfig
+from dflashctl.remote.run import TORCHRUN_MODULE
 
 RDZV_BACKEND = "static"
-# `python -m torch.distributed.run` is torchrun without relying on the console script being on
-# the container's clean PATH (a venv's bin/ is not): the inventory's python is the one we know.
-TORCHRUN_MODULE = "torch.distributed.run"
 # The trainer's own arguments, relative to the workdir (tmux starts the pane there); the same as
 # control.trainer_argv's (a test keeps them equal).
 TRAINER_ARGS = ("-m", "trainer", "--config", "run/config.toml", "--run-dir", "run")
