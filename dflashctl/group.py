@@ -481,6 +481,18 @@ class GroupControl:
             await asyncio.gather(*(c.status(setup_errors=setup_errors) for c in self.controls))
         )
 
+    async def reachable_statuses(self, doing: str) -> list[RunStatus]:
+        """Every node's status; HostUnreachable naming each unreachable node (`not DOING: ...`)
+        when one is: a group command acts on all nodes or on none."""
+        sts = await self.statuses(setup_errors=True)
+        down = [st for st in sts if st.state == "unreachable"]
+        if down:
+            raise HostUnreachable(
+                f"group {self.name!r}: not {doing}: "
+                + "; ".join(st.message or f"{st.host}: unreachable" for st in down)
+            )
+        return sts
+
     async def view(self) -> tuple[GroupView, list[RunStatus]]:
         sts = await self.statuses()
         return group_state(
@@ -572,13 +584,7 @@ class GroupControl:
         a StartFailed naming that node.
         """
         g = self.name
-        sts = await self.statuses(setup_errors=True)
-        down = [st for st in sts if st.state == "unreachable"]
-        if down:
-            raise HostUnreachable(
-                f"group {g!r}: not starting: "
-                + "; ".join(st.message or f"{st.host}: unreachable" for st in down)
-            )
+        sts = await self.reachable_statuses("starting")
         live = [st.host for st in sts if st.state in LIVE_NODE_STATES]
         release, config_hash = self._refuse_mixed(sts)
         if len(live) == len(sts):
@@ -648,13 +654,7 @@ class GroupControl:
         step. Then node 0 is waited for (its checkpoint line, then its torchrun's exit, which
         meets the others at torchrun's exit barrier) and the other nodes the same way; a
         session is ended only after that (or at the time limits)."""
-        sts = await self.statuses(setup_errors=True)
-        down = [st for st in sts if st.state == "unreachable"]
-        if down:
-            raise HostUnreachable(
-                f"group {self.name!r}: not stopping: "
-                + "; ".join(st.message or f"{st.host}: unreachable" for st in down)
-            )
+        await self.reachable_statuses("stopping")
         others = self.controls[1:]
 
         async def signal_others() -> None:
