@@ -70,14 +70,53 @@ def small_config(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def smoke(small_config: Path) -> tuple[dict[str, Any], Path]:
+def smoke_run(small_config: Path) -> subprocess.CompletedProcess[str]:
     cal = small_config.parent / "calibration.json"
     proc = measure_cli(
         "--config", str(small_config), "--steps", "4", "--warmup", "1", "--rounds", "1",
         "--window", "1", "--json", "--save-calibration", str(cal),
+        "--out", str(small_config.parent / "out"),
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout), cal
+    return proc
+
+
+@pytest.fixture(scope="module")
+def smoke(
+    smoke_run: subprocess.CompletedProcess[str], small_config: Path
+) -> tuple[dict[str, Any], Path]:
+    return json.loads(smoke_run.stdout), small_config.parent / "calibration.json"
+
+
+def test_out_writes_the_json_and_the_table_and_progress_counts_the_runs(
+    smoke_run: subprocess.CompletedProcess[str], small_config: Path
+) -> None:
+    """--out DIR: result.json is what --json printed, table.txt the table of the same result
+    (each published by a rename: no temp file left); stderr has one progress line per run."""
+    out = small_config.parent / "out"
+    assert json.loads((out / "result.json").read_text()) == json.loads(smoke_run.stdout)
+    table = (out / "table.txt").read_text()
+    assert table.startswith(f"config {small_config}") and table.endswith("\n")
+    names = [s for s in ("sorted", "bucketed", "pool-sort", "packed", "random") if s in STRATEGIES]
+    for name in names:
+        assert any(line.startswith(f"{name} ") for line in table.splitlines()), name
+    assert sorted(p.name for p in out.iterdir()) == ["result.json", "table.txt"]
+    progress = [ln for ln in smoke_run.stderr.splitlines() if ln.startswith("round ")]
+    assert [ln.rsplit("(", 1)[1] for ln in progress] == [
+        f"run {i} of {len(names)})" for i in range(1, len(names) + 1)
+    ]
+
+
+def test_an_out_dir_that_cannot_be_written_is_refused_before_any_run(tmp_path: Path) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    proc = measure_cli(
+        "--config", str(TINY), "--strategies", "sorted", "--steps", "3",
+        "--out", str(blocker / "out"), timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.startswith(f"error: --out: {blocker / 'out'}: ")
+    assert proc.stderr.count("\n") == 1, proc.stderr
 
 
 def test_every_strategy_stepped_and_the_json_has_the_documented_shape(

@@ -1,5 +1,6 @@
 """python -m trainer.measure --config RUN.toml [--strategies sorted,bucketed,...] --steps N
     [--warmup W] [--rounds R] [--save-calibration FILE] [--predict-with FILE] [--json]
+    [--out DIR]
 
 Runs the config's real pipeline (its devices, target, drafter and data) for N timed optimizer
 steps per strategy after W untimed warm-up steps, the strategies interleaved over R rounds (the
@@ -10,6 +11,9 @@ to sorted's in the same round (median and range), and the step-cost model's pred
 to the measured ones. The fitted model (coefficients, R^2) is printed and, with
 --save-calibration, written for `python -m trainer.buckets plan --objective time`;
 --predict-with FILE also shows what an earlier calibration predicted for this config.
+--out DIR also writes the result as DIR/result.json and DIR/table.txt (each published whole, by a
+rename: a reader never sees half of one), for a run nobody watches (`dflashctl measure`).
+Progress goes to stderr, one line per timing run: `round 1/2 sorted: 17,312 tok/s (run 1 of 10)`.
 
 Exit 2 with one line for a bad flag, strategy or config key; 1 when a pipeline stage fails.
 """
@@ -72,6 +76,11 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--save-calibration", help="write the fitted step-cost model (JSON) here")
     ap.add_argument("--predict-with", help="also predict with this earlier calibration (JSON)")
     ap.add_argument("--json", action="store_true", help="print one JSON object")
+    ap.add_argument(
+        "--out",
+        metavar="DIR",
+        help="also write DIR/result.json and DIR/table.txt (each published by a rename)",
+    )
     return ap
 
 
@@ -122,6 +131,14 @@ def _check(args: argparse.Namespace) -> None:
             raise UsageError(f"{flag}: must be >= {low}, got {value}")
     if args.window is not None and not 1 <= args.window <= args.steps:
         raise UsageError(f"--window: must be in [1, --steps], got {args.window}")
+    if args.out:  # found before the runs, not after hours of them
+        out = Path(args.out)
+        try:
+            out.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise UsageError(f"--out: {out}: {exc.strerror or exc}") from None
+        if not os.access(out, os.W_OK | os.X_OK):
+            raise UsageError(f"--out: {out}: not writable")
 
 
 def measure(args: argparse.Namespace) -> dict[str, object]:
@@ -141,14 +158,16 @@ def measure(args: argparse.Namespace) -> dict[str, object]:
     with tempfile.TemporaryDirectory(prefix="dflash-measure-") as work:
         m = Measurer.from_file(args.config, Path(work), overrides(args.set))
         runs: dict[str, list[StrategyRun]] = {s: [] for s in strategies}
+        total, done = args.rounds * len(strategies), 0
         for r in range(args.rounds):
             k = r % len(strategies)  # rotate the order: a drift in speed favours no one
             for s in strategies[k:] + strategies[:k]:
                 run = m.run(s, args.steps, args.warmup, f"{r}-{s}")
                 runs[s].append(run)
+                done += 1
                 rate = float(run.real_tokens.sum()) / float(run.ends[-1])
                 print(
-                    f"round {r + 1}/{args.rounds} {s}: {rate:,.0f} tok/s",
+                    f"round {r + 1}/{args.rounds} {s}: {rate:,.0f} tok/s (run {done} of {total})",
                     file=sys.stderr,
                     flush=True,
                 )
@@ -173,19 +192,42 @@ def measure(args: argparse.Namespace) -> dict[str, object]:
     return result
 
 
+def _publish(path: Path, text: str) -> None:
+    """Write `text` to `path` whole: a temp file next to it, fsync, rename."""
+    tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
+    with tmp.open("w", encoding="utf-8") as fh:
+        fh.write(text)
+        fh.flush()
+        os.fsync(fh.fileno())
+    tmp.replace(path)
+
+
+def write_out(out: Path, result: dict[str, object], table: str) -> None:
+    """--out DIR: result.json, then table.txt (its presence says both are there)."""
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        _publish(out / "result.json", json.dumps(result, indent=1) + "\n")
+        _publish(out / "table.txt", table + "\n")
+    except OSError as exc:
+        raise UsageError(f"--out: {out}: {exc.strerror or exc}") from None
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     from trainer.measure.report import format_table
 
     args = _parser().parse_args(argv)
     try:
         result = measure(args)
+        table = format_table(result) if args.out or not args.json else ""
+        if args.out:
+            write_out(Path(args.out), result, table)
     except (ConfigError, UsageError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     except TrainerError as exc:  # a bad --steps (2), a failed timing run (1)
         print(f"error: {exc}", file=sys.stderr)
         return int(exc.exit_code)
-    print(json.dumps(result, indent=1) if args.json else format_table(result))
+    print(json.dumps(result, indent=1) if args.json else table)
     return 0
 
 
