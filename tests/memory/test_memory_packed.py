@@ -120,14 +120,8 @@ def test_under_sdpa_the_shapes_are_the_documents_the_step_lays_out(
                 host.loss_mask, host.attention_mask, num_anchors, generator, host.position_ids
             )
             assert anchors.num_blocks > 0  # every batch here has anchors: the step unpacks
-            hidden = torch.zeros(*host.input_ids.shape, 1)
             u = unpack_documents(
-                host.input_ids,
-                host.loss_mask,
-                host.attention_mask,
-                hidden,
-                host.position_ids,
-                anchors,
+                host.input_ids, host.loss_mask, host.attention_mask, host.position_ids, anchors
             )
             per_row = tuple(u.anchors.keep.sum(1).tolist())
             packet = (batch.num_rows, batch.max_len)

@@ -224,8 +224,10 @@ def pieces(
     needs; without it a 1-block budget walks every block of every batch.
     """
     rows, width, seq = shape.rows, shape.width, shape.seq
+    # unpacked documents: every piece may project all of the packet's rows (an upper bound)
+    packed = shape.packet[0] * shape.packet[1] if shape.packet is not None else 0
     if max_query_rows is None or rows * width * block <= max_query_rows:
-        yield Piece(rows, seq, width)
+        yield Piece(rows, seq, width, packed)
         return
     per_row = shape.anchors
     per_piece = max(1, max_query_rows // block)
@@ -239,11 +241,11 @@ def pieces(
             end, group_width = end + 1, w
         if end > start:
             if group_width > 0:
-                yield Piece(end - start, seq, group_width)
+                yield Piece(end - start, seq, group_width, packed)
             start = end
             continue
         for a in range(0, per_row[start], per_piece):
-            yield Piece(1, seq, min(per_piece, per_row[start] - a))
+            yield Piece(1, seq, min(per_piece, per_row[start] - a), packed)
             if widest_run:
                 break
         start += 1

@@ -51,8 +51,17 @@ def per_query_row_layer(d: DrafterShape, c: int, backend: Backend = "flex") -> i
 
 def per_context_token_layer(d: DrafterShape, c: int) -> int:
     """Bytes one context position keeps alive in one layer (its K/V path)."""
-    kv = d.kv_width
-    return 8 * kv + 2 * c * kv  # k_norm (fp32 x2), K and V in the cat
+    return per_projected_token_layer(d) + per_attended_token_layer(d, c)
+
+
+def per_projected_token_layer(d: DrafterShape) -> int:
+    """Of those, the bytes where the context is projected: k_norm (fp32 x2)."""
+    return 8 * d.kv_width
+
+
+def per_attended_token_layer(d: DrafterShape, c: int) -> int:
+    """Of those, the bytes where the context is attended: K and V in the [context; block] cat."""
+    return 2 * c * d.kv_width
 
 
 def per_context_token_shared(d: DrafterShape, c: int, feature_bytes: int) -> int:
@@ -89,11 +98,17 @@ def ce_backward_transient(d: DrafterShape, n_valid: int, c: int) -> int:
 
 @dataclass(frozen=True)
 class Piece:
-    """One micro-step: `rows` sequences of `seq` positions, `width` anchors each (padded)."""
+    """One micro-step: `rows` sequences of `seq` positions, `width` anchors each (padded).
+
+    `packed_tokens`: the rows are documents unpacked from packed rows, whose context the
+    drafter projects on those packed rows and gathers per layer (`trainer.model.documents`):
+    the packed positions projected (at most the packet's); 0 = projected in the rows' layout.
+    """
 
     rows: int
     seq: int
     width: int
+    packed_tokens: int = 0
 
     def query_rows(self, block: int) -> int:
         return self.rows * self.width * block
@@ -118,11 +133,14 @@ def activation_peak(
     """Peak bytes of one piece's forward+backward above the weights, grads and optimizer."""
     qr = piece.query_rows(d.block)
     tokens = piece.rows * piece.seq
+    projected = piece.packed_tokens or tokens  # positions fc, hidden_norm and k/v_proj run on
     saved = qr * (d.layers * per_query_row_layer(d, c, backend) + per_query_row_shared(d, c))
-    saved += tokens * (d.layers * per_context_token_layer(d, c))
-    saved += tokens * per_context_token_shared(d, c, feature_bytes)
+    saved += d.layers * (
+        projected * per_projected_token_layer(d) + tokens * per_attended_token_layer(d, c)
+    )
+    saved += projected * per_context_token_shared(d, c, feature_bytes)
     # project_context's fp32 cast of the features, alive while fc's input is made from it
-    cast = 4 * d.features * d.hidden * tokens if feature_bytes != 4 else 0
+    cast = 4 * d.features * d.hidden * projected if feature_bytes != 4 else 0
     if backend == "flex":
         saved += flex_block_mask_bytes(piece, d.block)
     if backend == "sdpa":

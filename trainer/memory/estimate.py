@@ -70,12 +70,11 @@ class Estimator:
         return shape.packet_tokens * (feat + per_token * 8)
 
     def unpacked_bytes(self, shape: BatchShape) -> int:
-        """The step's one-document-per-row copy of a packed packet (features, ids, masks); 0
-        when it keeps the packet's rows."""
+        """The step's one-document-per-row layout of a packed packet (ids, two masks and the
+        gather index; the features stay packed); 0 when it keeps the packet's rows."""
         if shape.packet is None:
             return 0
-        feat = self.drafter.features * self.drafter.hidden * self.precision.features
-        return shape.rows * shape.seq * (feat + 3 * 8)
+        return shape.rows * shape.seq * 4 * 8
 
     def _activation(self, piece: Piece) -> int:
         got = self._act.get(piece)
@@ -117,7 +116,7 @@ class Estimator:
         for shape in self.shapes.batches:
             packet = self.packet_bytes(shape)
             extra = packet + (packet if noise else 0)  # noise adds a copy of the features
-            extra += self.unpacked_bytes(shape)  # noise: over-counted (its copy is freed then)
+            extra += self.unpacked_bytes(shape)
             act, piece = max(
                 (
                     (self._activation(p), p)

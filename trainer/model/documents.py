@@ -4,13 +4,20 @@ A packed row holds several documents end to end; with a dense [Q, KV] mask every
 row attends over the whole row (its context and every block of every document), masked, so
 the attention work grows with (anchors per row) x (row length + the row's query rows), where
 the same documents in rows of their own cost (anchors per document) x (document length + its
-query rows). `unpack_documents` gathers each document that holds a kept anchor into a row of
-its own (right-padded to the longest such document), with its hidden states, its tokens and
-its anchors moved to document-relative positions. That is exactly the unpacked computation: a
-packed block sees only its own document's earlier context and its own block, at
-document-relative positions (`trainer.model.objective`), which is what the same block sees in
-its document's own row; documents without a kept anchor contribute nothing and are left out.
-Flex attention (CUDA) skips masked tiles, so it keeps the packed rows.
+query rows). `unpack_documents` lays each document that holds a kept anchor out as a row of its
+own (right-padded to the longest such document): its tokens and masks, its anchors at
+document-relative positions, and `index`, where each of its slots sits in the packed rows.
+That is exactly the unpacked computation: a packed block sees only its own document's earlier
+context and its own block, at document-relative positions (`trainer.model.objective`), which is
+what the same block sees in its document's own row; documents without a kept anchor contribute
+nothing and are left out.
+
+The hidden states are not copied into that layout: the drafter projects the context (fc,
+hidden_norm, each layer's K/V with k_norm and RoPE) on the packed rows, where every position is
+a real token, and gathers only each layer's K and V through `index` (`ContextRows`,
+`DFlashDrafter.forward(context_rows=)`). Padding the documents to the longest one then costs
+attention keys, not context projections (~2 context positions per real token otherwise, on
+shuffled lengths). Flex attention (CUDA) skips masked tiles, so it keeps the packed rows.
 """
 
 from __future__ import annotations
@@ -24,21 +31,48 @@ from trainer.model.masks import Anchors
 
 
 @dataclass(frozen=True)
+class ContextRows:
+    """Where the drafter's context rows come from when its features are packed rows.
+
+    `index` [D, L]: row d, slot j of the context is flat position `index[d, j]` of the packed
+    [R, S] rows (row-major; padding slots repeat the document's first position, masked);
+    `positions` [R, S]: the packed rows' document-relative positions, for the context's RoPE.
+    """
+
+    index: Tensor
+    positions: Tensor
+
+    def rows(self, docs: slice) -> tuple[slice, ContextRows]:
+        """The packed rows documents `docs` come from, and those documents' `ContextRows`
+        relative to them (documents are in row order, so the rows are one range)."""
+        seq = self.positions.shape[1]
+        index = self.index[docs]
+        lo = int(index[0, 0]) // seq
+        hi = int(index[-1, 0]) // seq + 1
+        return slice(lo, hi), ContextRows(index - lo * seq, self.positions[lo:hi])
+
+
+@dataclass(frozen=True)
 class Unpacked:
     """The documents of packed rows, one per row: what `dflash_objective` takes unpacked."""
 
     input_ids: Tensor  # [D, L]
     loss_mask: Tensor  # [D, L]
     attention_mask: Tensor  # [D, L] (1 inside the document)
-    hidden: Tensor  # [D, L, F]
     anchors: Anchors  # [D, W] document-relative positions
+    index: Tensor  # [D, L] flat positions in the packed rows (see `ContextRows`)
+
+    def take(self, t: Tensor) -> Tensor:
+        """`t` [R, S, ...] (a packed-row tensor) in this layout: [D, L, ...], padding slots
+        holding the document's first position's values."""
+        i = self.index.flatten().to(t.device)
+        return t.flatten(0, 1).index_select(0, i).view(*self.index.shape, *t.shape[2:])
 
 
 def unpack_documents(
     input_ids: Tensor,
     loss_mask: Tensor,
     attention_mask: Tensor,
-    hidden: Tensor,
     position_ids: Tensor,
     anchors: Anchors,
 ) -> Unpacked:
@@ -79,16 +113,13 @@ def unpack_documents(
     new_keep[doc, rank] = True
 
     def take(t: Tensor) -> Tensor:
-        i = idx.to(t.device)
-        if t.dim() == 3:
-            return t.flatten(0, 1).index_select(0, i).view(docs, width, t.shape[2])
-        out = t.flatten().index_select(0, i).view(docs, width)
+        out = t.flatten().index_select(0, idx.to(t.device)).view(docs, width)
         return torch.where(valid.to(out.device), out, torch.zeros((), dtype=out.dtype))
 
     return Unpacked(
         input_ids=take(input_ids),
         loss_mask=take(loss_mask),
         attention_mask=valid.to(attention_mask.device, attention_mask.dtype),
-        hidden=take(hidden),
         anchors=Anchors(new_pos, new_keep),
+        index=idx.view(docs, width),
     )

@@ -22,6 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from torch import Tensor, nn
 
 from trainer.model.attention import AttnMask, attend
+from trainer.model.documents import ContextRows
 from trainer.model.layers import RMSNorm, Rotary, SwiGLU, apply_rotary
 
 DEFAULT_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}
@@ -150,6 +151,22 @@ class DrafterAttention(nn.Module):
         v = self.v_proj(x).view(b, t, self.num_kv_heads, d).transpose(1, 2)
         return apply_rotary(k, *rope), v
 
+    def _gathered_kv(
+        self, x: Tensor, rope: tuple[Tensor, Tensor], index: Tensor
+    ) -> tuple[Tensor, Tensor]:
+        """`_kv` of packed rows x [R, S, H], then gathered into the rows `index` [D, L] names
+        (flat positions of x): [D, Hkv, L, d]. The same values as `_kv` of the gathered x
+        (every op before the gather is per position), at the packed rows' cost."""
+        b, t, d, h = x.shape[0], x.shape[1], self.head_dim, self.num_kv_heads
+        cos, sin = (r.transpose(1, 2) for r in rope)  # [R, S, 1, d]: per position, any head
+        k = apply_rotary(self.k_norm(self.k_proj(x).view(b, t, h, d)), cos, sin)
+        v = self.v_proj(x).view(b, t, h, d)
+        flat = index.flatten()
+        rows, width = index.shape
+        k = k.flatten(0, 1).index_select(0, flat).view(rows, width, h, d).transpose(1, 2)
+        v = v.flatten(0, 1).index_select(0, flat).view(rows, width, h, d).transpose(1, 2)
+        return k, v
+
     def forward(
         self,
         u: Tensor,
@@ -158,16 +175,21 @@ class DrafterAttention(nn.Module):
         rope_ctx: tuple[Tensor, Tensor],
         mask: AttnMask,
         past: tuple[Tensor, Tensor] | None = None,
+        context_index: Tensor | None = None,
     ) -> tuple[Tensor, tuple[Tensor, Tensor]]:
         """Attention output and the context K/V (past + new) for the drafter cache.
 
         Context and block go through the same k/v projections; the block's own keys sit at
-        the queries' positions, so they share `rope_q`.
+        the queries' positions, so they share `rope_q`. `context_index` [B, L]: `context` is
+        packed rows, and row b's context is their flat positions `context_index[b]`.
         """
         b, q_len, d = u.shape[0], u.shape[1], self.head_dim
         q = self.q_norm(self.q_proj(u).view(b, q_len, self.num_heads, d)).transpose(1, 2)
         q = apply_rotary(q, *rope_q)
-        k_ctx, v_ctx = self._kv(context, rope_ctx)
+        if context_index is None:
+            k_ctx, v_ctx = self._kv(context, rope_ctx)
+        else:
+            k_ctx, v_ctx = self._gathered_kv(context, rope_ctx, context_index)
         if past is not None:
             k_ctx, v_ctx = torch.cat([past[0], k_ctx], dim=2), torch.cat([past[1], v_ctx], dim=2)
         k_blk, v_blk = self._kv(u, rope_q)
@@ -195,8 +217,11 @@ class DrafterLayer(nn.Module):
         rope_ctx: tuple[Tensor, Tensor],
         mask: AttnMask,
         past: tuple[Tensor, Tensor] | None = None,
+        context_index: Tensor | None = None,
     ) -> tuple[Tensor, tuple[Tensor, Tensor]]:
-        attn, kv = self.self_attn(self.input_layernorm(z), context, rope_q, rope_ctx, mask, past)
+        attn, kv = self.self_attn(
+            self.input_layernorm(z), context, rope_q, rope_ctx, mask, past, context_index
+        )
         z = z + attn
         return z + self.mlp(self.post_attention_layernorm(z)), kv
 
@@ -301,21 +326,27 @@ class DFlashDrafter(nn.Module):
         mask: AttnMask = None,
         context_positions: Tensor | None = None,
         cache: DrafterCache | None = None,
+        context_rows: ContextRows | None = None,
     ) -> Tensor:
         """Normed hidden states of the block tokens.
 
         Args:
-            features: [B, S, F*H] captured target features of the context.
+            features: [B, S, F*H] captured target features of the context (with
+                `context_rows`: of the packed rows [R, S, F*H] the context rows come from).
             block_ids: [B, Q] block token ids (anchors and mask tokens).
             block_positions: [B, Q] positions of the block tokens (packed rows: relative to
                 the anchor's document, as `context_positions`).
             mask: None (every block token sees all context and the whole block: inference
                 with one block) or a training mask from `attention.build_mask`.
             context_positions: [B, S] context positions (default 0..S-1, or following the
-                cached ones; packed rows: restarting at 0 at each document).
+                cached ones; packed rows: restarting at 0 at each document). Not with
+                `context_rows`, which carries the packed rows' positions.
             cache: inference only. `features` are then the positions committed since the
                 last call; their per-layer K/V are appended to the cache, and the block
                 attends to everything cached. The block's own K/V are never cached.
+            context_rows: training on unpacked documents of packed rows
+                (`trainer.model.documents`): row b's context is the packed positions
+                `context_rows.index[b]`, projected on the packed rows and gathered per layer.
 
         Returns:
             [B, Q, H]; feed to `logits` or to the fused LM-head CE with `lm_head.weight`.
@@ -325,6 +356,12 @@ class DFlashDrafter(nn.Module):
         start = 0 if cache is None else cache.length
         if cache is not None and mask is not None:
             raise ValueError("the drafter cache is for unmasked inference drafting only")
+        index = None
+        if context_rows is not None:
+            if cache is not None or context_positions is not None:
+                raise ValueError("context_rows carries the packed rows' positions; no cache")
+            index = context_rows.index.to(features.device)
+            context_positions = context_rows.positions.to(features.device)
         if context_positions is None:
             context_positions = torch.arange(
                 start, start + features.shape[1], device=features.device
@@ -339,10 +376,10 @@ class DFlashDrafter(nn.Module):
 
                 # Keep only the layer's inputs; backward re-runs its forward (autocast included).
                 z, kv = checkpoint(
-                    layer, z, context, rope_q, rope_ctx, mask, past, use_reentrant=False
+                    layer, z, context, rope_q, rope_ctx, mask, past, index, use_reentrant=False
                 )
             else:
-                z, kv = layer(z, context, rope_q, rope_ctx, mask, past)
+                z, kv = layer(z, context, rope_q, rope_ctx, mask, past, index)
             new_kv.append(kv)
         if cache is not None:
             cache.layers = new_kv

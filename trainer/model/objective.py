@@ -30,6 +30,7 @@ from torch import Tensor
 from trainer.kernels import lm_head_cross_entropy
 from trainer.kernels.common import Backend
 from trainer.model.attention import build_mask
+from trainer.model.documents import ContextRows
 from trainer.model.drafter import DFlashDrafter, default_gamma
 from trainer.model.masks import Anchors, sample_anchors
 from trainer.model.masks import document_eligible as document_eligible
@@ -114,6 +115,7 @@ def dflash_objective(
     ce_backend: Backend = "auto",
     position_ids: Tensor | None = None,
     host_masks: tuple[Tensor, Tensor, Tensor | None] | None = None,
+    context_rows: ContextRows | None = None,
 ) -> StepResult:
     """Weighted CE sums and teacher-forced metrics for one micro-batch.
 
@@ -134,6 +136,9 @@ def dflash_objective(
         host_masks: (loss_mask, attention_mask, position_ids) of the same rows on the host,
             with host `anchors`: which slots are valid is then known on the host and nothing
             is read back from the device (else one read: the valid slots' indices).
+        context_rows: the rows are unpacked documents of packed rows and `hidden` is those
+            packed rows' features (`trainer.model.documents`): the drafter projects the
+            context there and gathers each row's through `context_rows.index`.
     """
     cfg = drafter.config
     bsz = cfg.block_size
@@ -162,7 +167,9 @@ def dflash_objective(
         context_start = positions - first
     block_pos = (first[:, :, None] + torch.arange(bsz, device=device)).flatten(1)
     mask = build_mask(positions, attention_mask.to(device), bsz, attn_backend, context_start)
-    out = drafter(hidden, block_ids, block_pos, mask, context_positions=context_pos)  # [R, N*B, H]
+    out = drafter(  # [R, N*B, H]
+        hidden, block_ids, block_pos, mask, context_positions=context_pos, context_rows=context_rows
+    )
 
     labels, valid = block_labels(input_ids, loss_mask, attention_mask, anchors, bsz, position_ids)
     # The valid slots by index, in the order boolean-mask indexing takes them (row-major):

@@ -25,7 +25,7 @@ from torch import Tensor
 
 from trainer.kernels.common import Backend
 from trainer.model.attention import resolve_backend
-from trainer.model.documents import unpack_documents
+from trainer.model.documents import ContextRows, unpack_documents
 from trainer.model.drafter import DFlashDrafter
 from trainer.model.masks import Anchors
 from trainer.model.objective import StepResult, _noise_like, dflash_objective, draw_anchors
@@ -104,7 +104,8 @@ def bounded_objective_backward(
     cut rows and anchors exactly as for unpacked rows. `unpack` (packed rows; None = when the
     attention backend is SDPA, whose dense mask costs a packed row's every block the whole
     row): after the draws, each document with an anchor becomes a row of its own
-    (`trainer.model.documents`), the same computation at less attention work. `anchors`:
+    (`trainer.model.documents`), the same computation at less attention work; its context is
+    projected on the packed rows (each piece: the rows its documents come from) and gathered. `anchors`:
     drawn by the caller (`masks.sample_anchors` on host copies of the masks, from the same
     generator, so nothing here reads the masks back from the device); None = drawn here.
     `host_masks`: (loss_mask, attention_mask, position_ids) on the host, so each piece's valid
@@ -114,6 +115,7 @@ def bounded_objective_backward(
     bsz = drafter.config.block_size
     if anchors is None:
         anchors = draw_anchors(loss_mask, attention_mask, num_anchors, generator, position_ids)
+    context_rows: ContextRows | None = None
     if anchors.num_blocks == 0:
         pieces: list[Piece] = [(slice(None), slice(None))]
     else:
@@ -122,20 +124,18 @@ def bounded_objective_backward(
         if unpack is None:
             unpack = resolve_backend(attn_backend, hidden.device) == "sdpa"
         if position_ids is not None and unpack:
-            u = unpack_documents(
-                input_ids, loss_mask, attention_mask, hidden, position_ids, anchors
-            )
-            input_ids, loss_mask, attention_mask, hidden = (
-                u.input_ids,
-                u.loss_mask,
-                u.attention_mask,
-                u.hidden,
-            )
+            u = unpack_documents(input_ids, loss_mask, attention_mask, position_ids, anchors)
+            input_ids, loss_mask, attention_mask = u.input_ids, u.loss_mask, u.attention_mask
+            context_rows = ContextRows(u.index, position_ids)
             anchors, position_ids, host_masks = u.anchors, None, None
         pieces = split_pieces(anchors, bsz, max_query_rows)
     total: StepResult | None = None
     for rows, cols in pieces:
         part = Anchors(anchors.positions[rows, cols], anchors.keep[rows, cols])
+        features, piece_rows = hidden[rows], None
+        if context_rows is not None:  # the packed rows this piece's documents come from
+            packed_rows, piece_rows = context_rows.rows(rows)
+            features = hidden[packed_rows]
         with ctx:
             res = dflash_objective(
                 drafter,
@@ -143,13 +143,14 @@ def bounded_objective_backward(
                 input_ids[rows],
                 loss_mask[rows],
                 attention_mask[rows],
-                hidden[rows],
+                features,
                 gamma=gamma,
                 anchors=part,
                 attn_backend=attn_backend,
                 ce_backend=ce_backend,
                 position_ids=None if position_ids is None else position_ids[rows],
                 host_masks=_rows(host_masks, rows),
+                context_rows=piece_rows,
             )
         loss = res.loss_sum if loss_transform is None else loss_transform(res.loss_sum)
         torch.autograd.backward(loss.float())
