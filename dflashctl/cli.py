@@ -27,6 +27,7 @@ from dflashctl.remote.transport import Transport
 if TYPE_CHECKING:
     from dflashctl.control import RunStatus, StartResult, StopResult
     from dflashctl.group import GroupControl
+    from dflashctl.measure import MeasureControl, MeasureState
     from dflashctl.notify import Notifier
 
 
@@ -825,6 +826,135 @@ async def cmd_buckets(args: argparse.Namespace) -> int:
     return await _with_transport(host, go)
 
 
+async def cmd_measure(args: argparse.Namespace) -> int:
+    """`measure HOST|GROUP`: start (and follow) trainer.measure on the host, or with --result /
+    --stop act on its newest measure (`dflashctl.measure`). A group measures on node 0."""
+    from dflashctl.measure import (
+        DETACH_GRACE_S,
+        MeasureControl,
+        MeasureRequest,
+        check_local_target,
+        parse_strategies,
+    )
+
+    target = _target(args)
+    name = args.host
+    if isinstance(target, GroupConfig):
+        host = target.nodes[0]
+        _say(
+            f"{target.name}: measuring on node 0 ({host.name}); its release and config are the group's"
+        )
+    else:
+        host = target
+    calibration = Path(args.save_calibration) if args.save_calibration else None
+    if calibration is not None and not args.stop:
+        check_local_target(calibration)  # before a measure of hours, not after it
+    req: MeasureRequest | None = None
+    if not (args.result or args.stop):
+        if args.steps is None:
+            raise UsageError(
+                "measure: --steps N is required to start a measure (--result prints the "
+                "latest one, --stop ends a running one)"
+            )
+        req = MeasureRequest(
+            steps=args.steps,
+            warmup=args.warmup,
+            rounds=args.rounds,
+            strategies=parse_strategies(args.strategies) if args.strategies else None,
+            window=args.window,
+            clock=args.clock,
+            sets=tuple(args.set),
+        )
+        req.check()
+
+    async def go(t: Transport) -> int:
+        mc = MeasureControl(t, host)
+        if args.stop:
+            stopped = await mc.stop()
+            if stopped is None:
+                print(f"{host.name}: no measure is running")
+            else:
+                print(
+                    f"{host.name}: measure {stopped.measure_id} stopped (it ran {stopped.since()})"
+                )
+            return ExitCode.OK
+        if req is None:
+            return await _measure_outcome(mc, await mc.state(), args, name, calibration)
+        started = await mc.start(req)
+        _say(
+            f"{host.name}: measure {started.measure_id} started in tmux session "
+            f"{started.session!r} (release {started.release}), writing {started.directory}: "
+            f"{shlex.join(started.argv)}"
+        )
+        if args.detach:
+            st = await mc.state(0, DETACH_GRACE_S)  # a refusal comes within moments
+            if st.running and st.measure_id == started.measure_id:
+                _say(
+                    f"{host.name}: detached; `dflashctl measure {name} --result` prints the "
+                    f"result once it is done (or how far it is), `--stop` ends it"
+                )
+                return ExitCode.OK
+            return await _measure_outcome(mc, st, args, name, calibration)
+
+        def line(text: str) -> None:
+            if not text.startswith("error: "):  # the outcome's own line says it once
+                _say(f"{host.name}: {text}")
+
+        try:
+            st = await mc.follow(line, lambda note: _say(f"{host.name}: {note}"))
+        except asyncio.CancelledError:  # Ctrl-C: this client leaves, the measure does not
+            _say(
+                f"{host.name}: measure {started.measure_id} goes on in tmux session "
+                f"{started.session!r}; `dflashctl measure {name} --result` prints it when "
+                f"done, `--stop` ends it"
+            )
+            raise
+        return await _measure_outcome(mc, st, args, name, calibration)
+
+    return await _with_transport(host, go)
+
+
+def _say(text: str) -> None:
+    """A note on stderr (stdout keeps only the result: `measure HOST --json > out.json`)."""
+    print(f"dflashctl: {text}", file=sys.stderr, flush=True)
+
+
+async def _measure_outcome(
+    mc: MeasureControl,
+    st: MeasureState,
+    args: argparse.Namespace,
+    name: str,
+    calibration: Path | None,
+) -> int:
+    """Print the newest measure's result (and fetch its calibration), or raise what it is."""
+    from dflashctl.measure import MeasureError, MeasureRunning, how_far, iso_utc, outcome_error
+
+    host = mc.host.name
+    if st.state == "none" or st.measure_id is None:
+        raise MeasureError(
+            f"{host}: no measure has run here; `dflashctl measure {name} --steps N` starts one"
+        )
+    if st.running:
+        raise MeasureRunning(
+            f"{host}: measure {st.measure_id} is still running ({st.since()}): "
+            f"{how_far(st, st.progress)}; `dflashctl measure {name} --result` again later, "
+            f"`--stop` ends it"
+        )
+    error = outcome_error(st, st.progress)
+    if error is not None:
+        raise error
+    started = st.started
+    _say(
+        f"{host}: measure {st.measure_id} (started {iso_utc(started) if started else '?'}, "
+        f"release {st.info.get('release', '?')}): {st.directory}"
+    )
+    print(await mc.result(st, as_json=args.json), flush=True)
+    if calibration is not None:
+        path = await mc.fetch_calibration(st, calibration)
+        _say(f"{host}: calibration saved to {path}")
+    return ExitCode.OK
+
+
 async def cmd_secret(args: argparse.Namespace) -> int:
     target = _target(args)
     data = sys.stdin.buffer.read()
@@ -971,6 +1101,41 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--max-batch", type=int, required=True, help="samples per batch")
     sp.add_argument("--min-share", type=float, default=None, help="min share of samples/bucket")
     sp.add_argument("--json", action="store_true", help="the planner's JSON instead of a table")
+    sp = add(
+        "measure",
+        cmd_measure,
+        "measure batching strategies' throughput on a host (python -m trainer.measure on its "
+        "deployed release and run config, in its own tmux session; a group: on node 0)",
+    )
+    sp.add_argument("--strategies", help="comma-separated (default: every one the release has)")
+    sp.add_argument("--steps", type=int, help="timed optimizer steps per strategy and round")
+    sp.add_argument("--warmup", type=int, help="untimed steps before each (trainer default 5)")
+    sp.add_argument("--rounds", type=int, help="interleaved rounds (trainer default 2)")
+    sp.add_argument("--window", type=int, help="steps per fitted window (trainer default)")
+    sp.add_argument("--clock", choices=("wall", "cpu"), help="wall (default) or CPU seconds")
+    sp.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a run-config key for every timing run (TOML value); repeatable",
+    )
+    sp.add_argument("--json", action="store_true", help="the result as JSON instead of a table")
+    sp.add_argument(
+        "--save-calibration",
+        metavar="FILE",
+        help="fetch the fitted step-cost model (JSON) to this local file",
+    )
+    mode = sp.add_mutually_exclusive_group()
+    mode.add_argument(
+        "--detach", action="store_true", help="start it and return (it runs on in tmux)"
+    )
+    mode.add_argument(
+        "--result",
+        action="store_true",
+        help="print the newest measure's result, or how far it is while it runs (exit 1)",
+    )
+    mode.add_argument("--stop", action="store_true", help="end the running measure")
     sp = add(
         "secret", cmd_secret, "store a secret (read from stdin) as a 0600 file in the container"
     )

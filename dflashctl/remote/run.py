@@ -168,3 +168,141 @@ def start_wait_argv(workdir: str, session: str, from_line: int, wait_s: float) -
 def stop_wait_argv(workdir: str, session: str, from_line: int, timeout: float) -> list[str]:
     """Wait until the interrupted trainer exited or checkpointed (or `timeout` passed)."""
     return pane_wait_argv("dflash-stop", workdir, session, from_line, timeout)
+
+
+# --- measure (`python -m trainer.measure` in its own tmux session) -------------------------
+
+MEASURE_ROOT = "measure"
+"""WORKDIR/measure/<id>/: one directory per measure, <id> its UTC start (MEASURE_ID_FORMAT)."""
+MEASURE_ID_PATTERN = "^[0-9]{8}T[0-9]{6}Z$"
+"""A measure id: `date -u +%Y%m%dT%H%M%SZ` (sorts by name = by start time)."""
+MEASURE_SESSION_SUFFIX = "-measure"
+# inside measure/<id>/
+MEASURE_INFO = "info.json"  # what was asked (argv, release, config hash), written at start
+MEASURE_CONFIG = "config.toml"  # a copy of run/config.toml as it was measured (for the record)
+MEASURE_PROGRESS = "progress.log"  # trainer.measure's stderr: one `round ...` line per timing run
+MEASURE_STDOUT = "stdout.txt"  # its stdout (the table, or the JSON with --json)
+MEASURE_RESULT = "result.json"  # --out: the JSON result
+MEASURE_TABLE = "table.txt"  # --out: the table (written after result.json)
+MEASURE_CALIBRATION = "calibration.json"  # --save-calibration: the fitted step-cost model
+MEASURE_EXIT = "exit-status"  # written (by a rename) when trainer.measure has exited
+MEASURE_CANCELLED = "cancelled"  # `dflashctl measure HOST --stop` was asked (its time)
+MEASURE_SOURCE = "trainer/measure/__main__.py"  # in a release: it can measure
+
+
+def measure_session(session: str) -> str:
+    """The measure's tmux session: the host's session name + `-measure` (never the run's)."""
+    return session + MEASURE_SESSION_SUFFIX
+
+
+def measure_dir(measure_id: str) -> str:
+    """measure/<id>, relative to the workdir."""
+    return f"{MEASURE_ROOT}/{measure_id}"
+
+
+# $1 workdir. Creates measure/<id> (a new one: one measure per second at most, retried), copies
+# the run config into it, writes stdin to its info.json, prints the id. Exit 3: no run config.
+MEASURE_PREPARE_SCRIPT = f"""set -e
+cd "$1"
+[ -f {L.CONFIG} ] || {{ echo "no {L.CONFIG}" >&2; exit 3; }}
+mkdir -p {MEASURE_ROOT}
+i=0
+while :; do
+  id=$(date -u +%Y%m%dT%H%M%SZ)
+  mkdir "{MEASURE_ROOT}/$id" 2>/dev/null && break
+  i=$((i + 1)); [ "$i" -lt 3 ] || {{ echo "cannot create {MEASURE_ROOT}/$id" >&2; exit 1; }}
+  sleep 1
+done
+cp {L.CONFIG} "{MEASURE_ROOT}/$id/{MEASURE_CONFIG}"
+cat > "{MEASURE_ROOT}/$id/.{MEASURE_INFO}.tmp"
+mv -f "{MEASURE_ROOT}/$id/.{MEASURE_INFO}.tmp" "{MEASURE_ROOT}/$id/{MEASURE_INFO}"
+echo "$id"
+"""
+
+
+def measure_prepare_argv(workdir: str) -> list[str]:
+    """Make a new measure directory (stdin: its info.json); prints its id."""
+    return ["sh", "-c", MEASURE_PREPARE_SCRIPT, "dflash-measure-prepare", workdir]
+
+
+# The pane's command. $1 workdir $2 measure/<id>, then trainer.measure's argv: stdout and stderr
+# into files there, then the exit status, published by a rename once it has exited.
+MEASURE_RUN_SCRIPT = f"""cd "$1" || exit 1
+d=$2; shift 2
+"$@" > "$d/{MEASURE_STDOUT}" 2> "$d/{MEASURE_PROGRESS}"
+rc=$?
+echo "$rc" > "$d/.{MEASURE_EXIT}.tmp" && mv -f "$d/.{MEASURE_EXIT}.tmp" "$d/{MEASURE_EXIT}"
+exit "$rc"
+"""
+
+
+def measure_run_argv(workdir: str, measure_id: str, measure: list[str]) -> list[str]:
+    """What the measure's pane runs: `measure` (trainer.measure's argv) with its output kept."""
+    return [
+        "sh",
+        "-c",
+        MEASURE_RUN_SCRIPT,
+        "dflash-measure",
+        workdir,
+        measure_dir(measure_id),
+        *measure,
+    ]
+
+
+MEASURE_TICK_S = 1.0
+"""The measure wait polls every MEASURE_TICK_S (a measure takes minutes to hours)."""
+
+# $1 workdir $2 the measure's tmux session $3 the first progress line wanted (1-based) $4 max
+# ticks. Waits (up to $4 ticks) on the newest measure until it has progress line $3, its exit
+# status or a pane that is not alive; then one MARK-sectioned report of it. The release checks
+# are there for a start (what `current` is, and whether it ships trainer.measure).
+MEASURE_STATUS_SCRIPT = (
+    SETTLED_PANE_FN
+    + 'm="'
+    + MARK
+    + '"; cd "$1" 2>/dev/null || { echo "${m}noworkdir"; exit 0; }\n'
+    + f"id=$(ls -1 {MEASURE_ROOT} 2>/dev/null | grep -E '{MEASURE_ID_PATTERN}' | tail -n 1)\n"
+    + f'd="{MEASURE_ROOT}/$id"; i=0\n'
+    + f'while [ -n "$id" ] && [ "$i" -lt "$4" ] && [ ! -f "$d/{MEASURE_EXIT}" ]; do\n'
+    + f'  n=$(wc -l < "$d/{MEASURE_PROGRESS}" 2>/dev/null || echo 0); [ "$n" -lt "$3" ] || break\n'
+    + f"  dead=$(tmux -L {TMUX_SOCKET} display-message -p -t \"=$2:\" '#{{pane_dead}}' "
+    + "2>/dev/null || echo gone)\n"
+    + '  [ "$dead" = 0 ] || break\n'
+    + f"  i=$((i + 1)); sleep {MEASURE_TICK_S:g}\n"
+    + "done\n"
+    + 'echo "${m}now"; date -u +%s\n'
+    + 'echo "${m}id"; echo "$id"\n'
+    + 'echo "${m}pane"; settled_pane "$2"\n'
+    + f'echo "${{m}}exit"; [ -z "$id" ] || cat "$d/{MEASURE_EXIT}" 2>/dev/null\n'
+    + f'echo "${{m}}cancelled"; [ -z "$id" ] || cat "$d/{MEASURE_CANCELLED}" 2>/dev/null\n'
+    + f'echo "${{m}}info"; [ -z "$id" ] || cat "$d/{MEASURE_INFO}" 2>/dev/null; echo\n'
+    + f'echo "${{m}}table"; [ -z "$id" ] || [ ! -f "$d/{MEASURE_TABLE}" ] || echo yes\n'
+    + f'echo "${{m}}progress"; [ -z "$id" ] || tail -n +"$3" "$d/{MEASURE_PROGRESS}" 2>/dev/null\n'
+    + f'echo "${{m}}current"; readlink {L.CURRENT} 2>/dev/null\n'
+    + f'echo "${{m}}measurable"; [ -f {L.CURRENT}/{MEASURE_SOURCE} ] && echo yes || echo no\n'
+    + "exit 0\n"
+)
+
+
+def measure_status_argv(
+    workdir: str, session: str, from_line: int = 0, wait_s: float = 0
+) -> list[str]:
+    """The newest measure in one round trip (MARK sections), after waiting up to `wait_s` for
+    its progress line past 0-based `from_line` or its end; `session` is the host's session."""
+    ticks = max(0, int(wait_s / MEASURE_TICK_S))
+    return [
+        "sh",
+        "-c",
+        MEASURE_STATUS_SCRIPT,
+        "dflash-measure-status",
+        workdir,
+        measure_session(session),
+        str(from_line + 1),
+        str(ticks),
+    ]
+
+
+def measure_cancel_argv(workdir: str, measure_id: str) -> list[str]:
+    """Record that the measure was stopped on purpose (its UTC time), before its session ends."""
+    script = f'cd "$1" && [ -d "$2" ] && date -u +%Y-%m-%dT%H:%M:%SZ > "$2/{MEASURE_CANCELLED}"'
+    return ["sh", "-c", script, "dflash-measure-cancel", workdir, measure_dir(measure_id)]

@@ -1,0 +1,607 @@
+"""`dflashctl measure HOST`: `python -m trainer.measure` in the host's container, detached.
+
+A measure runs the deployed release (`releases/<id>`, resolved from `current` as start does, so a
+deploy meanwhile swaps no code under it) against the deployed run config (`run/config.toml`),
+in a tmux session of its own (the host's session name + `-measure`, never the training
+session), so it outlives the SSH link and the client. Everything it leaves is under
+`WORKDIR/measure/<id>/` (<id> = its UTC start, `20261201T170211Z`): `info.json` (what was asked),
+`config.toml` (the config measured), `progress.log` (trainer.measure's stderr: one line per
+timing run), `stdout.txt`, `result.json` + `table.txt` (`--out`), `calibration.json`
+(`--save-calibration`), and `exit-status` once it has exited. The newest directory is "the"
+measure: running (no exit status, its pane alive), finished, failed, stopped, or lost (no exit
+status and no live pane: the container restarted or the session was killed).
+
+A measure is refused while a training run is live on the host (it would share the devices: the
+figures would mean nothing, or one of them would OOM) and while another measure runs there.
+
+Pure builders and parsers first, then `MeasureControl`, the service over a Transport (no
+Textual); `dflashctl.cli.cmd_measure` only parses flags and prints.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import tomllib
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from dflashctl.control import LIVE_STATES, RunControl, split_sections
+from dflashctl.errors import DflashctlError, ExitCode, UsageError
+from dflashctl.follow import Backoff
+from dflashctl.inventory import HostConfig
+from dflashctl.monitor import format_age
+from dflashctl.remote.files import read_file
+from dflashctl.remote.layout import CONFIG, RemoteLayout
+from dflashctl.remote.run import (
+    MEASURE_CALIBRATION,
+    MEASURE_ID_PATTERN,
+    MEASURE_RESULT,
+    MEASURE_SOURCE,
+    MEASURE_TABLE,
+    measure_cancel_argv,
+    measure_dir,
+    measure_prepare_argv,
+    measure_run_argv,
+    measure_session,
+    measure_status_argv,
+)
+from dflashctl.remote.tmux import (
+    PaneState,
+    parse_pane_state,
+    tmux_kill_session,
+    tmux_new_session,
+)
+from dflashctl.remote.transport import (
+    CommandResult,
+    HostKeyError,
+    HostUnreachable,
+    Transport,
+    TransportError,
+)
+from trainer.events import sanitize_for_terminal
+
+CLOCKS = ("wall", "cpu")
+MEASURE_MODULE = "trainer.measure"
+DETACH_GRACE_S = 5.0
+"""`--detach` waits this long for a measure that is refused at once (a bad strategy or key)."""
+FOLLOW_POLL_S = 30.0
+"""One follow round trip waits up to this long on the host for a progress line or the end."""
+ROUND_TRIP_MARGIN_S = 30.0
+"""A remote wait of T seconds is given T + this before the client gives up on it."""
+STRATEGY_NAME = re.compile(r"^[a-z][a-z0-9-]{0,31}$")
+SET_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
+ID_FORMAT = "%Y%m%dT%H%M%SZ"
+PROGRESS_TAIL = 3
+"""`--result` on a running measure shows at most this many of its last progress lines."""
+
+
+class MeasureError(DflashctlError):
+    """A measure that failed, ended without a result, or cannot run now (one line, the host)."""
+
+    exit_code = ExitCode.FAILED
+
+
+class MeasureRefused(MeasureError):
+    """trainer.measure refused what it was asked (its own exit 2): its line, the host named."""
+
+    exit_code = ExitCode.USAGE
+
+
+class MeasureBusy(MeasureError):
+    """The host runs training or another measure: a measure now would share the devices."""
+
+
+class MeasureRunning(MeasureError):
+    """`--result` while the newest measure still runs: how far it is."""
+
+
+# --- the request: trainer.measure's flags, checked here as far as syntax goes ----------------
+
+
+def parse_strategies(text: str) -> tuple[str, ...]:
+    """`sorted,packed` -> names in order; the release's trainer.measure decides which exist."""
+    names = tuple(s.strip() for s in text.split(","))
+    if not names or not all(names):
+        raise UsageError(f"--strategies {text!r}: a comma-separated list of strategy names")
+    for name in names:
+        if not STRATEGY_NAME.match(name):
+            raise UsageError(f"--strategies: {name!r} is not a strategy name")
+    if len(set(names)) != len(names):
+        raise UsageError(f"--strategies {text!r}: names a strategy twice")
+    return names
+
+
+def parse_set(item: str) -> tuple[list[str], Any]:
+    """`--set a.b=VALUE` -> (["a", "b"], VALUE): a TOML value, a bare word a string (as
+    trainer.measure reads it)."""
+    key, sep, text = item.partition("=")
+    key = key.strip()
+    if not sep or not SET_KEY.match(key):
+        raise UsageError(f"--set {item!r}: not KEY=VALUE (e.g. batching.pool_size=400)")
+    try:
+        value = tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = text
+    return key.split("."), value
+
+
+def overrides(items: Sequence[str]) -> dict[str, Any]:
+    """Every `--set` as one nested table (for checking the config they make)."""
+    out: dict[str, Any] = {}
+    for item in items:
+        keys, value = parse_set(item)
+        node = out
+        for k in keys[:-1]:
+            child = node.setdefault(k, {})
+            if not isinstance(child, dict):
+                raise UsageError(f"--set {item!r}: {k} is set to a value by an earlier --set")
+            node = child
+        node[keys[-1]] = value
+    return out
+
+
+@dataclass(frozen=True)
+class MeasureRequest:
+    """What `dflashctl measure` asks of trainer.measure (None: trainer.measure's default)."""
+
+    steps: int
+    warmup: int | None = None
+    rounds: int | None = None
+    strategies: tuple[str, ...] | None = None
+    window: int | None = None
+    clock: str | None = None
+    sets: tuple[str, ...] = ()
+
+    def check(self) -> None:
+        """UsageError (one line naming the flag) for what is wrong whatever the release."""
+        for flag, value, low in (
+            ("--steps", self.steps, 1),
+            ("--warmup", self.warmup, 0),
+            ("--rounds", self.rounds, 1),
+            ("--window", self.window, 1),
+        ):
+            if value is not None and value < low:
+                raise UsageError(f"{flag} {value}: must be >= {low}")
+        if self.window is not None and self.window > self.steps:
+            raise UsageError(f"--window {self.window}: must be <= --steps ({self.steps})")
+        if self.clock is not None and self.clock not in CLOCKS:
+            raise UsageError(f"--clock {self.clock!r}: one of {', '.join(CLOCKS)}")
+        overrides(self.sets)
+
+    def flags(self) -> list[str]:
+        """trainer.measure's flags for this request (not --config, --out, ...: the layout's)."""
+        out = ["--steps", str(self.steps)]
+        if self.strategies is not None:
+            out += ["--strategies", ",".join(self.strategies)]
+        for flag, value in (
+            ("--warmup", self.warmup),
+            ("--rounds", self.rounds),
+            ("--window", self.window),
+            ("--clock", self.clock),
+        ):
+            if value is not None:
+                out += [flag, str(value)]
+        for item in self.sets:
+            out += ["--set", item]
+        return out
+
+    def to_json_dict(self) -> dict[str, Any]:
+        return {
+            "steps": self.steps,
+            "warmup": self.warmup,
+            "rounds": self.rounds,
+            "strategies": list(self.strategies) if self.strategies is not None else None,
+            "window": self.window,
+            "clock": self.clock,
+            "set": list(self.sets),
+        }
+
+
+def measure_argv(
+    python: str, layout: RemoteLayout, measure_id: str, req: MeasureRequest
+) -> list[str]:
+    """trainer.measure's argv for measure `measure_id`: the deployed config, the request's
+    flags, its result and calibration into the measure's directory."""
+    d = layout.path(measure_dir(measure_id))
+    return [
+        python,
+        "-m",
+        MEASURE_MODULE,
+        "--config",
+        layout.config,
+        *req.flags(),
+        "--out",
+        d,
+        "--save-calibration",
+        f"{d}/{MEASURE_CALIBRATION}",
+    ]
+
+
+def check_overrides(config_text: str, sets: Sequence[str], host: str) -> None:
+    """A `--set` the config cannot take, refused here (the config error's one line) before
+    anything starts; skipped when the deployed config itself does not validate with this
+    dflashctl's trainer.config (another version: the release's trainer.measure decides)."""
+    if not sets:
+        return
+    from trainer.config import ConfigError, TrainConfig
+    from trainer.config.overlay import merge
+
+    try:
+        raw = tomllib.loads(config_text)
+        TrainConfig.from_dict(raw)
+    except (tomllib.TOMLDecodeError, ConfigError):
+        return
+    try:
+        TrainConfig.from_dict(merge(raw, overrides(sets)), source=f"{host}: {CONFIG} with --set")
+    except ConfigError as err:
+        raise UsageError(str(err)) from None
+
+
+# --- the newest measure, as the status script reports it ------------------------------------
+
+
+def measure_started(measure_id: str) -> float | None:
+    """Epoch seconds of a measure id (its UTC start)."""
+    try:
+        return datetime.strptime(measure_id, ID_FORMAT).replace(tzinfo=UTC).timestamp()
+    except ValueError:
+        return None
+
+
+def iso_utc(epoch: float) -> str:
+    return datetime.fromtimestamp(epoch, UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
+
+
+@dataclass(frozen=True)
+class MeasureState:
+    """The newest measure on a host (`parse_measure_status`); `progress` holds its progress
+    lines from the line asked for on (made safe to print)."""
+
+    host: str
+    measure_id: str | None = None
+    state: str = "none"  # none | running | finished | failed | cancelled | lost
+    exit_status: int | None = None
+    now: float | None = None  # the host's clock
+    progress: list[str] = field(default_factory=list)
+    info: dict[str, Any] = field(default_factory=dict)
+    has_table: bool = False
+    release: str | None = None  # what `current` points at
+    measurable: bool = False  # `current` ships trainer.measure
+    pane: PaneState | None = None
+    cancelled_at: str | None = None
+    workdir: str = ""
+
+    @property
+    def running(self) -> bool:
+        return self.state == "running"
+
+    @property
+    def started(self) -> float | None:
+        return measure_started(self.measure_id) if self.measure_id else None
+
+    def since(self) -> str:
+        """`2026-12-01 17:02:11 UTC, 3m10s ago`."""
+        t = self.started
+        if t is None:
+            return "at an unknown time"
+        age = f", {format_age(max(0.0, self.now - t))} ago" if self.now is not None else ""
+        return f"since {iso_utc(t)}{age}"
+
+    @property
+    def directory(self) -> str:
+        return f"{self.workdir}/{measure_dir(self.measure_id or '?')}"
+
+
+def error_line(progress: Sequence[str], exit_status: int | None) -> str:
+    """What a measure that did not finish said last: its `error: ` line (without the prefix),
+    else its last line, else its exit status."""
+    lines = [ln.strip() for ln in progress if ln.strip()]
+    errors = [ln for ln in lines if ln.startswith("error: ")]
+    if errors:
+        return errors[-1].removeprefix("error: ")
+    if lines:
+        return lines[-1]
+    return f"exit status {exit_status}" if exit_status is not None else "it printed nothing"
+
+
+def parse_measure_status(host: str, workdir: str, stdout: str) -> MeasureState:
+    """MeasureState from `measure_status_argv`'s output (pure). Remote text is sanitised here."""
+    raw = split_sections(stdout)
+    if "noworkdir" in raw:
+        return MeasureState(host=host, workdir=workdir)
+    s = {k: sanitize_for_terminal(v) for k, v in raw.items()}
+    mid = s.get("id", "").strip()
+    if not re.match(MEASURE_ID_PATTERN, mid):
+        mid = ""
+    now_text = s.get("now", "").strip()
+    current = s.get("current", "").strip()
+    pane = parse_pane_state(s.get("pane", ""))
+    exit_text = s.get("exit", "").strip()
+    exit_status = int(exit_text) if re.fullmatch(r"-?\d+", exit_text) else None
+    info: dict[str, Any] = {}
+    try:
+        loaded = json.loads(s.get("info", "") or "{}")
+        info = loaded if isinstance(loaded, dict) else {}
+    except json.JSONDecodeError:
+        pass
+    cancelled = s.get("cancelled", "").strip() or None
+    if not mid:
+        state = "none"
+    elif exit_status is not None:
+        state = "finished" if exit_status == 0 else "cancelled" if cancelled else "failed"
+    elif pane is not None and not pane.dead:
+        state = "running"
+    else:
+        state = "cancelled" if cancelled else "lost"
+    progress = s.get("progress", "")
+    return MeasureState(
+        host=host,
+        measure_id=mid or None,
+        state=state,
+        exit_status=exit_status,
+        now=float(now_text) if now_text.isdigit() else None,
+        progress=progress.splitlines() if progress.strip() else [],
+        info=info,
+        has_table=s.get("table", "").strip() == "yes",
+        release=current.rsplit("/", 1)[-1] if current else None,
+        measurable=s.get("measurable", "").strip() == "yes",
+        pane=pane,
+        cancelled_at=cancelled,
+        workdir=workdir,
+    )
+
+
+def outcome_error(st: MeasureState, progress: Sequence[str]) -> MeasureError | None:
+    """The error a measure that ended without a result is (None: it finished); `progress` is
+    all of its progress lines."""
+    what = f"{st.host}: measure {st.measure_id}"
+    if st.state == "finished":
+        return None
+    if st.state == "failed" and st.exit_status == 2:
+        return MeasureRefused(f"{st.host}: {MEASURE_MODULE}: {error_line(progress, 2)}")
+    if st.state == "failed":
+        how = "failed" if st.exit_status == 1 else f"exited with status {st.exit_status}"
+        return MeasureError(f"{what} {how}: {error_line(progress, st.exit_status)}")
+    if st.state == "cancelled":
+        return MeasureError(f"{what} was stopped ({st.cancelled_at}) before it finished")
+    if st.state == "lost":
+        return MeasureError(
+            f"{what} ended without a result (no exit status, no live session: the container "
+            f"restarted or the session was killed); last: {error_line(progress, None)}"
+        )
+    return None
+
+
+def how_far(st: MeasureState, progress: Sequence[str]) -> str:
+    """`round 1/2 packed: 12,003 tok/s (run 3 of 10)`, or that no timing run finished yet."""
+    runs = [ln for ln in progress if ln.startswith("round ")]
+    return "; ".join(runs[-PROGRESS_TAIL:]) if runs else "no timing run has finished yet"
+
+
+# --- the service -----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class MeasureStarted:
+    host: str
+    measure_id: str
+    release: str
+    session: str
+    argv: list[str]
+    directory: str
+
+
+class MeasureControl:
+    """Start, follow, read and stop one host's measure through a Transport (SSH+pct or local)."""
+
+    def __init__(self, transport: Transport, host: HostConfig) -> None:
+        self.transport = transport
+        self.host = host
+        self.layout = RemoteLayout(host.workdir)
+        self.session = measure_session(host.session)
+
+    async def _run(
+        self, argv: list[str], *, timeout: float | None = None, input: bytes | None = None
+    ) -> CommandResult:
+        return await self.transport.run(argv, timeout=timeout, input=input)
+
+    async def state(self, from_line: int = 0, wait_s: float = 0.0) -> MeasureState:
+        """The newest measure, after waiting on the host up to `wait_s` for its progress line
+        past 0-based `from_line` or its end. TransportError when the host cannot be asked."""
+        argv = measure_status_argv(self.host.workdir, self.host.session, from_line, wait_s)
+        res = await self._run(argv, timeout=wait_s + ROUND_TRIP_MARGIN_S)
+        if not res.ok:
+            msg = res.error_line()
+            if "not running" in msg:
+                msg = f"container {self.host.ctid} is not running (pct start {self.host.ctid})"
+            raise HostUnreachable(sanitize_for_terminal(f"{self.host.name}: {msg}"))
+        return parse_measure_status(self.host.name, self.host.workdir, res.stdout)
+
+    async def start(self, req: MeasureRequest) -> MeasureStarted:
+        """Start a measure in its own tmux session; refused (MeasureBusy) while training or
+        another measure runs on the host, and for what cannot run (nothing deployed, a release
+        without trainer.measure, no run config, a `--set` the config cannot take)."""
+        req.check()
+        name = self.host.name
+        run = await RunControl(self.transport, self.host).status(setup_errors=True)
+        if run.state == "unreachable":
+            raise HostUnreachable(run.message or f"{name}: unreachable")
+        if run.state in LIVE_STATES:
+            step = f", step {run.step}" if run.step is not None else ""
+            raise MeasureBusy(
+                f"{name}: a training run is {run.state} in tmux session {self.host.session!r} "
+                f"(release {run.run_release or '?'}{step}): a measure would share its devices; "
+                f"`dflashctl stop {name}` first"
+            )
+        st = await self.state()
+        if st.running:
+            raise MeasureBusy(
+                f"{name}: measure {st.measure_id} is already running ({st.since()}, tmux session "
+                f"{self.session!r}): `dflashctl measure {name} --result` shows how far it is"
+            )
+        if st.release is None:
+            raise MeasureError(f"{name}: nothing deployed; run `dflashctl deploy {name}`")
+        if not st.measurable:
+            raise MeasureError(
+                f"{name}: release {st.release} has no {MEASURE_SOURCE} (deployed before "
+                f"trainer.measure existed); deploy a newer tree"
+            )
+        config = await self._run(read_file(self.layout.config))
+        if not config.ok or not config.stdout.strip():
+            raise MeasureError(
+                f"{name}: no {self.layout.config}; deploy with --config PATH or set run_config "
+                f"in hosts.toml"
+            )
+        check_overrides(config.stdout, req.sets, name)
+        info = {
+            "request": req.to_json_dict(),
+            "release": st.release,
+            "config": self.layout.config,
+            "session": self.session,
+        }
+        prep = await self._run(
+            measure_prepare_argv(self.host.workdir), input=json.dumps(info).encode()
+        )
+        mid = prep.stdout.strip().splitlines()[-1] if prep.ok and prep.stdout.strip() else ""
+        if not prep.ok or not re.match(MEASURE_ID_PATTERN, mid):
+            raise MeasureError(f"{name}: preparing the measure directory: {prep.error_line()}")
+        argv = measure_argv(self.host.python, self.layout, mid, req)
+        if st.pane is not None:  # the last measure's dead pane (remain-on-exit): cleared
+            await self._run(tmux_kill_session(self.session))
+        env = {
+            **self.host.env,
+            "PYTHONUNBUFFERED": "1",
+            "PYTHONPATH": self.layout.release_dir(st.release),
+            "DFLASH_RELEASE": st.release,
+        }
+        command = tmux_new_session(
+            self.session,
+            measure_run_argv(self.host.workdir, mid, argv),
+            cwd=self.host.workdir,
+            env=env,
+        )
+        res = await self._run(command)
+        for attempt in range(4):  # a tmux server exiting as its last session ended: retried
+            if res.ok or "server exited unexpectedly" not in res.stderr:
+                break
+            await asyncio.sleep(0.1 * (attempt + 1))
+            res = await self._run(command)
+        if not res.ok:
+            await self._run(["rm", "-rf", "--", self.layout.path(measure_dir(mid))])
+            if "duplicate session" in res.stderr:
+                raise MeasureBusy(
+                    f"{name}: another measure started meanwhile (tmux session {self.session!r})"
+                )
+            raise MeasureError(f"{name}: tmux new-session: {res.error_line()}")
+        return MeasureStarted(
+            name, mid, st.release, self.session, argv, self.layout.path(measure_dir(mid))
+        )
+
+    async def follow(
+        self,
+        on_line: Callable[[str], None],
+        on_note: Callable[[str], None],
+        *,
+        from_line: int = 0,
+        poll_s: float = FOLLOW_POLL_S,
+        backoff: Backoff | None = None,
+    ) -> MeasureState:
+        """Wait for the newest measure to end, passing each new progress line to `on_line`;
+        a dropped link is retried (the measure goes on: it lives in tmux), each drop and
+        reconnect one `on_note`. Returns its last state (all of its progress lines in it)."""
+        delays = backoff or Backoff(jitter=0.2)
+        lines: list[str] = []
+        attempt, lost = 0, False
+        while True:
+            try:
+                st = await self.state(from_line + len(lines), poll_s)
+            except HostKeyError:
+                raise
+            except TransportError as err:
+                wait = delays.delay(attempt)
+                attempt += 1
+                lost = True
+                on_note(
+                    f"lost the link ({err}); the measure goes on there; retrying in {wait:.0f} s"
+                )
+                await asyncio.sleep(wait)
+                continue
+            if lost:
+                on_note("reconnected")
+            attempt, lost = 0, False
+            for line in st.progress:
+                lines.append(line)
+                on_line(line)
+            if not st.running:
+                return replace(st, progress=lines)
+
+    async def result(self, st: MeasureState, *, as_json: bool) -> str:
+        """A finished measure's table (or its JSON, re-encoded: nothing in it reaches the
+        terminal raw)."""
+        d = st.directory
+        res = await self._run(read_file(f"{d}/{MEASURE_RESULT if as_json else MEASURE_TABLE}"))
+        if not res.ok:
+            raise MeasureError(f"{self.host.name}: measure {st.measure_id}: {res.error_line()}")
+        if as_json:
+            try:
+                return json.dumps(json.loads(res.stdout), indent=1)
+            except json.JSONDecodeError as err:
+                raise MeasureError(
+                    f"{self.host.name}: {d}/{MEASURE_RESULT} is not JSON: {err}"
+                ) from None
+        return sanitize_for_terminal(res.stdout).rstrip("\n")
+
+    async def fetch_calibration(self, st: MeasureState, local: Path) -> Path:
+        """The measure's calibration JSON, checked to be a JSON object, written to `local`
+        (temp file + rename)."""
+        remote = f"{st.directory}/{MEASURE_CALIBRATION}"
+        res = await self._run(read_file(remote))
+        if not res.ok:
+            raise MeasureError(f"{self.host.name}: {remote}: {res.error_line()}")
+        try:
+            data = json.loads(res.stdout)
+        except json.JSONDecodeError as err:
+            raise MeasureError(f"{self.host.name}: {remote} is not JSON: {err}") from None
+        if not isinstance(data, dict):
+            raise MeasureError(f"{self.host.name}: {remote} is not a JSON object")
+        write_local(local, json.dumps(data, indent=1) + "\n")
+        return local
+
+    async def stop(self) -> MeasureState | None:
+        """End the running measure (its session, and so the trainer runs under it), recording
+        that it was stopped; None when none was running."""
+        st = await self.state()
+        if not st.running or st.measure_id is None:
+            return None
+        await self._run(measure_cancel_argv(self.host.workdir, st.measure_id))
+        res = await self._run(tmux_kill_session(self.session))
+        if not res.ok and "can't find session" not in res.stderr:
+            raise MeasureError(f"{self.host.name}: tmux kill-session: {res.error_line()}")
+        return st
+
+
+def check_local_target(path: Path) -> None:
+    """`--save-calibration FILE`: refused before a measure of hours when FILE cannot be written."""
+    parent = path.parent if str(path.parent) else Path(".")
+    if path.is_dir():
+        raise UsageError(f"--save-calibration {path}: is a directory")
+    if not parent.is_dir():
+        raise UsageError(f"--save-calibration {path}: no directory {parent}")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise UsageError(f"--save-calibration {path}: {parent} is not writable")
+
+
+def write_local(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
+    try:
+        tmp.write_text(text, encoding="utf-8")
+        tmp.replace(path)
+    except OSError as err:
+        tmp.unlink(missing_ok=True)
+        raise UsageError(f"--save-calibration {path}: {err.strerror or err}") from None
