@@ -421,3 +421,36 @@ def test_measure_help_says_a_group_measures_on_node_0() -> None:
         check=False,
     )
     assert proc.returncode == 0 and "on node 0" in " ".join(proc.stdout.split())
+
+
+def test_a_group_measures_on_node_0_and_says_so(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Node 0 is the one asked (here: a port nobody listens on, so the one line is that it is
+    unreachable, exit 3); bad flags are refused before any host is asked."""
+    port = P.free_port()
+    known = tmp_path / "known_hosts"
+    known.write_text("")
+    inv_path = tmp_path / "hosts.toml"
+    nodes = "".join(
+        f'[hosts.n{i}]\naddress = "127.0.0.1"\nport = {port}\nctid = {200 + i}\n'
+        f'node_address = "127.0.0.{i + 1}"\nconnect_timeout = 2\n'
+        for i in range(2)
+    )
+    inv_path.write_text(
+        f'[defaults]\nknown_hosts = "{known}"\nuse_agent = false\n{nodes}'
+        '[groups.g]\nhosts = ["n0", "n1"]\n'
+    )
+    inv_path.chmod(0o600)
+    inv = ["--hosts", str(inv_path)]
+    rc, out, err = cli([*inv, "measure", "g", "--result"], capsys)
+    assert rc == ExitCode.UNREACHABLE, err
+    lines = err.splitlines()
+    assert (
+        lines[0] == "dflashctl: g: measuring on node 0 (n0); its release and config are the group's"
+    )
+    assert len(lines) == 2 and "n0" in lines[1] and not out
+    rc, out, err = cli([*inv, "measure", "g"], capsys)
+    assert rc == ExitCode.USAGE and "--steps N is required to start a measure" in err
+    rc, out, err = cli([*inv, "measure", "g", "--steps", "2", "--set", "nokey"], capsys)
+    assert rc == ExitCode.USAGE and "--set 'nokey': not KEY=VALUE" in err
