@@ -10,6 +10,7 @@ the real trainer.measure on the tiny config.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import shutil
 import subprocess
@@ -25,6 +26,7 @@ from dflashctl.cli import main as cli_main
 from dflashctl.control import RunControl
 from dflashctl.deploy import deploy
 from dflashctl.errors import ExitCode, UsageError
+from dflashctl.follow import Backoff
 from dflashctl.inventory import HostConfig, local_host
 from dflashctl.measure import (
     MeasureBusy,
@@ -270,6 +272,37 @@ async def test_detached_then_busy_then_result_while_running_then_stopped(
     assert await mc.stop() is None
     await mc.start(MeasureRequest(steps=1, strategies=("sorted",)))  # a dead pane is cleared
     assert (await mc.follow(lambda _: None, lambda _: None, poll_s=5)).state == "finished"
+
+
+async def test_follow_rides_out_a_host_it_cannot_reach_and_misses_no_line(
+    local: tuple[MeasureControl, HostConfig, Path],
+) -> None:
+    """The measure lives in tmux: while its host cannot be asked (here: the transport's PATH
+    has no `sh` for 1.5 s, so every round trip fails as a lost host does), follow says so,
+    retries, and then goes on from the line it had: none repeated, none skipped."""
+    mc, _, wd = local
+    (wd / "run" / "config.toml").write_text("[run]\npause = 0.5\n")
+    await mc.start(MeasureRequest(steps=2, rounds=3))
+    transport = mc.transport
+    assert isinstance(transport, LocalTransport)
+    path = transport._env["PATH"]
+    lines: list[str] = []
+    notes: list[str] = []
+
+    def line(text: str) -> None:
+        lines.append(text)
+        if len(lines) == 1:  # the link "drops" after the first line
+            transport._env["PATH"] = "/nonexistent"
+            asyncio.get_running_loop().call_later(1.5, transport._env.__setitem__, "PATH", path)
+
+    st = await mc.follow(line, notes.append, poll_s=5, backoff=Backoff(initial=0.2, jitter=0))
+    assert st.state == "finished"
+    assert lines == [
+        f"round {n // 2 + 1}/3 {('sorted', 'packed')[n % 2]}: 1,000 tok/s (run {n + 1} of 6)"
+        for n in range(6)
+    ]
+    assert notes[0].startswith("lost the link (loc: sh: command not found); the measure goes on")
+    assert notes[-1] == "reconnected"
 
 
 async def test_refused_while_training_runs_and_for_what_cannot_run(
