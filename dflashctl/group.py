@@ -6,6 +6,8 @@ GROUP`, the watch and the TUI's group row all use it, so "one node unreachable" 
 everywhere: that node is unreachable (the group is `degraded`), never that the run crashed: a
 lost link says nothing about the job (the peers' 24 false recoveries came from reading it so).
 
+Ranks are torchrun's global ranks throughout (`rank_range`, `failed_rank`, torchrun's own
+report), target processes of an M:N run included, so a recorded rank finds its node.
 Which failure came first, in this order:
 1. a global rank the trainer itself recorded (`failed_rank` in a node's run-state.json);
 2. torchrun's own report in a dead pane ("rank: N (local_rank: M)" with a signal exit code);
@@ -14,6 +16,9 @@ Which failure came first, in this order:
 4. the first node in node order that crashed.
 A peer that lost its partner fails too (its collective breaks); it is reported as stopped with
 the group, not as the cause.
+
+Checkpoints are node 0's alone (global rank 0 writes them, `checkpoint_node`); the other nodes'
+run-states name none, and `GroupView.checkpoint_json`/`checkpoint_line` say where they are.
 """
 
 from __future__ import annotations
@@ -179,6 +184,15 @@ class FailedJson(TypedDict):
     rank: int | None
 
 
+class CheckpointJson(TypedDict):
+    """Where the run's checkpoints are: the writer node, and its newest one (None: none yet)."""
+
+    host: str
+    node_rank: int
+    step: int | None
+    path: str | None  # in that node's run dir (no other node has a copy)
+
+
 @dataclass(frozen=True)
 class GroupView:
     """A group's state from its nodes' reports (node 0 first)."""
@@ -201,6 +215,35 @@ class GroupView:
     def step(self) -> int | None:
         """Node 0's step (the run's: rank 0 writes checkpoints and status lines)."""
         return self.nodes[0].step if self.nodes else None
+
+    @property
+    def checkpoint_node(self) -> NodeReport | None:
+        """The node whose run dir holds the run's checkpoints: the one every node's run-state
+        names (`checkpoint_node`), else node 0 (global rank 0 writes them); the other nodes'
+        run-states name no checkpoint."""
+        named = [n.run_state.checkpoint_node for n in self.nodes]
+        writer = next((w for w in named if w is not None), 0)
+        return next((n for n in self.nodes if n.node_rank == writer), None)
+
+    def checkpoint_json(self) -> CheckpointJson | None:
+        n = self.checkpoint_node
+        if n is None:
+            return None
+        rs = n.run_state
+        return CheckpointJson(
+            host=n.host, node_rank=n.node_rank, step=rs.last_step, path=rs.last_checkpoint
+        )
+
+    def checkpoint_line(self) -> str | None:
+        """`checkpoints on node 0 (n0): step 40 run/checkpoints/step-00000040.pt`, one line."""
+        c = self.checkpoint_json()
+        if c is None:
+            return None
+        where = f"checkpoints on node {c['node_rank']} ({c['host']})"
+        if c["path"] is None:
+            return f"{where}: none recorded yet"
+        step = f"step {c['step']} " if c["step"] is not None else ""
+        return f"{where}: {step}{c['path']}"
 
     def summary(self) -> str:
         """`g: failed: node 1 (n1) rank 1 failed first (...)` and the like, one line."""
@@ -337,10 +380,12 @@ class GroupJson(TypedDict):
     step: int | None
     nodes: list[NodeJson]
     failed: FailedJson | None
+    checkpoint: CheckpointJson | None
 
 
 def group_json(view: GroupView) -> GroupJson:
-    """`status GROUP --json`: the group's state, one entry per node, the first failure."""
+    """`status GROUP --json`: the group's state, one entry per node, the first failure, and
+    where the run's checkpoints are (the writer node's newest)."""
     return GroupJson(
         group=view.group,
         state=view.state,
@@ -363,6 +408,7 @@ def group_json(view: GroupView) -> GroupJson:
             for n in view.nodes
         ],
         failed=view.failed_json(),
+        checkpoint=view.checkpoint_json(),
     )
 
 

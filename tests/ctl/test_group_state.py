@@ -245,3 +245,21 @@ def test_start_refuses_nodes_with_another_release_or_nothing_deployed(tmp_path: 
         gc._refuse_mixed(bare)
     with pytest.raises(ValueError, match="1 transports, 2 nodes"):
         GroupControl(group, [LocalTransport()])
+
+
+def test_the_group_names_node_0s_checkpoint_and_no_other_nodes() -> None:
+    """Only node 0 writes checkpoints: the group's checkpoint is its newest (JSON and one
+    line), node 1's run-state names none and says where they are."""
+    path = "/wd/run/checkpoints/step-00000040.pt"
+    rs0 = RunState(rank_range=[0, 1], node_rank=0, checkpoint_node=0, last_step=40)
+    rs0 = rs0.model_copy(update={"last_checkpoint": path})
+    rs1 = RunState(rank_range=[1, 2], node_rank=1, checkpoint_node=0)
+    assert rs1.checkpoints_elsewhere == 0 and rs0.checkpoints_elsewhere is None
+    v = group_state(
+        "g", [node("n1", 1, "running", run_state=rs1), node("n0", 0, "running", run_state=rs0)]
+    )
+    assert group_json(v)["checkpoint"] == {"host": "n0", "node_rank": 0, "step": 40, "path": path}
+    assert v.checkpoint_line() == f"checkpoints on node 0 (n0): step 40 {path}"
+    fresh = group_state("g", [node("n0", 0, "running"), node("n1", 1, "running")])
+    assert fresh.checkpoint_line() == "checkpoints on node 0 (n0): none recorded yet"
+    assert group_state("g", []).checkpoint_json() is None

@@ -18,7 +18,9 @@ from typing import Any
 import pytest
 import torch
 
+from dflashctl.group import NodeReport, group_state
 from trainer.events import ErrorEvent, StatusEvent, parse_line
+from trainer.events.run_state import parse_run_state
 from trainer.pipeline.checkpoint import list_checkpoints, load_checkpoint
 
 from .conftest import REPO, cli_env, run_two_ranks, write_config
@@ -34,14 +36,18 @@ def _free_port() -> int:
 
 
 def _start_nodes(
-    config: Path, run_dirs: list[Path], port: int, envs: list[dict[str, str]] | None = None
+    config: Path,
+    run_dirs: list[Path],
+    port: int,
+    envs: list[dict[str, str]] | None = None,
+    nproc: int = 1,
 ) -> list[subprocess.Popen[str]]:
     procs = []
     for i, run_dir in enumerate(run_dirs):
         env = cli_env(**(envs[i] if envs else {}))
         env.pop("WORLD_SIZE", None)
         argv = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(len(run_dirs))]
-        argv += ["--node-rank", str(i), "--nproc-per-node", "1", "--rdzv-backend", "static"]
+        argv += ["--node-rank", str(i), "--nproc-per-node", str(nproc), "--rdzv-backend", "static"]
         argv += ["--rdzv-endpoint", f"127.0.0.1:{port}", "--max-restarts", "0"]
         argv += ["-m", "trainer", "--config", str(config), "--run-dir", str(run_dir)]
         procs.append(
@@ -132,6 +138,9 @@ def test_two_nodes_equal_one_node_and_resume_from_node_0_alone(
         assert (st["node_rank"], st["nnodes"], st["rank_range"]) == (i, 2, [i, i + 1]), st
         assert st["state"] == "stopped" and st["exit_status"] == 0 and st["step"] == stop_step
         assert st["world_size"] == 2 and st["failed_rank"] is None
+        assert st["checkpoint_node"] == 0, st  # only node 0 writes checkpoints
+    assert _state(nodes[0])["last_checkpoint"] == str(ckpt)
+    assert _state(nodes[1])["last_checkpoint"] is None  # node 1 claims no path of its own
     assert not (nodes[1] / "status.log").exists()  # status lines: global rank 0 only
 
     shutil.rmtree(nodes[1])  # the other node shares nothing: it resumes from node 0's state
@@ -144,10 +153,12 @@ def test_two_nodes_equal_one_node_and_resume_from_node_0_alone(
     assert [again[s] for s in range(stop_step + 1, 61)] == [
         whole[s] for s in range(stop_step + 1, 61)
     ]
-    st1 = _state(nodes[1])
-    assert st1["last_step"] == stop_step  # where node 1 started: node 0's checkpoint
+    st1, st0 = _state(nodes[1]), _state(nodes[0])
+    # the checkpoints are node 0's: node 1 names neither a path nor a step of its own
+    assert (st1["last_step"], st1["last_checkpoint"], st1["checkpoint_node"]) == (None, None, 0)
     assert st1["state"] == "finished" and st1["step"] == 60 and st1["node_rank"] == 1
-    assert _state(nodes[0])["step"] == 60
+    assert st0["step"] == 60 and st0["last_step"] == 60
+    assert st0["last_checkpoint"] == str(list_checkpoints(nodes[0])[-1][1])
     final = load_checkpoint(list_checkpoints(nodes[0])[-1][1])
     assert final["topology"] == {"world_size": 2, "local_world_size": 1}
 
@@ -173,6 +184,50 @@ def test_a_failing_node_names_its_rank_on_both_nodes(tmp_path: Path, config: Pat
         assert st["state"] == "crashed" and st["failed_rank"] == 1, st
     errors = [e for e in map(parse_line, (nodes[0] / "status.log").read_text().splitlines())]
     assert any(isinstance(e, ErrorEvent) for e in errors)
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize(("fault", "rank"), [("drafter:5", 2), ("target:5", 3)])
+def test_under_m_to_n_the_failed_rank_is_torchruns_rank_and_names_its_node(
+    tmp_path: Path, tiny_assets: dict[str, Any], fault: str, rank: int
+) -> None:
+    """2 nodes x (1 drafter + 1 target rank), `topology.targets = "shared"`: torchrun ranks
+    0, 1 on node 0 and 2, 3 on node 1. Node 1's drafter (drafter rank 1, torchrun rank 2) or
+    its target (torchrun rank 3, no drafter rank at all) fails: node 0's run-state records
+    that torchrun rank, the numbering of rank_range (drafter rank 1 would fall in node 0's
+    [0, 2)), so dflashctl's group view names node 1 from the run-states alone."""
+    config = write_config(
+        tmp_path / "mn.toml",
+        tiny_assets,
+        topology={"targets": "shared", "drafter_devices": ["cpu"], "target_devices": ["cpu"]},
+        schedule={"max_steps": 60},
+        status={"interval_s": 0.3, "rate_window_s": 5.0},
+    )
+    nodes = [tmp_path / "node0", tmp_path / "node1"]
+    envs: list[dict[str, str]] = [{}, {"DFLASH_FAULT": fault}]
+    results = _finish(_start_nodes(config, nodes, _free_port(), envs, nproc=2))
+    assert all(rc != 0 for rc, _ in results), results
+    states = [_state(d) for d in nodes]
+    assert [st["rank_range"] for st in states] == [[0, 2], [2, 4]], states
+    assert states[0]["state"] == "crashed" and states[0]["failed_rank"] == rank, states
+    assert states[0]["world_size"] == 2  # drafter ranks: what sampler and checkpoints see
+    if fault.startswith("drafter"):  # (a failed target's drafter is killed by its torchrun)
+        assert states[1]["state"] == "crashed" and states[1]["failed_rank"] == rank, states
+
+    reports = [
+        NodeReport(
+            host=f"n{i}",
+            node_rank=i,
+            state="crashed",
+            exit_status=1,
+            run_state=parse_run_state(json.dumps(st))[0],
+        )
+        for i, st in enumerate(states)
+    ]
+    view = group_state("g", reports)
+    assert view.failed is not None, view
+    assert (view.failed.host, view.failed.node_rank, view.failed.rank) == ("n1", 1, rank)
+    assert view.summary().startswith(f"g: failed: node 1 (n1) rank {rank} failed first"), view
 
 
 BROADCAST_SCRIPT = """
@@ -261,3 +316,32 @@ def test_node_info_from_torchrun_env_and_single_node_run_state_unchanged(tmp_pat
     multi.heal()
     st = _state(multi_dir)
     assert (st["node_rank"], st["nnodes"], st["rank_range"], st["step"]) == (2, 3, [8, 12], 7)
+
+
+def test_a_node_that_writes_no_checkpoints_claims_none_of_its_own(tmp_path: Path) -> None:
+    """Node 1's run-state names no checkpoint path or step, whatever is handed to it or was in
+    its file before (a stale run dir), and says which node holds them; node 0's keeps its own."""
+    from trainer.pipeline.status import NodeInfo, Reporter, RunRecord, RunStateFile
+
+    stale = {"last_step": 99, "last_checkpoint": "/old/step-00000099.pt", "best_checkpoint": "/b"}
+    (tmp_path / "run-state.json").write_text(json.dumps(stale))
+    reporter = Reporter(tmp_path, enabled=False)
+    node1 = RunRecord(RunStateFile(tmp_path), reporter, True, NodeInfo(1, 2, (1, 2)))
+    node1(state="starting", last_step=7, last_checkpoint="/node0/run/checkpoints/step-7.pt")
+    node1(last_checkpoint="/node0/run/checkpoints/step-8.pt", last_step=8)
+    st = _state(tmp_path)
+    assert {k: st[k] for k in (*stale, "checkpoint_error")} == dict.fromkeys(
+        (*stale, "checkpoint_error")
+    ), st
+    assert (st["checkpoint_node"], st["node_rank"], st["state"]) == (0, 1, "starting")
+    assert parse_run_state(json.dumps(st))[0].checkpoints_elsewhere == 0
+
+    node0_dir = tmp_path / "node0"
+    node0_dir.mkdir()
+    node0 = RunRecord(RunStateFile(node0_dir), reporter, True, NodeInfo(0, 2, (0, 1)))
+    node0(last_step=8, last_checkpoint="/node0/run/checkpoints/step-8.pt")
+    st0 = _state(node0_dir)
+    assert (st0["last_step"], st0["checkpoint_node"]) == (8, 0)
+    assert st0["last_checkpoint"] == "/node0/run/checkpoints/step-8.pt"
+    assert parse_run_state(json.dumps(st0))[0].checkpoints_elsewhere is None
+    assert parse_run_state(json.dumps(stale))[0].checkpoints_elsewhere is None  # single node

@@ -51,9 +51,10 @@ class RunState(BaseModel):
     end_step: int | None = Field(default=None, ge=0)
     warmup_steps: int | None = Field(default=None, ge=0)
     boundaries: list[int] | None = None
-    # checkpoints
-    last_step: int | None = Field(default=None, ge=0)
-    last_checkpoint: str | None = None
+    # checkpoints: written by the node whose run dir holds them (a single-node run's, a
+    # multi-node run's node 0: `checkpoint_node`); None in every other node's run-state
+    last_step: int | None = Field(default=None, ge=0)  # the newest checkpoint's step
+    last_checkpoint: str | None = None  # its path, on the node that wrote it
     checkpoint_error: str | None = None
     # how it stopped
     stop_signal: str | None = None
@@ -62,12 +63,17 @@ class RunState(BaseModel):
     lost_steps: int = Field(default=0, ge=0)
     last_error: str | None = None
     # multi-node runs: every node's first local rank writes its own node's RUN/run-state.json
-    # (node 0's is the run's, with everything above); absent on a single-node run
+    # (node 0's is the run's, with everything above); absent on a single-node run. Ranks are
+    # torchrun's global ranks (RANK, what its logs and failure reports name): in an M:N run
+    # (`topology.targets = "shared"`) they count target processes too, not only drafters.
     node_rank: int | None = Field(default=None, ge=0)
     nnodes: int | None = Field(default=None, ge=1)
     rank_range: list[int] | None = None  # [first, last + 1) global ranks on this node
     step: int | None = Field(default=None, ge=0)  # optimizer steps this node has completed
-    failed_rank: int | None = Field(default=None, ge=0)  # global rank that failed first, if known
+    # the global rank (as in rank_range) that failed first, if known: the first process that
+    # failed by itself publishes it, its peers read it; None when it was killed outright
+    failed_rank: int | None = Field(default=None, ge=0)
+    checkpoint_node: int | None = Field(default=None, ge=0)  # whose run dir has the checkpoints
     # held-out evaluation
     holdout_rows: int | None = Field(default=None, ge=0)
     holdout_sha256: str | None = None
@@ -78,6 +84,13 @@ class RunState(BaseModel):
     best_step: int | None = Field(default=None, ge=0)
     best_tau: float | None = None
     best_checkpoint: str | None = None
+
+    @property
+    def checkpoints_elsewhere(self) -> int | None:
+        """The node holding this run's checkpoints when it is not this one (another node of a
+        multi-node run: its own checkpoint keys are None), else None."""
+        node, writer = self.node_rank, self.checkpoint_node
+        return writer if node is not None and writer is not None and node != writer else None
 
     @property
     def ended(self) -> bool:

@@ -11,17 +11,17 @@ the receiver's own tensor. So the transient memory beyond the state itself is on
 (256 MiB), not a second pickled copy of a multi-GB drafter + optimizer state; at real widths
 that is a few hundred collectives. Under NCCL the buckets travel through the drafter's device.
 
-Failure: the first rank that fails by itself (not because a peer went away) publishes its
-global rank under one key of torchrun's rendezvous store (first writer wins); a rank whose
-collective failed because a peer died reads it, waiting a moment for the failed rank to write
-it. A rank that was killed outright writes nothing: then `failed_rank` stays unknown (None) and
-its own node's torchrun agent is the one that knows.
+Failure: the first process that fails by itself (not because a peer went away) publishes its
+torchrun global rank (`World.process`, RANK: in an M:N run target processes are numbered too,
+and a drafter's is not its drafter rank) under one key of torchrun's rendezvous store (first
+writer wins); a rank whose collective failed because a peer died reads it, waiting a moment for
+the failed one to write it. A process that was killed outright writes nothing: then
+`failed_rank` stays unknown (None) and its own node's torchrun agent is the one that knows.
 """
 
 from __future__ import annotations
 
 import copy
-import os
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -29,10 +29,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-# the class torch.distributed re-exports, from where its stubs declare it
-from torch._C._distributed_c10d import TCPStore
-
-from trainer.pipeline.distributed import World
+from trainer.pipeline.distributed import LaunchStoreError, World, launch_store
 
 BUCKET_BYTES = 256 * 2**20
 _ALIGN = 64
@@ -208,17 +205,6 @@ def share_state(
     return got, fill_tensors(skeleton, full)
 
 
-def _store(timeout_s: float) -> TCPStore | None:
-    """A client of the launcher's rendezvous store (torchrun hosts it at MASTER_ADDR/PORT)."""
-    addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
-    if not addr or not port:
-        return None
-    try:
-        return TCPStore(addr, int(port), is_master=False, timeout=timedelta(seconds=timeout_s))
-    except (RuntimeError, ValueError):
-        return None
-
-
 def peer_failure(exc: BaseException) -> bool:
     """The exception is a collective that failed because another rank went away."""
     if isinstance(exc, dist.DistError):
@@ -235,15 +221,26 @@ def first_failed_rank(exc: BaseException | None, world: World, wait_s: float = 3
     collective failed because that peer died, None when unknown (a peer killed outright)."""
     if not world.distributed:
         return None
-    own = exc is not None and not peer_failure(exc)
-    store = _store(wait_s)
-    if store is None:
-        return world.rank if own else None
+    if exc is not None and not peer_failure(exc):
+        return publish_failure(world.process, wait_s)
+    return published_failure(wait_s)
+
+
+def publish_failure(rank: int, wait_s: float = 3.0) -> int:
+    """This process (torchrun global rank `rank`) failed by itself: publish it unless another
+    rank did first; returns the first published rank (`rank` when the store is unreachable)."""
     try:
-        if own:
-            got = store.compare_set(FAILED_KEY, "", str(world.rank))
-            return int(got) if got else world.rank
+        got = launch_store(timedelta(seconds=wait_s)).compare_set(FAILED_KEY, "", str(rank))
+        return int(got) if got else rank
+    except (LaunchStoreError, RuntimeError, ValueError):  # no store: only this rank is known
+        return rank
+
+
+def published_failure(wait_s: float = 3.0) -> int | None:
+    """The rank another process published within `wait_s` (None: none did, or no store)."""
+    try:
+        store = launch_store(timedelta(seconds=wait_s))
         store.wait([FAILED_KEY], timedelta(seconds=wait_s))
         return int(store.get(FAILED_KEY))
-    except (RuntimeError, ValueError):  # nobody published within wait_s, or no store
-        return world.rank if own else None
+    except (LaunchStoreError, RuntimeError, ValueError):  # nobody published within wait_s
+        return None

@@ -78,7 +78,9 @@ class World:
     local_size: int = 1
     device: str = "cpu"  # this rank's drafter device (bound by init_world on CUDA)
     layout: Layout | None = None  # M:N: target ranks serve this one (topology.targets)
-    process: int = 0  # this process's rank in the whole launch (M:N: drafters and targets)
+    # this process's rank in the whole launch, torchrun's RANK (what its logs and an operator
+    # see); M:N: counts drafters and targets, so it differs from `rank`
+    process: int = 0
 
     @property
     def is_main(self) -> bool:
@@ -147,12 +149,14 @@ def init_world(topology: TopologyConfig) -> World | TargetRank:
         if torch.device(device).type == "cuda" and torch.cuda.is_available():
             bind_thread(device)  # the main thread builds the parts
         return World(device=device)
+    rank = int(os.environ["RANK"])
     world = World(
-        rank=int(os.environ["RANK"]),
+        rank=rank,
         size=size,
         local_rank=local_rank,
         local_size=int(os.environ.get("LOCAL_WORLD_SIZE", str(size))),
         device=device,
+        process=rank,  # every process trains: the drafter rank is torchrun's
     )
     _init_group(world)
     return world
@@ -172,15 +176,41 @@ def _init_group(world: World, store: Store | None = None) -> None:
     dist.init_process_group("nccl", timeout=timeout, device_id=cuda, store=store, **ranks)
 
 
-def launch_store() -> Store:
-    """A client of torchrun's rendezvous store (MASTER_ADDR/MASTER_PORT), for groups that are
-    not the launch's whole world."""
-    return TCPStore(
-        os.environ["MASTER_ADDR"],
-        int(os.environ["MASTER_PORT"]),
-        is_master=False,
-        timeout=timedelta(minutes=10),
-    )
+STORE_TIMEOUT = timedelta(minutes=10)
+"""How long a launch-store client waits to connect, and for each operation, by default."""
+
+
+class LaunchStoreError(UserError):
+    """torchrun's store cannot be reached (or this process was not launched by torchrun)."""
+
+
+def launch_store(timeout: timedelta = STORE_TIMEOUT) -> TCPStore:
+    """A client of the launcher's rendezvous store (torchrun hosts it at MASTER_ADDR:MASTER_PORT),
+    the one way this package opens it: for process groups that are not the launch's whole world,
+    the M:N control keys, and who failed first. `timeout` bounds the connect and each operation.
+
+    Not launched by torchrun (no MASTER_ADDR/MASTER_PORT), or the store unreachable within
+    `timeout`: `LaunchStoreError`, one line naming MASTER_ADDR:MASTER_PORT. A caller that can do
+    without the store catches it."""
+    addr, port = os.environ.get("MASTER_ADDR", ""), os.environ.get("MASTER_PORT", "")
+    if not addr or not port:
+        raise LaunchStoreError(
+            "torchrun's store: MASTER_ADDR/MASTER_PORT are not set (not launched by torchrun)"
+        )
+    where = f"MASTER_ADDR:MASTER_PORT = {addr}:{port}"
+    try:
+        number = int(port)
+    except ValueError:
+        raise LaunchStoreError(f"torchrun's store at {where}: the port is not a number") from None
+    try:
+        return TCPStore(addr, number, is_master=False, timeout=timeout)
+    except (RuntimeError, ValueError) as exc:  # DistNetworkError / DistStoreError: RuntimeErrors
+        reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise LaunchStoreError(
+            f"torchrun's store at {where} is unreachable within {timeout.total_seconds():g} s: "
+            f"{reason}",
+            hint="its torchrun is gone, or this node cannot reach MASTER_ADDR",
+        ) from None
 
 
 def _init_shared(topology: TopologyConfig) -> World | TargetRank:

@@ -356,7 +356,12 @@ class RunStateFile:
 
 
 # Node-level keys: written only on a multi-node run (a single-node run-state is unchanged).
-NODE_ONLY = frozenset({"node_rank", "nnodes", "rank_range", "step", "failed_rank"})
+NODE_ONLY = frozenset(
+    {"node_rank", "nnodes", "rank_range", "step", "failed_rank", "checkpoint_node"}
+)
+# What only the node that writes checkpoints can say (its run dir's paths, its newest step):
+# always None in another node's run-state, whatever its own run dir holds.
+WRITER_ONLY = frozenset({"last_step", "last_checkpoint", "checkpoint_error", "best_checkpoint"})
 
 
 @dataclass(frozen=True)
@@ -366,11 +371,17 @@ class NodeInfo:
     torchrun (2.13, `LocalElasticAgent`) exports GROUP_RANK = the agent's rank = the node's
     index (`--node-rank` under the static rendezvous) and GROUP_WORLD_SIZE = the number of
     agents (`--nnodes`); a node's ranks are the contiguous global ranks RANK - LOCAL_RANK ..
-    + LOCAL_WORLD_SIZE. ROLE_RANK is a worker's rank within its role (the global rank here)."""
+    + LOCAL_WORLD_SIZE. ROLE_RANK is a worker's rank within its role (the global rank here).
+    Global rank 0, the one process that writes checkpoints, is on node 0 (GROUP_RANK 0)."""
 
     node_rank: int
     nnodes: int
     rank_range: tuple[int, int]  # [first, last + 1) global ranks on this node
+    checkpoint_node: int = 0  # the node whose run dir holds the run's checkpoints
+
+    @property
+    def writes_checkpoints(self) -> bool:
+        return self.node_rank == self.checkpoint_node
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None) -> NodeInfo | None:
@@ -388,6 +399,7 @@ class NodeInfo:
             "node_rank": self.node_rank,
             "nnodes": self.nnodes,
             "rank_range": list(self.rank_range),
+            "checkpoint_node": self.checkpoint_node,
         }
 
 
@@ -396,7 +408,10 @@ class RunRecord:
     0 on a single node), and a corrupted file or a failed write is one ERROR line (training goes
     on). On a multi-node run (`node` set) every update carries the node's place, and `progress`
     and each status interval's `heal` write the node's step; without `node` the node-level
-    keys are dropped, so a single-node run-state is what it always was."""
+    keys are dropped, so a single-node run-state is what it always was. A node that does not
+    write checkpoints records the `WRITER_ONLY` keys as None (`checkpoint_node` says where
+    they are): its own run dir's checkpoints are not the run's, and it never learns the
+    writer's paths."""
 
     def __init__(
         self,
@@ -414,9 +429,13 @@ class RunRecord:
             return
         if self.node is None:
             fields = {k: v for k, v in fields.items() if k not in NODE_ONLY}
-        elif not self._placed:
-            fields = {**self.node.fields(), **fields}
-            self._placed = True
+        else:
+            if not self.node.writes_checkpoints:
+                fields = {k: None if k in WRITER_ONLY else v for k, v in fields.items()}
+            if not self._placed:
+                clear = {} if self.node.writes_checkpoints else dict.fromkeys(WRITER_ONLY)
+                fields = {**self.node.fields(), **clear, **fields}
+                self._placed = True
         for problem in self.file.update(**fields):
             self.reporter.error(problem)
 

@@ -13,7 +13,9 @@ is a pure function of the seed and its rank), so shapes are known before anythin
 Control goes through torchrun's rendezvous store: drafter 0 publishes where the plan starts
 and ends (after resume) and, when training is over, that the targets may go (a gloo wait
 cannot be interrupted or time out without closing the connection, so nothing blocks on it for
-long). Target ranks ignore SIGINT/SIGTERM: the drafters decide when the run stops.
+long). Target ranks ignore SIGINT/SIGTERM: the drafters decide when the run stops. A target
+that fails by itself publishes its torchrun rank as the run's first failure
+(`checkpoint_sync.publish_failure`), as a drafter does.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from torch import Tensor
 from torch._C._distributed_c10d import Backend, PrefixStore, Store
 
 from trainer.config import TrainConfig
-from trainer.pipeline import assets, distributed
+from trainer.pipeline import assets, checkpoint_sync, distributed
 from trainer.pipeline.channels import ReorderBuffer, Stopped, WaitClock, get
 from trainer.pipeline.collate import HostBatch, collate_batch
 from trainer.pipeline.faults import FaultPlan
@@ -177,6 +179,10 @@ def serve(cfg: TrainConfig, rank: distributed.TargetRank) -> int:
     watcher.start()
     try:
         _capture_all(cfg, rank, links, start, end)
+    except Exception as exc:
+        if not checkpoint_sync.peer_failure(exc):  # the drafters' failed_rank names this one
+            checkpoint_sync.publish_failure(rank.process)
+        raise
     finally:
         served.set()
         watcher.join()
