@@ -152,14 +152,18 @@ def row_anchors(batch: Batch, anchors: np.ndarray) -> tuple[int, ...]:
 
 def unpacked_shape(batch: Batch, anchors: np.ndarray, lengths: np.ndarray) -> BatchShape:
     """A packed batch as the SDPA drafter step runs it (`trainer.model.documents`): each
-    document with an anchor a row of its own, padded to the longest such document, rows in
-    packet order; a batch without any anchor stays packed (the step's empty path)."""
+    document with an anchor a row of its own, padded to the longest such document, longest
+    first (ties in packet order); a batch without any anchor stays packed (the step's empty
+    path). The step attends the rows in groups over narrower contexts: at most this shape's
+    attention memory."""
     per_doc = anchors[batch.indices]
     used = per_doc > 0
     if not used.any():
         return BatchShape(batch.max_len, row_anchors(batch, anchors))
-    seq = int(lengths[batch.indices][used].max())
-    return BatchShape(seq, tuple(per_doc[used].tolist()), (batch.num_rows, batch.max_len))
+    doc_lengths = lengths[batch.indices][used]
+    order = np.argsort(-doc_lengths, kind="stable")  # longest first, ties in packet order
+    seq = int(doc_lengths.max())
+    return BatchShape(seq, tuple(per_doc[used][order].tolist()), (batch.num_rows, batch.max_len))
 
 
 def step_unpacks(cfg: TrainConfig) -> bool:

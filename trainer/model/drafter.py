@@ -27,6 +27,10 @@ from trainer.model.layers import RMSNorm, Rotary, SwiGLU, apply_rotary
 
 DEFAULT_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}
 
+ContextGroups = list[tuple[slice, Tensor]]
+"""Per attention group of unpacked documents: its rows and their context's flat positions in
+the packed rows ([rows, width]); see `trainer.model.documents.ContextRows`."""
+
 
 class DrafterConfig(BaseModel):
     """Shape of a drafter and the two facts that tie it to its target (layer ids, mask id)."""
@@ -151,21 +155,13 @@ class DrafterAttention(nn.Module):
         v = self.v_proj(x).view(b, t, self.num_kv_heads, d).transpose(1, 2)
         return apply_rotary(k, *rope), v
 
-    def _gathered_kv(
-        self, x: Tensor, rope: tuple[Tensor, Tensor], index: Tensor
-    ) -> tuple[Tensor, Tensor]:
-        """`_kv` of packed rows x [R, S, H], then gathered into the rows `index` [D, L] names
-        (flat positions of x): [D, Hkv, L, d]. The same values as `_kv` of the gathered x
-        (every op before the gather is per position), at the packed rows' cost."""
+    def _packed_kv(self, x: Tensor, rope: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor]:
+        """`_kv` of packed rows x [R, S, H] in [R * S, Hkv, d] layout, ready to gather."""
         b, t, d, h = x.shape[0], x.shape[1], self.head_dim, self.num_kv_heads
         cos, sin = (r.transpose(1, 2) for r in rope)  # [R, S, 1, d]: per position, any head
         k = apply_rotary(self.k_norm(self.k_proj(x).view(b, t, h, d)), cos, sin)
         v = self.v_proj(x).view(b, t, h, d)
-        flat = index.flatten()
-        rows, width = index.shape
-        k = k.flatten(0, 1).index_select(0, flat).view(rows, width, h, d).transpose(1, 2)
-        v = v.flatten(0, 1).index_select(0, flat).view(rows, width, h, d).transpose(1, 2)
-        return k, v
+        return k.flatten(0, 1), v.flatten(0, 1)
 
     def forward(
         self,
@@ -175,27 +171,41 @@ class DrafterAttention(nn.Module):
         rope_ctx: tuple[Tensor, Tensor],
         mask: AttnMask,
         past: tuple[Tensor, Tensor] | None = None,
-        context_index: Tensor | None = None,
+        context_groups: ContextGroups | None = None,
     ) -> tuple[Tensor, tuple[Tensor, Tensor]]:
         """Attention output and the context K/V (past + new) for the drafter cache.
 
         Context and block go through the same k/v projections; the block's own keys sit at
-        the queries' positions, so they share `rope_q`. `context_index` [B, L]: `context` is
-        packed rows, and row b's context is their flat positions `context_index[b]`.
+        the queries' positions, so they share `rope_q`. `context_groups`: `context` is packed
+        rows; each group of rows gathers its context K/V from them and attends on its own,
+        with its own mask (`mask` is then the groups' masks, in order); the K/V returned are
+        then the packed rows'.
         """
         b, q_len, d = u.shape[0], u.shape[1], self.head_dim
         q = self.q_norm(self.q_proj(u).view(b, q_len, self.num_heads, d)).transpose(1, 2)
         q = apply_rotary(q, *rope_q)
-        if context_index is None:
-            k_ctx, v_ctx = self._kv(context, rope_ctx)
-        else:
-            k_ctx, v_ctx = self._gathered_kv(context, rope_ctx, context_index)
+        k_blk, v_blk = self._kv(u, rope_q)
+        scale = self.head_dim**-0.5
+        if context_groups is not None:
+            assert isinstance(mask, tuple) and past is None
+            k_packed, v_packed = self._packed_kv(context, rope_ctx)
+            outs = []
+            for (rows, index), group_mask in zip(context_groups, mask, strict=True):
+                n, width = index.shape
+                flat = index.flatten()
+                k_g = k_packed.index_select(0, flat).view(n, width, *k_packed.shape[1:])
+                v_g = v_packed.index_select(0, flat).view(n, width, *v_packed.shape[1:])
+                k = torch.cat([k_g.transpose(1, 2), k_blk[rows]], dim=2)
+                v = torch.cat([v_g.transpose(1, 2), v_blk[rows]], dim=2)
+                outs.append(attend(q[rows], k, v, group_mask, scale=scale))
+            out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)
+            return self.o_proj(out.transpose(1, 2).flatten(2)), (k_packed, v_packed)
+        k_ctx, v_ctx = self._kv(context, rope_ctx)
         if past is not None:
             k_ctx, v_ctx = torch.cat([past[0], k_ctx], dim=2), torch.cat([past[1], v_ctx], dim=2)
-        k_blk, v_blk = self._kv(u, rope_q)
         k = torch.cat([k_ctx, k_blk], dim=2)
         v = torch.cat([v_ctx, v_blk], dim=2)
-        out = attend(q, k, v, mask, scale=self.head_dim**-0.5)
+        out = attend(q, k, v, mask, scale=scale)
         return self.o_proj(out.transpose(1, 2).flatten(2)), (k_ctx, v_ctx)
 
 
@@ -217,10 +227,10 @@ class DrafterLayer(nn.Module):
         rope_ctx: tuple[Tensor, Tensor],
         mask: AttnMask,
         past: tuple[Tensor, Tensor] | None = None,
-        context_index: Tensor | None = None,
+        context_groups: ContextGroups | None = None,
     ) -> tuple[Tensor, tuple[Tensor, Tensor]]:
         attn, kv = self.self_attn(
-            self.input_layernorm(z), context, rope_q, rope_ctx, mask, past, context_index
+            self.input_layernorm(z), context, rope_q, rope_ctx, mask, past, context_groups
         )
         z = z + attn
         return z + self.mlp(self.post_attention_layernorm(z)), kv
@@ -346,7 +356,8 @@ class DFlashDrafter(nn.Module):
                 attends to everything cached. The block's own K/V are never cached.
             context_rows: training on unpacked documents of packed rows
                 (`trainer.model.documents`): row b's context is the packed positions
-                `context_rows.index[b]`, projected on the packed rows and gathered per layer.
+                `context_rows.index[b]`, projected on the packed rows and gathered per layer,
+                each of its groups attended apart; `mask` is then the groups' masks.
 
         Returns:
             [B, Q, H]; feed to `logits` or to the fused LM-head CE with `lm_head.weight`.
@@ -356,11 +367,12 @@ class DFlashDrafter(nn.Module):
         start = 0 if cache is None else cache.length
         if cache is not None and mask is not None:
             raise ValueError("the drafter cache is for unmasked inference drafting only")
-        index = None
+        groups: ContextGroups | None = None
         if context_rows is not None:
             if cache is not None or context_positions is not None:
                 raise ValueError("context_rows carries the packed rows' positions; no cache")
             index = context_rows.index.to(features.device)
+            groups = [(rows, index[rows, :width]) for rows, width in context_rows.spans()]
             context_positions = context_rows.positions.to(features.device)
         if context_positions is None:
             context_positions = torch.arange(
@@ -376,10 +388,10 @@ class DFlashDrafter(nn.Module):
 
                 # Keep only the layer's inputs; backward re-runs its forward (autocast included).
                 z, kv = checkpoint(
-                    layer, z, context, rope_q, rope_ctx, mask, past, index, use_reentrant=False
+                    layer, z, context, rope_q, rope_ctx, mask, past, groups, use_reentrant=False
                 )
             else:
-                z, kv = layer(z, context, rope_q, rope_ctx, mask, past, index)
+                z, kv = layer(z, context, rope_q, rope_ctx, mask, past, groups)
             new_kv.append(kv)
         if cache is not None:
             cache.layers = new_kv

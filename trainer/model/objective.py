@@ -166,7 +166,14 @@ def dflash_objective(
         first = context_pos.gather(1, positions)  # the anchor's position in its document
         context_start = positions - first
     block_pos = (first[:, :, None] + torch.arange(bsz, device=device)).flatten(1)
-    mask = build_mask(positions, attention_mask.to(device), bsz, attn_backend, context_start)
+    if context_rows is None:
+        mask = build_mask(positions, attention_mask.to(device), bsz, attn_backend, context_start)
+    else:  # one mask per attention group, over the group's context width
+        valid_ctx = attention_mask.to(device)
+        mask = tuple(
+            build_mask(positions[rows], valid_ctx[rows, :width], bsz, attn_backend)
+            for rows, width in context_rows.spans()
+        )
     out = drafter(  # [R, N*B, H]
         hidden, block_ids, block_pos, mask, context_positions=context_pos, context_rows=context_rows
     )

@@ -124,9 +124,9 @@ def bounded_objective_backward(
         if unpack is None:
             unpack = resolve_backend(attn_backend, hidden.device) == "sdpa"
         if position_ids is not None and unpack:
-            u = unpack_documents(input_ids, loss_mask, attention_mask, position_ids, anchors)
+            u = unpack_documents(input_ids, loss_mask, attention_mask, position_ids, anchors, bsz)
             input_ids, loss_mask, attention_mask = u.input_ids, u.loss_mask, u.attention_mask
-            context_rows = ContextRows(u.index, position_ids)
+            context_rows = ContextRows(u.index, position_ids, u.groups)
             anchors, position_ids, host_masks = u.anchors, None, None
         pieces = split_pieces(anchors, bsz, max_query_rows)
     total: StepResult | None = None
