@@ -535,6 +535,28 @@ def pipeline_config(root: Path, smoke: bool, steps: int) -> dict[str, Any]:
     return merge(raw, over)
 
 
+def pipeline_run(ctx: Ctx, root: Path, steps: int) -> tuple[Path, dict[str, str]]:
+    """The pipeline steps' shared set-up in `root`: `pipeline_config` written to run.toml, its
+    store and target built (one `assets` record with the seconds), and the environment a
+    `python -m trainer...` child runs under (no DFLASH_ test knobs, unbuffered, this tree and
+    gpu.sh's carried wheels on PYTHONPATH). Returns (config path, env)."""
+    from trainer.config import TrainConfig
+    from trainer.pipeline import assets
+
+    raw = pipeline_config(root, ctx.smoke, steps)
+    config = root / "run.toml"
+    config.write_text(dump_toml(raw))
+    t0 = time.monotonic()
+    cfg = TrainConfig.from_dict(raw)
+    assets.ensure_store(cfg)
+    assets.ensure_target(cfg)
+    ctx.rec("assets", seconds=round(time.monotonic() - t0, 1))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DFLASH_")}
+    paths = [str(REPO), os.environ.get("PYTHONPATH", "")]
+    env.update(PYTHONUNBUFFERED="1", PYTHONPATH=os.pathsep.join(p for p in paths if p))
+    return config, env
+
+
 def _losses(run_dir: Path) -> dict[int, float | None]:
     out: dict[int, float | None] = {}
     for line in (run_dir / "metrics.jsonl").read_text().splitlines():
@@ -546,24 +568,12 @@ def _losses(run_dir: Path) -> dict[int, float | None]:
 def step_pipeline(ctx: Ctx) -> dict[str, Any]:
     import torch
 
-    from trainer.config import TrainConfig
-    from trainer.pipeline import assets
     from trainer.pipeline.checkpoint import list_checkpoints, load_checkpoint
 
     steps = 6 if ctx.smoke else 24
     with tempfile.TemporaryDirectory(prefix="gpu-sh-pipeline-") as tmp:
         root = Path(tmp)
-        raw = pipeline_config(root, ctx.smoke, steps)
-        config = root / "run.toml"
-        config.write_text(dump_toml(raw))
-        t0 = time.monotonic()
-        cfg = TrainConfig.from_dict(raw)
-        assets.ensure_store(cfg)
-        assets.ensure_target(cfg)
-        ctx.rec("assets", seconds=round(time.monotonic() - t0, 1))
-        env = {k: v for k, v in os.environ.items() if not k.startswith("DFLASH_")}
-        paths = [str(REPO), os.environ.get("PYTHONPATH", "")]  # gpu.sh's carried wheels too
-        env.update(PYTHONUNBUFFERED="1", PYTHONPATH=os.pathsep.join(p for p in paths if p))
+        config, env = pipeline_run(ctx, root, steps)
 
         def trainer(run: str, *args: str) -> float:
             t = time.monotonic()
@@ -774,23 +784,10 @@ def step_measure(ctx: Ctx) -> dict[str, Any]:
     every stage on cuda:0, bf16): every strategy through the real trainer, interleaved over two
     rounds; one record per strategy and the fitted step-cost model. Its per-run progress lines
     stream into gpu.log, so a run cut off by the box still shows the rounds it finished."""
-    from trainer.config import TrainConfig
-    from trainer.pipeline import assets
-
     steps, warmup, rounds = (3, 1, 1) if ctx.smoke else (20, 5, 2)
     with tempfile.TemporaryDirectory(prefix="gpu-sh-measure-") as tmp:
         root = Path(tmp)
-        raw = pipeline_config(root, ctx.smoke, warmup + steps)
-        config = root / "run.toml"
-        config.write_text(dump_toml(raw))
-        t0 = time.monotonic()
-        cfg = TrainConfig.from_dict(raw)
-        assets.ensure_store(cfg)
-        assets.ensure_target(cfg)
-        ctx.rec("assets", seconds=round(time.monotonic() - t0, 1))
-        env = {k: v for k, v in os.environ.items() if not k.startswith("DFLASH_")}
-        paths = [str(REPO), os.environ.get("PYTHONPATH", "")]
-        env.update(PYTHONUNBUFFERED="1", PYTHONPATH=os.pathsep.join(p for p in paths if p))
+        config, env = pipeline_run(ctx, root, warmup + steps)
         cal = root / "calibration.json"
         argv = [sys.executable, "-m", "trainer.measure", "--config", str(config), "--json"]
         argv += ["--steps", str(steps), "--warmup", str(warmup), "--rounds", str(rounds)]
