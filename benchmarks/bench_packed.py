@@ -11,7 +11,11 @@ interleaved within each round, the median round kept. Prints, per strategy and s
 microseconds per real token, and the first strategy's cost over each one's (the ratio of
 tokens per CPU-second, as `trainer.measure --clock cpu` reports it for the whole trainer).
 `packed:rows` runs the drafter on the packed rows themselves (`unpack=False`); `packed` runs it
-as the trainer does on CPU (each document unpacked into a row of its own).
+as the trainer does on CPU (each document unpacked into a row of its own). `packed:mask` captures
+through transformers' block-diagonal mask (`TargetModel.document_attention = False`) instead of
+the grouped per-document attention (`trainer.model.target_attention`, on for CPU targets);
+`packed:gN` caps its document groups at N (`--max-groups N` for every strategy); suffixes
+combine (`packed:rows:mask`). `--capture-only` skips the drafter.
 """
 
 from __future__ import annotations
@@ -54,8 +58,13 @@ def main() -> None:
     ap.add_argument(
         "--strategies",
         default="sorted,packed,packed:rows",
-        help="packed:rows = the drafter on the packed rows (unpack=False)",
+        help="packed:rows = the drafter on the packed rows (unpack=False); "
+        "packed:mask = capture through transformers' mask (no grouped document attention)",
     )
+    ap.add_argument(
+        "--capture-only", action="store_true", help="time target.capture alone (no drafter)"
+    )
+    ap.add_argument("--max-groups", type=int, default=None, help="document groups per capture")
     ap.add_argument("--set", action="append", default=[], dest="sets")
     args = ap.parse_args()
     torch.set_num_threads(1)
@@ -70,6 +79,12 @@ def main() -> None:
         cfg._source = args.config.resolve()
         parts, hosts = _batches(cfg, args.batches, tmp / name)
         target = TargetModel.load(parts.target_dir, parts.layer_ids, "cpu")
+        flags = name.split(":")[1:]
+        if "mask" in flags:
+            target.document_attention = False
+        groups = [int(f[1:]) for f in flags if f[:1] == "g" and f[1:].isdigit()]
+        if groups or args.max_groups is not None:
+            target.document_groups = groups[0] if groups else args.max_groups
         runs[name] = (parts, hosts, target)
     times: dict[str, dict[str, list[float]]] = {n: {"capture": [], "drafter": []} for n in runs}
     for r in range(args.rounds):
@@ -81,6 +96,9 @@ def main() -> None:
                 t0 = time.process_time()
                 hidden = target.capture(h.input_ids, h.attention_mask, position_ids=h.position_ids)
                 t1 = time.process_time()
+                if args.capture_only:
+                    cap += t1 - t0
+                    continue
                 bounded_objective_backward(
                     parts.drafter,
                     h.input_ids,
@@ -93,7 +111,7 @@ def main() -> None:
                     noise=m.noise,
                     generator=gen,
                     position_ids=h.position_ids,
-                    unpack=not name.endswith(":rows"),
+                    unpack="rows" not in name.split(":")[1:],
                 )
                 t2 = time.process_time()
                 parts.drafter.zero_grad(set_to_none=True)
@@ -101,6 +119,7 @@ def main() -> None:
                 dr += t2 - t1
             times[name]["capture"].append(cap)
             times[name]["drafter"].append(dr)
+    spread = {n: (min(t["capture"]), max(t["capture"])) for n, t in times.items()}
     base = None
     print(
         f"{'strategy':10} {'tokens':>7} {'rows':>5} {'width':>5} | "
@@ -115,8 +134,13 @@ def main() -> None:
         base = base or (c, d, c + d)
         print(
             f"{name:10} {tok:7d} {rows:5.1f} {width:5.0f} | {c:14.2f} {d:14.2f} {c + d:12.2f} |"
-            f" cap {base[0] / c:.2f} dr {base[1] / d:.2f} all {base[2] / (c + d):.2f}"
+            f" cap {base[0] / c:.2f} dr {_ratio(base[1], d)} all {base[2] / (c + d):.2f}"
+            f" | capture rounds {spread[name][0] / tok * 1e6:.2f}-{spread[name][1] / tok * 1e6:.2f}"
         )
+
+
+def _ratio(first: float, this: float) -> str:
+    return f"{first / this:.2f}" if this > 0 else "-"
 
 
 if __name__ == "__main__":

@@ -22,6 +22,7 @@ from torch import Tensor, nn
 from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache, PreTrainedModel
 
 from trainer.errors import TrainerError
+from trainer.model import target_attention
 
 
 class TargetError(TrainerError, ValueError):
@@ -112,6 +113,13 @@ def _own_module(model: nn.Module, module: object, kind: type[_M], what: str) -> 
     return module
 
 
+def _full_attention_only(config: object) -> bool:
+    """Every layer is full (not sliding-window) attention, as the grouped document attention
+    assumes; a config without `layer_types` does not say, so it is not assumed."""
+    types = getattr(config, "layer_types", None)
+    return isinstance(types, list) and all(t == "full_attention" for t in types)
+
+
 class TargetModel:
     """A frozen causal LM plus forward hooks on the decoder layers in `layer_ids`.
 
@@ -138,6 +146,12 @@ class TargetModel:
         self._cache_kw = cache_keyword(model)
         self._captured: dict[int, Tensor] | None = None
         self._stop_after: int | None = None
+        self.document_attention = self.device.type == "cpu" and _full_attention_only(model.config)
+        """Packed captures (`position_ids`) attend per document in length groups
+        (`target_attention`) instead of transformers' block-diagonal mask: on for CPU targets
+        whose every layer is full attention; off keeps transformers' packed path."""
+        self.document_groups = target_attention.DEFAULT_MAX_GROUPS
+        """At most this many length groups of documents per packed capture."""
         for i in self.layer_ids:
             self.layers[i].register_forward_hook(self._make_hook(i))
 
@@ -280,8 +294,34 @@ class TargetModel:
                             f"position_ids {tuple(position_ids.shape)} do not match input_ids "
                             f"{tuple(input_ids.shape)}"
                         )
-                    self.decoder(input_ids=input_ids, position_ids=position_ids, use_cache=False)
+                    if self.document_attention:
+                        self._documents_forward(input_ids, position_ids)
+                    else:
+                        self.decoder(
+                            input_ids=input_ids, position_ids=position_ids, use_cache=False
+                        )
             return self._concat(captured)
+
+    def _documents_forward(self, input_ids: Tensor, position_ids: Tensor) -> None:
+        """The decoder on packed rows with `target_attention`'s grouped per-document attention:
+        the layout is computed once here, the masks are skipped (a prepared mask mapping of
+        None, which every decoder takes as is) and the attention implementation is switched
+        for this call only (not thread-safe on one model: a TargetModel serves one thread)."""
+        layout = target_attention.document_layout(position_ids, max_groups=self.document_groups)
+        layout = target_attention.layout_to(layout, input_ids.device)
+        config = self.model.config
+        before = config._attn_implementation
+        config._attn_implementation = target_attention.ATTENTION_NAME
+        try:
+            self.decoder(
+                input_ids=input_ids,
+                attention_mask={"full_attention": None},
+                position_ids=position_ids,
+                use_cache=False,
+                **{target_attention.LAYOUT_KWARG: layout},
+            )
+        finally:
+            config._attn_implementation = before
 
     @torch.no_grad()
     def forward_with_capture(
