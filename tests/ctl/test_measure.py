@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -442,6 +443,41 @@ def test_measure_over_ssh_follows_detaches_refuses_and_prints_the_table(
     rows = [ln.split()[0] for ln in out.splitlines()[2:4]]
     assert rows == ["sorted", "packed"], out
     assert len(list((clean_workdir / "measure").iterdir())) == 3  # one refused there, two measured
+
+    # --stop ends a measure and the trainer run under it (seen in the container's own processes)
+    def trainers() -> list[str]:
+        got = subprocess.run(
+            [
+                "lxc-attach",
+                "-n",
+                real_parts.container.name,
+                "--",
+                "pgrep",
+                "-a",
+                "-f",
+                "m trainer --config",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=False,
+        )
+        return [ln for ln in got.stdout.splitlines() if " -m trainer --config " in ln]
+
+    assert cli([*inv, "measure", "ct", *short, "--detach"], capsys)[0] == 0
+    end = time.monotonic() + 120
+    while not trainers():
+        assert time.monotonic() < end, "the measure never started a timing run"
+        time.sleep(0.5)
+    rc, out, err = cli([*inv, "measure", "ct", "--stop"], capsys)
+    assert rc == 0 and re.match(r"ct: measure \d{8}T\d{6}Z stopped \(it ran since ", out), out
+    end = time.monotonic() + 30
+    while trainers():
+        assert time.monotonic() < end, f"a timing run outlived its measure: {trainers()}"
+        time.sleep(0.5)
+    rc, out, err = cli([*inv, "measure", "ct", "--result"], capsys)
+    assert rc == ExitCode.FAILED and "was stopped (" in err and "before it finished" in err, err
+    assert cli([*inv, "measure", "ct", "--stop"], capsys)[1] == "ct: no measure is running\n"
 
 
 def test_measure_help_says_a_group_measures_on_node_0() -> None:
