@@ -874,9 +874,11 @@ async def cmd_measure(args: argparse.Namespace) -> int:
             if stopped is None:
                 print(f"{host.name}: no measure is running")
             else:
-                print(
-                    f"{host.name}: measure {stopped.measure_id} stopped (it ran {stopped.since()})"
-                )
+                from dflashctl.monitor import format_age
+
+                ran = stopped.age()
+                after = f" after {format_age(ran)}" if ran is not None else ""
+                print(f"{host.name}: measure {stopped.measure_id} stopped{after}")
             return ExitCode.OK
         if req is None:
             return await _measure_outcome(mc, await mc.state(), args, name, calibration)
@@ -937,7 +939,7 @@ async def _measure_outcome(
     if st.running:
         raise MeasureRunning(
             f"{host}: measure {st.measure_id} is still running ({st.since()}): "
-            f"{how_far(st, st.progress)}; `dflashctl measure {name} --result` again later, "
+            f"{how_far(st.progress)}; `dflashctl measure {name} --result` again later, "
             f"`--stop` ends it"
         )
     error = outcome_error(st, st.progress)

@@ -285,13 +285,17 @@ class MeasureState:
     def started(self) -> float | None:
         return measure_started(self.measure_id) if self.measure_id else None
 
-    def since(self) -> str:
-        """`2026-12-01 17:02:11 UTC, 3m10s ago`."""
+    def age(self) -> float | None:
+        """Seconds since it started, by the host's clock."""
         t = self.started
+        return None if t is None or self.now is None else max(0.0, self.now - t)
+
+    def since(self) -> str:
+        """`since 2026-12-01 17:02:11 UTC, 3m10s ago`."""
+        t, age = self.started, self.age()
         if t is None:
-            return "at an unknown time"
-        age = f", {format_age(max(0.0, self.now - t))} ago" if self.now is not None else ""
-        return f"since {iso_utc(t)}{age}"
+            return "since an unknown time"
+        return f"since {iso_utc(t)}" + (f", {format_age(age)} ago" if age is not None else "")
 
     @property
     def directory(self) -> str:
@@ -378,7 +382,7 @@ def outcome_error(st: MeasureState, progress: Sequence[str]) -> MeasureError | N
     return None
 
 
-def how_far(st: MeasureState, progress: Sequence[str]) -> str:
+def how_far(progress: Sequence[str]) -> str:
     """`round 1/2 packed: 12,003 tok/s (run 3 of 10)`, or that no timing run finished yet."""
     runs = [ln for ln in progress if ln.startswith("round ")]
     return "; ".join(runs[-PROGRESS_TAIL:]) if runs else "no timing run has finished yet"
@@ -545,6 +549,11 @@ class MeasureControl:
         """A finished measure's table (or its JSON, re-encoded: nothing in it reaches the
         terminal raw)."""
         d = st.directory
+        if not st.has_table:  # written last, after result.json
+            raise MeasureError(
+                f"{self.host.name}: measure {st.measure_id} finished but left no "
+                f"{d}/{MEASURE_TABLE} (a trainer.measure without --out?)"
+            )
         res = await self._run(read_file(f"{d}/{MEASURE_RESULT if as_json else MEASURE_TABLE}"))
         if not res.ok:
             raise MeasureError(f"{self.host.name}: measure {st.measure_id}: {res.error_line()}")

@@ -14,6 +14,7 @@ import asyncio
 import json
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -147,10 +148,8 @@ def test_outcomes_pass_the_measures_own_line_through_naming_the_host() -> None:
     err = outcome_error(failed, ["Traceback ...", "error: trainer run 0-a exited 1: ERROR: oom"])
     assert str(err) == "h: measure 20261201T170211Z failed: trainer run 0-a exited 1: ERROR: oom"
     assert error_line([], 137) == "exit status 137"
-    assert how_far(st, []) == "no timing run has finished yet"
-    assert (
-        how_far(st, [f"round 1/1 s{i}: 1 tok/s (run {i} of 5)" for i in range(5)]).count(";") == 2
-    )
+    assert how_far([]) == "no timing run has finished yet"
+    assert how_far([f"round 1/1 s{i}: 1 tok/s (run {i} of 5)" for i in range(5)]).count(";") == 2
 
 
 def test_a_calibration_file_that_cannot_be_written_is_refused_up_front(tmp_path: Path) -> None:
@@ -263,7 +262,7 @@ async def test_detached_then_busy_then_result_while_running_then_stopped(
     said = str(busy.value)
     assert said.startswith(f"loc: measure {started.measure_id} is already running (since ")
     assert "tmux session 't-measure'" in said and "dflashctl measure loc --result" in said
-    assert how_far(st, st.progress).endswith("(run 1 of 6)")
+    assert how_far(st.progress).endswith("(run 1 of 6)")
     stopped = await mc.stop()
     assert stopped is not None and stopped.measure_id == started.measure_id
     after = await mc.state()
@@ -464,13 +463,34 @@ def test_measure_over_ssh_follows_detaches_refuses_and_prints_the_table(
         )
         return [ln for ln in got.stdout.splitlines() if " -m trainer --config " in ln]
 
-    assert cli([*inv, "measure", "ct", *short, "--detach"], capsys)[0] == 0
-    end = time.monotonic() + 120
-    while not trainers():
-        assert time.monotonic() < end, "the measure never started a timing run"
-        time.sleep(0.5)
+    # a followed measure goes on when its client is interrupted (Ctrl-C), and says how to get it
+    client = subprocess.Popen(
+        [sys.executable, "-m", "dflashctl.cli", *inv, "measure", "ct", *short],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        end = time.monotonic() + 120
+        while not trainers():
+            assert client.poll() is None, client.communicate()
+            assert time.monotonic() < end, "the measure never started a timing run"
+            time.sleep(0.5)
+        client.send_signal(signal.SIGINT)
+        _, client_err = client.communicate(timeout=30)
+    finally:
+        if client.poll() is None:
+            client.kill()
+            client.wait()
+    assert client.returncode == ExitCode.INTERRUPTED, client_err
+    assert "goes on in tmux session 'dflash-test-measure'; `dflashctl measure ct --result`" in (
+        client_err
+    )
+    rc, out, err = cli([*inv, "measure", "ct", "--result"], capsys)
+    assert rc == ExitCode.FAILED and "is still running" in err, err
     rc, out, err = cli([*inv, "measure", "ct", "--stop"], capsys)
-    assert rc == 0 and re.match(r"ct: measure \d{8}T\d{6}Z stopped \(it ran since ", out), out
+    assert rc == 0 and re.match(r"ct: measure \d{8}T\d{6}Z stopped after \d", out), out
     end = time.monotonic() + 30
     while trainers():
         assert time.monotonic() < end, f"a timing run outlived its measure: {trainers()}"
