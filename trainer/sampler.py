@@ -44,8 +44,9 @@ import heapq
 import itertools
 import json
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 import numpy as np
 
@@ -532,29 +533,55 @@ class BatchSampler:
             )
 
 
+P = TypeVar("P")
+
+
+def _split_largest(
+    pieces: Sequence[P],
+    world_size: int,
+    size: Callable[[P], int],
+    halve: Callable[[P], tuple[P, P]],
+) -> tuple[list[P], int]:
+    """Halve the piece of the largest `size` (halves included) until the count is a multiple
+    of world_size or every piece has size 1; each tail lands right after its head. Returns the
+    pieces and the count still missing (0 unless every piece is down to size 1)."""
+    deficit = -len(pieces) % world_size
+    store = dict(enumerate(pieces))
+    after: dict[int, list[int]] = {}  # piece id -> the tails split off it, nearest first
+    heap = [(-size(p), i, i) for i, p in store.items()]
+    heapq.heapify(heap)
+    fresh = len(store)
+    while deficit and heap and -heap[0][0] > 1:
+        _, slot, i = heapq.heappop(heap)
+        head, tail = halve(store[i])
+        store[i], store[fresh] = head, tail
+        after.setdefault(i, []).insert(0, fresh)
+        heapq.heappush(heap, (-size(head), slot, i))
+        heapq.heappush(heap, (-size(tail), slot, fresh))
+        fresh += 1
+        deficit -= 1
+
+    def walk(i: int) -> Iterator[P]:
+        yield store[i]
+        for t in after.get(i, []):
+            yield from walk(t)
+
+    return [p for i in range(len(pieces)) for p in walk(i)], deficit
+
+
 def _equalize(
     pieces: list[tuple[int, np.ndarray]], world_size: int
 ) -> tuple[list[tuple[int, np.ndarray]], np.ndarray]:
     """Split the largest batches until the count is a multiple of world_size (see module doc)."""
-    deficit = -len(pieces) % world_size
-    if deficit == 0:
-        return pieces, np.zeros(0, dtype=np.int64)
-    pieces = list(pieces)
-    heap = [(-len(p), i) for i, (_, p) in enumerate(pieces)]
-    heapq.heapify(heap)
-    extra: dict[int, list[np.ndarray]] = {}
-    while deficit and heap and -heap[0][0] > 1:
-        _, i = heapq.heappop(heap)
-        seg, ids = pieces[i]
+
+    Piece = tuple[int, np.ndarray]
+
+    def halve(piece: Piece) -> tuple[Piece, Piece]:
+        seg, ids = piece
         half = (len(ids) + 1) // 2
-        pieces[i] = (seg, ids[:half])
-        extra.setdefault(i, []).append(ids[half:])
-        heapq.heappush(heap, (-half, i))
-        deficit -= 1
-    out = []
-    for i, piece in enumerate(pieces):
-        out.append(piece)
-        out.extend((piece[0], tail) for tail in reversed(extra.get(i, [])))
+        return (seg, ids[:half]), (seg, ids[half:])
+
+    out, deficit = _split_largest(pieces, world_size, lambda p: len(p[1]), halve)
     if deficit == 0:
         return out, np.zeros(0, dtype=np.int64)
     cut = len(out) % world_size  # every batch is a single sample: drop the last `cut`
@@ -568,30 +595,15 @@ def _equalize_packed(
     """`_equalize` for packed batches (lists of rows): the batch with the most documents is
     split, by rows when it has several (the first half keeps the extra row), else its one row
     by documents (both halves are shorter rows, so still within row_length and budget)."""
-    deficit = -len(pieces) % world_size
-    if deficit == 0:
-        return pieces, np.zeros(0, dtype=np.int64)
-    pieces = list(pieces)
-    heap = [(-sum(len(r) for r in p), i) for i, p in enumerate(pieces)]
-    heapq.heapify(heap)
-    extra: dict[int, list[list[np.ndarray]]] = {}
-    while deficit and heap and -heap[0][0] > 1:
-        _, i = heapq.heappop(heap)
-        rows = pieces[i]
+
+    def halve(rows: list[np.ndarray]) -> tuple[list[np.ndarray], list[np.ndarray]]:
         if len(rows) > 1:
             half = (len(rows) + 1) // 2
-            head, tail = rows[:half], rows[half:]
-        else:
-            cut = (len(rows[0]) + 1) // 2
-            head, tail = [rows[0][:cut]], [rows[0][cut:]]
-        pieces[i] = head
-        extra.setdefault(i, []).append(tail)
-        heapq.heappush(heap, (-sum(len(r) for r in head), i))
-        deficit -= 1
-    out: list[list[np.ndarray]] = []
-    for i, piece in enumerate(pieces):
-        out.append(piece)
-        out.extend(reversed(extra.get(i, [])))
+            return rows[:half], rows[half:]
+        cut = (len(rows[0]) + 1) // 2
+        return [rows[0][:cut]], [rows[0][cut:]]
+
+    out, deficit = _split_largest(pieces, world_size, lambda p: sum(len(r) for r in p), halve)
     if deficit == 0:
         return out, np.zeros(0, dtype=np.int64)
     cut = len(out) % world_size  # every batch is a single document: drop the last `cut`

@@ -247,3 +247,32 @@ def test_exact_batches_under_a_fixed_seed_are_stable() -> None:
 
 
 GOLDEN_SEED7 = [[7], [0, 5], [6, 3], [2, 4, 8], [9, 1]]
+
+
+@pytest.mark.parametrize("strategy", ["sorted", "random", "packed"])
+@pytest.mark.parametrize("n", [4, 7, 13])
+def test_equal_shares_split_halves_again_before_dropping_anything(strategy: str, n: int) -> None:
+    """One batch holding all n >= 4 samples, 4 ranks: halves are split again (largest first)
+    until the count is a multiple of 4, so nothing is dropped. The halves split off were once
+    never split again: 4 samples in one batch became [1], [1], [2], and all of them were
+    dropped (fewer than 4 samples is refused up front, in one line)."""
+    lengths = np.ones(n, dtype=np.int64)
+    kw: dict[str, Any] = {"row_length": 1} if strategy == "packed" else {}
+    samplers = [
+        BatchSampler(
+            lengths,
+            strategy=strategy,
+            token_budget=n,
+            max_batch=n,
+            seed=0,
+            world_size=4,
+            rank=r,
+            **kw,
+        )
+        for r in range(4)
+    ]
+    batches = [b for s in samplers for b in s.epoch_batches(0)]
+    dropped = samplers[0].dropped(0).tolist()
+    assert dropped == []
+    assert sorted(i for b in batches for i in b.indices.tolist()) == list(range(n))
+    assert len(batches) == 4 * samplers[0].steps_per_epoch(0)
