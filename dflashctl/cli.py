@@ -1108,12 +1108,22 @@ def build_parser() -> argparse.ArgumentParser:
         cmd_measure,
         "measure batching strategies' throughput on a host (python -m trainer.measure on its "
         "deployed release and run config, in its own tmux session; a group: on node 0)",
+        host=False,
     )
-    sp.add_argument("--strategies", help="comma-separated (default: every one the release has)")
-    sp.add_argument("--steps", type=int, help="timed optimizer steps per strategy and round")
-    sp.add_argument("--warmup", type=int, help="untimed steps before each (trainer default 5)")
-    sp.add_argument("--rounds", type=int, help="interleaved rounds (trainer default 2)")
-    sp.add_argument("--window", type=int, help="steps per fitted window (trainer default)")
+    sp.add_argument("host", help="a host, or a group (measured on its node 0)")
+    sp.add_argument(
+        "--strategies",
+        metavar="LIST",
+        help="comma-separated, e.g. sorted,packed (default: every one the release has)",
+    )
+    sp.add_argument(
+        "--steps", type=int, metavar="N", help="timed optimizer steps per strategy and round"
+    )
+    sp.add_argument(
+        "--warmup", type=int, metavar="W", help="untimed steps before each (trainer default 5)"
+    )
+    sp.add_argument("--rounds", type=int, metavar="R", help="interleaved rounds (default 2)")
+    sp.add_argument("--window", type=int, metavar="N", help="steps per fitted window")
     sp.add_argument("--clock", choices=("wall", "cpu"), help="wall (default) or CPU seconds")
     sp.add_argument(
         "--set",

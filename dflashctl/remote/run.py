@@ -1,6 +1,8 @@
 """Pure argv and script builders for the run: its status round trip, the trainer's argv (under
-torchrun when the run config needs several ranks), the start and stop waits, the GPU query. Parsing their output into typed results is run control's
-(dflashctl.control); the paths are dflashctl.remote.layout's.
+torchrun when the run config needs several ranks), the start and stop waits, the GPU query, and
+a measure's (its directory and tmux session, the pane's wrapper, its status wait). Parsing their
+output into typed results is run control's (dflashctl.control) and the measure service's
+(dflashctl.measure); the paths are dflashctl.remote.layout's (the measure's, for now, here).
 """
 
 from __future__ import annotations
