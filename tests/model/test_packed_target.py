@@ -21,7 +21,9 @@ MANY_DOCS = [[47, 1, 17, 16], [33, 16, 2, 9, 1], [1, 1, 70], [81], [5, 5, 5, 5],
 
 
 @contextmanager
-def document_attention(target: TargetModel, on: bool, max_groups: int = 8) -> Iterator[None]:
+def document_attention(
+    target: TargetModel, on: bool, max_groups: int | None = None
+) -> Iterator[None]:
     """Packed captures through the grouped per-document attention (on) or transformers' mask."""
     before = target.document_attention, target.document_groups
     target.document_attention, target.document_groups = on, max_groups

@@ -22,7 +22,6 @@ from torch import Tensor, nn
 from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache, PreTrainedModel
 
 from trainer.errors import TrainerError
-from trainer.model import target_attention
 
 
 class TargetError(TrainerError, ValueError):
@@ -113,13 +112,6 @@ def _own_module(model: nn.Module, module: object, kind: type[_M], what: str) -> 
     return module
 
 
-def _full_attention_only(config: object) -> bool:
-    """Every layer is full (not sliding-window) attention, as the grouped document attention
-    assumes; a config without `layer_types` does not say, so it is not assumed."""
-    types = getattr(config, "layer_types", None)
-    return isinstance(types, list) and all(t == "full_attention" for t in types)
-
-
 class TargetModel:
     """A frozen causal LM plus forward hooks on the decoder layers in `layer_ids`.
 
@@ -146,14 +138,22 @@ class TargetModel:
         self._cache_kw = cache_keyword(model)
         self._captured: dict[int, Tensor] | None = None
         self._stop_after: int | None = None
-        self.document_attention = self.device.type == "cpu" and _full_attention_only(model.config)
+        self.document_attention = self.device.type == "cpu" and self._full_attention_only()
         """Packed captures (`position_ids`) attend per document in length groups
         (`target_attention`) instead of transformers' block-diagonal mask: on for CPU targets
         whose every layer is full attention; off keeps transformers' packed path."""
-        self.document_groups = target_attention.DEFAULT_MAX_GROUPS
-        """At most this many length groups of documents per packed capture."""
+        self.document_groups: int | None = None
+        """At most this many length groups of documents per packed capture (None:
+        `target_attention.DEFAULT_MAX_GROUPS`)."""
         for i in self.layer_ids:
             self.layers[i].register_forward_hook(self._make_hook(i))
+
+    def _full_attention_only(self) -> bool:
+        """Every layer is full (not sliding-window) attention, as the grouped document attention
+        assumes; a config without `layer_types` does not say, so it is not assumed. (A method,
+        not a module function: `remote_code` copies this class into the export alone.)"""
+        types = getattr(self.config, "layer_types", None)
+        return isinstance(types, list) and all(t == "full_attention" for t in types)
 
     @classmethod
     def load(
@@ -306,8 +306,21 @@ class TargetModel:
         """The decoder on packed rows with `target_attention`'s grouped per-document attention:
         the layout is computed once here, the masks are skipped (a prepared mask mapping of
         None, which every decoder takes as is) and the attention implementation is switched
-        for this call only (not thread-safe on one model: a TargetModel serves one thread)."""
-        layout = target_attention.document_layout(position_ids, max_groups=self.document_groups)
+        for this call only (not thread-safe on one model: a TargetModel serves one thread).
+
+        `target_attention` is imported here, not at the top: `remote_code` copies this class
+        into the export's modeling file, where no trainer package exists; there (spec decoding
+        never captures packed rows) this falls back to transformers' packed path.
+        """
+        try:
+            from trainer.model import target_attention
+        except ModuleNotFoundError as err:
+            if err.name not in ("trainer", "trainer.model"):
+                raise
+            self.decoder(input_ids=input_ids, position_ids=position_ids, use_cache=False)
+            return
+        groups = self.document_groups or target_attention.DEFAULT_MAX_GROUPS
+        layout = target_attention.document_layout(position_ids, max_groups=groups)
         layout = target_attention.layout_to(layout, input_ids.device)
         config = self.model.config
         before = config._attn_implementation
