@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 import tomllib
 from pathlib import Path
 from typing import Any
@@ -202,3 +204,31 @@ def test_a_bad_config_key_is_named(tmp_path: Path) -> None:
     proc = measure_cli("--config", str(path), "--steps", "3", timeout=300)
     assert proc.returncode == 2
     assert "batching.strategy" in proc.stderr and proc.stderr.count("\n") == 1
+
+
+def test_sigterm_stops_it_and_removes_the_timing_runs(small_config: Path, tmp_path: Path) -> None:
+    """SIGTERM (or SIGHUP: a closed tmux session) mid-run: the timing run is killed, the
+    temporary run directories (each would hold a final checkpoint) are removed, exit 143."""
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    argv = [sys.executable, "-m", "trainer.measure", "--config", str(small_config)]
+    argv += ["--strategies", "sorted", "--steps", "160", "--warmup", "1", "--rounds", "1"]
+    proc = subprocess.Popen(
+        argv, cwd=REPO, env={**env(), "TMPDIR": str(tmp)}, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        end = time.monotonic() + 300
+        while not list(tmp.glob("dflash-measure-*/run-*")):
+            assert proc.poll() is None, proc.communicate()
+            assert time.monotonic() < end, "no timing run started"
+            time.sleep(0.2)
+        time.sleep(1)  # the trainer is under way
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 128 + signal.SIGTERM, err
+    assert err.strip().splitlines()[-1] == "error: stopped by SIGTERM"
+    assert not list(tmp.glob("dflash-measure-*"))  # (torch's own caches may stay)

@@ -16,17 +16,22 @@ rename: a reader never sees half of one), for a run nobody watches (`dflashctl m
 Progress goes to stderr, one line per timing run: `round 1/2 sorted: 17,312 tok/s (run 1 of 10)`.
 
 Exit 2 with one line for a bad flag, strategy or config key; 1 when a pipeline stage fails.
+SIGHUP or SIGTERM (a closed tmux session, `dflashctl measure HOST --stop`) ends it as Ctrl-C
+does: the timing run is killed and the temporary run directories (each holds the run's final
+checkpoint) are removed, exit 128 + the signal.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import signal
 import sys
 import tempfile
 import tomllib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -212,10 +217,35 @@ def write_out(out: Path, result: dict[str, object], table: str) -> None:
         raise UsageError(f"--out: {out}: {exc.strerror or exc}") from None
 
 
+class Stopped(BaseException):
+    """SIGHUP/SIGTERM: unwinds like KeyboardInterrupt (temporary directories removed)."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+def _stop(signum: int, frame: object) -> None:
+    for sig in (signal.SIGHUP, signal.SIGTERM):  # a second one must not cut the cleanup short
+        signal.signal(sig, signal.SIG_IGN)
+    raise Stopped(signum)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     from trainer.measure.report import format_table
 
     args = _parser().parse_args(argv)
+    for sig in (signal.SIGHUP, signal.SIGTERM):
+        signal.signal(sig, _stop)
+    try:
+        return _main(args, format_table)
+    except Stopped as stop:
+        with contextlib.suppress(OSError):  # stderr may be a closed pane
+            print(f"error: stopped by {signal.Signals(stop.signum).name}", file=sys.stderr)
+        return 128 + stop.signum
+
+
+def _main(args: argparse.Namespace, format_table: Callable[[dict[str, object]], str]) -> int:
     try:
         result = measure(args)
         table = format_table(result) if args.out or not args.json else ""
