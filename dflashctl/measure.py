@@ -5,7 +5,7 @@ deploy meanwhile swaps no code under it) against the deployed run config (`run/c
 in a tmux session of its own (the host's session name + `-measure`, never the training
 session), so it outlives the SSH link and the client. Everything it leaves is under
 `WORKDIR/measure/<id>/` (<id> = its UTC start, `20261201T170211Z`): `info.json` (what was asked),
-`config.toml` (the config measured), `progress.log` (trainer.measure's stderr: one line per
+`config.toml` (the config measured), `tmp/` (its TMPDIR: the timing runs), `progress.log` (trainer.measure's stderr: one line per
 timing run), `stdout.txt`, `result.json` + `table.txt` (`--out`), `calibration.json`
 (`--save-calibration`), and `exit-status` once it has exited. The newest directory is "the"
 measure: running (no exit status, its pane alive), finished, failed, stopped, or lost (no exit
@@ -44,6 +44,7 @@ from dflashctl.remote.run import (
     MEASURE_RESULT,
     MEASURE_SOURCE,
     MEASURE_TABLE,
+    MEASURE_TMP,
     measure_cancel_argv,
     measure_dir,
     measure_prepare_argv,
@@ -483,6 +484,7 @@ class MeasureControl:
             "PYTHONUNBUFFERED": "1",
             "PYTHONPATH": self.layout.release_dir(st.release),
             "DFLASH_RELEASE": st.release,
+            "TMPDIR": f"{self.layout.path(measure_dir(mid))}/{MEASURE_TMP}",
         }
         command = tmux_new_session(
             self.session,

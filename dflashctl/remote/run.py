@@ -190,6 +190,8 @@ MEASURE_CALIBRATION = "calibration.json"  # --save-calibration: the fitted step-
 MEASURE_EXIT = "exit-status"  # written (by a rename) when trainer.measure has exited
 MEASURE_CANCELLED = "cancelled"  # `dflashctl measure HOST --stop` was asked (its time)
 MEASURE_SOURCE = "trainer/measure/__main__.py"  # in a release: it can measure
+MEASURE_TMP = "tmp"  # its TMPDIR: the timing runs' directories (final checkpoints) on the workdir's
+# disk, not the container's root filesystem; trainer.measure removes them, also when stopped
 
 
 def measure_session(session: str) -> str:
@@ -216,6 +218,7 @@ while :; do
   sleep 1
 done
 cp {L.CONFIG} "{MEASURE_ROOT}/$id/{MEASURE_CONFIG}"
+mkdir "{MEASURE_ROOT}/$id/{MEASURE_TMP}"
 cat > "{MEASURE_ROOT}/$id/.{MEASURE_INFO}.tmp"
 mv -f "{MEASURE_ROOT}/$id/.{MEASURE_INFO}.tmp" "{MEASURE_ROOT}/$id/{MEASURE_INFO}"
 echo "$id"

@@ -497,6 +497,19 @@ def test_measure_over_ssh_follows_detaches_refuses_and_prints_the_table(
         time.sleep(0.5)
     rc, out, err = cli([*inv, "measure", "ct", "--result"], capsys)
     assert rc == ExitCode.FAILED and "was stopped (" in err and "before it finished" in err, err
+    last = sorted((clean_workdir / "measure").iterdir())[-1]
+    end = time.monotonic() + 30
+    while list((last / "tmp").glob("dflash-measure-*")):  # the timing runs' dirs, removed
+        assert time.monotonic() < end, (
+            (last / "progress.log").read_text(),
+            subprocess.run(
+                ["lxc-attach", "-n", real_parts.container.name, "--", "ps", "axjf"],
+                capture_output=True,
+                text=True,
+                check=False,
+            ).stdout,
+        )
+        time.sleep(0.5)
     assert cli([*inv, "measure", "ct", "--stop"], capsys)[1] == "ct: no measure is running\n"
 
 
