@@ -889,8 +889,9 @@ async def cmd_measure(args: argparse.Namespace) -> int:
             f"{shlex.join(started.argv)}"
         )
         if args.detach:
-            st = await mc.state(0, DETACH_GRACE_S)  # a refusal comes within moments
-            if st.running and st.measure_id == started.measure_id:
+            # a refusal comes within moments
+            st = await mc.state(0, DETACH_GRACE_S, started.measure_id)
+            if st.running:
                 _say(
                     f"{host.name}: detached; `dflashctl measure {name} --result` prints the "
                     f"result once it is done (or how far it is), `--stop` ends it"
@@ -903,7 +904,9 @@ async def cmd_measure(args: argparse.Namespace) -> int:
                 _say(f"{host.name}: {text}")
 
         try:
-            st = await mc.follow(line, lambda note: _say(f"{host.name}: {note}"))
+            st = await mc.follow(
+                line, lambda note: _say(f"{host.name}: {note}"), measure_id=started.measure_id
+            )
         except asyncio.CancelledError:  # Ctrl-C: this client leaves, the measure does not
             _say(
                 f"{host.name}: measure {started.measure_id} goes on in tmux session "

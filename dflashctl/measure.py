@@ -416,10 +416,15 @@ class MeasureControl:
     ) -> CommandResult:
         return await self.transport.run(argv, timeout=timeout, input=input)
 
-    async def state(self, from_line: int = 0, wait_s: float = 0.0) -> MeasureState:
-        """The newest measure, after waiting on the host up to `wait_s` for its progress line
-        past 0-based `from_line` or its end. TransportError when the host cannot be asked."""
-        argv = measure_status_argv(self.host.workdir, self.host.session, from_line, wait_s)
+    async def state(
+        self, from_line: int = 0, wait_s: float = 0.0, measure_id: str | None = None
+    ) -> MeasureState:
+        """The newest measure (or `measure_id`), after waiting on the host up to `wait_s` for
+        its progress line past 0-based `from_line` or its end. TransportError when the host
+        cannot be asked."""
+        argv = measure_status_argv(
+            self.host.workdir, self.host.session, from_line, wait_s, measure_id
+        )
         res = await self._run(argv, timeout=wait_s + ROUND_TRIP_MARGIN_S)
         if not res.ok:
             msg = res.error_line()
@@ -517,8 +522,10 @@ class MeasureControl:
         from_line: int = 0,
         poll_s: float = FOLLOW_POLL_S,
         backoff: Backoff | None = None,
+        measure_id: str | None = None,
     ) -> MeasureState:
-        """Wait for the newest measure to end, passing each new progress line to `on_line`;
+        """Wait for the newest measure (or `measure_id`: the one this client started, whatever
+        starts after it) to end, passing each new progress line to `on_line`;
         a dropped link is retried (the measure goes on: it lives in tmux), each drop and
         reconnect one `on_note`. Returns its last state (all of its progress lines in it)."""
         delays = backoff or Backoff(jitter=0.2)
@@ -526,7 +533,7 @@ class MeasureControl:
         attempt, lost = 0, False
         while True:
             try:
-                st = await self.state(from_line + len(lines), poll_s)
+                st = await self.state(from_line + len(lines), poll_s, measure_id)
             except HostKeyError:
                 raise
             except TransportError as err:

@@ -266,7 +266,11 @@ MEASURE_STATUS_SCRIPT = (
     + 'm="'
     + MARK
     + '"; cd "$1" 2>/dev/null || { echo "${m}noworkdir"; exit 0; }\n'
-    + f"id=$(ls -1 {MEASURE_ROOT} 2>/dev/null | grep -E '{MEASURE_ID_PATTERN}' | tail -n 1)\n"
+    + f"new=$(ls -1 {MEASURE_ROOT} 2>/dev/null | grep -E '{MEASURE_ID_PATTERN}' | tail -n 1)\n"
+    + 'id=${5:-$new}; [ -n "$id" ] && [ -d "'
+    + MEASURE_ROOT
+    + '/$id" ] || id=""\n'
+    + '[ "$id" = "$new" ] || set -- "$1" "-" "$3" "$4"\n'  # an older one: the session is not its
     + f'd="{MEASURE_ROOT}/$id"; i=0\n'
     + f'while [ -n "$id" ] && [ "$i" -lt "$4" ] && [ ! -f "$d/{MEASURE_EXIT}" ]; do\n'
     + f'  n=$(wc -l < "$d/{MEASURE_PROGRESS}" 2>/dev/null || echo 0); [ "$n" -lt "$3" ] || break\n'
@@ -290,21 +294,21 @@ MEASURE_STATUS_SCRIPT = (
 
 
 def measure_status_argv(
-    workdir: str, session: str, from_line: int = 0, wait_s: float = 0
+    workdir: str,
+    session: str,
+    from_line: int = 0,
+    wait_s: float = 0,
+    measure_id: str | None = None,
 ) -> list[str]:
-    """The newest measure in one round trip (MARK sections), after waiting up to `wait_s` for
-    its progress line past 0-based `from_line` or its end; `session` is the host's session."""
+    """The newest measure (or `measure_id`) in one round trip (MARK sections), after waiting
+    up to `wait_s` for its progress line past 0-based `from_line` or its end; `session` is the
+    host's session. The measure session's pane counts only for the newest measure."""
+    if measure_id is not None and not re.match(MEASURE_ID_PATTERN, measure_id):
+        raise UsageError(f"{measure_id!r} is not a measure id (like 20261201T170211Z)")
     ticks = max(0, int(wait_s / MEASURE_TICK_S))
-    return [
-        "sh",
-        "-c",
-        MEASURE_STATUS_SCRIPT,
-        "dflash-measure-status",
-        workdir,
-        measure_session(session),
-        str(from_line + 1),
-        str(ticks),
-    ]
+    argv = ["sh", "-c", MEASURE_STATUS_SCRIPT, "dflash-measure-status", workdir]
+    argv += [measure_session(session), str(from_line + 1), str(ticks)]
+    return [*argv, measure_id] if measure_id is not None else argv
 
 
 def measure_cancel_argv(workdir: str, measure_id: str) -> list[str]:

@@ -346,6 +346,16 @@ async def test_a_refusal_and_a_lost_measure_are_one_line_each(
     st = await mc.state()
     assert st.state == "lost" and st.measure_id == started.measure_id
     assert "ended without a result" in str(outcome_error(st, st.progress))
+    # asked by id while a newer measure runs in the session: the session is not the old one's
+    await asyncio.sleep(1.1)  # ids are UTC seconds
+    newer = await mc.start(MeasureRequest(steps=2))
+    assert (await mc.state()).running and (await mc.state()).measure_id == newer.measure_id
+    old = await mc.state(measure_id=started.measure_id)
+    assert old.state == "lost" and old.measure_id == started.measure_id
+    assert (await mc.state(measure_id="20000101T000000Z")).state == "none"
+    with pytest.raises(UsageError, match="is not a measure id"):
+        await mc.state(measure_id="../run")
+    assert await mc.stop() is not None
 
 
 # --- the CLI over real sshd + pct + LXC + tmux, the real trainer.measure ----------------------
