@@ -849,6 +849,8 @@ async def cmd_measure(args: argparse.Namespace) -> int:
     calibration = Path(args.save_calibration) if args.save_calibration else None
     if calibration is not None and not args.stop:
         check_local_target(calibration)  # before a measure of hours, not after it
+    if args.id is not None and not args.result:
+        raise UsageError("measure: --id ID goes with --result (which measure's result)")
     req: MeasureRequest | None = None
     if not (args.result or args.stop):
         if args.steps is None:
@@ -881,7 +883,8 @@ async def cmd_measure(args: argparse.Namespace) -> int:
                 print(f"{host.name}: measure {stopped.measure_id} stopped{after}")
             return ExitCode.OK
         if req is None:
-            return await _measure_outcome(mc, await mc.state(), args, name, calibration)
+            st = await mc.state(measure_id=args.id)
+            return await _measure_outcome(mc, st, args, name, calibration)
         started = await mc.start(req)
         _say(
             f"{host.name}: measure {started.measure_id} started in tmux session "
@@ -935,6 +938,8 @@ async def _measure_outcome(
     from dflashctl.measure import MeasureError, MeasureRunning, how_far, iso_utc, outcome_error
 
     host = mc.host.name
+    if (st.state == "none" or st.measure_id is None) and args.id:
+        raise MeasureError(f"{host}: no measure {args.id} in {mc.host.workdir}/measure")
     if st.state == "none" or st.measure_id is None:
         raise MeasureError(
             f"{host}: no measure has run here; `dflashctl measure {name} --steps N` starts one"
@@ -1151,6 +1156,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="print the newest measure's result, or how far it is while it runs (exit 1)",
     )
     mode.add_argument("--stop", action="store_true", help="end the running measure")
+    sp.add_argument(
+        "--id",
+        metavar="ID",
+        help="with --result: that measure (as started prints it, e.g. 20261201T170211Z), not "
+        "the newest",
+    )
     sp = add(
         "secret", cmd_secret, "store a secret (read from stdin) as a 0600 file in the container"
     )

@@ -451,6 +451,11 @@ def test_measure_over_ssh_follows_detaches_refuses_and_prints_the_table(
         rc, out, err = cli([*inv, "measure", "ct", "--result"], capsys)
     rows = [ln.split()[0] for ln in out.splitlines()[2:4]]
     assert rows == ["sorted", "packed"], out
+    # an earlier measure by its id: the followed one's JSON
+    rc, out, err = cli([*inv, "measure", "ct", "--result", "--id", mid, "--json"], capsys)
+    assert rc == 0 and json.loads(out) == result, err
+    rc, out, err = cli([*inv, "measure", "ct", "--result", "--id", "20000101T000000Z"], capsys)
+    assert rc == ExitCode.FAILED and "ct: no measure 20000101T000000Z in /srv/dflash/measure" in err
     assert len(list((clean_workdir / "measure").iterdir())) == 3  # one refused there, two measured
 
     # --stop ends a measure and the trainer run under it (seen in the container's own processes)
@@ -566,3 +571,5 @@ def test_a_group_measures_on_node_0_and_says_so(
     assert rc == ExitCode.USAGE and "--steps N is required to start a measure" in err
     rc, out, err = cli([*inv, "measure", "g", "--steps", "2", "--set", "nokey"], capsys)
     assert rc == ExitCode.USAGE and "--set 'nokey': not KEY=VALUE" in err
+    rc, out, err = cli([*inv, "measure", "g", "--steps", "2", "--id", "x"], capsys)
+    assert rc == ExitCode.USAGE and "--id ID goes with --result" in err
