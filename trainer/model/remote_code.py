@@ -30,7 +30,17 @@ PIECES: tuple[tuple[ModuleType, tuple[str, ...]], ...] = (
     (layers, ("RMSNorm", "SwiGLU", "Rotary", "apply_rotary")),
     (attention, ("AttnMask", "_flex_fn", "attend")),
     (documents, ("ContextRows",)),  # the drafter's training-only packed-context argument
-    (drafter, ("_autocasts", "DrafterAttention", "DrafterLayer", "DrafterCache", "DFlashDrafter")),
+    (
+        drafter,
+        (
+            "ContextGroups",
+            "_autocasts",
+            "DrafterAttention",
+            "DrafterLayer",
+            "DrafterCache",
+            "DFlashDrafter",
+        ),
+    ),
     (
         target,
         (
