@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from trainer.model.attention import KEY_MULTIPLE
 from trainer.model.documents import GROUP_COST, attention_groups, unpack_documents
 from trainer.model.masks import sample_anchors
 from trainer.model.objective import draw_anchors
@@ -95,13 +96,15 @@ def test_the_unpacked_rows_are_the_padded_documents_with_an_anchor(target: Targe
 
 def test_attention_groups_are_the_cheapest_split() -> None:
     """The split into at most 3 consecutive groups costs the fewest score elements (each group
-    over its widest row) plus GROUP_COST per group (checked against every split)."""
+    over its widest row plus the queries, in whole KEY_MULTIPLEs) plus GROUP_COST per group
+    (checked against every split)."""
     import itertools
 
     def cost(widths: list[int], sizes: list[int], q: int) -> float:
         total, at = 0.0, 0
         for n in sizes:
-            total += n * q * (max(widths[at : at + n]) + q) + GROUP_COST
+            keys = -(-(max(widths[at : at + n]) + q) // KEY_MULTIPLE) * KEY_MULTIPLE
+            total += n * q * keys + GROUP_COST
             at += n
         return total
 

@@ -28,6 +28,7 @@ Backend = Literal["flex", "sdpa"]
 GiB = 2**30
 CE_CHUNK_BYTES = 256 * 2**20  # trainer.kernels.chunked.DEFAULT_CHUNK_BYTES
 CE_MAX_CHUNK = 16384  # trainer.kernels.chunked.MAX_CHUNK
+KEY_MULTIPLE = 16  # trainer.model.attention.KEY_MULTIPLE: a dense mask's keys are padded to it
 
 
 def per_query_row_layer(d: DrafterShape, c: int, backend: Backend = "flex") -> int:
@@ -144,7 +145,7 @@ def activation_peak(
     if backend == "flex":
         saved += flex_block_mask_bytes(piece, d.block)
     if backend == "sdpa":
-        kv_len = piece.seq + piece.width * d.block
+        kv_len = -(-(piece.seq + piece.width * d.block) // KEY_MULTIPLE) * KEY_MULTIPLE
         saved += qr * kv_len  # the bool mask
         saved += d.layers * c * qr * kv_len  # CPU SDPA's float mask (compute dtype), per layer
     n_valid = int(qr * (d.block - 1) / d.block)

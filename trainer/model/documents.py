@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from trainer.model.attention import KEY_MULTIPLE
 from trainer.model.masks import Anchors
 
 GROUP_COST = 16 * 1024
@@ -79,7 +80,8 @@ class ContextRows:
 def attention_groups(widths: list[int], queries: int, max_groups: int = 3) -> list[int]:
     """Rows per group for rows of context `widths` and `queries` query rows each: the split
     into at most `max_groups` consecutive groups, each attended over its widest row's width
-    plus the queries, that costs the fewest score elements, counting `GROUP_COST` per group."""
+    plus the queries (rounded up to `KEY_MULTIPLE` keys, as the dense mask pads them), that
+    costs the fewest score elements, counting `GROUP_COST` per group."""
     n = len(widths)
     inf = float("inf")
     # best[g][i]: cost of rows i.. in at most g groups; cut[g][i]: where the first one ends
@@ -90,7 +92,8 @@ def attention_groups(widths: list[int], queries: int, max_groups: int = 3) -> li
             widest = 0
             for j in range(i + 1, n + 1):
                 widest = max(widest, widths[j - 1])
-                c = (j - i) * queries * (widest + queries) + GROUP_COST + best[g - 1][j]
+                keys = -(-(widest + queries) // KEY_MULTIPLE) * KEY_MULTIPLE
+                c = (j - i) * queries * keys + GROUP_COST + best[g - 1][j]
                 if c < best[g][i]:
                     best[g][i], cut[g][i] = c, j
     sizes, i, g = [], 0, max_groups

@@ -21,7 +21,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from torch import Tensor, nn
 
-from trainer.model.attention import AttnMask, attend
+from trainer.model.attention import AttnMask, attend, mask_keys
 from trainer.model.documents import ContextRows
 from trainer.model.layers import RMSNorm, Rotary, SwiGLU, apply_rotary
 
@@ -133,6 +133,19 @@ def _autocasts(features: Tensor, weight: Tensor) -> bool:
     return covered and torch.is_autocast_enabled(features.device.type)
 
 
+def _keys(parts: list[Tensor], width: int | None) -> Tensor:
+    """[context; block] keys (or values) along dim 2, zero-padded to the `width` keys a dense
+    mask carries (`attention.pad_keys`: those are masked off; None = no padding)."""
+    have = sum(p.shape[2] for p in parts)
+    if width is not None and width > have:
+        first = parts[0]
+        parts = [
+            *parts,
+            first.new_zeros(first.shape[0], first.shape[1], width - have, first.shape[3]),
+        ]
+    return torch.cat(parts, dim=2)
+
+
 class DrafterAttention(nn.Module):
     """GQA attention whose queries come from the block and keys/values from [context; block]."""
 
@@ -195,16 +208,17 @@ class DrafterAttention(nn.Module):
                 flat = index.flatten()
                 k_g = k_packed.index_select(0, flat).view(n, width, *k_packed.shape[1:])
                 v_g = v_packed.index_select(0, flat).view(n, width, *v_packed.shape[1:])
-                k = torch.cat([k_g.transpose(1, 2), k_blk[rows]], dim=2)
-                v = torch.cat([v_g.transpose(1, 2), v_blk[rows]], dim=2)
+                keys = mask_keys(group_mask)
+                k = _keys([k_g.transpose(1, 2), k_blk[rows]], keys)
+                v = _keys([v_g.transpose(1, 2), v_blk[rows]], keys)
                 outs.append(attend(q[rows], k, v, group_mask, scale=scale))
             out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)
             return self.o_proj(out.transpose(1, 2).flatten(2)), (k_packed, v_packed)
         k_ctx, v_ctx = self._kv(context, rope_ctx)
         if past is not None:
             k_ctx, v_ctx = torch.cat([past[0], k_ctx], dim=2), torch.cat([past[1], v_ctx], dim=2)
-        k = torch.cat([k_ctx, k_blk], dim=2)
-        v = torch.cat([v_ctx, v_blk], dim=2)
+        k = _keys([k_ctx, k_blk], mask_keys(mask))
+        v = _keys([v_ctx, v_blk], mask_keys(mask))
         out = attend(q, k, v, mask, scale=scale)
         return self.o_proj(out.transpose(1, 2).flatten(2)), (k_ctx, v_ctx)
 

@@ -28,12 +28,13 @@ AUTO_MAP = {"AutoModel": "dflash.DFlashDraftModel"}
 PIECES: tuple[tuple[ModuleType, tuple[str, ...]], ...] = (
     (errors, ("ExitCode", "TrainerError")),  # TargetError's base
     (layers, ("RMSNorm", "SwiGLU", "Rotary", "apply_rotary")),
-    (attention, ("AttnMask", "_flex_fn", "attend")),
+    (attention, ("AttnMask", "_flex_fn", "attend", "mask_keys")),
     (documents, ("ContextRows",)),  # the drafter's training-only packed-context argument
     (
         drafter,
         (
             "ContextGroups",
+            "_keys",
             "_autocasts",
             "DrafterAttention",
             "DrafterLayer",
