@@ -469,6 +469,8 @@ def format_run_status(st: RunStatus) -> str:
         lines.append("  " + format_status_line(st.last_event))
     if st.last_checkpoint is not None:
         lines.append(f"  last checkpoint: step {st.last_checkpoint.step} {st.last_checkpoint.path}")
+    elif (writer := st.run_state.checkpoints_elsewhere) is not None:
+        lines.append(f"  checkpoints: on node {writer} (this node writes none)")
     evaluated = eval_summary(st.run_state)
     if evaluated:
         lines.append(f"  {evaluated}")
@@ -606,6 +608,8 @@ def _group_entry(group: GroupConfig, sts: list[RunStatus], *, as_json: bool) -> 
     lines = [view.summary()]
     if view.world_size is not None:
         lines[0] += f" (world size {view.world_size})"
+    if (where := view.checkpoint_line()) is not None:
+        lines.append(f"  {where}")
     for i, st in enumerate(sts):
         node = view.nodes[i]
         ranks = f" ranks {node.rank_range[0]}-{node.rank_range[1] - 1}" if node.rank_range else ""

@@ -263,3 +263,21 @@ def test_the_group_names_node_0s_checkpoint_and_no_other_nodes() -> None:
     fresh = group_state("g", [node("n0", 0, "running"), node("n1", 1, "running")])
     assert fresh.checkpoint_line() == "checkpoints on node 0 (n0): none recorded yet"
     assert group_state("g", []).checkpoint_json() is None
+
+
+def test_status_text_names_the_writer_node_on_the_group_and_on_node_1(tmp_path: Path) -> None:
+    """`dflashctl status GROUP` (text): the group's checkpoint line under its summary, and node
+    1's own status says its checkpoints are on node 0 instead of naming none."""
+    from dflashctl.cli import _group_entry, format_run_status
+
+    path = "/wd/run/checkpoints/step-00000040.pt"
+    rs0 = RunState(rank_range=[0, 1], node_rank=0, checkpoint_node=0, last_step=40)
+    rs0 = rs0.model_copy(update={"last_checkpoint": path})
+    rs1 = RunState(rank_range=[1, 2], node_rank=1, checkpoint_node=0)
+    st0 = RunStatus(host="n0", state="running", run_state=rs0)
+    st1 = RunStatus(host="n1", state="running", run_state=rs1)
+    assert "checkpoints: on node 0 (this node writes none)" in format_run_status(st1)
+    assert "checkpoints: on node" not in format_run_status(st0)
+    text = _group_entry(_pair(tmp_path, None, None), [st0, st1], as_json=False)
+    assert isinstance(text, str)
+    assert text.splitlines()[1] == f"  checkpoints on node 0 (n0): step 40 {path}"
