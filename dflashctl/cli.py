@@ -25,7 +25,7 @@ from dflashctl.remote.connect import attach_argv, make_transport
 from dflashctl.remote.transport import Transport
 
 if TYPE_CHECKING:
-    from dflashctl.control import RunStatus, StartResult, StopResult
+    from dflashctl.control import RunningMeasure, RunStatus, StartResult, StopResult
     from dflashctl.group import GroupControl
     from dflashctl.measure import MeasureControl, MeasureState
     from dflashctl.notify import Notifier
@@ -460,6 +460,8 @@ def format_run_status(st: RunStatus) -> str:
         )
     if st.switch_note:
         lines.append(f"  note: {st.switch_note}")
+    if st.measure is not None:
+        lines.append(measure_line(st.host, st.measure))
     detail, ck_error = st.run_state.stop_detail, st.run_state.checkpoint_error
     if st.state != "running" and isinstance(detail, str) and detail:
         lines.append(f"  stop: {detail}")
@@ -479,6 +481,18 @@ def format_run_status(st: RunStatus) -> str:
     lines += supervisor_lines(st)
     lines += [f"  | {ln}" for ln in st.pane_tail]
     return "\n".join(lines)
+
+
+def measure_line(host: str, m: RunningMeasure) -> str:
+    """`dflashctl status`'s line for a measure running on the host: its id, since when, its
+    last progress line."""
+    from dflashctl.monitor import format_age
+
+    ago = f" ({format_age(m.age_s)} ago)" if m.age_s is not None else ""
+    return (
+        f"  measure: {m.id} running since {m.since}{ago} in tmux session {m.session!r}: "
+        f"{m.progress or 'no timing run has finished yet'} (`dflashctl measure {host} --result`)"
+    )
 
 
 # supervisor states whose `detail` says what happened (why it waits, stopped or gave up)

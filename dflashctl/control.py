@@ -10,6 +10,7 @@ prunes it).
 from __future__ import annotations
 
 import asyncio
+import re
 import signal
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from dataclasses import asdict, dataclass, field
@@ -39,7 +40,14 @@ from dflashctl.launch import NodeLaunch
 from dflashctl.release import Release
 from dflashctl.remote.commands import SUPERVISOR_MODULE, guarded, supervised
 from dflashctl.remote.files import line_count, read_file, tail_follow, tail_from, write_file_atomic
-from dflashctl.remote.layout import CONFIG, STATUS_LOG, RemoteLayout
+from dflashctl.remote.layout import (
+    CONFIG,
+    MEASURE_ID_FORMAT,
+    MEASURE_ID_PATTERN,
+    STATUS_LOG,
+    RemoteLayout,
+    measure_session,
+)
 from dflashctl.remote.layout import RUN_STATE as RUN_STATE_FILE
 from dflashctl.remote.layout import SUPERVISOR_SOURCE as SUPERVISOR_FILE
 from dflashctl.remote.layout import SUPERVISOR_STATE as SUPERVISOR_STATE_FILE
@@ -116,6 +124,34 @@ class StartFailed(ControlError):
     """The trainer exited right after it was started (exit status and its last error line)."""
 
 
+class MeasureInProgress(ControlError):
+    """A start refused while `dflashctl measure` runs on the host (both would use its devices)."""
+
+
+def measure_started(measure_id: str) -> float | None:
+    """Epoch seconds of a measure id (its UTC start); None for what is not one."""
+    try:
+        return datetime.strptime(measure_id, MEASURE_ID_FORMAT).replace(tzinfo=UTC).timestamp()
+    except ValueError:
+        return None
+
+
+def iso_utc(epoch: float) -> str:
+    """`2026-12-01 17:02:11 UTC`."""
+    return datetime.fromtimestamp(epoch, UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
+
+
+@dataclass(frozen=True)
+class RunningMeasure:
+    """The measure running on a host, as status reads it in its round trip (none: None)."""
+
+    id: str
+    session: str  # its tmux session (the host's session + `-measure`)
+    since: str  # its start, `2026-12-01 17:02:11 UTC` (the id is its UTC start)
+    age_s: float | None = None  # seconds since, by the host's clock
+    progress: str | None = None  # its last progress line (made safe to print)
+
+
 @dataclass(frozen=True)
 class GpuSample:
     index: int
@@ -153,6 +189,7 @@ class RunStatus:
     restarts: list[dict[str, Any]] = field(default_factory=list)
     supervisor_error: str | None = None  # supervisor.json exists but cannot be read
     release_has_supervisor: bool = False  # `current` ships trainer/supervise.py
+    measure: RunningMeasure | None = None  # a `dflashctl measure` running there now
 
     @property
     def step(self) -> int | None:
@@ -515,8 +552,47 @@ def trainer_completed_stop(
     return run_state.pid in owners and run_state.state in {"stopped", "finished"}
 
 
-def parse_status(host: str, stdout: str, hash_text: Callable[[str], str | None]) -> RunStatus:
-    """Build a RunStatus from the status script's output (pure apart from `hash_text`).
+def parse_running_measure(sections: dict[str, str], session: str) -> RunningMeasure | None:
+    """The status script's measure sections (already sanitised) -> the measure running now:
+    the newest measure, without an exit status, whose session's pane is alive; else None (one
+    that ended, or was lost with its session, is `dflashctl measure HOST --result`'s)."""
+    mid = sections.get("measure", "").strip()
+    started = measure_started(mid) if re.match(MEASURE_ID_PATTERN, mid) else None
+    pane = parse_pane_state(sections.get("measure_pane", ""))
+    if started is None or pane is None or pane.dead:
+        return None
+    now = sections.get("now", "").strip()
+    lines = [ln.strip() for ln in sections.get("measure_progress", "").splitlines() if ln.strip()]
+    return RunningMeasure(
+        id=mid,
+        session=measure_session(session),
+        since=iso_utc(started),
+        age_s=max(0.0, int(now) - started) if now.isdigit() else None,
+        progress=lines[-1] if lines else None,
+    )
+
+
+def measure_refusal(
+    m: RunningMeasure, name: str, what: str = "a training run"
+) -> MeasureInProgress:
+    """Why `what` does not start on host `name` while measure `m` runs there (one line: the
+    host, the measure's id and since when, how to see and stop it)."""
+    return MeasureInProgress(
+        f"{name}: measure {m.id} is running there (since {m.since}, tmux session "
+        f"{m.session!r}): {what} would share its devices; `dflashctl measure {name} --result` "
+        f"shows how far it is, `dflashctl measure {name} --stop` ends it"
+    )
+
+
+def parse_status(
+    host: str,
+    stdout: str,
+    hash_text: Callable[[str], str | None],
+    *,
+    session: str = "dflash",  # the inventory's default
+) -> RunStatus:
+    """Build a RunStatus from the status script's output (pure apart from `hash_text`);
+    `session` is the host's tmux session (a running measure's is named after it).
 
     The one reader of status output: every section shown to people passes through
     `sanitize_for_terminal` here (the config is only hashed, so it stays byte-exact).
@@ -593,6 +669,7 @@ def parse_status(host: str, stdout: str, hash_text: Callable[[str], str | None])
         restarts=restarts,
         supervisor_error=sup_error,
         release_has_supervisor=s.get("supervisable", "").strip() == "yes",
+        measure=parse_running_measure(s, session),
     )
 
 
@@ -720,7 +797,9 @@ class RunControl:
                 state="unreachable",
                 message=sanitize_for_terminal(f"{self.host.name}: {msg}"),
             )
-        return parse_status(self.host.name, res.stdout, config_hash_of_text)
+        return parse_status(
+            self.host.name, res.stdout, config_hash_of_text, session=self.host.session
+        )
 
     async def deployed_config(self) -> str:
         res = await self._run(read_file(self.layout.config))
@@ -786,6 +865,8 @@ class RunControl:
         argv = launch.argv if launch is not None else trainer_argv(self.host.python, fresh, resume)
         if st.state in LIVE_STATES:
             return StartResult(self.host.name, False, st.run_release or "", None, argv)
+        if st.measure is not None:  # read in the same round trip as the run's status
+            raise measure_refusal(st.measure, self.host.name)
         if st.release is None:
             raise ControlError(
                 f"{self.host.name}: nothing deployed; run `dflashctl deploy {self.host.name}`"
@@ -1037,6 +1118,8 @@ class RunControl:
     ) -> RestartResult:
         """Push config, deploy if the tree changed, stop, start.
 
+        Refused (MeasureInProgress) before anything is pushed while a measure runs there.
+
         Refuses (ResumeRefused) when the config cannot resume the checkpoint a resume would load
         and `fresh` is not set: silently training from scratch, or crashing on resume, both waste
         GPU hours. The check is the one `deploy --config` makes (dflashctl.resume).
@@ -1054,6 +1137,9 @@ class RunControl:
         if path is not None:  # a bad local config fails before anything touches the host
             new_text = read_config_text(path)
             validate_config(path)
+        before = await self.status(setup_errors=True)
+        if before.measure is not None:  # refused before the deploy and the stop, not after
+            raise measure_refusal(before.measure, self.host.name, "a restarted run")
         old_text = await self.deployed_config()
         diff = ""
         new_hash = config_hash_of_text(old_text) if old_text else None

@@ -33,11 +33,13 @@ from typing import TYPE_CHECKING, Generic, Literal, TypedDict, TypeVar
 from dflashctl.control import (
     DEFAULT_START_WAIT_S,
     ControlError,
+    MeasureInProgress,
     RunControl,
     RunStatus,
     StartFailed,
     StartResult,
     StopResult,
+    measure_refusal,
 )
 from dflashctl.deploy import DeployResult, deploy
 from dflashctl.errors import DflashctlError
@@ -606,6 +608,13 @@ class GroupControl:
                 )
         return sts[0].release or "", sts[0].deployed_config_hash
 
+    def _refuse_measuring(self, sts: Sequence[RunStatus], doing: str) -> None:
+        """MeasureInProgress naming the first node where a measure runs (`not DOING: ...`)."""
+        for st in sts:
+            if st.measure is not None:
+                err = measure_refusal(st.measure, st.host, "the group's run")
+                raise MeasureInProgress(f"group {self.name!r}: not {doing}: {err}")
+
     async def _node_procs(self) -> list[int]:
         """Ranks per node: the entries of topology.drafter_devices in its deployed config."""
         from dflashctl.runconfig import drafter_device_count
@@ -623,15 +632,17 @@ class GroupControl:
     ) -> GroupStartResult:
         """Start torchrun on every node (node i with `--node-rank i`), then wait for node 0.
 
-        Refused (nothing started) when a node is unreachable, some but not all nodes run, or the
-        nodes' release or config differ. Every node's session is started at once (the static
-        rendezvous waits for all of them); then node 0's trainer is waited for up to `wait_s`
-        (it is past its setup only once every rank joined), and a node whose torchrun exited is
-        a StartFailed naming that node.
+        Refused (nothing started) when a node is unreachable, some but not all nodes run, a
+        measure runs on one (MeasureInProgress), or the nodes' release or config differ. Every
+        node's session is started at once (the static rendezvous waits for all of them); then
+        node 0's trainer is waited for up to `wait_s` (it is past its setup only once every
+        rank joined), and a node whose torchrun exited is a StartFailed naming that node.
         """
         g = self.name
         sts = await self.reachable_statuses("starting")
         live = [st.host for st in sts if st.state in LIVE_NODE_STATES]
+        if len(live) < len(sts):  # read in the same round trip as each node's status
+            self._refuse_measuring(sts, "starting")
         release, config_hash = self._refuse_mixed(sts)
         if len(live) == len(sts):
             return GroupStartResult(g, False, [], release, config_hash, None)
@@ -759,6 +770,7 @@ class GroupControl:
                 if progress:
                     progress(note)
         old = await self.statuses(setup_errors=True)
+        self._refuse_measuring(old, "restarting")  # before anything is deployed or stopped
         deployed = await self.deploy(
             config=path,
             release=release or build_release(),

@@ -27,29 +27,32 @@ import re
 import tomllib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from dflashctl.control import LIVE_STATES, RunControl, split_sections
+from dflashctl.control import LIVE_STATES, RunControl, measure_started, split_sections
+from dflashctl.control import iso_utc as iso_utc  # the CLI's too
 from dflashctl.errors import DflashctlError, ExitCode, UsageError
 from dflashctl.follow import Backoff
 from dflashctl.inventory import HostConfig
 from dflashctl.monitor import format_age
 from dflashctl.remote.files import read_file
-from dflashctl.remote.layout import CONFIG, RemoteLayout
-from dflashctl.remote.run import (
+from dflashctl.remote.layout import (
+    CONFIG,
     MEASURE_CALIBRATION,
     MEASURE_ID_PATTERN,
     MEASURE_RESULT,
     MEASURE_SOURCE,
     MEASURE_TABLE,
     MEASURE_TMP,
-    measure_cancel_argv,
+    RemoteLayout,
     measure_dir,
+    measure_session,
+)
+from dflashctl.remote.run import (
+    measure_cancel_argv,
     measure_prepare_argv,
     measure_run_argv,
-    measure_session,
     measure_status_argv,
 )
 from dflashctl.remote.tmux import (
@@ -77,7 +80,6 @@ ROUND_TRIP_MARGIN_S = 30.0
 """A remote wait of T seconds is given T + this before the client gives up on it."""
 STRATEGY_NAME = re.compile(r"^[a-z][a-z0-9-]{0,31}$")
 SET_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
-ID_FORMAT = "%Y%m%dT%H%M%SZ"
 PROGRESS_TAIL = 3
 """`--result` on a running measure shows at most this many of its last progress lines."""
 
@@ -247,16 +249,8 @@ def check_overrides(config_text: str, sets: Sequence[str], host: str) -> None:
 # --- the newest measure, as the status script reports it ------------------------------------
 
 
-def measure_started(measure_id: str) -> float | None:
-    """Epoch seconds of a measure id (its UTC start)."""
-    try:
-        return datetime.strptime(measure_id, ID_FORMAT).replace(tzinfo=UTC).timestamp()
-    except ValueError:
-        return None
-
-
-def iso_utc(epoch: float) -> str:
-    return datetime.fromtimestamp(epoch, UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
+# measure_started (a measure id's epoch seconds) and iso_utc are run control's: `start` reads a
+# running measure in its status round trip (dflashctl.control.RunningMeasure).
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,18 @@
         checkpoints/          step-NNNNNNNN.pt
         .config.memory-check.<pid>.toml  deploy's memory check's copy of a config (removed)
       secrets/<name>          0600 files written through stdin
+      measure/<id>/           one `dflashctl measure` (<id> its UTC start, 20261201T170211Z)
+        info.json             what was asked (flags, release, config), written at its start
+        config.toml           run/config.toml as it was measured
+        tmp/                  its TMPDIR: the timing runs' directories (trainer.measure removes them)
+        progress.log          trainer.measure's stderr: one `round ...` line per timing run
+        stdout.txt            its stdout
+        result.json table.txt  --out (table.txt written last)
+        calibration.json      --save-calibration: the fitted step-cost model
+        cancelled             `measure --stop` was asked (its UTC time)
+        exit-status           trainer.measure's exit status (by a rename, once it exited)
+
+A measure runs in the tmux session SESSION-measure (`measure_session`), never the run's.
 
 Scripts `cd "$1"` (the workdir) and use the relative names (the module constants); services
 use a `RemoteLayout(workdir)` for absolute paths. Pure: no I/O.
@@ -45,6 +57,38 @@ SECRETS = "secrets"
 SUPERVISOR_SOURCE = "trainer/supervise.py"
 # In a release: the memory estimator deploy's memory check runs (`python -m trainer.memory`).
 MEMORY_SOURCE = "trainer/memory/__main__.py"
+
+MEASURE_ROOT = "measure"
+"""WORKDIR/measure/<id>/: one directory per measure, <id> its UTC start (MEASURE_ID_FORMAT)."""
+MEASURE_ID_FORMAT = "%Y%m%dT%H%M%SZ"
+"""A measure id as strftime writes it (`date -u +%Y%m%dT%H%M%SZ`): sorts by name = by start."""
+MEASURE_ID_PATTERN = "^[0-9]{8}T[0-9]{6}Z$"
+"""A measure id, as grep -E and re read it."""
+MEASURE_SESSION_SUFFIX = "-measure"
+# inside measure/<id>/
+MEASURE_INFO = "info.json"  # what was asked (argv, release, config hash), written at start
+MEASURE_CONFIG = "config.toml"  # a copy of run/config.toml as it was measured (for the record)
+MEASURE_PROGRESS = "progress.log"  # trainer.measure's stderr: one `round ...` line per timing run
+MEASURE_STDOUT = "stdout.txt"  # its stdout (the table, or the JSON with --json)
+MEASURE_RESULT = "result.json"  # --out: the JSON result
+MEASURE_TABLE = "table.txt"  # --out: the table (written after result.json)
+MEASURE_CALIBRATION = "calibration.json"  # --save-calibration: the fitted step-cost model
+MEASURE_EXIT = "exit-status"  # written (by a rename) when trainer.measure has exited
+MEASURE_CANCELLED = "cancelled"  # `dflashctl measure HOST --stop` was asked (its time)
+MEASURE_TMP = "tmp"  # its TMPDIR: the timing runs' directories (final checkpoints) on the workdir's
+# disk, not the container's root filesystem; trainer.measure removes them, also when stopped
+# In a release: it can measure (`python -m trainer.measure`).
+MEASURE_SOURCE = "trainer/measure/__main__.py"
+
+
+def measure_session(session: str) -> str:
+    """The measure's tmux session: the host's session name + `-measure` (never the run's)."""
+    return session + MEASURE_SESSION_SUFFIX
+
+
+def measure_dir(measure_id: str) -> str:
+    """measure/<id>, relative to the workdir."""
+    return f"{MEASURE_ROOT}/{measure_id}"
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,7 @@
 torchrun when the run config needs several ranks), the start and stop waits, the GPU query, and
 a measure's (its directory and tmux session, the pane's wrapper, its status wait). Parsing their
 output into typed results is run control's (dflashctl.control) and the measure service's
-(dflashctl.measure); the paths are dflashctl.remote.layout's (the measure's, for now, here).
+(dflashctl.measure); the paths and names are dflashctl.remote.layout's.
 """
 
 from __future__ import annotations
@@ -11,11 +11,30 @@ import re
 
 from dflashctl.errors import UsageError
 from dflashctl.remote import layout as L
+from dflashctl.remote.layout import (
+    MEASURE_CANCELLED,
+    MEASURE_CONFIG,
+    MEASURE_EXIT,
+    MEASURE_ID_PATTERN,
+    MEASURE_INFO,
+    MEASURE_PROGRESS,
+    MEASURE_ROOT,
+    MEASURE_SOURCE,
+    MEASURE_STDOUT,
+    MEASURE_TABLE,
+    MEASURE_TMP,
+    measure_dir,
+    measure_session,
+)
 from dflashctl.remote.tmux import SETTLED_PANE_FN, TMUX_SOCKET
 from trainer.events import PHASE_TEXTS
 
 MARK = "@@dflash@@:"
 """Starts each section of the status script's output (`@@dflash@@:NAME`)."""
+
+STATUS_MEASURE_LINES = 5
+"""The status script reads this many of a running measure's last progress lines (status shows
+the last that is not blank)."""
 
 # $1 workdir $2 session. Sections, each after a MARK line.
 STATUS_SCRIPT = (
@@ -34,6 +53,16 @@ STATUS_SCRIPT = (
     f'echo "${{m}}switched"; cat {L.SWITCH_MARKER} 2>/dev/null\n'
     f'echo "${{m}}supervisor"; cat {L.SUPERVISOR_STATE} 2>/dev/null; echo\n'
     f'echo "${{m}}supervisable"; [ -f {L.CURRENT}/{L.SUPERVISOR_SOURCE} ] && echo yes || echo no\n'
+    # the newest measure, only while it has no exit status: its id, its session's pane, its
+    # last progress lines and the host's clock (a finished one is `measure --result`'s)
+    f'echo "${{m}}measure"; mid=$(ls -1 {MEASURE_ROOT} 2>/dev/null | grep -E '
+    f"'{MEASURE_ID_PATTERN}' | tail -n 1)\n"
+    f'if [ -n "$mid" ] && [ ! -f "{MEASURE_ROOT}/$mid/{MEASURE_EXIT}" ]; then echo "$mid"\n'
+    f'  echo "${{m}}measure_pane"; settled_pane "$2{L.MEASURE_SESSION_SUFFIX}"\n'
+    f'  echo "${{m}}measure_progress"; tail -n {STATUS_MEASURE_LINES} '
+    f'"{MEASURE_ROOT}/$mid/{MEASURE_PROGRESS}" 2>/dev/null\n'
+    '  echo "${m}now"; date -u +%s\n'
+    "fi\n"
     "exit 0\n"
 )
 
@@ -174,36 +203,6 @@ def stop_wait_argv(workdir: str, session: str, from_line: int, timeout: float) -
 
 # --- measure (`python -m trainer.measure` in its own tmux session) -------------------------
 
-MEASURE_ROOT = "measure"
-"""WORKDIR/measure/<id>/: one directory per measure, <id> its UTC start (MEASURE_ID_FORMAT)."""
-MEASURE_ID_PATTERN = "^[0-9]{8}T[0-9]{6}Z$"
-"""A measure id: `date -u +%Y%m%dT%H%M%SZ` (sorts by name = by start time)."""
-MEASURE_SESSION_SUFFIX = "-measure"
-# inside measure/<id>/
-MEASURE_INFO = "info.json"  # what was asked (argv, release, config hash), written at start
-MEASURE_CONFIG = "config.toml"  # a copy of run/config.toml as it was measured (for the record)
-MEASURE_PROGRESS = "progress.log"  # trainer.measure's stderr: one `round ...` line per timing run
-MEASURE_STDOUT = "stdout.txt"  # its stdout (the table, or the JSON with --json)
-MEASURE_RESULT = "result.json"  # --out: the JSON result
-MEASURE_TABLE = "table.txt"  # --out: the table (written after result.json)
-MEASURE_CALIBRATION = "calibration.json"  # --save-calibration: the fitted step-cost model
-MEASURE_EXIT = "exit-status"  # written (by a rename) when trainer.measure has exited
-MEASURE_CANCELLED = "cancelled"  # `dflashctl measure HOST --stop` was asked (its time)
-MEASURE_SOURCE = "trainer/measure/__main__.py"  # in a release: it can measure
-MEASURE_TMP = "tmp"  # its TMPDIR: the timing runs' directories (final checkpoints) on the workdir's
-# disk, not the container's root filesystem; trainer.measure removes them, also when stopped
-
-
-def measure_session(session: str) -> str:
-    """The measure's tmux session: the host's session name + `-measure` (never the run's)."""
-    return session + MEASURE_SESSION_SUFFIX
-
-
-def measure_dir(measure_id: str) -> str:
-    """measure/<id>, relative to the workdir."""
-    return f"{MEASURE_ROOT}/{measure_id}"
-
-
 # $1 workdir. Creates measure/<id> (a new one: one measure per second at most, retried), copies
 # the run config into it, writes stdin to its info.json, prints the id. Exit 3: no run config.
 MEASURE_PREPARE_SCRIPT = f"""set -e
@@ -212,7 +211,7 @@ cd "$1"
 mkdir -p {MEASURE_ROOT}
 i=0
 while :; do
-  id=$(date -u +%Y%m%dT%H%M%SZ)
+  id=$(date -u +{L.MEASURE_ID_FORMAT})
   mkdir "{MEASURE_ROOT}/$id" 2>/dev/null && break
   i=$((i + 1)); [ "$i" -lt 3 ] || {{ echo "cannot create {MEASURE_ROOT}/$id" >&2; exit 1; }}
   sleep 1

@@ -1,6 +1,7 @@
 """`dflashctl measure HOST`: trainer.measure in the host's container, in a tmux session of its
 own, followed or detached, its result printed and its calibration fetched; refused while
-training or another measure runs there.
+training or another measure runs there; and the other way round, start, restart and a group's
+start refused while it runs, and status showing it.
 
 Pure tests of the request, the argv and the status parser; the service over LocalTransport with
 real tmux and a stand-in trainer.measure (fast: refusals, follow, detach, --result, --stop, a
@@ -24,12 +25,14 @@ from pathlib import Path
 
 import pytest
 
+from dflashctl.cli import format_run_status
 from dflashctl.cli import main as cli_main
-from dflashctl.control import RunControl
+from dflashctl.control import MeasureInProgress, RunControl, iso_utc, measure_started
 from dflashctl.deploy import deploy
 from dflashctl.errors import ExitCode, UsageError
 from dflashctl.follow import Backoff
-from dflashctl.inventory import HostConfig, local_host
+from dflashctl.group import GroupControl
+from dflashctl.inventory import GroupConfig, HostConfig, local_host
 from dflashctl.measure import (
     MeasureBusy,
     MeasureControl,
@@ -47,8 +50,8 @@ from dflashctl.measure import (
 )
 from dflashctl.release import build_release
 from dflashctl.remote import LocalTransport
-from dflashctl.remote.layout import RemoteLayout
-from dflashctl.remote.run import MARK, measure_session
+from dflashctl.remote.layout import RemoteLayout, measure_session
+from dflashctl.remote.run import MARK
 from tests.conftest import require_part
 from tests.ctl import parts as P
 
@@ -356,6 +359,81 @@ async def test_a_refusal_and_a_lost_measure_are_one_line_each(
     with pytest.raises(UsageError, match="is not a measure id"):
         await mc.state(measure_id="../run")
     assert await mc.stop() is not None
+
+
+async def test_start_restart_and_a_groups_start_are_refused_while_a_measure_runs_and_status_shows_it(
+    local: tuple[MeasureControl, HostConfig, Path], tmp_path: Path
+) -> None:
+    """Both would share the devices: refused (one line: the host, the measure's id and since
+    when, how to see and stop it) before anything starts; status shows the running measure and
+    nothing once it stopped or finished; then the start goes ahead."""
+    mc, host, wd = local
+    (wd / "run" / "config.toml").write_text("[run]\npause = 2\n")
+    started = await mc.start(MeasureRequest(steps=2, rounds=3))
+    mid = started.measure_id
+    await mc.state(0, 6)  # its first progress line
+    ctl = RunControl(mc.transport, host)
+    st = await ctl.status()
+    assert st.state == "stopped" and st.measure is not None
+    when = measure_started(mid)
+    assert when is not None
+    since = iso_utc(when)
+    assert (st.measure.id, st.measure.session, st.measure.since) == (mid, "t-measure", since)
+    assert st.measure.progress == "round 1/3 sorted: 1,000 tok/s (run 1 of 6)"
+    assert st.measure.age_s is not None and 0 <= st.measure.age_s < 60
+    assert f"  measure: {mid} running since {since} (" in format_run_status(st)
+    assert json.loads(json.dumps(st.to_json_dict(), default=str))["measure"]["id"] == mid
+
+    def no_run() -> None:
+        assert not (wd / "run" / ".release").exists()  # start records it before new-session
+
+    with pytest.raises(MeasureInProgress) as refused:
+        await ctl.start(wait_s=5)
+    assert str(refused.value) == (
+        f"loc: measure {mid} is running there (since {since}, tmux session 't-measure'): a "
+        "training run would share its devices; `dflashctl measure loc --result` shows how far "
+        "it is, `dflashctl measure loc --stop` ends it"
+    )
+    assert refused.value.exit_code == ExitCode.FAILED
+    no_run()
+    current = (wd / "current").readlink()
+    with pytest.raises(
+        MeasureInProgress, match=r"^loc: measure \S+ is running there .*: a restarted run"
+    ):
+        await ctl.restart(release=build_release(REPO / "tests" / "ctl" / "standin"))
+    assert (wd / "current").readlink() == current  # refused before its deploy
+    no_run()
+    # a group with this host as node 1 (node 0: a host with nothing deployed): neither starts
+    sock = tmp_path / "tmux0"
+    sock.mkdir()
+    node0 = local_host("n0", tmp_path / "wd0", python=sys.executable, session="t0")
+    t0 = LocalTransport(env={"TMUX_TMPDIR": str(sock)})
+    try:
+        gc = GroupControl(GroupConfig(name="g", nodes=(node0, host)), [t0, mc.transport])
+        with pytest.raises(MeasureInProgress) as refused:
+            await gc.start(wait_s=5)
+        assert str(refused.value).startswith(
+            f"group 'g': not starting: loc: measure {mid} is running there (since {since}, "
+            "tmux session 't-measure'): the group's run would share its devices; "
+        )
+        with pytest.raises(MeasureInProgress, match=r"^group 'g': not restarting: loc: measure"):
+            await gc.restart(release=build_release(REPO / "tests" / "ctl" / "standin"))
+        assert not (tmp_path / "wd0").exists()  # nothing deployed to node 0
+    finally:
+        await t0.close()
+    no_run()
+    assert await mc.stop() is not None
+    assert (await ctl.status()).measure is None  # stopped: not shown
+    (wd / "run" / "config.toml").write_text("[run]\npause = 0.1\n")
+    await mc.start(MeasureRequest(steps=1, strategies=("sorted",)))
+    assert (await mc.follow(lambda _: None, lambda _: None, poll_s=5)).state == "finished"
+    st = await ctl.status()
+    assert st.measure is None and "measure" not in format_run_status(st)  # finished: --result's
+    res = await ctl.start(wait_s=20)
+    try:
+        assert res.started
+    finally:
+        await ctl.stop(timeout=20)
 
 
 # --- the CLI over real sshd + pct + LXC + tmux, the real trainer.measure ----------------------

@@ -1,4 +1,5 @@
-"""status reads RUN/supervisor.json in its one round trip: restarts, supervisor, new states.
+"""status reads RUN/supervisor.json in its one round trip: restarts, supervisor, new states;
+and a running `dflashctl measure` (its id, since when, its last progress line).
 
 The parser is pure; the real-parts tests (test_supervised_run.py) run the same path through
 sshd, pct, LXC and tmux with the real supervisor and trainer.
@@ -20,7 +21,7 @@ from typing import Any
 import pytest
 
 from dflashctl.cli import format_run_status, low_disk_line, supervisor_lines
-from dflashctl.control import MARK, STATUS_SCRIPT, parse_status
+from dflashctl.control import MARK, STATUS_SCRIPT, parse_status, split_sections
 from dflashctl.remote.commands import supervised
 from dflashctl.watch_events import Condition, snapshot_from_status
 from trainer.config.policy import Policy
@@ -256,3 +257,99 @@ def test_a_supervised_signal_death_is_named_like_a_bare_one() -> None:
     assert st.state == "crashed" and st.exit_status == 137 and st.signal == "SIGKILL"
     text = format_run_status(st)
     assert "(killed by SIGKILL)" in text and "supervisor: signal 9; restart = never" in text
+
+
+# --- a running `dflashctl measure`, read in the same round trip -------------------------------
+
+MEASURE_ID = "20261201T170211Z"
+STARTED = 1796144531  # MEASURE_ID as epoch seconds
+
+
+def measuring(pane: str, progress: str = "", measure: str = MEASURE_ID) -> str:
+    return out(
+        "",
+        None,
+        session="no",
+        measure=measure,
+        measure_pane=pane,
+        measure_progress=progress,
+        now=str(STARTED + 190),
+    )
+
+
+def test_a_running_measure_is_status_text_and_json() -> None:
+    progress = "round 1/2 sorted: 1,000 tok/s (run 1 of 4)\nround 1/2 packed: 9\x1b[31m tok/s\n\n"
+    st = status(measuring("0|||77", progress))
+    assert st.state == "stopped" and st.measure is not None
+    assert st.measure.id == MEASURE_ID and st.measure.session == "dflash-measure"
+    assert st.measure.since == "2026-12-01 17:02:11 UTC" and st.measure.age_s == 190
+    assert st.measure.progress == "round 1/2 packed: 9 tok/s"  # the last line, made safe
+    d = json.loads(json.dumps(st.to_json_dict(), default=str))
+    assert d["measure"] == {
+        "id": MEASURE_ID,
+        "session": "dflash-measure",
+        "since": "2026-12-01 17:02:11 UTC",
+        "age_s": 190,
+        "progress": "round 1/2 packed: 9 tok/s",
+    }
+    lines = format_run_status(st).splitlines()
+    assert lines[1] == (
+        f"  measure: {MEASURE_ID} running since 2026-12-01 17:02:11 UTC (3m10s ago) in tmux "
+        "session 'dflash-measure': round 1/2 packed: 9 tok/s (`dflashctl measure h --result`)"
+    )
+    named = parse_status("h", measuring("0|||77"), lambda _t: None, session="gpu")
+    assert named.measure is not None and named.measure.session == "gpu-measure"
+    assert (
+        format_run_status(named)
+        .splitlines()[1]
+        .endswith("'gpu-measure': no timing run has finished yet (`dflashctl measure h --result`)")
+    )
+
+
+def test_a_measure_that_is_not_running_is_not_shown() -> None:
+    for text in (
+        measuring("1|0||77"),  # its pane died (remain-on-exit)
+        measuring(""),  # no session: lost (a container restart) or stopped
+        measuring("0|||77", measure="../../etc"),  # not a measure id
+        out("0|||40", None),  # no measure at all
+        out("0|||40", None, measure=""),  # the newest has its exit status: --result's
+    ):
+        st = status(text)
+        assert st.measure is None and st.to_json_dict()["measure"] is None
+        assert "measure" not in format_run_status(st)
+
+
+def test_the_status_script_reads_the_newest_measure_without_an_exit_status(
+    tmp_path: Path,
+) -> None:
+    """The script for real (sh), a stand-in `tmux` on PATH whose only live pane is the measure
+    session's: the newest measure's id, pane and last progress lines; nothing once it exited."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    tmux = bin_dir / "tmux"
+    tmux.write_text('#!/bin/sh\ncase "$*" in *"=s-measure:"*) echo "0|||77";; *) exit 1;; esac\n')
+    tmux.chmod(0o755)
+    wd = tmp_path / "wd"
+    for mid in ("20261130T090000Z", MEASURE_ID, "notes"):
+        (wd / "measure" / mid).mkdir(parents=True)
+    (wd / "measure" / "20261130T090000Z" / "progress.log").write_text("old\n")
+    (wd / "measure" / MEASURE_ID / "progress.log").write_text("".join(f"l{i}\n" for i in range(9)))
+
+    def run() -> dict[str, str]:
+        got = subprocess.run(
+            ["sh", "-c", STATUS_SCRIPT, "dflash-status", str(wd), "s"],
+            capture_output=True,
+            text=True,
+            env={"PATH": f"{bin_dir}:/usr/bin:/bin"},
+            timeout=30,
+            check=True,
+        )
+        return split_sections(got.stdout)
+
+    got = run()
+    assert got["measure"] == MEASURE_ID and got["measure_pane"] == "0|||77"
+    assert got["measure_progress"] == "l4\nl5\nl6\nl7\nl8" and got["now"].isdigit()
+    assert got["session"] == "no"  # the run's own session is not the measure's
+    (wd / "measure" / MEASURE_ID / "exit-status").write_text("0\n")
+    got = run()
+    assert got["measure"] == "" and "measure_pane" not in got and "now" not in got
