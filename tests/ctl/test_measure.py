@@ -519,6 +519,15 @@ def test_measure_over_ssh_follows_detaches_refuses_and_prints_the_table(
     rc, out, err = cli([*inv, "measure", "ct", *short], capsys)
     assert rc == ExitCode.FAILED and "is already running (since " in err, err
     assert "tmux session 'dflash-test-measure'" in err and err.count("\n") == 1
+    # and the other way round: no training start while it runs; status shows it
+    rc, out, err = cli([*inv, "start", "ct"], capsys)
+    assert rc == ExitCode.FAILED and err.count("\n") == 1, err
+    assert re.match(r"dflashctl: ct: measure \d{8}T\d{6}Z is running there \(since ", err), err
+    assert err.rstrip().endswith("`dflashctl measure ct --stop` ends it"), err
+    rc, out, err = cli([*inv, "status", "ct"], capsys)
+    assert rc == 0 and "  measure: " in out and " in tmux session 'dflash-test-measure': " in out
+    rc, out, err = cli([*inv, "status", "ct", "--json"], capsys)
+    assert json.loads(out)[0]["measure"]["session"] == "dflash-test-measure", out
     rc, out, err = cli([*inv, "measure", "ct", "--result"], capsys)
     assert rc == ExitCode.FAILED and "is still running (since " in err and not out, err
     end = time.monotonic() + 600
@@ -529,6 +538,8 @@ def test_measure_over_ssh_follows_detaches_refuses_and_prints_the_table(
         rc, out, err = cli([*inv, "measure", "ct", "--result"], capsys)
     rows = [ln.split()[0] for ln in out.splitlines()[2:4]]
     assert rows == ["sorted", "packed"], out
+    rc, out, err = cli([*inv, "status", "ct", "--json"], capsys)
+    assert json.loads(out)[0]["measure"] is None, out  # finished: `--result`'s, not status's
     # an earlier measure by its id: the followed one's JSON
     rc, out, err = cli([*inv, "measure", "ct", "--result", "--id", mid, "--json"], capsys)
     assert rc == 0 and json.loads(out) == result, err
