@@ -415,3 +415,16 @@ def group_pair(
         finally:
             for ct in cts:
                 kill_tmux_in(ct)
+
+
+def pinned_inventory(parts: Parts, tmp_path: Path, run_config: Path | None = None) -> list[str]:
+    """`--hosts FILE` for the real parts with the sshd key already pinned."""
+    known = tmp_path / "known_hosts"
+    pub = parts.sshd.host_pub.read_text().split()
+    known.write_text(f"[127.0.0.1]:{parts.sshd.port} {pub[0]} {pub[1]}\n")
+    inv = tmp_path / "hosts.toml"
+    inv.write_text(
+        hosts_toml(parts, known_hosts=known, run_config=run_config)
+        + 'env = { OMP_NUM_THREADS = "1" }\n'
+    )
+    return ["--hosts", str(inv)]

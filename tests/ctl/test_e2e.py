@@ -135,19 +135,6 @@ def test_operator_loop_end_to_end(
     assert "already present, nothing sent" in capsys.readouterr().out
 
 
-def pinned_inventory(parts: P.Parts, tmp_path: Path, run_config: Path | None = None) -> list[str]:
-    """`--hosts FILE` for the real parts with the sshd key already pinned."""
-    known = tmp_path / "known_hosts"
-    pub = parts.sshd.host_pub.read_text().split()
-    known.write_text(f"[127.0.0.1]:{parts.sshd.port} {pub[0]} {pub[1]}\n")
-    inv = tmp_path / "hosts.toml"
-    inv.write_text(
-        P.hosts_toml(parts, known_hosts=known, run_config=run_config)
-        + 'env = { OMP_NUM_THREADS = "1" }\n'
-    )
-    return ["--hosts", str(inv)]
-
-
 def frozen_tree(tmp_path: Path) -> Path:
     tree = tmp_path / "tree"
     shutil.copytree(
@@ -178,7 +165,7 @@ def test_a_trainer_that_dies_at_once_is_a_failed_start(
             'store = ".cache/tiny-store"', f'store = "{P.CONTAINER_WORKDIR}/empty-store"'
         )
     )
-    inv = pinned_inventory(real_parts, tmp_path)
+    inv = P.pinned_inventory(real_parts, tmp_path)
     tree = frozen_tree(tmp_path)
     for cfg, said in (
         (bad_device, r"exited with status 2 .*: topology: device .cuda:99. requested"),
@@ -224,7 +211,7 @@ def test_deploy_config_is_checked_against_the_checkpoint_over_ssh(
     write_checkpoint(run, 40, tiny)
     bumped = tmp_path / "bumped.toml"
     bumped.write_text(P.bump_buckets(tiny))
-    inv = pinned_inventory(real_parts, tmp_path)
+    inv = P.pinned_inventory(real_parts, tmp_path)
     tree = frozen_tree(tmp_path)
     capsys.readouterr()
     assert cli_main([*inv, "deploy", "ct", "--config", str(bumped), "--tree", str(tree)]) == 1
@@ -249,7 +236,7 @@ def test_a_deploy_killed_during_preflight_leaves_a_lock_the_next_one_takes_over(
     import subprocess
     import sys
 
-    inv = pinned_inventory(real_parts, tmp_path)
+    inv = P.pinned_inventory(real_parts, tmp_path)
     tree = frozen_tree(tmp_path)
     lock = clean_workdir / ".deploy.lock"
     client = subprocess.Popen(
@@ -289,7 +276,7 @@ def test_hostile_status_log_reaches_logs_and_status_clean(
         b"\x1b[32m[0m] step=4 loss=2.0000 acc=0.500 streak=1.0 lr=6.00e-04 noise=0.1000 | "
         b"tgt=1.00b/s dft=1.00b/s (2.0Ktok/s) | q_pre=[1] q_hs=[1] | epoch~0.01 ETA=17m\x1b[0m\n"
     )
-    inv = pinned_inventory(real_parts, tmp_path)
+    inv = P.pinned_inventory(real_parts, tmp_path)
     capsys.readouterr()
     assert cli_main([*inv, "logs", "ct", "-n", "5"]) == 0
     logs = capsys.readouterr().out
@@ -313,7 +300,7 @@ def test_a_deploy_killed_right_after_sending_never_switches_current_unsaid(
     import subprocess
     import sys
 
-    inv = pinned_inventory(real_parts, tmp_path)
+    inv = P.pinned_inventory(real_parts, tmp_path)
     tree = frozen_tree(tmp_path)
     client = subprocess.Popen(
         [sys.executable, "-m", "dflashctl.cli", *inv, "deploy", "ct", "--tree", str(tree)],

@@ -473,15 +473,7 @@ def test_measure_over_ssh_follows_detaches_refuses_and_prints_the_table(
         "the real trainer.measure is not in this checkout",
     )
     cfg = tiny_measure_config(tmp_path / "run.toml")
-    known = tmp_path / "known_hosts"
-    pub = real_parts.sshd.host_pub.read_text().split()
-    known.write_text(f"[127.0.0.1]:{real_parts.sshd.port} {pub[0]} {pub[1]}\n")
-    inv_path = tmp_path / "hosts.toml"
-    inv_path.write_text(
-        P.hosts_toml(real_parts, known_hosts=known, run_config=cfg)
-        + 'env = { OMP_NUM_THREADS = "1" }\n'
-    )
-    inv = ["--hosts", str(inv_path)]
+    inv = P.pinned_inventory(real_parts, tmp_path, run_config=cfg)
     tree = P.frozen_tree(tmp_path / "tree")
     rc, out, err = cli([*inv, "measure", "ct", "--steps", "2"], capsys)
     assert rc == ExitCode.FAILED and "ct: nothing deployed; run `dflashctl deploy ct`" in err
