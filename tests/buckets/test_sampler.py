@@ -11,7 +11,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from trainer.config import STRATEGIES
+from trainer.config import STRATEGIES, Strategy
 from trainer.data.lengths import seed_shaped_lengths
 from trainer.pipeline.plan import BatchPlan, Position
 from trainer.sampler import BatchSampler, SamplerError, greedy_batch_sizes
@@ -251,7 +251,9 @@ GOLDEN_SEED7 = [[7], [0, 5], [6, 3], [2, 4, 8], [9, 1]]
 
 @pytest.mark.parametrize("strategy", ["sorted", "random", "packed"])
 @pytest.mark.parametrize("n", [4, 7, 13])
-def test_equal_shares_split_halves_again_before_dropping_anything(strategy: str, n: int) -> None:
+def test_equal_shares_split_halves_again_before_dropping_anything(
+    strategy: Strategy, n: int
+) -> None:
     """One batch holding all n >= 4 samples, 4 ranks: halves are split again (largest first)
     until the count is a multiple of 4, so nothing is dropped. The halves split off were once
     never split again: 4 samples in one batch became [1], [1], [2], and all of them were
