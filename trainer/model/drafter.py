@@ -200,19 +200,10 @@ class DrafterAttention(nn.Module):
         k_blk, v_blk = self._kv(u, rope_q)
         scale = self.head_dim**-0.5
         if context_groups is not None:
-            assert isinstance(mask, tuple) and past is None
+            if not isinstance(mask, tuple) or past is not None:
+                raise ValueError("context_groups take one mask per group and no cache")
             k_packed, v_packed = self._packed_kv(context, rope_ctx)
-            outs = []
-            for (rows, index), group_mask in zip(context_groups, mask, strict=True):
-                n, width = index.shape
-                flat = index.flatten()
-                k_g = k_packed.index_select(0, flat).view(n, width, *k_packed.shape[1:])
-                v_g = v_packed.index_select(0, flat).view(n, width, *v_packed.shape[1:])
-                keys = mask_keys(group_mask)
-                k = _keys([k_g.transpose(1, 2), k_blk[rows]], keys)
-                v = _keys([v_g.transpose(1, 2), v_blk[rows]], keys)
-                outs.append(attend(q[rows], k, v, group_mask, scale=scale))
-            out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)
+            out = self._attend_groups(q, k_blk, v_blk, (k_packed, v_packed), context_groups, mask)
             return self.o_proj(out.transpose(1, 2).flatten(2)), (k_packed, v_packed)
         k_ctx, v_ctx = self._kv(context, rope_ctx)
         if past is not None:
@@ -221,6 +212,28 @@ class DrafterAttention(nn.Module):
         v = _keys([v_ctx, v_blk], mask_keys(mask))
         out = attend(q, k, v, mask, scale=scale)
         return self.o_proj(out.transpose(1, 2).flatten(2)), (k_ctx, v_ctx)
+
+    def _attend_groups(
+        self,
+        q: Tensor,
+        k_blk: Tensor,
+        v_blk: Tensor,
+        packed: tuple[Tensor, Tensor],
+        groups: ContextGroups,
+        masks: tuple[AttnMask, ...],
+    ) -> Tensor:
+        """Each group's queries over its context K/V gathered from the `packed` rows' and its
+        own blocks', with its own mask; the groups' outputs in row order."""
+        outs = []
+        for (rows, index), mask in zip(groups, masks, strict=True):
+            n, width = index.shape
+            flat = index.flatten()
+            k_g, v_g = (t.index_select(0, flat).view(n, width, *t.shape[1:]) for t in packed)
+            keys = mask_keys(mask)
+            k = _keys([k_g.transpose(1, 2), k_blk[rows]], keys)
+            v = _keys([v_g.transpose(1, 2), v_blk[rows]], keys)
+            outs.append(attend(q[rows], k, v, mask, scale=self.head_dim**-0.5))
+        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)
 
 
 class DrafterLayer(nn.Module):
