@@ -33,7 +33,13 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeVar, runtime_check
 
 from pydantic import ValidationError
 
-from dflashctl.control import GpuSample, restart_reason, restart_time, run_finished
+from dflashctl.control import (
+    GpuSample,
+    RunningMeasure,
+    restart_reason,
+    restart_time,
+    run_finished,
+)
 from dflashctl.follow import (
     Backoff,
     Connected,
@@ -161,6 +167,9 @@ class RunState:
     """The supervisor's restart records (status `restarts`), oldest first; kept while unreachable."""
     supervisor: dict[str, Any] | None = None
     """status `supervisor` (policy, state, gave_up, detail) of the pane's run, if supervised."""
+    measure: RunningMeasure | None = None
+    """The `dflashctl measure` running on the host (status `measure`): set while a poll reports
+    it, gone with the first reachable poll that does not; kept through unreachable polls."""
 
 
 def _push(hist: tuple[T, ...], value: T, limit: int = HISTORY) -> tuple[T, ...]:
@@ -250,6 +259,8 @@ class StatusView(Protocol):
     def log_lines(self) -> int | None: ...
     @property
     def pane_tail(self) -> Sequence[str]: ...
+    @property
+    def measure(self) -> RunningMeasure | None: ...
 
 
 def as_run_state(raw: contract.RunState | Mapping[str, object] | None) -> contract.RunState:
@@ -267,13 +278,16 @@ def apply_status(state: RunState, status: StatusView) -> RunState:
     """Fold a `RunControl.status()` result (a `RunStatus`) into the state.
 
     A poll that found no run-state.json keeps the one seen before (the trainer's plan does not
-    go away because one read came back empty).
+    go away because one read came back empty). A running measure is what the poll says (the
+    status script reads it in the same round trip): none reported, none shown.
     """
     run = status.state
     restarts: tuple[dict[str, Any], ...]
     pane_tail = tuple(status.pane_tail or ())
+    measure = status.measure
     if run == "unreachable":  # what we knew stays shown: the link is down, not the run
         restarts, supervisor, pane_tail = state.restarts, state.supervisor, state.pane_tail
+        measure = state.measure
     else:
         restarts = tuple(dict(r) for r in status.restarts or () if isinstance(r, Mapping))
         sup = status.supervisor
@@ -290,6 +304,7 @@ def apply_status(state: RunState, status: StatusView) -> RunState:
         restarts=restarts,
         supervisor=supervisor,
         pane_tail=pane_tail,
+        measure=measure,
     )
 
 
@@ -406,10 +421,14 @@ def display_state(state: RunState, now: float, stale_after: float = STALE_AFTER_
     """The one-word state a fleet row shows, honest about what we do not know.
 
     A run that says "running" but has sent nothing for `stale_after` seconds is "stale"; a host we
-    cannot reach is "unreachable" whatever its last known run state was.
+    cannot reach is "unreachable" whatever its last known run state was. A host running a
+    `dflashctl measure` (and no training run: they refuse each other) is "measuring", whatever
+    the last run's end was: its devices are busy.
     """
     if state.run == "unreachable":
         return "unreachable"
+    if state.measure is not None and state.run not in {"running", "restarting", "stalled"}:
+        return "measuring"
     if state.run == "gave-up":
         return "gave-up"
     if state.run == "crashed":

@@ -230,8 +230,16 @@ class DflashApp(App[None]):
 
     def action_restart(self) -> None:
         host = self._need_host("restart")
-        if host is not None:
-            self._open_restart(host)
+        if host is None:
+            return
+        state = self.states.get(host)
+        if state is not None and state.measure is not None:  # start refuses it: say so first
+            from dflashctl.control import measure_refusal
+
+            why = measure_refusal(state.measure, host, "a restart")
+            self.notify(str(why), severity="warning")
+            return
+        self._open_restart(host)
 
     async def build_restart_plan(self, host: str) -> RestartPlan:
         """Deployed config (fresh from the host) vs. the local file, through the trainer's rules."""

@@ -97,6 +97,8 @@ class GroupFigures:
 
 
 def _state_text(view: GroupView, nodes: Sequence[RunState], now: float) -> str:
+    if nodes[0].measure is not None and view.state in {"stopped", "finished", "failed"}:
+        return f"measuring: {nodes[0].host}"  # a group measures on node 0; its devices are busy
     if view.failed is not None:
         f = view.failed
         return f"failed: {f.host}" + (f" rank {f.rank}" if f.rank is not None else "")

@@ -15,7 +15,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, cast
 
-from dflashctl.control import RunService
+from dflashctl.control import RunningMeasure, RunService
 from dflashctl.deploy import DeployResult
 from dflashctl.follow import FollowEvent, LogFollower
 from dflashctl.monitor import RunShape, lr_schedule
@@ -161,6 +161,7 @@ class Status:
     supervisor: dict[str, Any] | None = None
     restarts: list[dict[str, Any]] = field(default_factory=list)
     pane_tail: list[str] = field(default_factory=list)
+    measure: RunningMeasure | None = None
 
 
 @dataclass

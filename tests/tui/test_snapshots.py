@@ -253,3 +253,31 @@ def test_group_screen(snap_compare) -> None:  # type: ignore[no-untyped-def]
         await pilot.pause()
 
     assert snap_compare(group_app(), terminal_size=SIZE, run_before=open_group)
+
+
+def test_measuring_host_screen(snap_compare) -> None:  # type: ignore[no-untyped-def]
+    """A host whose run stopped, now running `dflashctl measure`: the header says measuring,
+    the measure line under it has its id, since when, the commands and its last progress."""
+    from dflashctl.control import RunningMeasure
+
+    measure = RunningMeasure(
+        id="20270115T074002Z",
+        session="dflash-measure",
+        since="2027-01-15 07:40:02 UTC",
+        age_s=1198.0,
+        progress="round 1/2 packed: 17,412 tok/s (run 4 of 10)",
+    )
+    app = DflashApp(
+        [HostBinding("kpro6", service(), shape=seed_shape())],
+        clock=lambda: FIXED_NOW,
+        live=False,
+    )
+    st = apply_lines(RunState("kpro6"), run_lines(40), FIXED_NOW - 1300)
+    st = apply_status(st, Status(state="stopped", exit_status=0, measure=measure))
+    app.states["kpro6"] = replace(st, link="live")
+
+    async def open_host(pilot) -> None:  # type: ignore[no-untyped-def]
+        await pilot.press("enter")
+        await _painted(pilot)
+
+    assert snap_compare(app, terminal_size=SIZE, run_before=open_host)

@@ -23,6 +23,7 @@ from dflashctl.tui.widgets.panes import (
     gpus_text,
     header_text,
     lr_text,
+    measure_text,
     metrics_text,
     queues_text,
     throughput_text,
@@ -48,6 +49,7 @@ class HostScreen(LiveScreen[None]):
 
     def compose(self) -> ComposeResult:
         yield Static("", id="host-header")
+        yield Static("", id="host-measure")  # shown only while a measure runs on the host
         with Horizontal(id="row-eval"):  # "are we on track?" first
             yield LossPlot(id="loss-plot")
             yield EvalPane("held-out eval (tau, acc@k, best)", id="eval")
@@ -83,6 +85,11 @@ class HostScreen(LiveScreen[None]):
             return
         shape: RunShape = self.view.shape_for(self.host)
         self.query_one("#host-header", Static).update(header_text(state, now))
+        line = self.query_one("#host-measure", Static)
+        measure = measure_text(state, max(40, line.content_size.width or self.size.width))
+        line.display = measure is not None
+        if measure is not None:
+            line.update(measure)
         if self._painted and self.host not in set(dirty):
             return
         if self.query_one("#queues").content_size.width == 0:

@@ -49,6 +49,7 @@ STATE_STYLES = {
     "gave-up": "bold red",
     "degraded": "bold yellow",
     "partial": "yellow",
+    "measuring": "bold magenta",
 }
 
 
@@ -79,6 +80,9 @@ def header_text(state: RunState, now: float) -> Text:
     out.append(shown, style=state_style(shown))
     if shown == "unreachable" and state.unreachable_since is not None:
         out.append(f" since {since_text(state.unreachable_since, now)}", style="red")
+    measuring = measure_since(state) if shown == "measuring" else None
+    if measuring is not None:
+        out.append(f" {measuring}", style="magenta")
     out.append("  ")
     info = state.run_info
     if info.nnodes is not None and info.nnodes > 1:  # one node of a multi-node run
@@ -107,6 +111,42 @@ def header_text(state: RunState, now: float) -> Text:
         out.append("config changed: press r  ", style="bold magenta")
     if state.last_error:
         out.append(f"error: {state.last_error}", style="red")
+    return out
+
+
+def measure_since(state: RunState) -> str | None:
+    """`since 17:02:11 UTC (12m05s ago)` of the measure running on the host (None: none); the
+    age is the host's, at the last poll."""
+    m = state.measure
+    if m is None:
+        return None
+    since = m.since.partition(" ")[2] or m.since  # the id already says the day
+    return f"since {since}" + (f" ({format_age(m.age_s)} ago)" if m.age_s is not None else "")
+
+
+def measure_text(state: RunState, width: int = 120) -> Text | None:
+    """The host screen's one line for a `dflashctl measure` running there (None: none): its id
+    (its UTC start), since when where it fits (the header says it too), its last progress line
+    and the commands that read or end it; the progress line is cut to `width`, the commands
+    never are."""
+    m = state.measure
+    if m is None:
+        return None
+    commands = f"  dflashctl measure {state.host} --result|--stop"
+    progress = m.progress or "no timing run has finished yet"
+    full = measure_since(state) or ""
+    heads = [f" {full}: ", f" {full.split(' (')[0]}: ", ": "]
+    fits = [h for h in heads if 9 + len(m.id) + len(h) + len(progress) + len(commands) <= width]
+    head = fits[0] if fits else heads[-1]
+    room = max(8, width - 9 - len(m.id) - len(head) - len(commands))
+    if len(progress) > room:
+        progress = progress[: room - 1] + "…"
+    out = Text(no_wrap=True, overflow="ellipsis")
+    out.append(" measure ", style="bold magenta")
+    out.append(m.id, style="bold")
+    out.append(head, style="dim")
+    out.append(progress)
+    out.append(commands, style="cyan")
     return out
 
 
