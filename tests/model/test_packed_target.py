@@ -153,3 +153,30 @@ def test_mismatched_position_ids_are_refused(target: TargetModel) -> None:
     ids, pos, _ = packed_rows(DOCS)
     with pytest.raises(TargetError, match=r"position_ids .* do not match input_ids"):
         target.capture(ids, position_ids=pos[:, :-1])
+
+
+@pytest.mark.parametrize("max_groups", [1, 8])
+def test_with_the_padding_marked_the_real_tokens_run_as_one_flat_row(
+    target: TargetModel, max_groups: int
+) -> None:
+    """The pipeline passes the attention mask: the rows' real tokens are then captured as one
+    flat row (no padding slot computed), bit for bit the features of the rows captured without
+    it on every real position (to fp32 rounding), and zeros on the padding tails. Refused when the mask's shape is
+    not the rows'."""
+    ids, pos, _docs = packed_rows(MANY_DOCS, seed=3)
+    attn = torch.zeros_like(ids)
+    for r, row in enumerate(MANY_DOCS):
+        attn[r, : sum(row)] = 1
+    assert not bool(attn.bool().all())  # there are padding tails to skip
+    with document_attention(target, True, max_groups):
+        rows = target.capture(ids, position_ids=pos)
+        flat = target.capture(ids, attn, position_ids=pos)
+        with pytest.raises(TargetError, match=r"attention_mask .* do not match input_ids"):
+            target.capture(ids, attn[:, :-1], position_ids=pos)
+    real = attn.bool()
+    torch.testing.assert_close(flat[real], rows[real], rtol=1e-6, atol=1e-6)
+    assert not flat[~real].any()
+    with document_attention(target, False):  # transformers' path ignores the mask, as before
+        torch.testing.assert_close(
+            target.capture(ids, attn, position_ids=pos)[real], rows[real], rtol=1e-5, atol=1e-5
+        )

@@ -277,11 +277,29 @@ class TargetModel:
         its predecessor's + 1), taken when the 2D attention mask is None and there is no cache,
         in every supported version (4.56 on; tested on the floor and the locked version). The
         padding mask is then not passed: the padding tail is a document of its own, which no
-        real token sees.
+        real token sees. With `document_attention` (CPU) the documents are attended per
+        document instead (`target_attention`), and when `attention_mask` marks the padding
+        tails (0) they are not computed at all: the rows' real tokens run as one flat row (the
+        grouped attention does not depend on rows; the MLPs then skip every padding slot, ~4 %
+        of a packed micro-batch) and the tails' features are zeros.
 
         Returns:
             Tensor[B, T, len(layer_ids) * hidden_size] in the target dtype.
         """
+        if position_ids is not None and self.document_attention and attention_mask is not None:
+            if position_ids.shape != input_ids.shape or attention_mask.shape != input_ids.shape:
+                raise TargetError(
+                    f"position_ids {tuple(position_ids.shape)} and attention_mask "
+                    f"{tuple(attention_mask.shape)} do not match input_ids "
+                    f"{tuple(input_ids.shape)}"
+                )
+            real = attention_mask.bool().flatten()
+            if not bool(real.all()) and bool(real.any()):
+                flat_ids, flat_pos = input_ids.flatten()[real], position_ids.flatten()[real]
+                feats = self.capture(flat_ids[None], position_ids=flat_pos[None])[0]
+                out = feats.new_zeros(real.numel(), feats.shape[-1])
+                out[real] = feats
+                return out.view(*input_ids.shape, feats.shape[-1])
         with self._capturing(stop_early=True) as captured:
             with suppress(_StopForward):
                 if position_ids is None:
