@@ -160,13 +160,16 @@ def demo_host(demo_dir: Path, config: Path, session: str) -> HostConfig:
 DEMO_START_WAIT_S = 30.0
 
 
-async def bring_up(demo: HostHandle, session: str, *, fresh: bool, say: Say) -> None:
-    """Deploy the trainer tree and the config, then start the run unless it already runs."""
+async def bring_up(demo: HostHandle, session: str, *, fresh: bool, say: Say) -> int:
+    """Deploy the trainer tree and the config, then start the run unless it already runs.
+
+    Returns the status log's line count before the start: the lines after it are this run's
+    (a run already going: its lines from now on)."""
     control = demo.control
     status = await control.status()
     if status.state == "running":
         say(f"demo run already running in tmux session {session}; following it")
-        return
+        return status.log_lines
     if demo.deploy is None:
         raise DemoError(f"{demo.name}: the demo host has no deploy")
     say("deploying the trainer release locally ...")
@@ -174,20 +177,24 @@ async def bring_up(demo: HostHandle, session: str, *, fresh: bool, say: Say) -> 
     say("starting the trainer under tmux (first start builds the tiny store and target) ...")
     # a trainer that dies at once is reported here; a slow first build just goes on in the TUI
     await control.start(fresh=fresh, wait_s=DEMO_START_WAIT_S, progress=say)
+    return status.log_lines
 
 
-async def headless(control: RunService, duration: float, say: Say) -> int:
-    """Follow new status and Eval lines for `duration` s, stop gracefully, print the last Eval
-    line (when the run evaluated) and then the last status line."""
-    start = await control.status()
+async def headless(
+    control: RunService, duration: float, say: Say, from_line: int | None = None
+) -> int:
+    """Follow the status and Eval lines after `from_line` (None: from now) for `duration` s,
+    stop gracefully, print the last Eval line (when the run evaluated) and then the last status
+    line. `bring_up` gives the line the run started at, so a line the run wrote while the start
+    waited for it (its first evaluation, at step 0) is not skipped."""
+    if from_line is None:
+        from_line = (await control.status()).log_lines
     last: str | None = None
     last_eval: str | None = None
 
     async def watch() -> None:
         nonlocal last, last_eval
-        async with contextlib.aclosing(
-            lines_of(control.follow(from_line=start.log_lines))
-        ) as lines:
+        async with contextlib.aclosing(lines_of(control.follow(from_line=from_line))) as lines:
             async for line in lines:
                 event = parse_line(line)
                 if isinstance(event, StatusEvent):
@@ -237,9 +244,9 @@ async def _run(args: argparse.Namespace, demo: HostHandle, config: DemoConfig) -
     if config.note:
         say(config.note + ("; starting fresh (checkpoints archived)" if config.fresh else ""))
     try:
-        await bring_up(demo, args.session, fresh=args.fresh or config.fresh, say=say)
+        started_at = await bring_up(demo, args.session, fresh=args.fresh or config.fresh, say=say)
         if args.headless:
-            return await headless(demo.control, args.duration, say)
+            return await headless(demo.control, args.duration, say, started_at)
     finally:
         if args.headless and demo.close is not None:
             await demo.close()
