@@ -78,7 +78,7 @@ FOLLOW_POLL_S = 30.0
 """One follow round trip waits up to this long on the host for a progress line or the end."""
 ROUND_TRIP_MARGIN_S = 30.0
 """A remote wait of T seconds is given T + this before the client gives up on it."""
-STRATEGY_NAME = re.compile(r"^[a-z][a-z0-9-]{0,31}$")
+STRATEGY_NAME = re.compile(r"^[a-z][a-z0-9-]{0,31}(@[0-9]{1,7})?$")  # packed@N: row length N
 SET_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
 PROGRESS_TAIL = 3
 """`--result` on a running measure shows at most this many of its last progress lines."""

@@ -9,6 +9,8 @@ and checks itself by running the sampler for one epoch. numpy only; importable w
 CLI:
     python -m trainer.buckets plan --lengths PATH --buckets K --token-budget T --max-batch B
         [--min-share F] [--candidates N] [--objective padding|time --calibration FILE] [--json]
+    python -m trainer.buckets plan --strategy packed --lengths PATH --token-budget T
+        --max-batch B --objective time --calibration FILE [--json]
     python -m trainer.buckets compare --lengths PATH --token-budget T --max-batch B
         [--buckets K | --boundaries a,b,c] [--epochs 2] [--candidates N] [--json]
 
@@ -19,7 +21,9 @@ optimum; with more, a grid refined around the cuts (the output says so).
 --objective time (with --calibration FILE, written by `python -m trainer.measure`) scores each
 bucket by the predicted time of its batches under the fitted step-cost model
 (`trainer.bucketing.timecost`) instead of its padded tokens, and reports predicted samples/s and
-tokens/s (also for the padding-optimal plan, for comparison).
+tokens/s (also for the padding-optimal plan, for comparison). With --strategy packed it
+chooses the packed rows' length instead: each candidate's epoch as the sampler batches it,
+priced by the model (`trainer.bucketing.row_length`), the fastest starred.
 
 PATH is a `.npy` array of lengths or a token-store directory. Bad input exits 2 with one line.
 """
@@ -623,7 +627,13 @@ def _parser() -> argparse.ArgumentParser:
         "optimum), else a refined grid (said in the output)",
     )
     plan = sub.add_parser("plan", parents=[common], help="optimal boundaries for K buckets")
-    plan.add_argument("--buckets", type=int, required=True, help="number of buckets K")
+    plan.add_argument(
+        "--strategy",
+        choices=("bucketed", "packed"),
+        default="bucketed",
+        help="bucketed: boundaries for K buckets; packed: the row length (--objective time)",
+    )
+    plan.add_argument("--buckets", type=int, help="number of buckets K (bucketed)")
     plan.add_argument("--min-share", type=float, default=0.0, help="min share of samples/bucket")
     plan.add_argument("--seed", type=int, default=0, help="seed of the simulated epoch")
     plan.add_argument(
@@ -677,6 +687,16 @@ def _run_plan(args: argparse.Namespace, x: np.ndarray) -> int:
             raise PlanError(str(exc), "--calibration") from None
     elif args.calibration:
         raise PlanError("only used with --objective time", "--calibration")
+    if args.strategy == "packed":
+        if model is None:
+            raise PlanError(
+                "packed has no boundaries; its row length is chosen by predicted time: "
+                "add --objective time --calibration FILE",
+                "--strategy",
+            )
+        return _run_plan_packed(args, x, model)
+    if args.buckets is None:
+        raise PlanError("the number of buckets K is required for --strategy bucketed", "--buckets")
     plan = plan_buckets(
         x,
         args.buckets,
@@ -691,6 +711,53 @@ def _run_plan(args: argparse.Namespace, x: np.ndarray) -> int:
     d = plan.to_json_dict()
     print(json.dumps(d, indent=1) if args.json else format_plan_table(d))
     return 0
+
+
+def _run_plan_packed(args: argparse.Namespace, x: np.ndarray, model: StepCostModel) -> int:
+    """`plan --strategy packed --objective time`: every candidate row length, the fastest."""
+    from trainer.bucketing.row_length import best_row_length, row_length_options
+
+    x = _check_inputs(x, args.token_budget, args.max_batch)
+    options = row_length_options(
+        x, token_budget=args.token_budget, max_batch=args.max_batch, model=model, seed=args.seed
+    )
+    best = best_row_length(options)
+    result = {
+        "strategy": "packed",
+        "objective": "time",
+        "calibration": str(args.calibration),
+        "document_attention": bool(model.meta.get("document_attention", False)),
+        "token_budget": args.token_budget,
+        "max_batch": args.max_batch,
+        "num_samples": len(x),
+        "row_length": best.row_length,
+        "options": [o.to_json_dict() for o in options],
+    }
+    print(json.dumps(result, indent=1) if args.json else format_row_length_table(result))
+    return 0
+
+
+def format_row_length_table(result: dict[str, Any]) -> str:
+    """The packed row-length choice: one line per candidate, the chosen one starred."""
+    attention = "per document" if result["document_attention"] else "over whole rows (row length^2)"
+    lines = [
+        f"packed rows under {result['calibration']}: {result['num_samples']:,} samples, "
+        f"T={result['token_budget']}, B={result['max_batch']}, target attention {attention}",
+        f"{'row length':>11} {'batches':>8} {'row fill':>8} {'pad eff':>8} "
+        f"{'pred. s/epoch':>13} {'samples/s':>10} {'tokens/s':>10}",
+    ]
+    for o in result["options"]:
+        star = "*" if o["row_length"] == result["row_length"] else " "
+        lines.append(
+            f"{star}{o['row_length']:>10} {o['batches']:>8,} {_pct(o['row_fill']):>8} "
+            f"{_pct(o['padding_efficiency']):>8} {o['predicted_s']:>13.2f} "
+            f"{o['samples_s']:>10,.1f} {o['tokens_s']:>10,.0f}"
+        )
+    lines.append(
+        f'* = the fastest predicted epoch: [batching] strategy = "packed", '
+        f"row_length = {result['row_length']}"
+    )
+    return "\n".join(lines)
 
 
 def _run_compare(args: argparse.Namespace, x: np.ndarray) -> int:

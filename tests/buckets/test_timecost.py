@@ -109,6 +109,11 @@ def test_batch_features_padded_and_packed() -> None:
     f = batch_features(packed, elig, 8)
     # 2 rows of 50; each document draws min(8, its eligible)
     assert f.tolist() == [100.0, 2 * 2500.0, 3 + 8 + 5 + 0 + 8, 5.0, 1.0]
+    # a target attending per document: the attention term is the documents' own lengths^2
+    lengths = np.array([10, 20, 15, 30, 20])
+    f = batch_features(packed, elig, 8, lengths)
+    assert f.tolist() == [100.0, 100 + 400 + 225 + 900 + 400, 24.0, 5.0, 1.0]
+    assert batch_features(padded, elig, 8, lengths).tolist() == [120.0, 4800.0, 24.0, 3.0, 1.0]
 
 
 def test_segment_stats_batches_equal_the_one_segment_estimator() -> None:

@@ -103,7 +103,14 @@ def test_a_bad_request_is_one_line_naming_the_flag(req: MeasureRequest, said: st
 
 def test_strategies_and_sets_parse_as_trainer_measure_reads_them() -> None:
     assert parse_strategies("sorted, packed") == ("sorted", "packed")
-    for bad, said in (("sorted,,packed", "comma-separated"), ("a,a", "twice"), ("So rt", "name")):
+    assert parse_strategies("packed,packed@1024") == ("packed", "packed@1024")  # row length
+    for bad, said in (
+        ("sorted,,packed", "comma-separated"),
+        ("a,a", "twice"),
+        ("So rt", "name"),
+        ("packed@", "name"),
+        ("packed@1x", "name"),
+    ):
         with pytest.raises(UsageError, match=said):
             parse_strategies(bad)
     assert overrides(["batching.pool_size=400", "batching.strategy=packed", "x.y=[1, 2]"]) == {

@@ -178,6 +178,38 @@ def test_a_pool_holding_every_sample_is_flagged(small_config: Path) -> None:
     assert "wall: sorted " in proc.stdout and "wall: pool-sort " in proc.stdout
 
 
+def test_packed_at_a_row_length_runs_that_length_and_plans_the_row_length(
+    small_config: Path, tmp_path: Path
+) -> None:
+    """`packed@1024` is packed with batching.row_length = 1024: one row per micro-batch, fuller
+    than the default rows of the longest sample (6 x 160 = 960 slots at most); the calibration
+    says its CPU target attended per document, and `plan --strategy packed` chooses among the
+    row lengths with it."""
+    cal = tmp_path / "cal.json"
+    proc = measure_cli(
+        "--config", str(small_config), "--strategies", "sorted,packed,packed@1024",
+        "--steps", "3", "--warmup", "1", "--rounds", "1", "--window", "1", "--json",
+        "--save-calibration", str(cal),
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    d = json.loads(proc.stdout)
+    assert list(d["strategies"]) == ["sorted", "packed", "packed@1024"]
+    assert d["document_attention"] is True
+    assert d["strategies"]["packed"]["largest_batch"] <= 960
+    assert 960 < d["strategies"]["packed@1024"]["largest_batch"] <= 1024
+    assert StepCostModel.load(cal).meta["document_attention"] is True
+    store = tomllib.loads(small_config.read_text())["data"]["store"]
+    argv = [sys.executable, "-m", "trainer.buckets", "plan", "--strategy", "packed"]
+    argv += ["--lengths", store, "--token-budget", "1024", "--max-batch", "16"]
+    argv += ["--objective", "time", "--calibration", str(cal), "--json"]
+    plan = subprocess.run(argv, cwd=REPO, env=env(), capture_output=True, text=True, check=False)
+    assert plan.returncode == 0, plan.stderr
+    p = json.loads(plan.stdout)
+    assert p["document_attention"] is True
+    best = min(p["options"], key=lambda o: (o["predicted_s"], o["row_length"]))
+    assert p["row_length"] == best["row_length"]
+
+
 @pytest.mark.parametrize(
     ("args", "needle"),
     [
@@ -186,6 +218,17 @@ def test_a_pool_holding_every_sample_is_flagged(small_config: Path) -> None:
         (["--steps", "0"], "error: --steps: must be >= 1, got 0"),
         (["--steps", "100000"], "error: --steps/--warmup: 5 + 100000 steps need"),
         (["--predict-with", "/nonexistent.json"], "error: --predict-with: /nonexistent.json"),
+        (["--strategies", "sorted@512"], "error: --strategies: 'sorted@512': @N is a row"),
+        (["--strategies", "packed@0"], "error: --strategies: 'packed@0': @N is a row length"),
+        (["--strategies", "packed@"], "error: --strategies: 'packed@': @N is a row length"),
+        (
+            ["--strategies", "sorted,packed@2048"],
+            "error: --strategies packed@2048: batching.row_length: Value error, 2048 is more",
+        ),
+        (
+            ["--strategies", "sorted,packed@20"],
+            "error: --strategies packed@20: batching: row_length 20 is shorter than sample",
+        ),
     ],
 )
 def test_bad_flags_are_one_line_naming_the_flag(

@@ -5,7 +5,8 @@
 
 Padded tokens drive the target's and the drafter's matmuls (the drafter's context attention is
 blocks x block size x row width, so per row it grows with the padded width too); squared row
-lengths the target's attention over each padded row; anchor blocks and samples the drafter's
+lengths the target's attention over each padded row (a packed row's documents, when the target
+attends per document: the sum of their squared lengths); anchor blocks and samples the drafter's
 per-block work; the last term is the fixed cost of a micro-batch (launches, the optimizer's
 share, the pipeline's hand-offs). The coefficients are fitted by non-negative least squares
 (`fit_step_cost`) from `python -m trainer.measure`'s timings, saved as a calibration file (JSON),
@@ -212,14 +213,27 @@ def row_features(
     )
 
 
-def batch_features(batch: Batch, eligible: np.ndarray, num_anchors: int) -> np.ndarray:
+def batch_features(
+    batch: Batch,
+    eligible: np.ndarray,
+    num_anchors: int,
+    document_lengths: np.ndarray | None = None,
+) -> np.ndarray:
     """Features of one micro-batch: `num_rows` rows of `max_len` tokens. A padded batch (one
     sample per row) draws min(num_anchors, most eligible in the batch) blocks per row
-    (`masks.sample_anchors`); a packed one (`row_sizes`) min(num_anchors, eligible) per document."""
+    (`masks.sample_anchors`); a packed one (`row_sizes`) min(num_anchors, eligible) per document.
+
+    `document_lengths` (every sample's length): the target attends per document
+    (`TargetModel.attends_per_document`), so a packed batch's squared term is the sum of its
+    documents' squared lengths, not rows x row width squared (which would price a row of 1024
+    tokens 40x its documents' attention)."""
     e = np.minimum(eligible[batch.indices], num_anchors)
     packed = batch.row_sizes is not None
     blocks = int(e.sum()) if packed else len(batch.indices) * int(e.max(initial=0))
-    return row_features(batch.num_rows, batch.max_len, len(batch.indices), blocks)
+    out = row_features(batch.num_rows, batch.max_len, len(batch.indices), blocks)
+    if packed and document_lengths is not None:
+        out[1] = float((document_lengths[batch.indices].astype(np.float64) ** 2).sum())
+    return out
 
 
 def segment_times(

@@ -11,6 +11,7 @@ to sorted's in the same round (median and range), and the step-cost model's pred
 to the measured ones. The fitted model (coefficients, R^2) is printed and, with
 --save-calibration, written for `python -m trainer.buckets plan --objective time`;
 --predict-with FILE also shows what an earlier calibration predicted for this config.
+`packed@N` in --strategies is packed with `batching.row_length = N` (row lengths side by side).
 --out DIR also writes the result as DIR/result.json and DIR/table.txt (each published whole, by a
 rename: a reader never sees half of one), for a run nobody watches (`dflashctl measure`).
 Progress goes to stderr, one line per timing run: `round 1/2 sorted: 17,312 tok/s (run 1 of 10)`.
@@ -90,17 +91,27 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def parse_strategies(text: str | None) -> list[str]:
+    """Strategy names in order; `packed@N` is packed with `batching.row_length = N`, so row
+    lengths can be compared in one run (`drive.variant`)."""
+    from trainer.measure.drive import variant
+
     if text is None:
         return [s for s in DEFAULT_STRATEGIES if s in STRATEGIES]
     names = [s.strip() for s in text.split(",") if s.strip()]
     if not names:
         raise UsageError("--strategies: no strategy named")
     for s in names:
-        if s not in STRATEGIES:
+        base, sep, _ = s.partition("@")
+        if base not in STRATEGIES:
             raise UsageError(
                 f"--strategies: {s!r} is not a batching strategy (this trainer has: "
-                f"{', '.join(STRATEGIES)})"
+                f"{', '.join(STRATEGIES)}; packed@N for rows of N tokens)"
             )
+        if sep:
+            try:
+                variant(s)
+            except ValueError as exc:
+                raise UsageError(f"--strategies: {exc}") from None
     if len(set(names)) != len(names):
         raise UsageError(f"--strategies: {text!r} names a strategy twice")
     return names
@@ -162,6 +173,8 @@ def measure(args: argparse.Namespace) -> dict[str, object]:
             raise UsageError(f"--predict-with: {exc}") from None
     with tempfile.TemporaryDirectory(prefix="dflash-measure-") as work:
         m = Measurer.from_file(args.config, Path(work), overrides(args.set))
+        for s in strategies:
+            m.check(s, args.steps, args.warmup)
         runs: dict[str, list[StrategyRun]] = {s: [] for s in strategies}
         total, done = args.rounds * len(strategies), 0
         for r in range(args.rounds):
@@ -187,6 +200,7 @@ def measure(args: argparse.Namespace) -> dict[str, object]:
         "rounds": args.rounds,
         "token_budget": cfg.batching.token_budget,
         "max_batch": cfg.batching.max_batch,
+        "document_attention": m.document_lengths(cfg) is not None,
     }
     window = args.window or default_window(args.steps)
     result, model = build_result(

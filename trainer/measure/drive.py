@@ -32,12 +32,12 @@ import numpy as np
 import trainer
 from trainer.bucketing.compare import measure as measure_epochs
 from trainer.bucketing.timecost import FEATURES, batch_features, eligible_counts
-from trainer.config import TrainConfig
+from trainer.config import ConfigError, TrainConfig
 from trainer.config.overlay import dump_toml, merge
 from trainer.data.store import TokenStore
 from trainer.errors import ExitCode, TrainerError
 from trainer.pipeline.plan import BatchPlan
-from trainer.sampler import BatchSampler
+from trainer.sampler import BatchSampler, SamplerError
 
 PREDICT_BATCHES = 2000  # epoch batches a prediction averages over (all of them, below this)
 NEVER = 10**9  # checkpoint.every_steps / every_minutes of a timing run: only the final save
@@ -54,8 +54,23 @@ class RunFailed(MeasureError):
     exit_code = ExitCode.FAILED
 
 
+def variant(name: str) -> tuple[str, dict[str, Any]]:
+    """A measured strategy name -> (batching.strategy, the batching keys it sets): `packed@N` is
+    packed with `row_length = N` (ValueError names a malformed one)."""
+    base, sep, length = name.partition("@")
+    if not sep:
+        return name, {}
+    if base != "packed" or not length.isdigit() or int(length) < 1:
+        raise ValueError(
+            f"{name!r}: @N is a row length of N >= 1 tokens, for packed only (packed@1024)"
+        )
+    return base, {"row_length": int(length)}
+
+
 def derive(cfg: TrainConfig, raw: dict[str, Any], strategy: str, max_steps: int) -> dict[str, Any]:
-    """The timing run's config table from the user's parsed TOML `raw` (see module doc)."""
+    """The timing run's config table from the user's parsed TOML `raw` (see module doc);
+    `strategy` may be a `variant` (packed@N)."""
+    base, keys = variant(strategy)
     topo = cfg.topology
     n_ranks = max(1, len(topo.drafter_devices))
     targets = topo.target_devices
@@ -64,7 +79,7 @@ def derive(cfg: TrainConfig, raw: dict[str, Any], strategy: str, max_steps: int)
     out = merge(
         raw,
         {
-            "batching": {"strategy": strategy},
+            "batching": {"strategy": base, **keys},
             "schedule": {"max_steps": max_steps},
             "checkpoint": {"every_steps": NEVER, "every_minutes": float(NEVER)},
             "topology": {"drafter_devices": topo.drafter_devices[:1], "target_devices": targets},
@@ -119,6 +134,7 @@ class Measurer:
         self.work = work or Path(tempfile.mkdtemp(prefix="dflash-measure-"))
         self._store: TokenStore | None = None
         self._eligible: np.ndarray | None = None
+        self._per_document: bool | None = None
         self.infos: dict[str, StrategyInfo] = {}
 
     @classmethod
@@ -152,6 +168,21 @@ class Measurer:
             self._store = TokenStore.open(assets.ensure_store(cfg))
         return self._store
 
+    def document_lengths(self, cfg: TrainConfig) -> np.ndarray | None:
+        """Every sample's length when the timing runs' target attends per document (the
+        packed batches' attention feature is then per document, `batch_features`), else None."""
+        if self._per_document is None:
+            from trainer.model.target import TargetModel
+            from trainer.pipeline import assets
+
+            device = derive(self.cfg, self.raw, "sorted", 1)["topology"]["target_devices"][0]
+            try:
+                hf = assets.target_hf_config(assets.ensure_target(cfg))
+            except assets.UserError as exc:
+                raise MeasureError(str(exc)) from None
+            self._per_document = TargetModel.attends_per_document(hf, device)
+        return np.asarray(self.store(cfg).lengths) if self._per_document else None
+
     def eligible(self, cfg: TrainConfig) -> np.ndarray:
         if self._eligible is None:
             s = self.store(cfg)
@@ -177,21 +208,28 @@ class Measurer:
         pick = np.arange(len(batches))
         if len(batches) > PREDICT_BATCHES:
             pick = np.sort(np.random.default_rng(0).choice(len(batches), PREDICT_BATCHES, False))
-        elig, a = self.eligible(cfg), cfg.model.num_anchors
+        elig, a, docs = self.eligible(cfg), cfg.model.num_anchors, self.document_lengths(cfg)
         return StrategyInfo(
             strategy=sampler.strategy,
             repeat=report.pair_repeat,
             warnings=tuple(sampler.warnings),
-            epoch_features=np.stack([batch_features(batches[i], elig, a) for i in pick]),
+            epoch_features=np.stack([batch_features(batches[i], elig, a, docs) for i in pick]),
             epoch_tokens=np.array([batches[i].real_tokens for i in pick], dtype=np.int64),
             epoch_samples=np.array([len(batches[i].indices) for i in pick], dtype=np.int64),
             steps_per_epoch=len(batches),
         )
 
-    def run(self, strategy: str, steps: int, warmup: int, tag: str) -> StrategyRun:
-        """`warmup` + `steps` optimizer steps of `python -m trainer` on `strategy`."""
-        cfg, path = self.config_for(strategy, warmup + steps)
-        plan = self.plan(cfg)
+    def check(self, strategy: str, steps: int, warmup: int) -> tuple[TrainConfig, Path, BatchPlan]:
+        """`strategy`'s timing-run config, its file and plan, checked before any run (a bad
+        row length or too few batches is one line, not an error after hours of other runs)."""
+        try:
+            cfg, path = self.config_for(strategy, warmup + steps)
+            plan = self.plan(cfg)
+        except (ConfigError, MeasureError, SamplerError) as exc:
+            if "@" not in strategy:
+                raise
+            said = str(exc).removeprefix(f"{self.work / strategy}.toml: ")
+            raise MeasureError(f"--strategies {strategy}: {said}") from None
         accum = cfg.optimizer.grad_accum
         if plan.total < (warmup + steps) * accum:
             raise MeasureError(
@@ -199,6 +237,11 @@ class Measurer:
                 f"micro-batches but strategy {strategy!r} plans {plan.total} in "
                 f"schedule.epochs = {cfg.schedule.epochs:g}: ask for fewer steps"
             )
+        return cfg, path, plan
+
+    def run(self, strategy: str, steps: int, warmup: int, tag: str) -> StrategyRun:
+        """`warmup` + `steps` optimizer steps of `python -m trainer` on `strategy`."""
+        cfg, path, plan = self.check(strategy, steps, warmup)
         if strategy not in self.infos:
             self.infos[strategy] = self.info(cfg, plan.sampler)
         run_dir = self.work / f"run-{tag}"
@@ -249,7 +292,7 @@ class Measurer:
         cpu_ends: np.ndarray,
     ) -> StrategyRun:
         accum = cfg.optimizer.grad_accum
-        elig, a = self.eligible(cfg), cfg.model.num_anchors
+        elig, a, docs = self.eligible(cfg), cfg.model.num_anchors, self.document_lengths(cfg)
         feats = np.zeros((steps, len(FEATURES)))
         tokens = np.zeros(steps, dtype=np.int64)
         samples = np.zeros(steps, dtype=np.int64)
@@ -258,7 +301,7 @@ class Measurer:
         for i in range(steps):
             for j in range(accum):
                 batch = plan.batch((warmup + i) * accum + j)
-                feats[i] += batch_features(batch, elig, a)
+                feats[i] += batch_features(batch, elig, a, docs)
                 tokens[i] += batch.real_tokens
                 samples[i] += len(batch.indices)
                 blocks[i] += int(np.minimum(elig[batch.indices], a).sum())

@@ -95,7 +95,7 @@ def fit(
 def anchor_blocks_per_sample(runs: Mapping[str, Sequence[StrategyRun]]) -> float:
     """Padded anchor blocks per sample over the padded strategies' timed steps (the planner's
     per-sample constant)."""
-    rs = [r for s, rr in runs.items() if s != "packed" for r in rr] or [
+    rs = [r for s, rr in runs.items() if not s.startswith("packed") for r in rr] or [
         r for rr in runs.values() for r in rr
     ]
     blocks = sum(float(r.features[:, 2].sum()) for r in rs)
@@ -204,12 +204,13 @@ def format_table(result: Mapping[str, object]) -> str:
     strategies = result["strategies"]
     assert isinstance(strategies, dict)
     clock = result.get("clock", "wall")
+    w = max([10, *map(len, strategies)])  # packed@1024 is 11
     lines = [
         f"config {result.get('config')}  device {result.get('device')}  "
         f"{result.get('steps')} steps after {result.get('warmup')} warm-up, "
         f"{result.get('rounds')} round(s), strategies interleaved; clock: {clock}"
         + (" (rates per CPU-second of the trainer; wall figures at the end)" * (clock == "cpu")),
-        f"{'strategy':<10} {'tok/s':>9} {'per round':>19} {'vs sorted':>17} {'samples/s':>9} "
+        f"{'strategy':<{w}} {'tok/s':>9} {'per round':>19} {'vs sorted':>17} {'samples/s':>9} "
         f"{'blocks/s':>9} {'padded/s':>9} {'pad eff':>7} {'largest':>7} {'repeat':>7} "
         f"{'predicted':>9} {'err':>6} {'loo err':>7}",
     ]
@@ -224,7 +225,7 @@ def format_table(result: Mapping[str, object]) -> str:
         loo = e.get("predicted_loo_tokens_s")
         loo_err = "-" if loo is None else f"{100 * (loo / e['tokens_s'] - 1):+.1f}%"
         lines.append(
-            f"{name:<10} {_k(e['tokens_s']):>9} {per_round:>19} {vs:>17} "
+            f"{name:<{w}} {_k(e['tokens_s']):>9} {per_round:>19} {vs:>17} "
             f"{e['samples_s']:>9,.1f} {_k(e['anchor_blocks_s']):>9} {_k(e['padded_tokens_s']):>9} "
             f"{100 * e['padding_efficiency']:>6.1f}% {e['largest_batch']:>7,} {rep:>7} "
             f"{_k(e['predicted_tokens_s']):>9} {100 * e['prediction_error']:>+5.1f}% {loo_err:>7}"
@@ -243,9 +244,9 @@ def format_table(result: Mapping[str, object]) -> str:
     ]
     for name, e in strategies.items():
         if e.get("wall_tokens_s") is not None:
-            w = e.get("wall_ratio_to_sorted")
+            r = e.get("wall_ratio_to_sorted")
             vs = (
-                "" if w is None else f", {w['median']:.2f} [{w['min']:.2f}-{w['max']:.2f}] x sorted"
+                "" if r is None else f", {r['median']:.2f} [{r['min']:.2f}-{r['max']:.2f}] x sorted"
             )
             lines.append(f"wall: {name} {_k(e['wall_tokens_s'])} tok/s{vs}")
     for name, e in strategies.items():

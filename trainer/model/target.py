@@ -138,7 +138,7 @@ class TargetModel:
         self._cache_kw = cache_keyword(model)
         self._captured: dict[int, Tensor] | None = None
         self._stop_after: int | None = None
-        self.document_attention = self.device.type == "cpu" and self._full_attention_only()
+        self.document_attention = self.attends_per_document(self.config, self.device)
         """Packed captures (`position_ids`) attend per document in length groups
         (`target_attention`) instead of transformers' block-diagonal mask: on for CPU targets
         whose every layer is full attention; off keeps transformers' packed path."""
@@ -148,12 +148,16 @@ class TargetModel:
         for i in self.layer_ids:
             self.layers[i].register_forward_hook(self._make_hook(i))
 
-    def _full_attention_only(self) -> bool:
-        """Every layer is full (not sliding-window) attention, as the grouped document attention
-        assumes; a config without `layer_types` does not say, so it is not assumed. (A method,
-        not a module function: `remote_code` copies this class into the export alone.)"""
-        types = getattr(self.config, "layer_types", None)
-        return isinstance(types, list) and all(t == "full_attention" for t in types)
+    @staticmethod
+    def attends_per_document(config: object, device: torch.device | str) -> bool:
+        """Whether a target of `config` on `device` attends packed documents apart (the
+        default of `document_attention`; the step-cost features follow it): on CPU, when
+        every layer is full (not sliding-window) attention, as the grouped document attention
+        assumes; a config without `layer_types` does not say, so it is not assumed. (On the
+        class, not a module function: `remote_code` copies this class into the export alone.)"""
+        types = getattr(config, "layer_types", None)
+        full = isinstance(types, list) and all(t == "full_attention" for t in types)
+        return torch.device(device).type == "cpu" and full
 
     @classmethod
     def load(
