@@ -15,7 +15,8 @@ as the trainer does on CPU (each document unpacked into a row of its own). `pack
 through transformers' block-diagonal mask (`TargetModel.document_attention = False`) instead of
 the grouped per-document attention (`trainer.model.target_attention`, on for CPU targets);
 `packed:gN` caps its document groups at N (`--max-groups N` for every strategy); suffixes
-combine (`packed:rows:mask`). `--capture-only` skips the drafter.
+combine (`packed:rows:mask`); `packed@N` packs rows of N tokens (`packed@1024:mask`).
+`--capture-only` skips the drafter.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ import torch
 from trainer.config import TrainConfig
 from trainer.config.overlay import merge
 from trainer.measure.cli import overrides
+from trainer.measure.drive import variant
 from trainer.model.split_step import bounded_objective_backward
 from trainer.model.target import TargetModel
 from trainer.pipeline import build
@@ -73,8 +75,8 @@ def main() -> None:
     tmp = Path(tempfile.mkdtemp(prefix="bench-packed-"))
     runs = {}
     for name in args.strategies.split(","):
-        strategy = name.split(":")[0]
-        raw = merge(merge(raw0, over), {"batching": {"strategy": strategy}})
+        strategy, keys = variant(name.split(":")[0])  # packed@N: rows of N tokens
+        raw = merge(merge(raw0, over), {"batching": {"strategy": strategy, **keys}})
         cfg = TrainConfig.from_dict(raw)
         cfg._source = args.config.resolve()
         parts, hosts = _batches(cfg, args.batches, tmp / name)
