@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import tomllib
 from pathlib import Path
 from typing import Any
@@ -13,7 +14,6 @@ import pytest
 from dflashctl.demo import DEMO_OVERLAY, REPO_CONFIG, demo_config_text
 from trainer.buckets import sampler_for
 from trainer.config import TrainConfig
-from trainer.config.overlay import merge
 from trainer.data.store import TokenStore
 from trainer.events import ErrorEvent, RawLine, StatusEvent, parse_line
 from trainer.pipeline.checkpoint import list_checkpoints, load_checkpoint
@@ -21,6 +21,7 @@ from trainer.pipeline.checkpoint import list_checkpoints, load_checkpoint
 from .conftest import RunCli, run_two_ranks, write_config
 
 PACKED = {"strategy": "packed"}
+DEMO_PACKED = {**PACKED, "row_length": 1024}  # configs/demo.toml's commented table
 
 
 def _losses(run_dir: Path) -> dict[int, float]:
@@ -81,15 +82,20 @@ def test_a_packed_run_trains_and_resumes_bit_for_bit(
 def test_the_demo_config_switched_to_packed_validates_and_steps(
     tmp_path: Path, tiny_assets: dict[str, Any], run_cli: RunCli
 ) -> None:
-    """`make demo` on packed = one edit of configs/demo.toml ([batching] strategy = "packed"):
-    the config the demo writes from it validates and trains, evaluating held-out rows."""
-    overlay = merge(tomllib.loads(DEMO_OVERLAY.read_text()), {"batching": PACKED})
+    """`make demo` on packed = configs/demo.toml's commented [batching] table uncommented
+    (strategy = "packed", row_length = 1024): the config the demo writes from it validates and
+    trains, evaluating held-out rows."""
+    uncommented = re.sub(
+        r"(?m)^# (\[batching\]|strategy = |row_length = )", r"\1", DEMO_OVERLAY.read_text()
+    )
+    overlay = tomllib.loads(uncommented)
+    assert overlay["batching"] == DEMO_PACKED
     cache = tmp_path / "cache"
     cache.mkdir()
     (cache / "tiny-store").symlink_to(tiny_assets["data"]["store"])
     (cache / "tiny-qwen3").symlink_to(tiny_assets["model"]["target_dir"])
     text = demo_config_text(tomllib.loads(REPO_CONFIG.read_text()), overlay, cache)
-    assert 'strategy = "packed"' in text
+    assert 'strategy = "packed"' in text and "row_length = 1024" in text
     (tmp_path / "demo.toml").write_text(text)
     cfg = TrainConfig.load(tmp_path / "demo.toml")
     assert cfg.batching.strategy == "packed" and cfg.eval.holdout_rows > 0
