@@ -688,6 +688,8 @@ def _run_plan(args: argparse.Namespace, x: np.ndarray) -> int:
     elif args.calibration:
         raise PlanError("only used with --objective time", "--calibration")
     if args.strategy == "packed":
+        if args.buckets is not None:
+            raise PlanError("packed rows have no buckets: leave it out", "--buckets")
         if model is None:
             raise PlanError(
                 "packed has no boundaries; its row length is chosen by predicted time: "

@@ -120,6 +120,7 @@ def test_plan_strategy_packed_prints_every_candidate_and_the_choice(
     [
         (["--strategy", "packed"], "error: --strategy: packed has no boundaries"),
         ([], "error: --buckets: the number of buckets K is required"),
+        (["--strategy", "packed", "--buckets", "4"], "error: --buckets: packed rows have no"),
     ],
 )
 def test_plan_without_what_a_strategy_needs_is_one_line(

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -81,25 +82,31 @@ def attention_groups(widths: list[int], queries: int, max_groups: int = 3) -> li
     """Rows per group for rows of context `widths` and `queries` query rows each: the split
     into at most `max_groups` consecutive groups, each attended over its widest row's width
     plus the queries (rounded up to `KEY_MULTIPLE` keys, as the dense mask pads them), that
-    costs the fewest score elements, counting `GROUP_COST` per group."""
+    costs the fewest score elements, counting `GROUP_COST` per group (ties: the earliest cut)."""
     n = len(widths)
-    inf = float("inf")
-    # best[g][i]: cost of rows i.. in at most g groups; cut[g][i]: where the first one ends
-    best = [[0.0 if i == n else inf for i in range(n + 1)] for _ in range(max_groups + 1)]
-    cut = [[n] * (n + 1) for _ in range(max_groups + 1)]
-    for g in range(1, max_groups + 1):
-        for i in range(n - 1, -1, -1):
-            widest = 0
-            for j in range(i + 1, n + 1):
-                widest = max(widest, widths[j - 1])
-                keys = -(-(widest + queries) // KEY_MULTIPLE) * KEY_MULTIPLE
-                c = (j - i) * queries * keys + GROUP_COST + best[g - 1][j]
-                if c < best[g][i]:
-                    best[g][i], cut[g][i] = c, j
-    sizes, i, g = [], 0, max_groups
+    if n == 0:
+        return []
+    w = np.asarray(widths, dtype=np.int64)
+    # cost[i, j]: rows i..j-1 as one group (inf unless j > i)
+    widest = np.zeros((n, n + 1), dtype=np.int64)
+    for i in range(n):
+        widest[i, i + 1 :] = np.maximum.accumulate(w[i:])
+    keys = -(-(widest + queries) // KEY_MULTIPLE) * KEY_MULTIPLE
+    span = np.arange(n + 1)[None, :] - np.arange(n)[:, None]
+    cost = np.where(span > 0, span * queries * keys + GROUP_COST, np.inf)
+    # best[i]: rows i.. in at most g groups (g = 1, 2, ...); cut[g][i]: where its first ends
+    best = np.append(np.full(n, np.inf), 0.0)
+    cuts = []
+    for _ in range(max_groups):
+        total = cost + best[None, :]
+        cut = np.argmin(total, axis=1)  # the first minimum: the earliest cut
+        best = np.append(total[np.arange(n), cut], 0.0)
+        cuts.append(cut)
+    sizes, i, g = [], 0, max_groups - 1
     while i < n:
-        sizes.append(cut[g][i] - i)
-        i, g = cut[g][i], g - 1
+        j = int(cuts[g][i])
+        sizes.append(j - i)
+        i, g = j, g - 1
     return sizes
 
 
@@ -136,33 +143,30 @@ def unpack_documents(
     rows' (`objective.draw_anchors` with `position_ids`): ascending within a row, each inside
     its document. Rows are ordered by document length, descending (ties in packed order: the
     memory estimate lays them out alike), and cut into `attention_groups`, each attended over
-    the context its blocks see (up to its rows' last anchor).
+    the context its blocks see (up to its rows' last anchor). The layout is index arithmetic on
+    a few hundred host integers per micro-batch, so it runs in numpy (a torch op costs ~10x a
+    numpy one at these sizes; the drafter thread pays it every micro-batch).
     """
-    rows, seq = input_ids.shape
-    pos = position_ids.cpu()
-    real = attention_mask.cpu().bool()
-    docnum = (pos == 0).cumsum(1) - 1  # [R, S] document number within its row
-    key = torch.arange(rows)[:, None] * seq + docnum  # unique per (row, document)
-    keep = anchors.keep.cpu()
-    at = anchors.positions.cpu()
-    anchor_key = key.gather(1, at)[keep]  # row-major: ascending (row, document), then position
-    anchor_pos = at[keep]
-    flat_real = real.flatten()
-    doc_keys, lengths = torch.unique_consecutive(key.flatten()[flat_real], return_counts=True)
-    firsts = torch.nonzero(flat_real).squeeze(1)[torch.cumsum(lengths, 0) - lengths]
-    # the documents holding an anchor, in order; d = that document's row in the output
-    used, per_doc = torch.unique_consecutive(anchor_key, return_counts=True)
-    which = torch.searchsorted(doc_keys, used)
-    starts, lens = firsts[which], lengths[which]  # flat index of each document's first token
+    seq = input_ids.shape[1]
+    real = attention_mask.cpu().numpy().astype(bool, copy=False).ravel()
+    first = real & (position_ids.cpu().numpy().ravel() == 0)
+    doc_of = np.cumsum(first) - 1  # flat position -> its document (packed order)
+    lengths = np.bincount(doc_of[real], minlength=int(first.sum()))
+    firsts = np.flatnonzero(first)  # flat index of each document's first token
+    keep = anchors.keep.cpu().numpy().ravel()
+    row_of = np.repeat(np.arange(anchors.positions.shape[0]), anchors.positions.shape[1])
+    flat_anchor = (row_of * seq + anchors.positions.cpu().numpy().ravel())[keep]
+    anchor_doc = doc_of[flat_anchor]  # ascending: row-major, ascending within a row
+    # the documents holding an anchor, in packed order, and each one's run of anchors
+    used, run_start, per_doc = np.unique(anchor_doc, return_index=True, return_counts=True)
+    starts, lens = firsts[used], lengths[used]
     docs = len(used)
+    which = np.repeat(np.arange(docs), per_doc)  # each kept anchor's document (of `used`)
+    rel = flat_anchor - starts[which]  # document-relative anchor positions
     # context a document's blocks see: keys j < anchor, so up to its last anchor (>= 1 slot)
-    last = torch.zeros(docs, dtype=torch.long)
-    doc_of = torch.searchsorted(used, anchor_key)
-    rel = anchor_pos - starts[doc_of] % seq
-    last.scatter_reduce_(0, doc_of, rel, reduce="amax")
-    need = last.clamp(min=1)
-    order = torch.sort(lens, descending=True, stable=True).indices
-    used, per_doc, starts, lens, need = (t[order] for t in (used, per_doc, starts, lens, need))
+    need = np.maximum(rel[run_start + per_doc - 1], 1) if docs else rel[:0]
+    order = np.argsort(-lens, kind="stable")
+    per_doc, starts, lens, need = per_doc[order], starts[order], lens[order], need[order]
     n_anchors = int(per_doc.max()) if docs else 0
     widths = need.tolist()
     sizes = attention_groups(widths, n_anchors * block_size)
@@ -171,27 +175,27 @@ def unpack_documents(
         groups.append((k, max(widths[row : row + k])))
         row += k
     width = int(lens.max()) if docs else 0
-    j = torch.arange(width)
+    j = np.arange(width)
     valid = j[None, :] < lens[:, None]  # [D, L]
-    idx = torch.where(valid, starts[:, None] + j, starts[:, None]).flatten()  # padding: token 0
-    doc = torch.argsort(order)[doc_of]  # each kept anchor's output row
-    # the anchors come in runs per document, ascending: rank = place in its document's run
-    run = torch.bincount(doc_of, minlength=docs)
-    rank = torch.arange(len(doc_of)) - (torch.cumsum(run, 0) - run)[doc_of]
-    new_pos = torch.zeros(docs, n_anchors, dtype=torch.long)
-    new_keep = torch.zeros(docs, n_anchors, dtype=torch.bool)
-    new_pos[doc, rank] = rel
-    new_keep[doc, rank] = True
+    idx = np.where(valid, starts[:, None] + j, starts[:, None])  # padding: the first token
+    out_row = np.argsort(order)[which]  # each kept anchor's output row
+    rank = np.arange(len(which)) - run_start[which]  # its place in its document's run
+    new_pos = np.zeros((docs, n_anchors), dtype=np.int64)
+    new_keep = np.zeros((docs, n_anchors), dtype=bool)
+    new_pos[out_row, rank] = rel
+    new_keep[out_row, rank] = True
+    index = torch.from_numpy(idx.astype(np.int64, copy=False))
+    mask = torch.from_numpy(valid)
 
     def take(t: Tensor) -> Tensor:
-        out = t.flatten().index_select(0, idx.to(t.device)).view(docs, width)
-        return torch.where(valid.to(out.device), out, torch.zeros((), dtype=out.dtype))
+        out = t.flatten().index_select(0, index.flatten().to(t.device)).view(docs, width)
+        return torch.where(mask.to(out.device), out, torch.zeros((), dtype=out.dtype))
 
     return Unpacked(
         input_ids=take(input_ids),
         loss_mask=take(loss_mask),
-        attention_mask=valid.to(attention_mask.device, attention_mask.dtype),
-        anchors=Anchors(new_pos, new_keep),
-        index=idx.view(docs, width),
+        attention_mask=mask.to(attention_mask.device, attention_mask.dtype),
+        anchors=Anchors(torch.from_numpy(new_pos), torch.from_numpy(new_keep)),
+        index=index,
         groups=tuple(groups),
     )
