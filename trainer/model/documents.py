@@ -124,8 +124,13 @@ class Unpacked:
     def take(self, t: Tensor) -> Tensor:
         """`t` [R, S, ...] (a packed-row tensor) in this layout: [D, L, ...], padding slots
         holding the document's first position's values."""
-        i = self.index.flatten().to(t.device)
-        return t.flatten(0, 1).index_select(0, i).view(*self.index.shape, *t.shape[2:])
+        return _gather(t, self.index)
+
+
+def _gather(t: Tensor, index: Tensor) -> Tensor:
+    """`t` [R, S, ...] at the flat positions `index` [D, L]: [D, L, ...]."""
+    i = index.flatten().to(t.device)
+    return t.flatten(0, 1).index_select(0, i).view(*index.shape, *t.shape[2:])
 
 
 def unpack_documents(
@@ -187,8 +192,8 @@ def unpack_documents(
     index = torch.from_numpy(idx.astype(np.int64, copy=False))
     mask = torch.from_numpy(valid)
 
-    def take(t: Tensor) -> Tensor:
-        out = t.flatten().index_select(0, index.flatten().to(t.device)).view(docs, width)
+    def take(t: Tensor) -> Tensor:  # padding slots zeroed, as a padded batch has them
+        out = _gather(t, index)
         return torch.where(mask.to(out.device), out, torch.zeros((), dtype=out.dtype))
 
     return Unpacked(
