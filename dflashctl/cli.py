@@ -1140,7 +1140,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument(
         "--strategies",
         metavar="LIST",
-        help="comma-separated, e.g. sorted,packed (default: every one the release has)",
+        help="comma-separated, e.g. sorted,packed,packed@4096 (packed@N: rows of N tokens; "
+        "default: every one the release has)",
     )
     sp.add_argument(
         "--steps", type=int, metavar="N", help="timed optimizer steps per strategy and round"

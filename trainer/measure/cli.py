@@ -54,8 +54,8 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument(
         "--strategies",
         default=None,
-        help="comma-separated, in order (default: every strategy the config accepts of "
-        f"{','.join(DEFAULT_STRATEGIES)})",
+        help="comma-separated, in order; packed@N = packed with rows of N tokens (default: "
+        f"every strategy the config accepts of {','.join(DEFAULT_STRATEGIES)})",
     )
     ap.add_argument("--steps", type=int, required=True, help="timed optimizer steps per strategy")
     ap.add_argument("--warmup", type=int, default=5, help="untimed steps before (default 5)")
