@@ -16,7 +16,8 @@
 #   ce [40]            LM-head CE at training-size N: Triton vs chunked (dense at N = 8192)
 #   measure [300]      python -m trainer.measure on the pipeline step's config: every batching
 #                      strategy through the real trainer on cuda:0, two interleaved rounds,
-#                      the step-cost fit (issue 14)
+#                      the step-cost fit (issue 14); GPU_SH_MEASURE_STRATEGIES=sorted,packed,
+#                      packed@8192 picks them instead (packed@N: rows of N tokens)
 # Boxes: 770 s in all (12 min 50 s), over issue 16's 8 minutes because of measure (issue 14:
 # the table on CUDA within 15 minutes); GPU_SH_STEPS=env,drafter,kernel-tests,pipeline,capture,ce
 # is the 470 s run without it.

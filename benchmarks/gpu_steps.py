@@ -779,6 +779,23 @@ def step_ce(ctx: Ctx) -> dict[str, Any]:
     return {}
 
 
+def measure_argv(
+    smoke: bool, config: Path, cal: Path, steps: int, warmup: int, rounds: int
+) -> list[str]:
+    """The measure step's trainer.measure command. Its strategies: $GPU_SH_MEASURE_STRATEGIES
+    when set (e.g. sorted,packed,packed@8192: rows of the token budget, which the CUDA
+    target attends over whole), else every one (smoke: sorted,packed, the wiring only)."""
+    argv = [sys.executable, "-m", "trainer.measure", "--config", str(config), "--json"]
+    argv += ["--steps", str(steps), "--warmup", str(warmup), "--rounds", str(rounds)]
+    argv += ["--save-calibration", str(cal)]
+    chosen = os.environ.get("GPU_SH_MEASURE_STRATEGIES", "").strip()
+    if smoke:  # the wiring, not the table: one-step windows
+        argv += ["--window", "1", "--strategies", chosen or "sorted,packed"]
+    elif chosen:
+        argv += ["--strategies", chosen]
+    return argv
+
+
 def step_measure(ctx: Ctx) -> dict[str, Any]:
     """`python -m trainer.measure` on the pipeline step's config (GPU: the wider random target,
     every stage on cuda:0, bf16): every strategy through the real trainer, interleaved over two
@@ -789,11 +806,7 @@ def step_measure(ctx: Ctx) -> dict[str, Any]:
         root = Path(tmp)
         config, env = pipeline_run(ctx, root, warmup + steps)
         cal = root / "calibration.json"
-        argv = [sys.executable, "-m", "trainer.measure", "--config", str(config), "--json"]
-        argv += ["--steps", str(steps), "--warmup", str(warmup), "--rounds", str(rounds)]
-        argv += ["--save-calibration", str(cal)]
-        if ctx.smoke:  # the wiring, not the table: two strategies, one-step windows
-            argv += ["--window", "1", "--strategies", "sorted,packed"]
+        argv = measure_argv(ctx.smoke, config, cal, steps, warmup, rounds)
         proc = subprocess.run(
             argv, cwd=REPO, env=env, stdout=subprocess.PIPE, text=True, timeout=max(ctx.left(), 5)
         )  # stderr (one line per timed run) streams into gpu.log

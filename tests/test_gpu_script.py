@@ -103,6 +103,21 @@ def test_smoke_run_records_every_step_with_exit_0(tmp_path: Path) -> None:
     assert all(f"== {name}: exit 0" in log for name in STEPS)
 
 
+def test_the_measure_steps_strategies_can_be_chosen(monkeypatch: pytest.MonkeyPatch) -> None:
+    """GPU_SH_MEASURE_STRATEGIES reaches trainer.measure's --strategies (packed@N included),
+    on the GPU run and in the smoke; unset, the GPU run measures every strategy."""
+    cfg, cal = Path("run.toml"), Path("cal.json")
+    monkeypatch.delenv("GPU_SH_MEASURE_STRATEGIES", raising=False)
+    assert "--strategies" not in gpu_steps.measure_argv(False, cfg, cal, 20, 5, 2)
+    smoke = gpu_steps.measure_argv(True, cfg, cal, 3, 1, 1)
+    assert smoke[smoke.index("--strategies") + 1] == "sorted,packed"
+    monkeypatch.setenv("GPU_SH_MEASURE_STRATEGIES", "sorted,packed@8192")
+    for smoke_run in (False, True):
+        argv = gpu_steps.measure_argv(smoke_run, cfg, cal, 20, 5, 2)
+        assert argv[argv.index("--strategies") + 1] == "sorted,packed@8192"
+        assert argv[argv.index("--config") + 1] == "run.toml" and "--json" in argv
+
+
 @pytest.mark.timeout(120)
 def test_a_failing_and_a_hanging_step_are_recorded_and_the_rest_still_runs(
     tmp_path: Path,
