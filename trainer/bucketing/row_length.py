@@ -60,24 +60,18 @@ def row_length_options(
     max_batch: int,
     model: StepCostModel,
     seed: int = 0,
-    candidates: Sequence[int] | None = None,
-    eligible: np.ndarray | None = None,
-    num_anchors: int | None = None,
 ) -> list[RowLengthOption]:
     """Each candidate row length's epoch 0 with its predicted time under `model`.
 
-    `eligible` and `num_anchors` (a token store's anchor-eligible positions per sample): anchor
-    blocks as the objective draws them; without them, the calibration's blocks per sample. The
-    attention term is per document when the calibration says its target attended per document
-    (`meta["document_attention"]`)."""
+    Anchor blocks are the calibration's blocks per sample (the planner sees only lengths; they
+    do not move with the row length). The attention term is per document when the calibration
+    says its target attended per document (`meta["document_attention"]`)."""
     x = np.asarray(lengths, dtype=np.int64)
-    rows = candidates or row_length_candidates(int(x.max()), token_budget)
     per_document = bool(model.meta.get("document_attention", False))
     docs = x if per_document else None
-    elig = eligible if eligible is not None else np.zeros(len(x), dtype=np.int64)
-    anchors = num_anchors if eligible is not None and num_anchors is not None else 0
+    no_anchors = np.zeros(len(x), dtype=np.int64)
     out = []
-    for row_length in rows:
+    for row_length in row_length_candidates(int(x.max()), token_budget):
         sampler = BatchSampler(
             x,
             strategy="packed",
@@ -87,9 +81,8 @@ def row_length_options(
             row_length=row_length,
         )
         batches = sampler.epoch_batches(0)
-        feats = np.stack([batch_features(b, elig, anchors, docs) for b in batches])
-        if eligible is None:  # the planner's view: blocks per sample from the calibration
-            feats[:, 2] = model.anchor_blocks_per_sample * feats[:, 3]
+        feats = np.stack([batch_features(b, no_anchors, 0, docs) for b in batches])
+        feats[:, 2] = model.anchor_blocks_per_sample * feats[:, 3]
         seconds = float(model.predict(feats).sum())
         real = sum(b.real_tokens for b in batches)
         samples = sum(len(b.indices) for b in batches)

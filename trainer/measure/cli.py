@@ -101,17 +101,15 @@ def parse_strategies(text: str | None) -> list[str]:
     if not names:
         raise UsageError("--strategies: no strategy named")
     for s in names:
-        base, sep, _ = s.partition("@")
+        try:
+            base, _ = variant(s)
+        except ValueError as exc:
+            raise UsageError(f"--strategies: {exc}") from None
         if base not in STRATEGIES:
             raise UsageError(
                 f"--strategies: {s!r} is not a batching strategy (this trainer has: "
                 f"{', '.join(STRATEGIES)}; packed@N for rows of N tokens)"
             )
-        if sep:
-            try:
-                variant(s)
-            except ValueError as exc:
-                raise UsageError(f"--strategies: {exc}") from None
     if len(set(names)) != len(names):
         raise UsageError(f"--strategies: {text!r} names a strategy twice")
     return names

@@ -149,9 +149,14 @@ class Measurer:
             cfg._source = Path(path).resolve()
         return cls(cfg, raw, work)
 
+    def _topology(self) -> dict[str, Any]:
+        """The timing runs' `[topology]` (every strategy's is the same)."""
+        table: dict[str, Any] = derive(self.cfg, self.raw, "sorted", 1)["topology"]
+        return table
+
     def device(self) -> str:
         """Where the timing runs train: the first drafter device and its target devices."""
-        table = derive(self.cfg, self.raw, "sorted", 1)["topology"]
+        table = self._topology()
         return f"drafter {table['drafter_devices'][0]}, target {','.join(table['target_devices'])}"
 
     def config_for(self, strategy: str, max_steps: int) -> tuple[TrainConfig, Path]:
@@ -175,7 +180,7 @@ class Measurer:
             from trainer.model.target import TargetModel
             from trainer.pipeline import assets
 
-            device = derive(self.cfg, self.raw, "sorted", 1)["topology"]["target_devices"][0]
+            device = self._topology()["target_devices"][0]
             try:
                 hf = assets.target_hf_config(assets.ensure_target(cfg))
             except assets.UserError as exc:

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from trainer.bucketing.timecost import FEATURES, StepCostModel, fit_step_cost
-from trainer.measure.drive import StrategyInfo, StrategyRun
+from trainer.measure.drive import StrategyInfo, StrategyRun, variant
 
 RATES = ("samples_s", "tokens_s", "anchor_blocks_s", "padded_tokens_s")
 
@@ -95,7 +95,7 @@ def fit(
 def anchor_blocks_per_sample(runs: Mapping[str, Sequence[StrategyRun]]) -> float:
     """Padded anchor blocks per sample over the padded strategies' timed steps (the planner's
     per-sample constant)."""
-    rs = [r for s, rr in runs.items() if not s.startswith("packed") for r in rr] or [
+    rs = [r for s, rr in runs.items() if variant(s)[0] != "packed" for r in rr] or [
         r for rr in runs.values() for r in rr
     ]
     blocks = sum(float(r.features[:, 2].sum()) for r in rs)

@@ -203,7 +203,8 @@ class DrafterAttention(nn.Module):
             if not isinstance(mask, tuple) or past is not None:
                 raise ValueError("context_groups take one mask per group and no cache")
             k_packed, v_packed = self._packed_kv(context, rope_ctx)
-            out = self._attend_groups(q, k_blk, v_blk, (k_packed, v_packed), context_groups, mask)
+            packed = (k_packed, v_packed)
+            out = self._attend_groups(q, k_blk, v_blk, packed, context_groups, mask, scale)
             return self.o_proj(out.transpose(1, 2).flatten(2)), (k_packed, v_packed)
         k_ctx, v_ctx = self._kv(context, rope_ctx)
         if past is not None:
@@ -221,6 +222,7 @@ class DrafterAttention(nn.Module):
         packed: tuple[Tensor, Tensor],
         groups: ContextGroups,
         masks: tuple[AttnMask, ...],
+        scale: float,
     ) -> Tensor:
         """Each group's queries over its context K/V gathered from the `packed` rows' and its
         own blocks', with its own mask; the groups' outputs in row order."""
@@ -232,7 +234,7 @@ class DrafterAttention(nn.Module):
             keys = mask_keys(mask)
             k = _keys([k_g.transpose(1, 2), k_blk[rows]], keys)
             v = _keys([v_g.transpose(1, 2), v_blk[rows]], keys)
-            outs.append(attend(q[rows], k, v, mask, scale=self.head_dim**-0.5))
+            outs.append(attend(q[rows], k, v, mask, scale=scale))
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)
 
 
