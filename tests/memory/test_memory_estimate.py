@@ -14,8 +14,8 @@ import torch
 
 from trainer.config import TrainConfig
 from trainer.memory.batches import BatchShape, batch_shapes, pieces
-from trainer.memory.costs import Piece, activation_peak
-from trainer.memory.estimate import Estimator, precision_for
+from trainer.memory.costs import Backend, Piece, activation_peak
+from trainer.memory.estimate import Estimator, Precision, precision_for
 from trainer.memory.measure import measured_peak
 from trainer.memory.shapes import DrafterShape, drafter_shape, read_target_shape
 from trainer.model.masks import Anchors, eligible_anchors
@@ -77,6 +77,80 @@ def test_piece_shapes_are_the_trainers_split() -> None:
         ]
         got = list(pieces(BatchShape(77, tuple(per_row)), block, budget))
         assert got == want, (per_row, block, budget)
+
+
+def _random_shapes(g: np.random.Generator, n: int) -> list[BatchShape]:
+    """Shapes with zero-anchor rows, rows wider than any budget, and unpacked packets."""
+    out = []
+    for _ in range(n):
+        per_row = g.integers(0, 60, int(g.integers(1, 9))) * (g.random(1) < 0.9)
+        packet = (int(g.integers(1, 4)), int(g.integers(64, 400))) if g.random() < 0.3 else None
+        out.append(BatchShape(int(g.integers(8, 300)), tuple(per_row.tolist()), packet))
+    return out
+
+
+def test_the_piece_table_is_every_shapes_pieces() -> None:
+    """All shapes' pieces at once (`piece_table`) = each shape's `pieces(widest_run=True)`."""
+    from trainer.memory.batches import ShapeTable, piece_table
+
+    g = np.random.default_rng(3)
+    for _ in range(40):
+        shapes = _random_shapes(g, int(g.integers(1, 60)))
+        block = int(g.choice([2, 4, 16]))
+        budget = None if g.random() < 0.1 else int(g.integers(1, 500))
+        table = ShapeTable.of(shapes)
+        got = piece_table(table, block, budget)
+        for i, shape in enumerate(shapes):
+            mine = got.shape == i
+            have = sorted(
+                (int(r), shape.seq, int(w), int(table.packed_tokens[i]))
+                for r, w in zip(got.rows[mine], got.width[mine], strict=True)
+            )
+            want = sorted(
+                (p.rows, p.seq, p.width, p.packed_tokens)
+                for p in pieces(shape, block, budget, widest_run=True)
+            )
+            assert have == want, (shape, block, budget)
+
+
+def test_the_plan_is_the_worst_shape_priced_one_at_a_time(tmp_path: Path) -> None:
+    """`Estimator.plan` (every shape priced at once) picks the peak, shape and piece of
+    pricing each shape's pieces one at a time, first worst first, fp32/SDPA and bf16/flex."""
+    from trainer.memory.batches import Shapes
+
+    g = np.random.default_rng(4)
+    for noise in (0.0, 0.5):
+        cfg = TrainConfig.load(_tiny_run(tmp_path / str(noise), noise=noise))
+        target = read_target_shape(tmp_path / str(noise) / "target")
+        d = drafter_shape(cfg, target)
+        modes: tuple[tuple[int, Backend], ...] = ((4, "sdpa"), (2, "flex"))
+        for c, backend in modes:
+            shapes = _random_shapes(g, 80)
+            shapes.append(shapes[5])  # a tie: the first of equal shapes wins
+            est = Estimator(
+                cfg,
+                target,
+                d,
+                Shapes(shapes, "test", True, len(shapes), 1, row_length=None),
+                Precision(c, c, backend),
+            )
+            for budget in (None, 1, 7, 64, 333):
+                best = None
+                for shape in shapes:
+                    packet = est.packet_bytes(shape)
+                    extra = packet * (2 if noise else 1) + est.unpacked_bytes(shape)
+                    act, piece = max(
+                        (
+                            (activation_peak(d, p, c=c, feature_bytes=c, backend=backend), p)
+                            for p in pieces(shape, d.block, budget, widest_run=True)
+                        ),
+                        key=lambda t: t[0],
+                    )
+                    if best is None or act + extra > best[0]:
+                        best = (act + extra, shape, piece, act)
+                plan = est.plan(budget)
+                assert best is not None
+                assert (plan.peak, plan.worst, plan.worst_piece, plan.activations) == best
 
 
 def _tiny_run(tmp_path: Path, **model: object) -> Path:

@@ -21,7 +21,7 @@ The rows' default length is the store's manifest max_length, as the trainer's (`
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from trainer.config import TrainConfig
-from trainer.memory.costs import Piece
+from trainer.memory.costs import Ints, Piece
 from trainer.memory.shapes import MemoryEstimateError
 
 if TYPE_CHECKING:
@@ -253,3 +253,83 @@ def pieces(
             if widest_run:
                 break
         start += 1
+
+
+@dataclass(frozen=True)
+class ShapeTable:
+    """Batch shapes as arrays, one entry per shape in the given order (`Shapes.batches`): the
+    estimate prices every shape's pieces at once (`piece_table`) instead of one at a time."""
+
+    seq: Ints
+    rows: Ints
+    width: Ints
+    packed_tokens: Ints  # `Piece.packed_tokens` of the shape's pieces (0: not unpacked)
+    packet_tokens: Ints  # `BatchShape.packet_tokens`
+    starts: Ints  # where each shape's per-row anchors begin in `anchors`
+    anchors: Ints  # every shape's per-row anchor counts, end to end
+
+    @classmethod
+    def of(cls, shapes: Sequence[BatchShape]) -> ShapeTable:
+        rows = np.fromiter((s.rows for s in shapes), np.int64, len(shapes))
+        packed = np.fromiter(
+            (s.packet[0] * s.packet[1] if s.packet else 0 for s in shapes), np.int64, len(shapes)
+        )
+        anchors = np.fromiter((a for s in shapes for a in s.anchors), np.int64, int(rows.sum()))
+        starts = np.concatenate(([0], np.cumsum(rows)[:-1])).astype(np.int64)
+        width = np.fromiter((s.width for s in shapes), np.int64, len(shapes))
+        seq = np.fromiter((s.seq for s in shapes), np.int64, len(shapes))
+        return cls(
+            seq, rows, width, packed, np.where(packed > 0, packed, rows * seq), starts, anchors
+        )
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+
+@dataclass(frozen=True)
+class PieceTable:
+    """Pieces as arrays: piece i is `Piece(rows[i], seq, width[i], packed_tokens)` of the
+    table's shape `shape[i]` (in no particular order)."""
+
+    shape: Ints
+    rows: Ints
+    width: Ints
+
+
+def piece_table(table: ShapeTable, block: int, max_query_rows: int | None) -> PieceTable:
+    """Every shape's `pieces(shape, block, max_query_rows, widest_run=True)`, all shapes at
+    once (tested equal): the same greedy grouping, stepped one row position at a time over
+    every shape that has that row. A shape that fits whole is one piece; a row that alone does
+    not fit yields its widest run only."""
+    whole = np.ones(len(table), dtype=bool)
+    if max_query_rows is not None:
+        whole = table.rows * table.width * block <= max_query_rows
+    kept = np.flatnonzero(whole)
+    out_shape, out_rows, out_width = [kept], [table.rows[kept]], [table.width[kept]]
+    split = np.flatnonzero(~whole)
+    if max_query_rows is not None and len(split):
+        per_piece = max(1, max_query_rows // block)
+        rows, starts = table.rows[split], table.starts[split]
+        n = np.zeros(len(split), dtype=np.int64)  # rows in each shape's open group
+        group_width = np.zeros(len(split), dtype=np.int64)
+        for r in range(int(rows.max())):
+            live = np.flatnonzero(rows > r)
+            a = table.anchors[starts[live] + r]
+            n_live, g_live = n[live], group_width[live]
+            w = np.maximum(g_live, a)
+            fits = (n_live + 1) * w * block <= max_query_rows
+            close = ~fits & (n_live > 0) & (g_live > 0)  # the open group ends before row r
+            alone = a * block <= max_query_rows  # row r then opens the next group ...
+            run = ~fits & ~alone  # ... or is cut into runs: its first (widest) one
+            out_shape += [split[live[close]], split[live[run]]]
+            out_rows += [n_live[close], np.ones(int(run.sum()), dtype=np.int64)]
+            out_width += [g_live[close], np.minimum(per_piece, a[run])]
+            n[live] = np.where(fits, n_live + 1, alone.astype(np.int64))
+            group_width[live] = np.where(fits, w, np.where(alone, a, 0))
+        tail = np.flatnonzero((n > 0) & (group_width > 0))
+        out_shape.append(split[tail])
+        out_rows.append(n[tail])
+        out_width.append(group_width[tail])
+    return PieceTable(
+        np.concatenate(out_shape), np.concatenate(out_rows), np.concatenate(out_width)
+    )

@@ -20,11 +20,16 @@ reason real widths use flex). Validated on CPU against the allocator profiler
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, TypeAlias
+
+import numpy as np
+import numpy.typing as npt
 
 from trainer.memory.shapes import DrafterShape, TargetShape
 
 Backend = Literal["flex", "sdpa"]
+Ints: TypeAlias = "npt.NDArray[np.int64]"
+"""Integers per piece or per batch shape (`activation_peaks`, `batches.ShapeTable`)."""
 GiB = 2**30
 CE_CHUNK_BYTES = 256 * 2**20  # trainer.kernels.chunked.DEFAULT_CHUNK_BYTES
 CE_MAX_CHUNK = 16384  # trainer.kernels.chunked.MAX_CHUNK
@@ -85,12 +90,14 @@ def per_query_row_shared(d: DrafterShape, c: int) -> int:
     return int(8 + final_norm + ce)
 
 
-def ce_chunk(n_rows: int, vocab: int) -> int:
-    width = CE_CHUNK_BYTES // (4 * max(n_rows, 1))
-    return min(min(CE_MAX_CHUNK, max(256, width // 256 * 256)), vocab)
+def ce_chunk(n_rows: Ints, vocab: int) -> Ints:
+    """The chunked CE's vocabulary tile for `n_rows` valid predictions (each, for an array)."""
+    width = CE_CHUNK_BYTES // (4 * np.maximum(n_rows, 1))
+    chunk: Ints = np.minimum(np.minimum(CE_MAX_CHUNK, np.maximum(256, width // 256 * 256)), vocab)
+    return chunk
 
 
-def ce_backward_transient(d: DrafterShape, n_valid: int, c: int) -> int:
+def ce_backward_transient(d: DrafterShape, n_valid: Ints, c: int) -> Ints:
     """The chunked CE backward: fp32 grad_hidden, one fp32 tile, bf16 copies under autocast."""
     ch = ce_chunk(n_valid, d.vocab)
     extra = (2 * n_valid * ch + 2 * n_valid * d.hidden) if c != 4 else 0
@@ -122,19 +129,43 @@ def flex_block_mask_bytes(piece: Piece, block: int, tile: int = 128) -> int:
     count vectors; the mask_mod's captured anchors and context starts (int64 [R, N]) and valid
     mask (bool [R, S]). The build's transients (O(R * N * nKV)) are freed before the forward.
     """
-    q_len = piece.width * block
-    n_q, n_kv = -(-q_len // tile), -(-(piece.seq + q_len) // tile)
+    rows, seq, width = (np.asarray(v, dtype=np.int64) for v in (piece.rows, piece.seq, piece.width))
+    return int(_flex_block_mask_bytes(rows, seq, width, block, tile))
+
+
+def _flex_block_mask_bytes(rows: Ints, seq: Ints, width: Ints, block: int, tile: int) -> Ints:
+    q_len = width * block
+    n_q, n_kv = -(-q_len // tile), -(-(seq + q_len) // tile)
     tiles = 4 * 4 * n_q * n_kv + 2 * 4 * (n_q + n_kv)
-    return piece.rows * (tiles + 2 * 8 * piece.width + piece.seq)
+    out: Ints = rows * (tiles + 2 * 8 * width + seq)
+    return out
 
 
 def activation_peak(
     d: DrafterShape, piece: Piece, *, c: int = 2, feature_bytes: int = 2, backend: Backend = "flex"
 ) -> int:
     """Peak bytes of one piece's forward+backward above the weights, grads and optimizer."""
-    qr = piece.query_rows(d.block)
-    tokens = piece.rows * piece.seq
-    projected = piece.packed_tokens or tokens  # positions fc, hidden_norm and k/v_proj run on
+    dims = (piece.rows, piece.seq, piece.width, piece.packed_tokens)
+    one = (np.asarray(v, dtype=np.int64) for v in dims)  # 0-d arrays: one piece
+    return int(activation_peaks(d, *one, c=c, feature_bytes=feature_bytes, backend=backend))
+
+
+def activation_peaks(
+    d: DrafterShape,
+    rows: Ints,
+    seq: Ints,
+    width: Ints,
+    packed_tokens: Ints,
+    *,
+    c: int = 2,
+    feature_bytes: int = 2,
+    backend: Backend = "flex",
+) -> Ints:
+    """`activation_peak` of many pieces at once: (rows, seq, width, packed_tokens) are int64
+    arrays of one length (0-d for one piece); the estimate prices every shape's pieces so."""
+    qr = rows * width * d.block
+    tokens = rows * seq
+    projected = np.where(packed_tokens > 0, packed_tokens, tokens)  # where fc, k/v_proj run
     saved = qr * (d.layers * per_query_row_layer(d, c, backend) + per_query_row_shared(d, c))
     saved += d.layers * (
         projected * per_projected_token_layer(d) + tokens * per_attended_token_layer(d, c)
@@ -143,16 +174,17 @@ def activation_peak(
     # project_context's fp32 cast of the features, alive while fc's input is made from it
     cast = 4 * d.features * d.hidden * projected if feature_bytes != 4 else 0
     if backend == "flex":
-        saved += flex_block_mask_bytes(piece, d.block)
+        saved += _flex_block_mask_bytes(rows, seq, width, d.block, 128)
     if backend == "sdpa":
-        kv_len = -(-(piece.seq + piece.width * d.block) // KEY_MULTIPLE) * KEY_MULTIPLE
+        kv_len = -(-(seq + width * d.block) // KEY_MULTIPLE) * KEY_MULTIPLE
         saved += qr * kv_len  # the bool mask
         saved += d.layers * c * qr * kv_len  # CPU SDPA's float mask (compute dtype), per layer
-    n_valid = int(qr * (d.block - 1) / d.block)
+    n_valid = (qr * (d.block - 1) / d.block).astype(np.int64)  # floor: both are >= 0
     # The last layer's down_proj weight gradient, made before it is added into .grad (bf16 under
     # autocast, then its fp32 cast), while nearly every activation is still saved.
     wgrad = (4 + (2 if c != 4 else 0)) * d.hidden * d.intermediate
-    return saved + max(ce_backward_transient(d, n_valid, c), cast, wgrad)
+    transient = np.maximum(np.maximum(ce_backward_transient(d, n_valid, c), cast), wgrad)
+    return saved + transient
 
 
 @dataclass(frozen=True)

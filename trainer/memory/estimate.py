@@ -15,11 +15,22 @@ itself takes (context, cuBLAS workspace, allocator slack): a guess, not measured
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
+import numpy as np
+
 from trainer.config import TrainConfig
-from trainer.memory.batches import BatchShape, Shapes, pieces
-from trainer.memory.costs import Backend, Piece, activation_peak, drafter_fixed, target_peak
+from trainer.memory.batches import BatchShape, Shapes, ShapeTable, piece_table, pieces
+from trainer.memory.costs import (
+    Backend,
+    Ints,
+    Piece,
+    activation_peak,
+    activation_peaks,
+    drafter_fixed,
+    target_peak,
+)
 from trainer.memory.shapes import DrafterShape, TargetShape
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -109,25 +120,58 @@ class Estimator:
             "staged_packets": staged * worst_packet,
         }
 
+    @cached_property
+    def _table(self) -> ShapeTable:
+        return ShapeTable.of(self.shapes.batches)
+
+    @cached_property
+    def _extra(self) -> Ints:
+        """Per shape, the bytes besides its activations: the packet, the noise's copy of the
+        features, the unpacked layout (`packet_bytes`, `unpacked_bytes`, as arrays)."""
+        t = self._table
+        feat = self.drafter.features * self.drafter.hidden * self.precision.features
+        per_token = 4 if self.shapes.row_length is not None else 3
+        packet = t.packet_tokens * (feat + per_token * 8)
+        noise = packet if self.cfg.model.noise > 0 else 0
+        unpacked = np.where(t.packed_tokens > 0, t.rows * t.seq * 4 * 8, 0)
+        extra: Ints = packet + noise + unpacked
+        return extra
+
     def plan(self, max_query_rows: int | None) -> DrafterPlan:
-        noise = self.cfg.model.noise > 0
-        best: DrafterPlan | None = None
-        block = self.drafter.block
-        for shape in self.shapes.batches:
-            packet = self.packet_bytes(shape)
-            extra = packet + (packet if noise else 0)  # noise adds a copy of the features
-            extra += self.unpacked_bytes(shape)
-            act, piece = max(
-                (
-                    (self._activation(p), p)
-                    for p in pieces(shape, block, max_query_rows, widest_run=True)
-                ),
-                key=lambda t: t[0],
-            )
-            if best is None or act + extra > best.peak:
-                best = DrafterPlan(max_query_rows, act + extra, shape, piece, act, packet)
-        assert best is not None
-        return best
+        """The worst batch shape at `max_query_rows`: every shape's pieces priced at once
+        (`piece_table`, `activation_peaks`); the first shape (in `Shapes.batches` order) with
+        the largest peak, and its first worst piece (in `pieces` order)."""
+        t, p = self._table, self.precision
+        pt = piece_table(t, self.drafter.block, max_query_rows)
+        act = activation_peaks(
+            self.drafter,
+            pt.rows,
+            t.seq[pt.shape],
+            pt.width,
+            t.packed_tokens[pt.shape],
+            c=p.compute,
+            feature_bytes=p.features,
+            backend=p.backend,
+        )
+        worst = np.zeros(len(t), dtype=np.int64)
+        np.maximum.at(worst, pt.shape, act)
+        i = int(np.argmax(worst + self._extra))  # the first of the largest
+        shape = self.shapes.batches[i]
+        act_i, piece = max(
+            (
+                (self._activation(q), q)
+                for q in pieces(shape, self.drafter.block, max_query_rows, widest_run=True)
+            ),
+            key=lambda pair: pair[0],
+        )
+        return DrafterPlan(
+            max_query_rows,
+            act_i + int(self._extra[i]),
+            shape,
+            piece,
+            act_i,
+            self.packet_bytes(shape),
+        )
 
     def drafter_peak(self, max_query_rows: int | None) -> tuple[int, DrafterPlan]:
         plan = self.plan(max_query_rows)
