@@ -34,6 +34,7 @@ from trainer.memory.costs import (
 from trainer.memory.shapes import DrafterShape, TargetShape
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+UNPACKED_SLOT_BYTES = 4 * 8  # ids, loss and attention masks, gather index: int64 each
 
 
 @dataclass(frozen=True)
@@ -73,19 +74,22 @@ class Estimator:
     _act: dict[Piece, int] = field(default_factory=dict)
     _fixed: dict[str, int] | None = None
 
-    def packet_bytes(self, shape: BatchShape) -> int:
+    @property
+    def _packet_token_bytes(self) -> int:
         """Features [R, S, F*H] in the target dtype, plus ids, attention and loss masks (and
-        packed rows' position ids)."""
+        packed rows' position ids), per packet token."""
         feat = self.drafter.features * self.drafter.hidden * self.precision.features
         per_token = 4 if self.shapes.row_length is not None else 3
-        return shape.packet_tokens * (feat + per_token * 8)
+        return feat + per_token * 8
+
+    def packet_bytes(self, shape: BatchShape) -> int:
+        return shape.packet_tokens * self._packet_token_bytes
 
     def unpacked_bytes(self, shape: BatchShape) -> int:
         """The step's one-document-per-row layout of a packed packet (ids, two masks and the
-        gather index; the features stay packed); 0 when it keeps the packet's rows."""
-        if shape.packet is None:
-            return 0
-        return shape.rows * shape.seq * 4 * 8
+        gather index, `UNPACKED_SLOT_BYTES` a slot; the features stay packed); 0 when it keeps
+        the packet's rows."""
+        return 0 if shape.packet is None else shape.rows * shape.seq * UNPACKED_SLOT_BYTES
 
     def _activation(self, piece: Piece) -> int:
         got = self._act.get(piece)
@@ -109,7 +113,7 @@ class Estimator:
             target_bytes=self.precision.features,
             c=self.precision.compute,
         )
-        worst_packet = max(self.packet_bytes(s) for s in self.shapes.batches)
+        worst_packet = int(self._table.packet_tokens.max()) * self._packet_token_bytes
         staged = 1  # pulled ahead by the Stager; the one in use is the plan's `packet`
         return {
             "master_weights_fp32": fx.master,
@@ -129,11 +133,9 @@ class Estimator:
         """Per shape, the bytes besides its activations: the packet, the noise's copy of the
         features, the unpacked layout (`packet_bytes`, `unpacked_bytes`, as arrays)."""
         t = self._table
-        feat = self.drafter.features * self.drafter.hidden * self.precision.features
-        per_token = 4 if self.shapes.row_length is not None else 3
-        packet = t.packet_tokens * (feat + per_token * 8)
+        packet = t.packet_tokens * self._packet_token_bytes
         noise = packet if self.cfg.model.noise > 0 else 0
-        unpacked = np.where(t.packed_tokens > 0, t.rows * t.seq * 4 * 8, 0)
+        unpacked = np.where(t.packed_tokens > 0, t.rows * t.seq * UNPACKED_SLOT_BYTES, 0)
         extra: Ints = packet + noise + unpacked
         return extra
 
