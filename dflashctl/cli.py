@@ -25,10 +25,11 @@ from dflashctl.remote.connect import attach_argv, make_transport
 from dflashctl.remote.transport import Transport
 
 if TYPE_CHECKING:
-    from dflashctl.control import RunningMeasure, RunStatus, StartResult, StopResult
+    from dflashctl.control import StartResult, StopResult
     from dflashctl.group import GroupControl
     from dflashctl.measure import MeasureControl, MeasureState
     from dflashctl.notify import Notifier
+    from dflashctl.run_status import RunningMeasure, RunStatus
 
 
 def _inventory(args: argparse.Namespace) -> Inventory:
@@ -434,7 +435,7 @@ async def _restart_group(
 
 def format_run_status(st: RunStatus) -> str:
     """`dflashctl status` text for one host: a summary line, then what it knows of the run."""
-    from dflashctl.control import eval_summary
+    from dflashctl.run_status import eval_summary
     from trainer.events import format_status_line
 
     parts = [f"{st.host}: {'finished' if st.finished else st.state}"]
@@ -503,8 +504,8 @@ def supervisor_lines(st: RunStatus, now: float | None = None) -> list[str]:
     """The supervisor's policy and restarts for `dflashctl status` (nothing for a bare run)."""
     import time
 
-    from dflashctl.control import restart_reason, restart_time
     from dflashctl.monitor import format_age
+    from dflashctl.run_status import restart_reason, restart_time
 
     sup = st.supervisor
     if st.supervisor_error:
@@ -541,8 +542,8 @@ def low_disk_line(supervisor: Mapping[str, object] | None, now: float) -> str | 
     later checkpoint will fail unless space is freed` while the supervisor's `low_disk` entry
     (RUN/supervisor.json: free_mib, needed_mib, checkpoint_mib, checkpoints, since) is set;
     "the next checkpoint" when not even one fits. None when the disk is fine."""
-    from dflashctl.control import iso_time
     from dflashctl.monitor import format_age
+    from dflashctl.run_status import iso_time
 
     low = supervisor.get("low_disk") if supervisor else None
     if not isinstance(low, dict):

@@ -28,11 +28,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from dflashctl.control import RunService, eval_summary
+from dflashctl.control import RunService
 from dflashctl.errors import DflashctlError, ExitCode, run_main
 from dflashctl.fleet import HostHandle, open_local
 from dflashctl.follow import lines_of
 from dflashctl.inventory import HostConfig
+from dflashctl.run_status import eval_summary
 from trainer.config.overlay import TomlTable, dump_toml, merge
 from trainer.events import EvalEvent, StatusEvent, parse_line
 

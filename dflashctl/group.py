@@ -35,7 +35,6 @@ from dflashctl.control import (
     ControlError,
     MeasureInProgress,
     RunControl,
-    RunStatus,
     StartFailed,
     StartResult,
     StopResult,
@@ -45,6 +44,7 @@ from dflashctl.deploy import DeployResult, deploy
 from dflashctl.errors import DflashctlError
 from dflashctl.launch import group_launches
 from dflashctl.remote.transport import HostUnreachable, Transport
+from dflashctl.run_status import RunStatus
 from trainer.events.run_state import RunState
 
 if TYPE_CHECKING:

@@ -30,8 +30,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from dflashctl.control import LIVE_STATES, RunControl, measure_started, split_sections
-from dflashctl.control import iso_utc as iso_utc  # the CLI's too
+from dflashctl.control import LIVE_STATES, RunControl
 from dflashctl.errors import DflashctlError, ExitCode, UsageError
 from dflashctl.follow import Backoff
 from dflashctl.inventory import HostConfig
@@ -68,6 +67,8 @@ from dflashctl.remote.transport import (
     Transport,
     TransportError,
 )
+from dflashctl.run_status import iso_utc as iso_utc
+from dflashctl.run_status import measure_started, split_sections
 from trainer.events import sanitize_for_terminal
 
 CLOCKS = ("wall", "cpu")

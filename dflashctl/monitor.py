@@ -33,13 +33,6 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeVar, runtime_check
 
 from pydantic import ValidationError
 
-from dflashctl.control import (
-    GpuSample,
-    RunningMeasure,
-    restart_reason,
-    restart_time,
-    run_finished,
-)
 from dflashctl.follow import (
     Backoff,
     Connected,
@@ -60,6 +53,13 @@ from dflashctl.gpu_health import (
     xid_wall_time,
 )
 from dflashctl.remote.transport import Transport
+from dflashctl.run_status import (
+    GpuSample,
+    RunningMeasure,
+    restart_reason,
+    restart_time,
+    run_finished,
+)
 from dflashctl.xids import XidReader
 from trainer.events import (
     BUCKET_LOSS_KEY,

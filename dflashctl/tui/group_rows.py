@@ -21,9 +21,9 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from dflashctl.control import run_finished
 from dflashctl.group import GroupView, NodeReport, group_state
 from dflashctl.monitor import STALE_AFTER_S, RunState, display_state, line_age
+from dflashctl.run_status import run_finished
 from trainer.events import StatusEvent
 
 __all__ = [

@@ -6,15 +6,13 @@ import json
 from pathlib import Path
 
 from dflashctl.cli import format_run_status
-from dflashctl.control import (
-    MARK,
+from dflashctl.control import MARK, stop_wait_argv, trainer_argv
+from dflashctl.run_status import (
     eval_summary,
     parse_gpu_csv,
     parse_status,
     parse_supervisor_file,
     split_sections,
-    stop_wait_argv,
-    trainer_argv,
 )
 from trainer.events import EvalEvent, parse_line
 from trainer.events.run_state import RunState, parse_run_state

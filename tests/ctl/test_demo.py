@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from dflashctl.cli import format_run_status
-from dflashctl.control import RunControl, RunStatus
+from dflashctl.control import RunControl
 from dflashctl.demo import (
     DEMO_OVERLAY,
     REPO_CONFIG,
@@ -22,6 +22,7 @@ from dflashctl.demo import (
     prepare,
 )
 from dflashctl.remote import LocalTransport
+from dflashctl.run_status import RunStatus
 from tests.conftest import run_headless_demo
 from trainer.config import TrainConfig
 from trainer.events import EvalEvent, StatusEvent, parse_line

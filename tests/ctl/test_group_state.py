@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from dflashctl.control import ControlError, RunStatus
+from dflashctl.control import ControlError
 from dflashctl.errors import UsageError
 from dflashctl.group import (
     GroupControl,
@@ -18,6 +18,7 @@ from dflashctl.group import (
 )
 from dflashctl.inventory import GroupConfig, parse_inventory
 from dflashctl.remote.transport import LocalTransport
+from dflashctl.run_status import RunStatus
 from dflashctl.runconfig import config_hash_of_file
 from tests.ctl.parts import REPO, halve_lr
 from trainer.events.run_state import RunState

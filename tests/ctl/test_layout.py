@@ -158,7 +158,7 @@ def test_the_status_script_reads_the_layout(tmp_path: Path) -> None:
         env={"PATH": "/usr/bin:/bin", "TMUX_TMPDIR": str(tmp_path)},
         timeout=30,
     ).stdout
-    from dflashctl.control import split_sections
+    from dflashctl.run_status import split_sections
 
     got = split_sections(out)
     assert got["run_state"] == '{"pid": 1}' and got["log_lines"] == "2"

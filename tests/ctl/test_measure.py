@@ -27,7 +27,7 @@ import pytest
 
 from dflashctl.cli import format_run_status
 from dflashctl.cli import main as cli_main
-from dflashctl.control import MeasureInProgress, RunControl, iso_utc, measure_started
+from dflashctl.control import MeasureInProgress, RunControl
 from dflashctl.deploy import deploy
 from dflashctl.errors import ExitCode, UsageError
 from dflashctl.follow import Backoff
@@ -52,6 +52,7 @@ from dflashctl.release import build_release
 from dflashctl.remote import LocalTransport
 from dflashctl.remote.layout import RemoteLayout, measure_session
 from dflashctl.remote.run import MARK
+from dflashctl.run_status import iso_utc, measure_started
 from tests.conftest import require_part
 from tests.ctl import parts as P
 

@@ -16,13 +16,14 @@ from pathlib import Path
 import pytest
 
 from dflashctl.cli import main as cli_main
-from dflashctl.control import RunControl, RunStatus
+from dflashctl.control import RunControl
 from dflashctl.deploy import deploy
 from dflashctl.follow import Connected, FollowEvent, Line, lines_of
 from dflashctl.inventory import HostConfig, load_inventory
 from dflashctl.release import Release
 from dflashctl.remote import CommandTimeout, HostKeyError
 from dflashctl.remote.ssh import SshTransport
+from dflashctl.run_status import RunStatus
 from tests.ctl import parts as P
 
 pytestmark = [pytest.mark.parts, pytest.mark.timeout(180)]

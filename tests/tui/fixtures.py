@@ -15,11 +15,12 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, cast
 
-from dflashctl.control import RunningMeasure, RunService
+from dflashctl.control import RunService
 from dflashctl.deploy import DeployResult
 from dflashctl.follow import FollowEvent, LogFollower
 from dflashctl.monitor import RunShape, lr_schedule
 from dflashctl.preflight import Preflight
+from dflashctl.run_status import RunningMeasure
 from trainer.events import (
     BUCKET_LOSS_KEY,
     TAU_KEY,

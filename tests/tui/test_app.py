@@ -13,9 +13,9 @@ from textual.message import Message
 from textual.notifications import Notify
 from textual.widgets import DataTable, Digits, Log, Static
 
-from dflashctl.control import parse_gpu_csv
 from dflashctl.deploy import DeployResult, Progress
 from dflashctl.monitor import RestartPlan, RunState, apply_lines, apply_status
+from dflashctl.run_status import parse_gpu_csv
 from dflashctl.tui.app import DflashApp, HostBinding
 from dflashctl.tui.screens.confirm import ConfirmScreen
 from dflashctl.tui.screens.fleet import FleetScreen, fleet_row

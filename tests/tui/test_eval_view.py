@@ -15,7 +15,6 @@ import pytest
 from rich.text import Text
 from textual.widgets import DataTable, Static
 
-from dflashctl.control import GpuSample, parse_gpu_csv
 from dflashctl.gpu_health import GpuHealth, parse_health_csv
 from dflashctl.monitor import (
     HISTORY,
@@ -28,6 +27,7 @@ from dflashctl.monitor import (
     start_new_run,
     tau_history,
 )
+from dflashctl.run_status import GpuSample, parse_gpu_csv
 from dflashctl.tui.app import DflashApp, HostBinding
 from dflashctl.tui.screens.fleet import tau_cell
 from dflashctl.tui.screens.host import HostScreen

@@ -16,11 +16,12 @@ import pytest
 from rich.text import Text
 from textual.widgets import Static
 
-from dflashctl.control import RunControl, parse_gpu_csv
+from dflashctl.control import RunControl
 from dflashctl.gpu_health import parse_health_csv, parse_xid_lines
 from dflashctl.inventory import local_host
 from dflashctl.monitor import RunState, apply_xids, xid_events
 from dflashctl.remote import LocalTransport
+from dflashctl.run_status import parse_gpu_csv
 from dflashctl.tui.app import HostBinding
 from dflashctl.tui.screens.host import HostScreen
 from dflashctl.tui.widgets.panes import gpus_text, xids_text

@@ -9,9 +9,9 @@ import asyncio
 from dataclasses import replace
 from pathlib import Path
 
-from dflashctl.control import parse_gpu_csv
 from dflashctl.gpu_health import parse_health_csv
 from dflashctl.monitor import LinkState, RestartPlan, RunState, apply_lines, apply_status
+from dflashctl.run_status import parse_gpu_csv
 from dflashctl.runconfig import config_diff
 from dflashctl.tui.app import DflashApp, HostBinding
 from dflashctl.tui.screens.host import HostScreen
@@ -258,7 +258,7 @@ def test_group_screen(snap_compare) -> None:  # type: ignore[no-untyped-def]
 def test_measuring_host_screen(snap_compare) -> None:  # type: ignore[no-untyped-def]
     """A host whose run stopped, now running `dflashctl measure`: the header says measuring,
     the measure line under it has its id, since when, the commands and its last progress."""
-    from dflashctl.control import RunningMeasure
+    from dflashctl.run_status import RunningMeasure
 
     measure = RunningMeasure(
         id="20270115T074002Z",
