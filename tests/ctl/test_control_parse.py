@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from dflashctl.cli import format_run_status
 from dflashctl.control import MARK, stop_wait_argv, trainer_argv
 from dflashctl.run_status import (
     eval_summary,
@@ -14,6 +13,7 @@ from dflashctl.run_status import (
     parse_supervisor_file,
     split_sections,
 )
+from dflashctl.status_text import format_run_status
 from trainer.events import EvalEvent, parse_line
 from trainer.events.run_state import RunState, parse_run_state
 from trainer.pipeline.status import RunStateFile

@@ -12,7 +12,6 @@ from pathlib import Path
 
 import pytest
 
-from dflashctl.cli import format_run_status
 from dflashctl.control import RunControl
 from dflashctl.demo import (
     DEMO_OVERLAY,
@@ -23,6 +22,7 @@ from dflashctl.demo import (
 )
 from dflashctl.remote import LocalTransport
 from dflashctl.run_status import RunStatus
+from dflashctl.status_text import format_run_status
 from tests.conftest import run_headless_demo
 from trainer.config import TrainConfig
 from trainer.events import EvalEvent, StatusEvent, parse_line

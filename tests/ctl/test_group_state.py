@@ -269,7 +269,8 @@ def test_the_group_names_node_0s_checkpoint_and_no_other_nodes() -> None:
 def test_status_text_names_the_writer_node_on_the_group_and_on_node_1(tmp_path: Path) -> None:
     """`dflashctl status GROUP` (text): the group's checkpoint line under its summary, and node
     1's own status says its checkpoints are on node 0 instead of naming none."""
-    from dflashctl.cli import _group_entry, format_run_status
+    from dflashctl.cli import _group_entry
+    from dflashctl.status_text import format_run_status
 
     path = "/wd/run/checkpoints/step-00000040.pt"
     rs0 = RunState(rank_range=[0, 1], node_rank=0, checkpoint_node=0, last_step=40)

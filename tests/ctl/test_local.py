@@ -631,7 +631,7 @@ async def test_a_switch_nobody_reported_is_reported_by_the_next_command(
         f"a deploy switched current {second.id} -> {first.id} and never reported back "
         f"({owner}); it is switched"
     )
-    from dflashctl.cli import format_run_status
+    from dflashctl.status_text import format_run_status
 
     assert f"note: {st.switch_note}" in format_run_status(st)
     run = Path(ctl.host.run_dir)
@@ -696,7 +696,7 @@ async def test_status_shows_only_the_current_runs_errors(ctl: RunControl, tmp_pa
 async def test_corrupted_run_state_is_reported_not_taken_as_a_config_change(
     ctl: RunControl,
 ) -> None:
-    from dflashctl.cli import format_run_status
+    from dflashctl.status_text import format_run_status
 
     run = Path(ctl.host.run_dir)
     run.mkdir(parents=True)
@@ -734,7 +734,7 @@ async def test_a_stop_the_trainer_completed_is_stopped_whatever_the_last_signal(
 
 
 async def test_a_signal_exit_names_the_signal(ctl: RunControl) -> None:
-    from dflashctl.cli import format_run_status
+    from dflashctl.status_text import format_run_status
 
     Path(ctl.host.run_dir).mkdir(parents=True)
     script = "import os, signal, time; time.sleep(0.2); os.kill(os.getpid(), signal.SIGKILL)"

@@ -25,7 +25,6 @@ from pathlib import Path
 
 import pytest
 
-from dflashctl.cli import format_run_status
 from dflashctl.cli import main as cli_main
 from dflashctl.control import MeasureInProgress, RunControl
 from dflashctl.deploy import deploy
@@ -53,6 +52,7 @@ from dflashctl.remote import LocalTransport
 from dflashctl.remote.layout import RemoteLayout, measure_session
 from dflashctl.remote.run import MARK
 from dflashctl.run_status import iso_utc, measure_started
+from dflashctl.status_text import format_run_status
 from tests.conftest import require_part
 from tests.ctl import parts as P
 

@@ -20,10 +20,10 @@ from typing import Any
 
 import pytest
 
-from dflashctl.cli import format_run_status, low_disk_line, supervisor_lines
 from dflashctl.control import MARK, STATUS_SCRIPT
 from dflashctl.remote.commands import supervised
 from dflashctl.run_status import parse_status, split_sections
+from dflashctl.status_text import format_run_status, low_disk_line, supervisor_lines
 from dflashctl.watch_events import Condition, snapshot_from_status
 from trainer.config.policy import Policy
 

@@ -1,0 +1,146 @@
+"""`dflashctl status` as text for people: one host's `RunStatus` as lines (pure, no I/O).
+
+The JSON form is `RunStatus.to_json_dict`; this is the text the CLI prints for a host and for
+each node of a group.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+
+from dflashctl.monitor import format_age
+from dflashctl.run_status import (
+    RunningMeasure,
+    RunStatus,
+    eval_summary,
+    iso_time,
+    restart_reason,
+    restart_time,
+)
+from trainer.events import format_status_line
+
+
+def format_run_status(st: RunStatus) -> str:
+    """`dflashctl status` text for one host: a summary line, then what it knows of the run."""
+    parts = [f"{st.host}: {'finished' if st.finished else st.state}"]
+    if st.exit_status is not None:
+        parts.append(f"exit={st.exit_status}")
+    if st.signal:
+        parts.append(f"(killed by {st.signal})")
+    elif st.stop_signal:
+        parts.append(f"(on {st.stop_signal})")
+    parts.append(f"release={st.release or '-'}")
+    if st.run_release and st.run_release != st.release:
+        parts.append(f"(running {st.run_release})")
+    parts.append(f"config={st.config_hash or '-'}")
+    if st.deployed_config_hash and st.config_hash and st.deployed_config_hash != st.config_hash:
+        parts.append(f"(deployed {st.deployed_config_hash}: restart to apply)")
+    lines = [" ".join(parts)]
+    if st.message:
+        lines.append(f"  {st.message}")
+    if st.run_state_error:
+        lines.append(
+            f"  {st.run_state_error}: pid, config hash and run state unknown "
+            f"(the trainer rewrites it whole at its next start)"
+        )
+    if st.switch_note:
+        lines.append(f"  note: {st.switch_note}")
+    if st.measure is not None:
+        lines.append(measure_line(st.host, st.measure))
+    detail, ck_error = st.run_state.stop_detail, st.run_state.checkpoint_error
+    if st.state != "running" and isinstance(detail, str) and detail:
+        lines.append(f"  stop: {detail}")
+    if isinstance(ck_error, str) and ck_error:
+        lines.append(f"  checkpoint error: {ck_error}")
+    if st.last_event is not None:
+        lines.append("  " + format_status_line(st.last_event))
+    if st.last_checkpoint is not None:
+        lines.append(f"  last checkpoint: step {st.last_checkpoint.step} {st.last_checkpoint.path}")
+    elif (writer := st.run_state.checkpoints_elsewhere) is not None:
+        lines.append(f"  checkpoints: on node {writer} (this node writes none)")
+    evaluated = eval_summary(st.run_state)
+    if evaluated:
+        lines.append(f"  {evaluated}")
+    if st.last_error:
+        lines.append(f"  error: {st.last_error}")
+    lines += supervisor_lines(st)
+    lines += [f"  | {ln}" for ln in st.pane_tail]
+    return "\n".join(lines)
+
+
+def measure_line(host: str, m: RunningMeasure) -> str:
+    """`dflashctl status`'s line for a measure running on the host: its id, since when, its
+    last progress line."""
+    ago = f" ({format_age(m.age_s)} ago)" if m.age_s is not None else ""
+    return (
+        f"  measure: {m.id} running since {m.since}{ago} in tmux session {m.session!r}: "
+        f"{m.progress or 'no timing run has finished yet'} (`dflashctl measure {host} --result`)"
+    )
+
+
+# supervisor states whose `detail` says what happened (why it waits, stopped or gave up)
+DETAIL_STATES = frozenset({"restarting", "stalled", "gave-up", "not-restarted"})
+
+
+def supervisor_lines(st: RunStatus, now: float | None = None) -> list[str]:
+    """The supervisor's policy and restarts for `dflashctl status` (nothing for a bare run)."""
+    sup = st.supervisor
+    if st.supervisor_error:
+        return [f"  {st.supervisor_error}: restarts unknown"]
+    if not sup:
+        return []
+    now = time.time() if now is None else now
+    raw_policy = sup.get("policy")
+    policy: dict[str, object] = raw_policy if isinstance(raw_policy, dict) else {}
+    head = (
+        f"  supervisor: {sup.get('state')}, attempt {sup.get('attempt')}; restart = "
+        f"{policy.get('restart', '?')}, at most {policy.get('max_restarts', '?')} in "
+        f"{_num(policy.get('restart_window_s'))} s"
+    )
+    lines = [head]
+    low = low_disk_line(sup, now)
+    if low:
+        lines.append(f"  {low}")
+    detail = sup.get("detail")
+    if sup.get("state") in DETAIL_STATES and isinstance(detail, str):
+        lines.append(f"  supervisor: {detail}")
+    first = max(0, len(st.restarts) - 5)
+    if first:
+        lines.append(f"  ({len(st.restarts)} restarts; the last 5:)")
+    for n, r in enumerate(st.restarts[first:], start=first + 1):
+        at = restart_time(r)
+        age = f"{format_age(now - at)} ago" if at is not None else "at ?"
+        lines.append(f"  restart {n}: {restart_reason(r)} ({age})")
+    return lines
+
+
+def low_disk_line(supervisor: Mapping[str, object] | None, now: float) -> str | None:
+    """`disk: LOW: 2.5 MiB free in run/, checkpoints need 4.0 MiB (4 x 1.0 MiB) for 3m05s: a
+    later checkpoint will fail unless space is freed` while the supervisor's `low_disk` entry
+    (RUN/supervisor.json: free_mib, needed_mib, checkpoint_mib, checkpoints, since) is set;
+    "the next checkpoint" when not even one fits. None when the disk is fine."""
+    low = supervisor.get("low_disk") if supervisor else None
+    if not isinstance(low, dict):
+        return None
+    free, need, one, slots = (
+        low.get(k) for k in ("free_mib", "needed_mib", "checkpoint_mib", "checkpoints")
+    )
+    made_of = (
+        f" ({slots} x {_num(one)} MiB)"
+        if isinstance(slots, int) and slots > 1 and isinstance(one, int | float)
+        else ""
+    )
+    since = iso_time(low.get("since"))
+    age = f" for {format_age(max(0.0, now - since))}" if since is not None else ""
+    limit = one if isinstance(one, int | float) else need
+    full = isinstance(free, int | float) and isinstance(limit, int | float) and free < limit
+    return (
+        f"disk: LOW: {_num(free)} MiB free in run/, checkpoints need {_num(need)} MiB"
+        f"{made_of}{age}: {'the next' if full else 'a later'} checkpoint will fail unless "
+        f"space is freed"
+    )
+
+
+def _num(value: object) -> str:
+    return f"{value:g}" if isinstance(value, int | float) else "?"
