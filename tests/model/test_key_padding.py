@@ -6,7 +6,8 @@ from __future__ import annotations
 import torch
 
 from tests.model.helpers import make_batch, make_drafter
-from trainer.model.attention import KEY_MULTIPLE, build_mask, pad_keys
+from trainer.model.attention import build_mask, pad_keys
+from trainer.model.key_widths import KEY_MULTIPLE
 from trainer.model.masks import dense_dflash_mask, sample_anchors
 from trainer.model.target import TargetModel
 
@@ -44,10 +45,3 @@ def test_padded_keys_change_no_output(target: TargetModel) -> None:
         c = drafter(feats, block_ids, block_pos, build_mask(pos, attn, 4, "flex"))
     torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(c, a, rtol=1e-5, atol=1e-5)
-
-
-def test_the_memory_estimate_pads_the_keys_as_the_drafter_does() -> None:
-    """`trainer.memory` is torch-free, so it keeps its own copy of the key multiple."""
-    from trainer.memory import costs
-
-    assert costs.KEY_MULTIPLE == KEY_MULTIPLE

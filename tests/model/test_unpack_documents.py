@@ -12,8 +12,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from trainer.model.attention import KEY_MULTIPLE
 from trainer.model.documents import GROUP_COST, attention_groups, unpack_documents
+from trainer.model.key_widths import KEY_MULTIPLE
 from trainer.model.masks import sample_anchors
 from trainer.model.objective import draw_anchors
 from trainer.model.target import TargetModel

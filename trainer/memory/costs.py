@@ -26,6 +26,7 @@ import numpy as np
 import numpy.typing as npt
 
 from trainer.memory.shapes import DrafterShape, TargetShape
+from trainer.model.key_widths import KEY_MULTIPLE
 
 Backend = Literal["flex", "sdpa"]
 Ints: TypeAlias = "npt.NDArray[np.int64]"
@@ -33,7 +34,6 @@ Ints: TypeAlias = "npt.NDArray[np.int64]"
 GiB = 2**30
 CE_CHUNK_BYTES = 256 * 2**20  # trainer.kernels.chunked.DEFAULT_CHUNK_BYTES
 CE_MAX_CHUNK = 16384  # trainer.kernels.chunked.MAX_CHUNK
-KEY_MULTIPLE = 16  # trainer.model.attention.KEY_MULTIPLE: a dense mask's keys are padded to it
 
 
 def per_query_row_layer(d: DrafterShape, c: int, backend: Backend = "flex") -> int:

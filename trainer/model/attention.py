@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from trainer.model.key_widths import KEY_MULTIPLE
 from trainer.model.masks import dense_dflash_mask, flex_dflash_block_mask
 
 AttnBackend = Literal["auto", "sdpa", "flex"]
@@ -62,12 +63,6 @@ def build_mask(
     if chosen == "flex":
         return flex_dflash_block_mask(anchors, context_valid, block_size, context_start)
     return pad_keys(dense_dflash_mask(anchors, context_valid, block_size, context_start))
-
-
-KEY_MULTIPLE = 16
-"""Dense masks carry a multiple of this many keys (padding keys masked off): CPU SDPA costs
-~20 % more per score element at other key counts (1,159 us for 111 keys vs 842 us for 112,
-forward and backward, tiny drafter widths); the drafter pads K/V with zeros to match."""
 
 
 def pad_keys(mask: Tensor, multiple: int = KEY_MULTIPLE) -> Tensor:

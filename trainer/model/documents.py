@@ -28,7 +28,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from trainer.model.attention import KEY_MULTIPLE
+from trainer.model.key_widths import KEY_MULTIPLE
 from trainer.model.masks import Anchors
 
 GROUP_COST = 16 * 1024
