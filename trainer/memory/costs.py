@@ -34,6 +34,7 @@ Ints: TypeAlias = "npt.NDArray[np.int64]"
 GiB = 2**30
 CE_CHUNK_BYTES = 256 * 2**20  # trainer.kernels.chunked.DEFAULT_CHUNK_BYTES
 CE_MAX_CHUNK = 16384  # trainer.kernels.chunked.MAX_CHUNK
+FLEX_TILE = 128  # trainer.model.masks.TILE: the BlockMask tile (query rows and keys)
 
 
 def per_query_row_layer(d: DrafterShape, c: int, backend: Backend = "flex") -> int:
@@ -122,7 +123,7 @@ class Piece:
         return self.rows * self.width * block
 
 
-def flex_block_mask_bytes(piece: Piece, block: int, tile: int = 128) -> int:
+def flex_block_mask_bytes(piece: Piece, block: int, tile: int = FLEX_TILE) -> int:
     """Bytes of the flex BlockMask one piece keeps through forward and backward.
 
     kv and q sides, partial and full: 4 int32 index lists of [R, nQ, nKV] (or transposed) and 4
@@ -174,7 +175,7 @@ def activation_peaks(
     # project_context's fp32 cast of the features, alive while fc's input is made from it
     cast = 4 * d.features * d.hidden * projected if feature_bytes != 4 else 0
     if backend == "flex":
-        saved += _flex_block_mask_bytes(rows, seq, width, d.block, 128)
+        saved += _flex_block_mask_bytes(rows, seq, width, d.block, FLEX_TILE)
     if backend == "sdpa":
         kv_len = -(-(seq + width * d.block) // KEY_MULTIPLE) * KEY_MULTIPLE
         saved += qr * kv_len  # the bool mask

@@ -182,7 +182,7 @@ class Estimator:
     def largest_budget(self, available: int) -> int | None:
         """Largest max_query_rows (a multiple of the block) whose drafter peak fits, or None."""
         block = self.drafter.block
-        top = max(s.query_rows(block) for s in self.shapes.batches) // block
+        top = int((self._table.rows * self._table.width).max())  # widest query rows / block
         fixed = sum(self.fixed().values())
         if fixed + self.plan(block).peak > available:
             return None
@@ -208,7 +208,7 @@ class Estimator:
 
     def target_device(self) -> dict[str, int]:
         """A target device's items: `costs.target_peak` and the packets waiting there."""
-        tokens = max(s.packet_tokens for s in self.shapes.batches)
+        tokens = int(self._table.packet_tokens.max())
         items = target_peak(
             self.target, tokens, self.drafter.features, dtype_bytes=self.precision.features
         )
