@@ -24,14 +24,14 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from dflashctl.control import RunControl  # noqa: E402
-from dflashctl.deploy import deploy  # noqa: E402
-from dflashctl.follow import Line  # noqa: E402
-from dflashctl.inventory import HostConfig, load_inventory, local_host  # noqa: E402
-from dflashctl.release import build_release  # noqa: E402
+from dflashctl.config.inventory import HostConfig, load_inventory, local_host  # noqa: E402
+from dflashctl.releases.deploy import deploy  # noqa: E402
+from dflashctl.releases.release import build_release  # noqa: E402
 from dflashctl.remote import LocalTransport, Transport  # noqa: E402
 from dflashctl.remote.commands import tmux, tmux_kill_session  # noqa: E402
 from dflashctl.remote.ssh import SshTransport  # noqa: E402
+from dflashctl.runs.control import RunControl  # noqa: E402
+from dflashctl.runs.follow import Line  # noqa: E402
 from tests.ctl import parts as P  # noqa: E402
 
 LINES = 200

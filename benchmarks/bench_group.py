@@ -37,7 +37,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from dflashctl.cli import main as cli_main  # noqa: E402
+from dflashctl.cli.main import main as cli_main  # noqa: E402
 from tests.ctl import parts as P  # noqa: E402
 from trainer.config.overlay import dump_toml, merge  # noqa: E402
 

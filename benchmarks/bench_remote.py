@@ -34,7 +34,7 @@ import asyncssh
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from dflashctl.inventory import load_inventory  # noqa: E402
+from dflashctl.config.inventory import load_inventory  # noqa: E402
 from dflashctl.remote import CommandTimeout, TransportError  # noqa: E402
 from dflashctl.remote.commands import clean_env, pct_exec, shell_join  # noqa: E402
 from dflashctl.remote.ssh import SshTransport  # noqa: E402

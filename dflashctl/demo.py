@@ -28,12 +28,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from dflashctl.control import RunService
+from dflashctl.config.inventory import HostConfig
 from dflashctl.errors import DflashctlError, ExitCode, run_main
 from dflashctl.fleet import HostHandle, open_local
-from dflashctl.follow import lines_of
-from dflashctl.inventory import HostConfig
-from dflashctl.run_status import eval_summary
+from dflashctl.runs.control import RunService
+from dflashctl.runs.follow import lines_of
+from dflashctl.runs.snapshot import eval_summary
 from trainer.config.overlay import TomlTable, dump_toml, merge
 from trainer.events import EvalEvent, StatusEvent, parse_line
 
@@ -152,7 +152,7 @@ def prepare(
 
 
 def demo_host(demo_dir: Path, config: Path, session: str) -> HostConfig:
-    from dflashctl.inventory import local_host
+    from dflashctl.config.inventory import local_host
 
     host = local_host(DEMO_HOST, demo_dir / "host", python=sys.executable, session=session)
     return host.model_copy(update={"run_config": config})

@@ -19,18 +19,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
-from dflashctl.control import RestartResult, RunControl, RunService
-from dflashctl.deploy import DeployResult, Progress, deploy
-from dflashctl.inventory import HostConfig, Inventory
-from dflashctl.monitor import RunShape, shape_from_config
+from dflashctl.config.inventory import HostConfig, Inventory
+from dflashctl.config.runconfig import read_config_text
+from dflashctl.monitor.state import RunShape, shape_from_config
+from dflashctl.releases.deploy import DeployResult, Progress, deploy
 from dflashctl.remote.commands import tmux_attach
 from dflashctl.remote.connect import DEFAULT_TERM, TransportFactory, attach_argv, make_transport
 from dflashctl.remote.transport import LocalTransport, Transport
-from dflashctl.runconfig import read_config_text
+from dflashctl.runs.control import RestartResult, RunControl, RunService
 
 
 class DeployFn(Protocol):
-    """Deploys the trainer release and the host's run config to one host (`dflashctl.deploy`)."""
+    """Deploys the trainer release and the host's run config to one host (`dflashctl.releases.deploy`)."""
 
     def __call__(
         self, *, progress: Progress | None = None, fresh: bool = False

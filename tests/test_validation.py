@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from dflashctl.inventory import InventoryError, parse_inventory
+from dflashctl.config.inventory import InventoryError, parse_inventory
 from trainer.config import ConfigError, TrainConfig
 from trainer.config.validation import STRICT, NotUtf8Error, one_line, utf8_text
 

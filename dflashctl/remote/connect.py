@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from dflashctl.inventory import HostConfig
+from dflashctl.config.inventory import HostConfig
 from dflashctl.remote.commands import clean_env, pct_exec, shell_join, tmux_attach, with_known_term
 from dflashctl.remote.transport import Transport
 

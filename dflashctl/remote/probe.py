@@ -1,6 +1,6 @@
 """The python probes deploy runs in the container, as source text sent to its python (stdlib
 only): the preflight facts and the release's memory estimate. Each prints one JSON object;
-judging it is dflashctl.preflight's. Pure builders: no I/O here.
+judging it is dflashctl.releases.preflight's. Pure builders: no I/O here.
 
 The probes take the workdir as an argument and find the layout's paths under it: the script
 texts are rendered once from dflashctl.remote.layout's names (releases/<id>/.complete, current,

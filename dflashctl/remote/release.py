@@ -1,7 +1,7 @@
 """Pure argv and script builders for deploying a release: the deploy lock, the preflight and
 memory probes, the unpack, the switch of `current`, the switch marker.
 
-The services (dflashctl.deploy, dflashctl.preflight) keep the order of these steps and judge
+The services (dflashctl.releases.deploy, dflashctl.releases.preflight) keep the order of these steps and judge
 their output; the paths are dflashctl.remote.layout's. Every variable value travels as a
 positional parameter ("$1"), never in the script text.
 """

@@ -1,8 +1,8 @@
 """Pure argv and script builders for the run: its status round trip, the trainer's argv (under
 torchrun when the run config needs several ranks), the start and stop waits, the GPU query, and
 a measure's (its directory and tmux session, the pane's wrapper, its status wait). Parsing their
-output into typed results is run control's (dflashctl.control) and the measure service's
-(dflashctl.measure); the paths and names are dflashctl.remote.layout's.
+output into typed results is run control's (dflashctl.runs.control) and the measure service's
+(dflashctl.runs.measure); the paths and names are dflashctl.remote.layout's.
 """
 
 from __future__ import annotations

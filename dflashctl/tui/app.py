@@ -32,7 +32,7 @@ from textual.worker import Worker, WorkerState
 
 from dflashctl.errors import ExitCode, UsageError
 from dflashctl.fleet import ConfigWatcher, HostHandle, open_inventory
-from dflashctl.monitor import HostFollower, RestartPlan, RunShape, RunState, apply_lines
+from dflashctl.monitor.state import HostFollower, RestartPlan, RunShape, RunState, apply_lines
 from dflashctl.tui import commands, targets
 from dflashctl.tui.screens.confirm import ConfirmScreen
 from dflashctl.tui.screens.fleet import FleetScreen
@@ -234,7 +234,7 @@ class DflashApp(App[None]):
             return
         state = self.states.get(host)
         if state is not None and state.measure is not None:  # start refuses it: say so first
-            from dflashctl.control import measure_refusal
+            from dflashctl.runs.control import measure_refusal
 
             why = measure_refusal(state.measure, host, "a restart")
             self.notify(str(why), severity="warning")
@@ -355,7 +355,7 @@ def run_app(argv: Sequence[str] | None = None) -> int:
 
     Errors (a bad inventory, none of its hosts) raise; `dflashctl.errors.run_main` reports them.
     """
-    from dflashctl.inventory import load_inventory
+    from dflashctl.config.inventory import load_inventory
 
     args = parse_tui_args(sys.argv[1:] if argv is None else argv)
     inventory = load_inventory(args.hosts)

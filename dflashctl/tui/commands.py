@@ -13,7 +13,7 @@ from collections.abc import Callable
 from typing import Literal, Protocol
 
 from dflashctl.fleet import ConfigWatcher, HostHandle, deploy_summary, restart_details
-from dflashctl.monitor import HostFollower, RestartPlan, plan_restart
+from dflashctl.monitor.state import HostFollower, RestartPlan, plan_restart
 
 __all__ = [
     "STOP_TIMEOUT_S",

@@ -11,7 +11,7 @@ from collections.abc import Mapping, Sequence
 
 from textual.screen import Screen
 
-from dflashctl.inventory import GroupConfig, Inventory
+from dflashctl.config.inventory import GroupConfig, Inventory
 from dflashctl.tui.screens.fleet import FleetScreen
 from dflashctl.tui.screens.group import GroupScreen
 

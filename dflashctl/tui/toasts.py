@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from textual.notifications import SeverityLevel
 
 from dflashctl.errors import DflashctlError
-from dflashctl.monitor import RunState, supervisor_events, xid_events
+from dflashctl.monitor.state import RunState, supervisor_events, xid_events
 
 __all__ = ["NEWS_TIMEOUT_S", "SEVERITIES", "WORKER_FAILURES", "Toast", "news", "worker_failure"]
 

@@ -12,7 +12,7 @@ from typing import Protocol, TypeVar, runtime_checkable
 from textual.screen import Screen
 
 from dflashctl.fleet import HostHandle
-from dflashctl.monitor import RunShape, RunState
+from dflashctl.monitor.state import RunShape, RunState
 
 ResultT = TypeVar("ResultT")
 

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from dflashctl.inventory import HostConfig, load_inventory
-from dflashctl.release import Release, build_release
+from dflashctl.config.inventory import HostConfig, load_inventory
+from dflashctl.releases.release import Release, build_release
 from tests.conftest import require_part
 from tests.ctl import parts as P
 

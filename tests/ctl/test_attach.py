@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from dflashctl.inventory import HostConfig
+from dflashctl.config.inventory import HostConfig
 from tests.conftest import require_part
 from tests.ctl import parts as P
 from tests.terminal import Terminal
@@ -47,7 +47,7 @@ def test_attach_shows_the_run_and_detaches_leaving_it_running(
     inventory = ssh_host.known_hosts.parent / "hosts.toml"
     try:
         term.start(
-            [sys.executable, "-m", "dflashctl.cli", "--hosts", str(inventory), "attach", "ct"],
+            [sys.executable, "-m", "dflashctl", "--hosts", str(inventory), "attach", "ct"],
             {"TERM": "xterm-dflash-unknown"},  # no terminfo: attach falls back
         )
         screen = term.wait(

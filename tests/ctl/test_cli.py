@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from dflashctl.cli import main
+from dflashctl.cli.main import main
+from dflashctl.config.inventory import load_inventory
 from dflashctl.errors import DflashctlError, ExitCode, UsageError, run_main
-from dflashctl.inventory import load_inventory
 from dflashctl.remote.commands import with_known_term
 from dflashctl.remote.connect import attach_argv
 
@@ -50,7 +50,7 @@ def test_invalid_run_config_is_exit_2_before_connecting(
         tmp_path,
         f'[hosts.a]\naddress = "127.0.0.1"\nport = 9\nctid = 200\nknown_hosts = "{tmp_path}/kh"\n',
     )
-    from dflashctl.runconfig import RunConfigError, validate_config
+    from dflashctl.config.runconfig import RunConfigError, validate_config
 
     with pytest.raises(RunConfigError, match=str(bad)):
         validate_config(bad)
@@ -144,7 +144,7 @@ def test_status_into_a_closed_pipe_exits_quietly(tmp_path: Path) -> None:
     os.close(read)  # head has already exited
     try:
         proc = subprocess.run(
-            [sys.executable, "-m", "dflashctl.cli", "--hosts", inv, "status"],
+            [sys.executable, "-m", "dflashctl", "--hosts", inv, "status"],
             stdout=write,
             stderr=subprocess.PIPE,
             text=True,
@@ -177,7 +177,7 @@ def test_start_wait_comes_from_the_inventory_and_is_checked(
 ) -> None:
     import argparse
 
-    from dflashctl.cli import _wait_s
+    from dflashctl.cli.main import _wait_s
 
     inv = write_inv(
         tmp_path, '[defaults]\nstart_wait = 7.5\n[hosts.a]\naddress = "h"\nctid = 200\n'
@@ -222,9 +222,9 @@ def test_run_main_ctrl_c_is_130_and_other_exceptions_propagate(
 
 
 def test_the_usage_errors_of_this_layer_share_the_one_base() -> None:
+    from dflashctl.alerts.notify import NotifyConfigError
+    from dflashctl.config.inventory import InventoryError
     from dflashctl.demo import DemoError
-    from dflashctl.inventory import InventoryError
-    from dflashctl.notify import NotifyConfigError
 
     assert issubclass(InventoryError, UsageError) and InventoryError.exit_code == 2
     assert issubclass(NotifyConfigError, UsageError)

@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from dflashctl.control import ControlError, RunControl
-from dflashctl.inventory import local_host
-from dflashctl.monitor import HealthSource
+from dflashctl.config.inventory import local_host
+from dflashctl.monitor.state import HealthSource
 from dflashctl.remote import LocalTransport
+from dflashctl.runs.control import ControlError, RunControl
 
 FIX = Path(__file__).parent / "fixtures" / "gpu-health"
 

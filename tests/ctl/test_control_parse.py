@@ -5,15 +5,15 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from dflashctl.control import MARK, stop_wait_argv, trainer_argv
-from dflashctl.run_status import (
+from dflashctl.cli.status_text import format_run_status
+from dflashctl.runs.control import MARK, stop_wait_argv, trainer_argv
+from dflashctl.runs.snapshot import (
     eval_summary,
     parse_gpu_csv,
     parse_status,
     parse_supervisor_file,
     split_sections,
 )
-from dflashctl.status_text import format_run_status
 from trainer.events import EvalEvent, parse_line
 from trainer.events.run_state import RunState, parse_run_state
 from trainer.pipeline.status import RunStateFile

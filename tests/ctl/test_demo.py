@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from dflashctl.control import RunControl
+from dflashctl.cli.status_text import format_run_status
 from dflashctl.demo import (
     DEMO_OVERLAY,
     REPO_CONFIG,
@@ -21,8 +21,8 @@ from dflashctl.demo import (
     prepare,
 )
 from dflashctl.remote import LocalTransport
-from dflashctl.run_status import RunStatus
-from dflashctl.status_text import format_run_status
+from dflashctl.runs.control import RunControl
+from dflashctl.runs.snapshot import RunStatus
 from tests.conftest import run_headless_demo
 from trainer.config import TrainConfig
 from trainer.events import EvalEvent, StatusEvent, parse_line

@@ -17,8 +17,8 @@ from typing import Any
 
 import pytest
 
-from dflashctl.cli import main as cli_main
-from dflashctl.runconfig import config_hash_of_file
+from dflashctl.cli.main import main as cli_main
+from dflashctl.config.runconfig import config_hash_of_file
 from tests.conftest import require_part
 from tests.ctl import parts as P
 
@@ -240,7 +240,7 @@ def test_a_deploy_killed_during_preflight_leaves_a_lock_the_next_one_takes_over(
     tree = frozen_tree(tmp_path)
     lock = clean_workdir / ".deploy.lock"
     client = subprocess.Popen(
-        [sys.executable, "-m", "dflashctl.cli", *inv, "deploy", "ct", "--tree", str(tree)],
+        [sys.executable, "-m", "dflashctl", *inv, "deploy", "ct", "--tree", str(tree)],
         cwd=REPO,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
@@ -303,7 +303,7 @@ def test_a_deploy_killed_right_after_sending_never_switches_current_unsaid(
     inv = P.pinned_inventory(real_parts, tmp_path)
     tree = frozen_tree(tmp_path)
     client = subprocess.Popen(
-        [sys.executable, "-m", "dflashctl.cli", *inv, "deploy", "ct", "--tree", str(tree)],
+        [sys.executable, "-m", "dflashctl", *inv, "deploy", "ct", "--tree", str(tree)],
         cwd=REPO,
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,

@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import pytest
 
-from dflashctl.control import ControlError, StartFailed
-from dflashctl.deploy import DeployError, LockHeld
+from dflashctl.config.inventory import InventoryError
 from dflashctl.errors import DflashctlError, ExitCode
-from dflashctl.inventory import InventoryError
-from dflashctl.launch import LaunchError
-from dflashctl.release import ReleaseError
+from dflashctl.groups.launch import LaunchError
+from dflashctl.releases.deploy import DeployError, LockHeld
+from dflashctl.releases.release import ReleaseError
 from dflashctl.remote.ssh import HostSetupError
 from dflashctl.remote.transport import (
     CommandTimeout,
@@ -18,6 +17,7 @@ from dflashctl.remote.transport import (
     HostUnreachable,
     TransportError,
 )
+from dflashctl.runs.control import ControlError, StartFailed
 
 
 @pytest.mark.parametrize(

@@ -17,13 +17,13 @@ from pathlib import Path
 import asyncssh
 import pytest
 
-from dflashctl.cli import main as cli_main
-from dflashctl.control import RunControl
-from dflashctl.follow import FollowEvent, Line, LogRestarted, Lost, lines_of
-from dflashctl.inventory import HostConfig, load_inventory
+from dflashctl.cli.main import main as cli_main
+from dflashctl.config.inventory import HostConfig, load_inventory
 from dflashctl.remote import CommandTimeout, HostKeyError, HostUnreachable, TransportError
 from dflashctl.remote.commands import BASE_ENV
 from dflashctl.remote.ssh import SshTransport, pin_host_key
+from dflashctl.runs.control import RunControl
+from dflashctl.runs.follow import FollowEvent, Line, LogRestarted, Lost, lines_of
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -379,7 +379,7 @@ async def test_logs_follow_says_on_stderr_when_it_reconnects(
     proc = await asyncio.create_subprocess_exec(
         sys.executable,
         "-m",
-        "dflashctl.cli",
+        "dflashctl",
         "--hosts",
         str(tmp_path / "hosts.toml"),
         "logs",

@@ -1,4 +1,4 @@
-"""The one follow loop (dflashctl.follow): typed events, one backoff, the read position it owns.
+"""The one follow loop (dflashctl.runs.follow): typed events, one backoff, the read position it owns.
 
 A scripted LogSource stands in for RunControl's two primitives; the real ones over SSH and a
 local transport are driven through `RunControl.follow` in test_faults.py / test_local.py.
@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from dflashctl.follow import (
+from dflashctl.remote.transport import CommandTimeout, HostKeyError, HostUnreachable
+from dflashctl.runs.follow import (
     Backoff,
     Connected,
     FollowEvent,
@@ -27,7 +28,6 @@ from dflashctl.follow import (
     describe_failure,
     link_retryable,
 )
-from dflashctl.remote.transport import CommandTimeout, HostKeyError, HostUnreachable
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -15,7 +15,9 @@ from pathlib import Path
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dflashctl.gpu_health import (
+from dflashctl.alerts.events import EventKind
+from dflashctl.alerts.policy import flush
+from dflashctl.gpus.health import (
     LEGACY_REASONS_PREFIX,
     GpuEventKind,
     GpuHealth,
@@ -29,8 +31,6 @@ from dflashctl.gpu_health import (
     parse_xid_lines,
     unknown_query_field,
 )
-from dflashctl.notify_policy import flush
-from dflashctl.watch_events import EventKind
 
 FIX = Path(__file__).parent / "fixtures" / "gpu-health"
 

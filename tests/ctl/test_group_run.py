@@ -30,8 +30,8 @@ from typing import Any
 
 import pytest
 
-from dflashctl.cli import main as cli_main
-from dflashctl.runconfig import config_hash_of_file
+from dflashctl.cli.main import main as cli_main
+from dflashctl.config.runconfig import config_hash_of_file
 from tests.conftest import require_part
 from tests.ctl import parts as P
 from trainer.config.overlay import dump_toml, merge

@@ -1,4 +1,4 @@
-"""The group's state from its nodes' reports (dflashctl.group.group_state, pure)."""
+"""The group's state from its nodes' reports (dflashctl.groups.control.group_state, pure)."""
 
 from __future__ import annotations
 
@@ -6,9 +6,10 @@ from pathlib import Path
 
 import pytest
 
-from dflashctl.control import ControlError
+from dflashctl.config.inventory import GroupConfig, parse_inventory
+from dflashctl.config.runconfig import config_hash_of_file
 from dflashctl.errors import UsageError
-from dflashctl.group import (
+from dflashctl.groups.control import (
     GroupControl,
     NodeReport,
     group_config_path,
@@ -16,10 +17,9 @@ from dflashctl.group import (
     group_state,
     torchrun_failure,
 )
-from dflashctl.inventory import GroupConfig, parse_inventory
 from dflashctl.remote.transport import LocalTransport
-from dflashctl.run_status import RunStatus
-from dflashctl.runconfig import config_hash_of_file
+from dflashctl.runs.control import ControlError
+from dflashctl.runs.snapshot import RunStatus
 from tests.ctl.parts import REPO, halve_lr
 from trainer.events.run_state import RunState
 
@@ -269,8 +269,8 @@ def test_the_group_names_node_0s_checkpoint_and_no_other_nodes() -> None:
 def test_status_text_names_the_writer_node_on_the_group_and_on_node_1(tmp_path: Path) -> None:
     """`dflashctl status GROUP` (text): the group's checkpoint line under its summary, and node
     1's own status says its checkpoints are on node 0 instead of naming none."""
-    from dflashctl.cli import _group_entry
-    from dflashctl.status_text import format_run_status
+    from dflashctl.cli.main import _group_entry
+    from dflashctl.cli.status_text import format_run_status
 
     path = "/wd/run/checkpoints/step-00000040.pt"
     rs0 = RunState(rank_range=[0, 1], node_rank=0, checkpoint_node=0, last_step=40)

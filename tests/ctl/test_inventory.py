@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from dflashctl.inventory import InventoryError, load_inventory, parse_inventory
+from dflashctl.config.inventory import InventoryError, load_inventory, parse_inventory
 
 GOOD = """
 [defaults]
@@ -149,7 +149,7 @@ def test_group_writable_inventory_warns(tmp_path: Path) -> None:
 
 
 def test_local_host_with_an_unusable_path_is_a_clear_error(tmp_path: Path) -> None:
-    from dflashctl.inventory import local_host
+    from dflashctl.config.inventory import local_host
 
     assert local_host("demo", tmp_path / "wd", python="/usr/bin/python3").workdir.endswith("/wd")
     with pytest.raises(InventoryError, match=r"local host 'demo': workdir:"):

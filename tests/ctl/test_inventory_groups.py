@@ -6,7 +6,13 @@ from pathlib import Path
 
 import pytest
 
-from dflashctl.inventory import GroupConfig, HostConfig, Inventory, InventoryError, parse_inventory
+from dflashctl.config.inventory import (
+    GroupConfig,
+    HostConfig,
+    Inventory,
+    InventoryError,
+    parse_inventory,
+)
 
 HOSTS = """
 [defaults]

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from dflashctl.inventory import HostConfig, InventoryError, parse_inventory
+from dflashctl.config.inventory import HostConfig, InventoryError, parse_inventory
 from trainer.config.policy import Policy
 from trainer.supervise import _parser, parse_policy
 

@@ -12,9 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from dflashctl.control import trainer_argv
-from dflashctl.inventory import GroupConfig, Inventory, InventoryError, parse_inventory
-from dflashctl.launch import (
+from dflashctl.config.inventory import GroupConfig, Inventory, InventoryError, parse_inventory
+from dflashctl.groups.launch import (
     RDZV_BACKEND,
     LaunchError,
     group_launches,
@@ -22,6 +21,7 @@ from dflashctl.launch import (
     rdzv_endpoint,
 )
 from dflashctl.remote.commands import clean_env, pct_exec, shell_join, tmux_new_session
+from dflashctl.runs.control import trainer_argv
 
 PY = "/opt/venv/bin/python"
 

@@ -9,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from dflashctl.release import VERIFY_SCRIPT
+from dflashctl.releases.release import VERIFY_SCRIPT
 from dflashctl.remote import commands as C
 from dflashctl.remote import layout as L
 from dflashctl.remote import probe as P
@@ -158,7 +158,7 @@ def test_the_status_script_reads_the_layout(tmp_path: Path) -> None:
         env={"PATH": "/usr/bin:/bin", "TMUX_TMPDIR": str(tmp_path)},
         timeout=30,
     ).stdout
-    from dflashctl.run_status import split_sections
+    from dflashctl.runs.snapshot import split_sections
 
     got = split_sections(out)
     assert got["run_state"] == '{"pid": 1}' and got["log_lines"] == "2"

@@ -16,14 +16,14 @@ from typing import TypedDict
 
 import pytest
 
-from dflashctl.control import ControlError, RunControl, StartFailed
-from dflashctl.deploy import DeployError, deploy
-from dflashctl.follow import lines_of
-from dflashctl.inventory import HostConfig, local_host
-from dflashctl.release import Release, build_release
+from dflashctl.config.inventory import HostConfig, local_host
+from dflashctl.releases.deploy import DeployError, deploy
+from dflashctl.releases.release import Release, build_release
+from dflashctl.releases.resume import ResumeRefused
 from dflashctl.remote import CommandTimeout, LocalTransport
 from dflashctl.remote.commands import PaneState, parse_pane_state, tmux_settled_pane_state
-from dflashctl.resume import ResumeRefused
+from dflashctl.runs.control import ControlError, RunControl, StartFailed
+from dflashctl.runs.follow import lines_of
 from tests.conftest import require_part
 from tests.ctl.parts import bump_buckets, halve_lr
 
@@ -346,7 +346,7 @@ async def test_checkpoint_config_skips_an_unreadable_newest_checkpoint(
     # so the tiny config resumes step 5 and is not refused for what step 9 had
     new = tmp_path / "same.toml"
     new.write_text(TINY.read_text())
-    from dflashctl.resume import check_config_push
+    from dflashctl.releases.resume import check_config_push
 
     check = await check_config_push(ctl.transport, ctl.host, new, fresh=False)
     assert check.checkpoint is not None and check.checkpoint.step == 5
@@ -535,9 +535,9 @@ async def test_settled_pane_query_on_real_tmux(ctl: RunControl) -> None:
 KILLED_CLIENT = """
 import asyncio, sys
 from pathlib import Path
-from dflashctl.deploy import deploy
-from dflashctl.inventory import local_host
-from dflashctl.release import build_release
+from dflashctl.releases.deploy import deploy
+from dflashctl.config.inventory import local_host
+from dflashctl.releases.release import build_release
 from dflashctl.remote import LocalTransport
 
 host = local_host("loc", Path(sys.argv[1]), python=sys.executable, session="t")
@@ -584,7 +584,7 @@ async def test_a_lock_left_by_a_killed_deploy_is_taken_over(local: Local, tmp_pa
 async def test_break_lock_removes_a_foreign_lock_but_not_a_live_one(
     local: Local, tmp_path: Path
 ) -> None:
-    from dflashctl.deploy import lock_owner
+    from dflashctl.releases.deploy import lock_owner
 
     transport, host = local
     rel = build_release(standin_copy(tmp_path))
@@ -631,7 +631,7 @@ async def test_a_switch_nobody_reported_is_reported_by_the_next_command(
         f"a deploy switched current {second.id} -> {first.id} and never reported back "
         f"({owner}); it is switched"
     )
-    from dflashctl.status_text import format_run_status
+    from dflashctl.cli.status_text import format_run_status
 
     assert f"note: {st.switch_note}" in format_run_status(st)
     run = Path(ctl.host.run_dir)
@@ -696,7 +696,7 @@ async def test_status_shows_only_the_current_runs_errors(ctl: RunControl, tmp_pa
 async def test_corrupted_run_state_is_reported_not_taken_as_a_config_change(
     ctl: RunControl,
 ) -> None:
-    from dflashctl.status_text import format_run_status
+    from dflashctl.cli.status_text import format_run_status
 
     run = Path(ctl.host.run_dir)
     run.mkdir(parents=True)
@@ -734,7 +734,7 @@ async def test_a_stop_the_trainer_completed_is_stopped_whatever_the_last_signal(
 
 
 async def test_a_signal_exit_names_the_signal(ctl: RunControl) -> None:
-    from dflashctl.status_text import format_run_status
+    from dflashctl.cli.status_text import format_run_status
 
     Path(ctl.host.run_dir).mkdir(parents=True)
     script = "import os, signal, time; time.sleep(0.2); os.kill(os.getpid(), signal.SIGKILL)"

@@ -21,15 +21,15 @@ from pathlib import Path
 
 import pytest
 
-from dflashctl.control import TORCHRUN_SHUTDOWN_TIMEOUT_S, RunControl, trainer_argv
-from dflashctl.deploy import deploy
+from dflashctl.config.inventory import local_host
+from dflashctl.config.runconfig import drafter_device_count
 from dflashctl.errors import UsageError
-from dflashctl.inventory import local_host
-from dflashctl.release import build_release
+from dflashctl.releases.deploy import deploy
+from dflashctl.releases.release import build_release
 from dflashctl.remote import LocalTransport
 from dflashctl.remote.commands import SUPERVISOR_MODULE
 from dflashctl.remote.run import TORCHRUN_MODULE, host_trainer_argv
-from dflashctl.runconfig import drafter_device_count
+from dflashctl.runs.control import TORCHRUN_SHUTDOWN_TIMEOUT_S, RunControl, trainer_argv
 from tests.conftest import require_part
 from tests.ctl import parts as P
 from trainer.config.overlay import dump_toml, merge
@@ -198,8 +198,8 @@ async def test_two_cpu_drafter_ranks_start_step_and_stop_under_torchrun(
 
 def test_group_launches_and_the_host_start_share_the_trainer_args() -> None:
     """`launch.TRAINER_ARGS` and the host argv's program part stay one thing."""
-    from dflashctl.launch import TORCHRUN_MODULE as GROUP_TORCHRUN
-    from dflashctl.launch import TRAINER_ARGS
+    from dflashctl.groups.launch import TORCHRUN_MODULE as GROUP_TORCHRUN
+    from dflashctl.groups.launch import TRAINER_ARGS
 
     assert GROUP_TORCHRUN == TORCHRUN_MODULE
     assert tuple(host_trainer_argv("py", False, nproc=3)[8:14]) == TRAINER_ARGS

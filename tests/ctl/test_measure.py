@@ -25,14 +25,19 @@ from pathlib import Path
 
 import pytest
 
-from dflashctl.cli import main as cli_main
-from dflashctl.control import MeasureInProgress, RunControl
-from dflashctl.deploy import deploy
+from dflashctl.cli.main import main as cli_main
+from dflashctl.cli.status_text import format_run_status
+from dflashctl.config.inventory import GroupConfig, HostConfig, local_host
 from dflashctl.errors import ExitCode, UsageError
-from dflashctl.follow import Backoff
-from dflashctl.group import GroupControl
-from dflashctl.inventory import GroupConfig, HostConfig, local_host
-from dflashctl.measure import (
+from dflashctl.groups.control import GroupControl
+from dflashctl.releases.deploy import deploy
+from dflashctl.releases.release import build_release
+from dflashctl.remote import LocalTransport
+from dflashctl.remote.layout import RemoteLayout, measure_session
+from dflashctl.remote.run import MARK
+from dflashctl.runs.control import MeasureInProgress, RunControl
+from dflashctl.runs.follow import Backoff
+from dflashctl.runs.measure import (
     MeasureBusy,
     MeasureControl,
     MeasureError,
@@ -47,12 +52,7 @@ from dflashctl.measure import (
     parse_measure_status,
     parse_strategies,
 )
-from dflashctl.release import build_release
-from dflashctl.remote import LocalTransport
-from dflashctl.remote.layout import RemoteLayout, measure_session
-from dflashctl.remote.run import MARK
-from dflashctl.run_status import iso_utc, measure_started
-from dflashctl.status_text import format_run_status
+from dflashctl.runs.snapshot import iso_utc, measure_started
 from tests.conftest import require_part
 from tests.ctl import parts as P
 
@@ -569,7 +569,7 @@ def test_measure_over_ssh_follows_detaches_refuses_and_prints_the_table(
 
     # a followed measure goes on when its client is interrupted (Ctrl-C), and says how to get it
     client = subprocess.Popen(
-        [sys.executable, "-m", "dflashctl.cli", *inv, "measure", "ct", *short],
+        [sys.executable, "-m", "dflashctl", *inv, "measure", "ct", *short],
         cwd=REPO,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -619,7 +619,7 @@ def test_measure_over_ssh_follows_detaches_refuses_and_prints_the_table(
 
 def test_measure_help_says_a_group_measures_on_node_0() -> None:
     proc = subprocess.run(
-        [sys.executable, "-m", "dflashctl.cli", "measure", "--help"],
+        [sys.executable, "-m", "dflashctl", "measure", "--help"],
         cwd=REPO,
         capture_output=True,
         text=True,

@@ -18,11 +18,11 @@ from pathlib import Path
 
 import pytest
 
-from dflashctl.cli import main as cli_main
-from dflashctl.deploy import DeployError, deploy
-from dflashctl.inventory import HostConfig
-from dflashctl.preflight import MIB, judge_disk, judge_memory, smallest_gpu
-from dflashctl.release import Release, build_release
+from dflashctl.cli.main import main as cli_main
+from dflashctl.config.inventory import HostConfig
+from dflashctl.releases.deploy import DeployError, deploy
+from dflashctl.releases.preflight import MIB, judge_disk, judge_memory, smallest_gpu
+from dflashctl.releases.release import Release, build_release
 from dflashctl.remote.ssh import SshTransport
 from tests.ctl import parts as P
 

@@ -13,9 +13,9 @@ from typing import Any
 
 import pytest
 
-from dflashctl.notify import Notifier, NotifyConfigError, load_targets
-from dflashctl.notify_policy import Notification, PolicyConfig, PolicyState, plan_round
-from dflashctl.watch_events import Condition, HostSnapshot
+from dflashctl.alerts.events import Condition, HostSnapshot
+from dflashctl.alerts.notify import Notifier, NotifyConfigError, load_targets
+from dflashctl.alerts.policy import Notification, PolicyConfig, PolicyState, plan_round
 
 SECRET = "tok3n-s3cret-XYZ"
 

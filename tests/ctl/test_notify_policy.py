@@ -5,7 +5,8 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dflashctl.notify_policy import (
+from dflashctl.alerts.events import Condition, EventKind, HostSnapshot, WatchEvent
+from dflashctl.alerts.policy import (
     Notification,
     PolicyConfig,
     PolicyState,
@@ -13,7 +14,6 @@ from dflashctl.notify_policy import (
     plan,
     plan_round,
 )
-from dflashctl.watch_events import Condition, EventKind, HostSnapshot, WatchEvent
 
 T0 = 1_800_000_000.0
 K = EventKind

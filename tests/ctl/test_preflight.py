@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dflashctl.preflight import GIB, Preflight, judge_probe, parse_probe_output
+from dflashctl.releases.preflight import GIB, Preflight, judge_probe, parse_probe_output
 
 OK = {
     "python": "3.11.7",

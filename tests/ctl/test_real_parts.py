@@ -13,13 +13,13 @@ from pathlib import Path
 
 import pytest
 
-from dflashctl.cli import main as cli_main
-from dflashctl.control import RunControl
-from dflashctl.deploy import DeployError, deploy
-from dflashctl.follow import lines_of
-from dflashctl.inventory import HostConfig
-from dflashctl.release import Release
+from dflashctl.cli.main import main as cli_main
+from dflashctl.config.inventory import HostConfig
+from dflashctl.releases.deploy import DeployError, deploy
+from dflashctl.releases.release import Release
 from dflashctl.remote.ssh import SshTransport
+from dflashctl.runs.control import RunControl
+from dflashctl.runs.follow import lines_of
 from tests.ctl import parts as P
 
 pytestmark = [pytest.mark.parts, pytest.mark.timeout(180)]

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from dflashctl.release import VERIFY_SCRIPT, ReleaseError, build_release, tree_hash
+from dflashctl.releases.release import VERIFY_SCRIPT, ReleaseError, build_release, tree_hash
 
 
 def make_tree(root: Path) -> Path:

@@ -15,15 +15,15 @@ from pathlib import Path
 
 import pytest
 
-from dflashctl.cli import main as cli_main
-from dflashctl.control import RunControl
-from dflashctl.deploy import deploy
-from dflashctl.follow import Connected, FollowEvent, Line, lines_of
-from dflashctl.inventory import HostConfig, load_inventory
-from dflashctl.release import Release
+from dflashctl.cli.main import main as cli_main
+from dflashctl.config.inventory import HostConfig, load_inventory
+from dflashctl.releases.deploy import deploy
+from dflashctl.releases.release import Release
 from dflashctl.remote import CommandTimeout, HostKeyError
 from dflashctl.remote.ssh import SshTransport
-from dflashctl.run_status import RunStatus
+from dflashctl.runs.control import RunControl
+from dflashctl.runs.follow import Connected, FollowEvent, Line, lines_of
+from dflashctl.runs.snapshot import RunStatus
 from tests.ctl import parts as P
 
 pytestmark = [pytest.mark.parts, pytest.mark.timeout(180)]

@@ -8,9 +8,9 @@ import inspect
 import sys
 from pathlib import Path
 
-from dflashctl.control import RunControl, RunService
-from dflashctl.inventory import local_host
+from dflashctl.config.inventory import local_host
 from dflashctl.remote import LocalTransport
+from dflashctl.runs.control import RunControl, RunService
 
 PROTOCOL_METHODS = (
     "status",

@@ -8,7 +8,7 @@ import tomllib
 
 import pytest
 
-from dflashctl.runconfig import drafter_device_count
+from dflashctl.config.runconfig import drafter_device_count
 from trainer.config import TrainConfig
 from trainer.pipeline.assets import UserError
 from trainer.pipeline.distributed import layout_from_env

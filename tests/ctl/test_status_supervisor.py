@@ -20,11 +20,11 @@ from typing import Any
 
 import pytest
 
-from dflashctl.control import MARK, STATUS_SCRIPT
+from dflashctl.alerts.events import Condition, snapshot_from_status
+from dflashctl.cli.status_text import format_run_status, low_disk_line, supervisor_lines
 from dflashctl.remote.commands import supervised
-from dflashctl.run_status import parse_status, split_sections
-from dflashctl.status_text import format_run_status, low_disk_line, supervisor_lines
-from dflashctl.watch_events import Condition, snapshot_from_status
+from dflashctl.runs.control import MARK, STATUS_SCRIPT
+from dflashctl.runs.snapshot import parse_status, split_sections
 from trainer.config.policy import Policy
 
 RESTART = {

@@ -21,11 +21,11 @@ from pathlib import Path
 
 import pytest
 
-from dflashctl.control import RunControl, kill_if_childless
-from dflashctl.inventory import local_host
+from dflashctl.config.inventory import local_host
 from dflashctl.remote import LocalTransport
 from dflashctl.remote.layout import RemoteLayout
 from dflashctl.remote.tmux import tmux_new_session
+from dflashctl.runs.control import RunControl, kill_if_childless
 from tests.conftest import require_part
 from trainer.events.lifecycle import format_checkpoint_line
 

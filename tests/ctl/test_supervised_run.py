@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 
-from dflashctl.cli import main as cli_main
+from dflashctl.cli.main import main as cli_main
 from tests.conftest import require_part
 from tests.ctl import parts as P
 from tests.ctl.test_notify import SECRET, Receiver

@@ -29,15 +29,15 @@ from pathlib import Path
 
 import pytest
 
-from dflashctl.cli import main as cli_main
-from dflashctl.control import RunControl
-from dflashctl.inventory import HostConfig, load_inventory, local_host
-from dflashctl.notify import Notifier, load_targets
-from dflashctl.notify_policy import PolicyConfig
+from dflashctl.alerts.events import format_event_line
+from dflashctl.alerts.notify import Notifier, load_targets
+from dflashctl.alerts.policy import PolicyConfig
+from dflashctl.alerts.watch import HostPoller, WatchSettings, run_watch
+from dflashctl.cli.main import main as cli_main
+from dflashctl.config.inventory import HostConfig, load_inventory, local_host
 from dflashctl.remote.connect import make_transport
 from dflashctl.remote.transport import LocalTransport
-from dflashctl.watch import HostPoller, WatchSettings, run_watch
-from dflashctl.watch_events import format_event_line
+from dflashctl.runs.control import RunControl
 from tests.conftest import require_part
 from tests.ctl import parts as P
 from tests.ctl.test_notify import SECRET, Receiver
@@ -286,7 +286,7 @@ async def test_a_receiver_that_is_down_does_not_stop_the_watch(
             assert time.monotonic() < end, f"no {pattern!r} within {timeout} s: {lines}"
             await asyncio.sleep(0.1)
 
-    with caplog.at_level(logging.WARNING, logger="dflashctl.notify"):
+    with caplog.at_level(logging.WARNING, logger="dflashctl.alerts.notify"):
         task = asyncio.create_task(
             run_watch(
                 list(inv.hosts.values()),

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from dflashctl.cli import main as cli_main
-from dflashctl.inventory import InventoryError, load_inventory, parse_inventory
+from dflashctl.cli.main import main as cli_main
+from dflashctl.config.inventory import InventoryError, load_inventory, parse_inventory
 
 REPO = Path(__file__).resolve().parents[2]
 HOST = '[hosts.a]\naddress = "pve1"\nctid = 200\n'
@@ -113,7 +113,7 @@ def test_watch_usage_errors_are_exit_2(
 
 
 def test_watch_resolves_groups_and_all_to_hosts_in_order(tmp_path: Path) -> None:
-    from dflashctl.cli import _watch_hosts
+    from dflashctl.cli.main import _watch_hosts
 
     inv_path = tmp_path / "hosts.toml"
     inv_path.write_text(

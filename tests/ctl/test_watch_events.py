@@ -7,7 +7,7 @@ from typing import Any
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dflashctl.watch_events import (
+from dflashctl.alerts.events import (
     ALERT_CONDITIONS,
     Condition,
     EventKind,

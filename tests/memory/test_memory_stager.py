@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from dflashctl.runconfig import drafter_device_count
+from dflashctl.config.runconfig import drafter_device_count
 from trainer.config import TrainConfig
 from trainer.memory.batches import batch_shapes
 from trainer.memory.estimate import Estimator, precision_for, report

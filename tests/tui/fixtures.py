@@ -15,12 +15,12 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, cast
 
-from dflashctl.control import RunService
-from dflashctl.deploy import DeployResult
-from dflashctl.follow import FollowEvent, LogFollower
-from dflashctl.monitor import RunShape, lr_schedule
-from dflashctl.preflight import Preflight
-from dflashctl.run_status import RunningMeasure
+from dflashctl.monitor.state import RunShape, lr_schedule
+from dflashctl.releases.deploy import DeployResult
+from dflashctl.releases.preflight import Preflight
+from dflashctl.runs.control import RunService
+from dflashctl.runs.follow import FollowEvent, LogFollower
+from dflashctl.runs.snapshot import RunningMeasure
 from trainer.events import (
     BUCKET_LOSS_KEY,
     TAU_KEY,
@@ -148,7 +148,7 @@ def eval_run_lines(n: int, every: int = 5) -> list[str]:
 
 @dataclass
 class Status:
-    """Same fields as dflashctl.control.RunStatus (the follower reads them by name)."""
+    """Same fields as dflashctl.runs.control.RunStatus (the follower reads them by name)."""
 
     state: str = "running"
     exit_status: int | None = None
@@ -169,7 +169,7 @@ class Status:
 class ReplayControl:
     """A RunControl double at the service boundary: replays lines, records every call.
 
-    Signatures match `dflashctl.control.RunControl`; `fail_follow` makes the stream raise the
+    Signatures match `dflashctl.runs.control.RunControl`; `fail_follow` makes the stream raise the
     given number of times first (a host whose log cannot be tailed).
     """
 
@@ -198,7 +198,7 @@ class ReplayControl:
         ).events()
 
     async def tail_log(self, from_line: int) -> AsyncIterator[str]:
-        """One connection's tail from `from_line` (what `dflashctl.follow.LogFollower` drives),
+        """One connection's tail from `from_line` (what `dflashctl.runs.follow.LogFollower` drives),
         recorded as a ("follow", from_line) call: a follow from that line."""
         self.calls.append(("follow", from_line))
         if self.fail_follow > 0:
@@ -227,7 +227,7 @@ class ReplayControl:
         text = self.deployed if self.checkpoint_text is None else self.checkpoint_text
         if not text:
             return None
-        from dflashctl.runconfig import _load_text
+        from dflashctl.config.runconfig import _load_text
 
         saved = _load_text(text, "saved.toml").model_dump(mode="json")
         return SimpleNamespace(path="run/checkpoints/step-00001200.pt", step=1200, config=saved)

@@ -13,9 +13,9 @@ from textual.message import Message
 from textual.notifications import Notify
 from textual.widgets import DataTable, Digits, Log, Static
 
-from dflashctl.deploy import DeployResult, Progress
-from dflashctl.monitor import RestartPlan, RunState, apply_lines, apply_status
-from dflashctl.run_status import parse_gpu_csv
+from dflashctl.monitor.state import RestartPlan, RunState, apply_lines, apply_status
+from dflashctl.releases.deploy import DeployResult, Progress
+from dflashctl.runs.snapshot import parse_gpu_csv
 from dflashctl.tui.app import DflashApp, HostBinding
 from dflashctl.tui.screens.confirm import ConfirmScreen
 from dflashctl.tui.screens.fleet import FleetScreen, fleet_row
@@ -380,9 +380,9 @@ async def test_a_dead_host_over_real_ssh_is_unreachable_and_never_blocks_the_app
     """Real RunControl over a real SshTransport to a port nobody listens on."""
     import socket
 
-    from dflashctl.control import RunControl
-    from dflashctl.inventory import load_inventory
+    from dflashctl.config.inventory import load_inventory
     from dflashctl.remote.ssh import SshTransport
+    from dflashctl.runs.control import RunControl
 
     with socket.socket() as s:  # a free port, closed again: connections are refused
         s.bind(("127.0.0.1", 0))
@@ -435,9 +435,9 @@ async def test_hostile_bytes_in_status_log_never_reach_the_screen(tmp_path: Path
     import shutil
     import sys
 
-    from dflashctl.control import RunControl
-    from dflashctl.inventory import local_host
+    from dflashctl.config.inventory import local_host
     from dflashctl.remote import LocalTransport
+    from dflashctl.runs.control import RunControl
     from tests.conftest import require_part
 
     require_part(shutil.which("tmux") is not None, "tmux not installed")

@@ -4,7 +4,7 @@ toast (`toasts.news`, `toasts.worker_failure`)."""
 from __future__ import annotations
 
 from dflashctl.errors import UsageError
-from dflashctl.monitor import RunState, apply_status
+from dflashctl.monitor.state import RunState, apply_status
 from dflashctl.tui.targets import refusal
 from dflashctl.tui.toasts import NEWS_TIMEOUT_S, Toast, news, worker_failure
 from tests.tui.fixtures import Status

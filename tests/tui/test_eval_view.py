@@ -15,8 +15,8 @@ import pytest
 from rich.text import Text
 from textual.widgets import DataTable, Static
 
-from dflashctl.gpu_health import GpuHealth, parse_health_csv
-from dflashctl.monitor import (
+from dflashctl.gpus.health import GpuHealth, parse_health_csv
+from dflashctl.monitor.state import (
     HISTORY,
     HostFollower,
     RunState,
@@ -27,7 +27,7 @@ from dflashctl.monitor import (
     start_new_run,
     tau_history,
 )
-from dflashctl.run_status import GpuSample, parse_gpu_csv
+from dflashctl.runs.snapshot import GpuSample, parse_gpu_csv
 from dflashctl.tui.app import DflashApp, HostBinding
 from dflashctl.tui.screens.fleet import tau_cell
 from dflashctl.tui.screens.host import HostScreen

@@ -16,16 +16,16 @@ import pytest
 from rich.text import Text
 from textual.widgets import Static
 
-from dflashctl.control import RunControl
-from dflashctl.gpu_health import parse_health_csv, parse_xid_lines
-from dflashctl.inventory import local_host
-from dflashctl.monitor import RunState, apply_xids, xid_events
+from dflashctl.config.inventory import local_host
+from dflashctl.gpus.health import parse_health_csv, parse_xid_lines
+from dflashctl.gpus.xids import KernelLogError, XidRead, XidReader
+from dflashctl.monitor.state import RunState, apply_xids, xid_events
 from dflashctl.remote import LocalTransport
-from dflashctl.run_status import parse_gpu_csv
+from dflashctl.runs.control import RunControl
+from dflashctl.runs.snapshot import parse_gpu_csv
 from dflashctl.tui.app import HostBinding
 from dflashctl.tui.screens.host import HostScreen
 from dflashctl.tui.widgets.panes import gpus_text, xids_text
-from dflashctl.xids import KernelLogError, XidRead, XidReader
 from tests.conftest import require_part
 from tests.tui.test_app import _until
 from tests.tui.test_supervisor_view import Recording
@@ -163,7 +163,7 @@ def _plain(pane: Static) -> str:
 
 
 async def test_one_kernel_log_reader_for_the_watch_and_the_follower(tmp_path: Path) -> None:
-    """`dflashctl.xids.XidReader` over a real LocalTransport whose node runs a `journalctl`
+    """`dflashctl.gpus.xids.XidReader` over a real LocalTransport whose node runs a `journalctl`
     script: the first read is history, a later one only what the read before lacked; a failed
     read is one KernelLogError line and moves nothing on; a node without journalctl is asked
     once."""

@@ -2,7 +2,7 @@
 nodes' rows, a group screen with every node's GPU pane, a node's host screen; one node
 unreachable is that node "unreachable since T" and the group degraded, never crashed.
 
-The inventory is a real hosts.toml with `[groups.pair]` (parsed by `dflashctl.inventory`); the
+The inventory is a real hosts.toml with `[groups.pair]` (parsed by `dflashctl.config.inventory`); the
 nodes' run-state.json is what the trainer's contract parser reads (node_rank, nnodes,
 rank_range, step, failed_rank); node 0 alone prints status lines, as global rank 0 does.
 """
@@ -16,8 +16,8 @@ from pathlib import Path
 from rich.text import Text
 from textual.widgets import DataTable, Static
 
-from dflashctl.inventory import parse_inventory
-from dflashctl.monitor import RunState, apply_lines, apply_status
+from dflashctl.config.inventory import parse_inventory
+from dflashctl.monitor.state import RunState, apply_lines, apply_status
 from dflashctl.tui.app import DflashApp, HostBinding, tui_groups, tui_hosts
 from dflashctl.tui.group_rows import group_figures
 from dflashctl.tui.screens.fleet import FleetScreen
@@ -208,9 +208,9 @@ async def test_nodes_run_state_files_reach_the_group_row_through_real_status(
     import shutil
     import sys
 
-    from dflashctl.control import RunControl
-    from dflashctl.inventory import local_host
+    from dflashctl.config.inventory import local_host
     from dflashctl.remote import LocalTransport
+    from dflashctl.runs.control import RunControl
     from tests.conftest import require_part
 
     require_part(shutil.which("tmux") is not None, "tmux not installed")

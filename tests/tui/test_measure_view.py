@@ -12,8 +12,8 @@ from textual.message import Message
 from textual.notifications import Notify
 from textual.widgets import Static
 
-from dflashctl.monitor import RunState, apply_lines, apply_status, display_state
-from dflashctl.run_status import RunningMeasure, RunStatus
+from dflashctl.monitor.state import RunState, apply_lines, apply_status, display_state
+from dflashctl.runs.snapshot import RunningMeasure, RunStatus
 from dflashctl.tui.app import DflashApp, HostBinding
 from dflashctl.tui.group_rows import group_figures
 from dflashctl.tui.screens.fleet import fleet_row

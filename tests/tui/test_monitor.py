@@ -8,8 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from dflashctl.follow import Backoff
-from dflashctl.monitor import (
+from dflashctl.monitor.state import (
     HISTORY,
     LOG_TAIL,
     HostFollower,
@@ -27,6 +26,7 @@ from dflashctl.monitor import (
     total_steps,
     warmup_steps,
 )
+from dflashctl.runs.follow import Backoff
 from tests.tui.fixtures import FIXED_NOW, ReplayControl, Status, run_lines, status_line
 from trainer.config import TrainConfig
 from trainer.config.schedule import lr_at

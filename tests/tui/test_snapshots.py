@@ -9,10 +9,10 @@ import asyncio
 from dataclasses import replace
 from pathlib import Path
 
-from dflashctl.gpu_health import parse_health_csv
-from dflashctl.monitor import LinkState, RestartPlan, RunState, apply_lines, apply_status
-from dflashctl.run_status import parse_gpu_csv
-from dflashctl.runconfig import config_diff
+from dflashctl.config.runconfig import config_diff
+from dflashctl.gpus.health import parse_health_csv
+from dflashctl.monitor.state import LinkState, RestartPlan, RunState, apply_lines, apply_status
+from dflashctl.runs.snapshot import parse_gpu_csv
 from dflashctl.tui.app import DflashApp, HostBinding
 from dflashctl.tui.screens.host import HostScreen
 from dflashctl.tui.screens.restart import RestartScreen
@@ -191,8 +191,8 @@ def group_app() -> DflashApp:
     """`pair` (n0 node 0, n1 node 1; one rank each) and a single host: n0 streams the run's
     status lines and has two H100s, one with Xids in its node's kernel log (three from before
     the view, one since); n1 has been unreachable for 5 minutes; solo runs on its own."""
-    from dflashctl.gpu_health import parse_xid_lines
-    from dflashctl.monitor import apply_xids
+    from dflashctl.gpus.health import parse_xid_lines
+    from dflashctl.monitor.state import apply_xids
     from tests.tui.fixtures import node_run_state
 
     names = ["n0", "n1", "solo"]
@@ -258,7 +258,7 @@ def test_group_screen(snap_compare) -> None:  # type: ignore[no-untyped-def]
 def test_measuring_host_screen(snap_compare) -> None:  # type: ignore[no-untyped-def]
     """A host whose run stopped, now running `dflashctl measure`: the header says measuring,
     the measure line under it has its id, since when, the commands and its last progress."""
-    from dflashctl.run_status import RunningMeasure
+    from dflashctl.runs.snapshot import RunningMeasure
 
     measure = RunningMeasure(
         id="20270115T074002Z",

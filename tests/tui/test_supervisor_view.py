@@ -11,9 +11,9 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from dflashctl.control import MARK
-from dflashctl.monitor import RunState, apply_status, display_state, supervisor_events
-from dflashctl.run_status import RunStatus, parse_status
+from dflashctl.monitor.state import RunState, apply_status, display_state, supervisor_events
+from dflashctl.runs.control import MARK
+from dflashctl.runs.snapshot import RunStatus, parse_status
 from dflashctl.tui import app as app_module
 from dflashctl.tui.app import DflashApp, HostBinding
 from dflashctl.tui.screens.fleet import fleet_row

@@ -1,7 +1,7 @@
 """What a checkpoint file must hold, for the two sides that read one.
 
 The trainer (`trainer.pipeline.checkpoint`, torch) writes and loads checkpoints; dflashctl
-(`dflashctl.resume`, torch-free) looks inside one on the node to say which checkpoint a resume
+(`dflashctl.releases.resume`, torch-free) looks inside one on the node to say which checkpoint a resume
 would use. Both skip the same files because both take these names from here.
 """
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import asyncssh
 
-from dflashctl.inventory import HostConfig
+from dflashctl.config.inventory import HostConfig
 from dflashctl.remote.ssh.options import LINK_ERRORS, HostSetupError, where
 from dflashctl.remote.transport import HostKeyError, HostUnreachable
 from trainer.config.validation import NotUtf8Error, utf8_text

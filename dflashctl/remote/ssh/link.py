@@ -12,7 +12,7 @@ from typing import Any
 
 import asyncssh
 
-from dflashctl.inventory import HostConfig
+from dflashctl.config.inventory import HostConfig
 from dflashctl.remote.ssh.hostkeys import host_key_message, known_hosts_of, raise_if_key_changed
 from dflashctl.remote.ssh.options import LINK_ERRORS, HostSetupError, connect_options, where
 from dflashctl.remote.transport import HostKeyError, HostUnreachable

@@ -9,7 +9,7 @@ from typing import Any
 
 import asyncssh
 
-from dflashctl.inventory import HostConfig, InventoryError
+from dflashctl.config.inventory import HostConfig, InventoryError
 from dflashctl.remote.transport import TransportError
 
 KEEPALIVE_INTERVAL = 15.0

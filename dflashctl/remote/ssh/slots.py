@@ -13,7 +13,7 @@ import contextlib
 
 import asyncssh
 
-from dflashctl.inventory import HostConfig
+from dflashctl.config.inventory import HostConfig
 from dflashctl.remote.ssh.options import LINK_ERRORS
 from dflashctl.remote.transport import CommandTimeout
 

@@ -15,7 +15,7 @@ from typing import Any
 
 import asyncssh
 
-from dflashctl.inventory import HostConfig
+from dflashctl.config.inventory import HostConfig
 from dflashctl.remote.commands import (
     KILL_AFTER_S,
     TIMED_OUT_RCS,

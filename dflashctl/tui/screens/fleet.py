@@ -17,7 +17,7 @@ from textual.binding import Binding, BindingType
 from textual.coordinate import Coordinate
 from textual.widgets import DataTable, Footer, Header, Static
 
-from dflashctl.monitor import (
+from dflashctl.monitor.state import (
     RunState,
     best_checkpoint,
     display_state,

@@ -9,7 +9,7 @@ from textual.app import ComposeResult
 from textual.binding import BindingType
 from textual.widgets import Footer, Static
 
-from dflashctl.monitor import LOG_TAIL, RunState
+from dflashctl.monitor.state import LOG_TAIL, RunState
 from dflashctl.tui.view import LiveScreen
 from dflashctl.tui.widgets.tail_log import TailLog
 

@@ -11,8 +11,8 @@ from collections.abc import Sequence
 from rich.text import Text
 from textual.widgets import Static
 
-from dflashctl.gpu_health import HARMFUL_REASONS, XID_TEXT, GpuHealth
-from dflashctl.monitor import (
+from dflashctl.gpus.health import HARMFUL_REASONS, XID_TEXT, GpuHealth
+from dflashctl.monitor.state import (
     RunShape,
     RunState,
     SeenXid,

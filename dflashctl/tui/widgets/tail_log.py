@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from textual.widgets import Log
 
-from dflashctl.monitor import RunState
+from dflashctl.monitor.state import RunState
 
 
 class TailLog(Log):

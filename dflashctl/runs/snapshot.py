@@ -3,7 +3,7 @@
 `parse_status` is the one reader of the status script's output (`dflashctl.remote.run`): tmux's
 pane state, status.log's events, run-state.json, the supervisor's file, a running measure; every
 section shown to people passes through `sanitize_for_terminal` there. Nothing here runs a
-command: `dflashctl.control.RunControl` fetches the text and calls these.
+command: `dflashctl.runs.control.RunControl` fetches the text and calls these.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from typing import Any, TypedDict
 
-from dflashctl.deploy import switch_note
+from dflashctl.releases.deploy import switch_note
 from dflashctl.remote.layout import MEASURE_ID_FORMAT, MEASURE_ID_PATTERN, measure_session
 from dflashctl.remote.layout import RUN_STATE as RUN_STATE_FILE
 from dflashctl.remote.layout import SUPERVISOR_STATE as SUPERVISOR_STATE_FILE

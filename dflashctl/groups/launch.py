@@ -21,8 +21,8 @@ from __future__ import annotations
 import ipaddress
 from dataclasses import dataclass, field
 
+from dflashctl.config.inventory import GroupConfig, HostConfig
 from dflashctl.errors import UsageError
-from dflashctl.inventory import GroupConfig, HostConfig
 from dflashctl.remote.run import TORCHRUN_MODULE as TORCHRUN_MODULE
 
 RDZV_BACKEND = "static"

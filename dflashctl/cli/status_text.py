@@ -9,8 +9,8 @@ from __future__ import annotations
 import time
 from collections.abc import Mapping
 
-from dflashctl.monitor import format_age
-from dflashctl.run_status import (
+from dflashctl.monitor.state import format_age
+from dflashctl.runs.snapshot import (
     RunningMeasure,
     RunStatus,
     eval_summary,

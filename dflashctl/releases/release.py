@@ -59,7 +59,7 @@ def tree_hash(root, prefix="trainer"):
 '''
 
 _ns: dict[str, object] = {}
-exec(compile(TREE_HASH_SOURCE, "dflashctl.release.TREE_HASH_SOURCE", "exec"), _ns)
+exec(compile(TREE_HASH_SOURCE, "dflashctl.releases.release.TREE_HASH_SOURCE", "exec"), _ns)
 _tree_files = cast(Callable[[str, str], list[tuple[str, str]]], _ns["tree_files"])
 _tree_hash = cast(Callable[[str, str], str], _ns["tree_hash"])
 

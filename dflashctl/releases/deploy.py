@@ -27,9 +27,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from dflashctl.config.inventory import HostConfig
 from dflashctl.errors import DflashctlError, ExitCode
-from dflashctl.inventory import HostConfig
-from dflashctl.preflight import (
+from dflashctl.releases.preflight import (
     GIB,
     Preflight,
     judge_memory,
@@ -37,7 +37,7 @@ from dflashctl.preflight import (
     parse_probe_output,
     smallest_gpu,
 )
-from dflashctl.release import VERIFY_SCRIPT, Release, build_release
+from dflashctl.releases.release import VERIFY_SCRIPT, Release, build_release
 from dflashctl.remote.files import write_file_atomic
 from dflashctl.remote.layout import RemoteLayout
 from dflashctl.remote.probe import memory_argv, probe_argv
@@ -244,7 +244,7 @@ async def memory_preflight(
 
 async def push_config_file(transport: Transport, host: HostConfig, path: Path) -> None:
     """Validate locally, then write WORKDIR/run/config.toml atomically."""
-    from dflashctl.runconfig import validate_config
+    from dflashctl.config.runconfig import validate_config
 
     validate_config(path)
     res = await transport.run(
@@ -328,7 +328,7 @@ async def deploy(
 ) -> DeployResult:
     """Deploy the trainer tree (default: the installed `trainer` package) to `host`.
 
-    A pushed config goes through the resume check (dflashctl.resume) unless the caller already
+    A pushed config goes through the resume check (dflashctl.releases.resume) unless the caller already
     made it (`resume_checked`, restart) or the run is meant to start over (`fresh`).
     `import_check=False` reads module versions from metadata instead of importing them (fast;
     for tests and benchmarks that deploy repeatedly). The CLI always imports.
@@ -336,14 +336,14 @@ async def deploy(
     (`memory_preflight`); the CLI does unless `--no-memory-check`.
     """
     if config is not None:  # a bad config fails here, before anything touches the host
-        from dflashctl.runconfig import validate_config
+        from dflashctl.config.runconfig import validate_config
 
         validate_config(config)
     rel = release or build_release()
     _emit(progress, f"{host.name}: release {rel.id} ({rel.files} files, {len(rel.tar)} bytes)")
     await check_container(transport, host)
     if config is not None and not resume_checked:
-        from dflashctl.resume import check_config_push
+        from dflashctl.releases.resume import check_config_push
 
         check = await check_config_push(
             transport,

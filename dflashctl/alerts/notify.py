@@ -27,8 +27,8 @@ from typing import Any
 
 import apprise
 
+from dflashctl.alerts.policy import Notification
 from dflashctl.errors import UsageError
-from dflashctl.notify_policy import Notification
 
 __all__ = [
     "Notifier",
@@ -38,7 +38,7 @@ __all__ = [
     "load_targets",
 ]
 
-log = logging.getLogger("dflashctl.notify")
+log = logging.getLogger("dflashctl.alerts.notify")
 
 # apprise logs URLs (and payloads) at debug and hosts at warning, and urllib3 (under requests)
 # logs each request's host, port and path, where a webhook keeps its token. Their records must

@@ -30,7 +30,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Generic, Literal, TypedDict, TypeVar
 
-from dflashctl.control import (
+from dflashctl.errors import DflashctlError
+from dflashctl.groups.launch import group_launches
+from dflashctl.releases.deploy import DeployResult, deploy
+from dflashctl.remote.transport import HostUnreachable, Transport
+from dflashctl.runs.control import (
     DEFAULT_START_WAIT_S,
     ControlError,
     MeasureInProgress,
@@ -40,17 +44,13 @@ from dflashctl.control import (
     StopResult,
     measure_refusal,
 )
-from dflashctl.deploy import DeployResult, deploy
-from dflashctl.errors import DflashctlError
-from dflashctl.launch import group_launches
-from dflashctl.remote.transport import HostUnreachable, Transport
-from dflashctl.run_status import RunStatus
+from dflashctl.runs.snapshot import RunStatus
 from trainer.events.run_state import RunState
 
 if TYPE_CHECKING:
+    from dflashctl.config.inventory import GroupConfig
     from dflashctl.fleet import HostHandle
-    from dflashctl.inventory import GroupConfig
-    from dflashctl.release import Release
+    from dflashctl.releases.release import Release
 
 T = TypeVar("T")
 SETTLE_S = 60.0
@@ -562,7 +562,7 @@ class GroupControl:
         """The same release and run config on every node, at once; a node that fails is that
         node's error (the others are still deployed and reported). The config push is checked
         for resume on node 0 (the checkpoints are there; the other nodes have none to check)."""
-        from dflashctl.release import build_release
+        from dflashctl.releases.release import build_release
 
         rel = release or build_release()
 
@@ -617,7 +617,7 @@ class GroupControl:
 
     async def _node_procs(self) -> list[int]:
         """Ranks per node: the entries of topology.drafter_devices in its deployed config."""
-        from dflashctl.runconfig import drafter_device_count
+        from dflashctl.config.runconfig import drafter_device_count
 
         texts = await asyncio.gather(*(c.deployed_config() for c in self.controls))
         return [drafter_device_count(t) for t in texts]
@@ -755,9 +755,9 @@ class GroupControl:
         `fresh`, before anything is stopped. A node whose deploy fails stops the restart there
         (the group keeps running as it was).
         """
-        from dflashctl.release import build_release
-        from dflashctl.resume import check_config_push
-        from dflashctl.runconfig import config_hash_of_file, validate_config
+        from dflashctl.config.runconfig import config_hash_of_file, validate_config
+        from dflashctl.releases.release import build_release
+        from dflashctl.releases.resume import check_config_push
 
         path = config if config is not None else self.group.nodes[0].run_config
         node0 = self.controls[0]
@@ -808,8 +808,8 @@ def group_config_path(group: GroupConfig, override: Path | None) -> Path | None:
     """The one run config a group's nodes get: `override`, else node 0's `run_config`. Nodes
     whose own `run_config` is a different config (by hash) are refused, naming them: one group
     trains one config."""
+    from dflashctl.config.runconfig import config_hash_of_file
     from dflashctl.errors import UsageError
-    from dflashctl.runconfig import config_hash_of_file
 
     if override is not None:
         return override

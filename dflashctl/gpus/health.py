@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from enum import StrEnum
 
-from dflashctl.watch_events import EventKind, WatchEvent
+from dflashctl.alerts.events import EventKind, WatchEvent
 
 __all__ = [
     "HARMFUL_REASONS",

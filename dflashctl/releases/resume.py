@@ -20,10 +20,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from dflashctl.config.inventory import HostConfig
+from dflashctl.config.runconfig import RunConfigError, validate_config
 from dflashctl.errors import DflashctlError, ExitCode, UsageError
-from dflashctl.inventory import HostConfig
 from dflashctl.remote.transport import Transport
-from dflashctl.runconfig import RunConfigError, validate_config
 from trainer.config import ConfigError, TrainConfig, resume_critical_changes
 
 # What the trainer requires of a checkpoint it resumes, from the contract both sides read, so

@@ -6,7 +6,7 @@ Two halves:
   `RunControl.status()` results into an immutable `RunState`, so replayed status lines give the
   exact state a live stream gives, and every pane is a pure function of one `RunState`;
 * `HostFollower`: one async task per host that follows status.log through the one follow loop
-  (`dflashctl.follow.LogFollower`, typed events, one backoff) and polls `status()` and `gpus()`
+  (`dflashctl.runs.follow.LogFollower`, typed events, one backoff) and polls `status()` and `gpus()`
   (with GPU health where the control reports it, and the node's kernel log for Xids where its
   transport can run commands on the node: the first read is history, later Xids are news).
   It never touches widgets; it publishes each new `RunState` through a callback, and the app
@@ -33,7 +33,16 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeVar, runtime_check
 
 from pydantic import ValidationError
 
-from dflashctl.follow import (
+from dflashctl.gpus.health import (
+    GpuEventKind,
+    GpuHealth,
+    Xid,
+    gpu_events,
+    xid_wall_time,
+)
+from dflashctl.gpus.xids import XidReader
+from dflashctl.remote.transport import Transport
+from dflashctl.runs.follow import (
     Backoff,
     Connected,
     FollowEvent,
@@ -45,22 +54,13 @@ from dflashctl.follow import (
     any_failure,
     describe_failure,
 )
-from dflashctl.gpu_health import (
-    GpuEventKind,
-    GpuHealth,
-    Xid,
-    gpu_events,
-    xid_wall_time,
-)
-from dflashctl.remote.transport import Transport
-from dflashctl.run_status import (
+from dflashctl.runs.snapshot import (
     GpuSample,
     RunningMeasure,
     restart_reason,
     restart_time,
     run_finished,
 )
-from dflashctl.xids import XidReader
 from trainer.events import (
     BUCKET_LOSS_KEY,
     CheckpointEvent,
@@ -76,7 +76,7 @@ from trainer.events import (
 from trainer.events import run_state as contract
 
 if TYPE_CHECKING:
-    from dflashctl.resume import CheckpointConfig
+    from dflashctl.releases.resume import CheckpointConfig
 
 HISTORY = 180
 """Points kept per history series (sparklines): 180 status lines is 15 min at one line per 5 s."""
@@ -156,7 +156,7 @@ class RunState:
     """When the host was first seen unreachable in this outage (None while reachable)."""
     pane_tail: tuple[str, ...] = ()
     """A dead pane's last lines (status `pane_tail`): in a group, torchrun's failure report
-    names the rank that failed (`dflashctl.group.torchrun_failure`)."""
+    names the rank that failed (`dflashctl.groups.control.torchrun_failure`)."""
     run_info: contract.RunState = field(default_factory=contract.RunState)
     """RUN/run-state.json as last polled: the trainer's plan (total_steps, end_step,
     warmup_steps, boundaries) once it has written it."""
@@ -208,7 +208,7 @@ def apply_event(state: RunState, event: Event, now: float, line: str | None = No
         )
     if isinstance(event, PhaseEvent):
         # A new run's first phase line: an earlier run's error is not this run's (the rule
-        # dflashctl.control.current_run_start applies to status).
+        # dflashctl.runs.control.current_run_start applies to status).
         new_run = event.phase == "loading" or (
             event.phase == "starting" and state.phase not in {"loading", "resuming"}
         )
@@ -237,7 +237,7 @@ def apply_lines(state: RunState, lines: Iterable[str], now: float) -> RunState:
 
 
 class StatusView(Protocol):
-    """What the reducer reads of a `dflashctl.control.RunStatus` (test doubles have the same)."""
+    """What the reducer reads of a `dflashctl.runs.control.RunStatus` (test doubles have the same)."""
 
     @property
     def state(self) -> str: ...
@@ -659,19 +659,19 @@ def plan_restart(
 
     `checkpoint` is what `RunControl.checkpoint_config()` found (a CheckpointConfig, or None:
     nothing to resume): the new config is compared with the config saved in the checkpoint a
-    resume would load, through `dflashctl.resume` (which defers to
+    resume would load, through `dflashctl.releases.resume` (which defers to
     `trainer.config.resume_critical_changes`), so the modal's verdict and the service's refusal
     can never disagree. Without it (a control that cannot tell), the deployed config stands in.
     An invalid local config refuses the restart and names the problem.
     """
-    from dflashctl.resume import breaking_keys
-    from dflashctl.runconfig import (
+    from dflashctl.config.runconfig import (
         RunConfigError,
         config_diff,
         read_config_text,
         resume_breaking_changes,
         validate_config,
     )
+    from dflashctl.releases.resume import breaking_keys
 
     try:
         local = read_config_text(local_path)
@@ -700,7 +700,7 @@ def plan_restart(
 
 
 class FollowedHost(LogSource, Protocol):
-    """The slice of `dflashctl.control.RunService` the follower uses."""
+    """The slice of `dflashctl.runs.control.RunService` the follower uses."""
 
     async def status(self) -> StatusView: ...
 
@@ -710,7 +710,7 @@ class FollowedHost(LogSource, Protocol):
 @runtime_checkable
 class HealthSource(Protocol):
     """A control that also reports GPU health (ECC counts, clock-event reasons) through
-    `dflashctl.gpu_health`'s query and parser; the follower polls it beside `gpus()`."""
+    `dflashctl.gpus.health`'s query and parser; the follower polls it beside `gpus()`."""
 
     async def gpu_health(self) -> Sequence[GpuHealth]: ...
 
@@ -728,7 +728,7 @@ class OverTransport(Protocol):
 class HostFollower:
     """Keeps one host's `RunState` current over a `FollowedHost`; isolates that host's failures.
 
-    The stream is the one follow loop (`dflashctl.follow.LogFollower`, which owns the read
+    The stream is the one follow loop (`dflashctl.runs.follow.LogFollower`, which owns the read
     position): any failure is a lost link, retried after `backoff` so the UI can show
     "retry in Ns", and `reconnect_now` connects again at once. The status and GPU pollers run
     beside it. `publish` is called with every new state and must be cheap: the app stores it
@@ -746,7 +746,7 @@ class HostFollower:
     state: RunState = field(init=False)
     _log: LogFollower | None = field(init=False, default=None)
     _xids: XidReader = field(init=False, default_factory=XidReader)
-    """The node's kernel log (`dflashctl.xids`, the watch's reader too): each Xid once."""
+    """The node's kernel log (`dflashctl.gpus.xids`, the watch's reader too): each Xid once."""
 
     def __post_init__(self) -> None:
         self.state = RunState(host=self.host)
@@ -876,7 +876,7 @@ class HostFollower:
 
 
 if TYPE_CHECKING:
-    from dflashctl.control import RunControl, RunService
+    from dflashctl.runs.control import RunControl, RunService
 
     def _slices(service: RunService, control: RunControl) -> tuple[FollowedHost, FollowedHost]:
         return service, control  # both serve a follower (checked by mypy)

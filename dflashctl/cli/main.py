@@ -18,18 +18,18 @@ from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from dflashctl.config.inventory import GroupConfig, HostConfig, Inventory, load_inventory
 from dflashctl.errors import ExitCode, UsageError, run_main
 from dflashctl.errors import print_error as _print_err
-from dflashctl.inventory import GroupConfig, HostConfig, Inventory, load_inventory
 from dflashctl.remote.connect import attach_argv, make_transport
 from dflashctl.remote.transport import Transport
 
 if TYPE_CHECKING:
-    from dflashctl.control import StartResult, StopResult
-    from dflashctl.group import GroupControl
-    from dflashctl.measure import MeasureControl, MeasureState
-    from dflashctl.notify import Notifier
-    from dflashctl.run_status import RunStatus
+    from dflashctl.alerts.notify import Notifier
+    from dflashctl.groups.control import GroupControl
+    from dflashctl.runs.control import StartResult, StopResult
+    from dflashctl.runs.measure import MeasureControl, MeasureState
+    from dflashctl.runs.snapshot import RunStatus
 
 
 def _inventory(args: argparse.Namespace) -> Inventory:
@@ -58,7 +58,7 @@ def _resolve(inv: Inventory, names: Sequence[str]) -> list[HostConfig | GroupCon
 
 async def _with_group(group: GroupConfig, fn: Callable[[GroupControl], Awaitable[int]]) -> int:
     """Run `fn` over a GroupControl with one transport per node, all closed after."""
-    from dflashctl.group import GroupControl
+    from dflashctl.groups.control import GroupControl
 
     transports = [make_transport(h) for h in group.nodes]
     try:
@@ -145,8 +145,8 @@ async def _trust(args: argparse.Namespace, host: HostConfig) -> int:
 
 
 async def cmd_deploy(args: argparse.Namespace) -> int:
-    from dflashctl.deploy import deploy
-    from dflashctl.release import build_release
+    from dflashctl.releases.deploy import deploy
+    from dflashctl.releases.release import build_release
 
     target = _target(args)
     if isinstance(target, GroupConfig):
@@ -179,12 +179,12 @@ async def cmd_deploy(args: argparse.Namespace) -> int:
 async def _deploy_group(args: argparse.Namespace, group: GroupConfig) -> int:
     """`deploy GROUP`: one release and one run config on every node, at once; a node that
     fails is its one error line, the others are still reported."""
-    from dflashctl.group import group_config_path
-    from dflashctl.release import build_release
+    from dflashctl.groups.control import group_config_path
+    from dflashctl.releases.release import build_release
 
     config = group_config_path(group, Path(args.config) if args.config else None)
     if config is not None:
-        from dflashctl.runconfig import validate_config
+        from dflashctl.config.runconfig import validate_config
 
         validate_config(config)  # a bad config fails before any node is touched
     if args.no_memory_check and config is not None:
@@ -222,7 +222,7 @@ async def _deploy_group(args: argparse.Namespace, group: GroupConfig) -> int:
 
 
 async def cmd_start(args: argparse.Namespace) -> int:
-    from dflashctl.control import RunControl
+    from dflashctl.runs.control import RunControl
 
     target = _target(args)
     resume = _resume_choice(args)
@@ -284,7 +284,7 @@ async def _start_group(args: argparse.Namespace, group: GroupConfig, resume: str
 
 
 def _resume_choice(args: argparse.Namespace) -> str:
-    from dflashctl.resume import ResumeChoiceError, validate_resume_choice
+    from dflashctl.releases.resume import ResumeChoiceError, validate_resume_choice
 
     if args.resume is None:
         return "auto"
@@ -316,7 +316,7 @@ def _readiness(name: str, res: StartResult) -> str:
 
 
 async def cmd_stop(args: argparse.Namespace) -> int:
-    from dflashctl.control import RunControl
+    from dflashctl.runs.control import RunControl
 
     target = _target(args)
     if isinstance(target, GroupConfig):
@@ -355,8 +355,8 @@ def _node_exit(r: StopResult) -> str:
 
 
 async def cmd_restart(args: argparse.Namespace) -> int:
-    from dflashctl.control import RunControl
-    from dflashctl.release import build_release
+    from dflashctl.releases.release import build_release
+    from dflashctl.runs.control import RunControl
 
     target = _target(args)
     config = Path(args.config) if args.config else None
@@ -399,8 +399,8 @@ async def cmd_restart(args: argparse.Namespace) -> int:
 async def _restart_group(
     args: argparse.Namespace, group: GroupConfig, config: Path | None, resume: str
 ) -> int:
-    from dflashctl.group import group_config_path
-    from dflashctl.release import build_release
+    from dflashctl.groups.control import group_config_path
+    from dflashctl.releases.release import build_release
 
     path = group_config_path(group, config)
     wait_s = _wait_s(args, group.nodes[0])
@@ -435,9 +435,9 @@ async def _restart_group(
 
 async def cmd_status(args: argparse.Namespace) -> int:
     """Hosts and groups as named (every host when none is); a group is one entry: its state,
-    the node and rank that failed first, and one entry per node (`dflashctl.group`)."""
-    from dflashctl.control import RunControl
-    from dflashctl.status_text import format_run_status
+    the node and rank that failed first, and one entry per node (`dflashctl.groups.control`)."""
+    from dflashctl.cli.status_text import format_run_status
+    from dflashctl.runs.control import RunControl
 
     inv = _inventory(args)
     targets = _resolve(inv, args.host) if args.host else list(inv.hosts.values())
@@ -478,8 +478,8 @@ async def cmd_status(args: argparse.Namespace) -> int:
 def _group_entry(group: GroupConfig, sts: list[RunStatus], *, as_json: bool) -> object:
     """A group's status: `{group, state, summary, world_size, step, nodes, failed}` for --json,
     else its summary line and each node's status (indented)."""
-    from dflashctl.group import NodeReport, group_json, group_state
-    from dflashctl.status_text import format_run_status
+    from dflashctl.cli.status_text import format_run_status
+    from dflashctl.groups.control import NodeReport, group_json, group_state
 
     view = group_state(group.name, [NodeReport.from_status(st, i) for i, st in enumerate(sts)])
     if as_json:
@@ -509,7 +509,7 @@ def _watch_hosts(inv: Inventory, names: Sequence[str]) -> list[HostConfig]:
 
 def _watch_notifier(inv: Inventory) -> Notifier | None:
     """The Notifier for the inventory's notify_urls_file, or None when it names none."""
-    from dflashctl.notify import Notifier, NotifyConfigError, load_targets
+    from dflashctl.alerts.notify import Notifier, NotifyConfigError, load_targets
 
     if inv.notify_urls_file is None:
         return None
@@ -528,8 +528,8 @@ async def cmd_watch(args: argparse.Namespace) -> int:
     import logging
     import signal
 
-    from dflashctl.notify_policy import PolicyConfig
-    from dflashctl.watch import WatchSettings, poll_limit_s, run_watch
+    from dflashctl.alerts.policy import PolicyConfig
+    from dflashctl.alerts.watch import WatchSettings, poll_limit_s, run_watch
 
     for flag, value in (("--interval-s", args.interval_s), ("--burst-s", args.burst_s)):
         if not (value > 0 and value < float("inf")):
@@ -543,7 +543,7 @@ async def cmd_watch(args: argparse.Namespace) -> int:
     notifier = None if args.no_notify else _watch_notifier(inv)
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter("dflashctl: %(message)s"))
-    for name in ("dflashctl.notify", "dflashctl.watch"):
+    for name in ("dflashctl.alerts.notify", "dflashctl.alerts.watch"):
         logging.getLogger(name).addHandler(handler)
         logging.getLogger(name).setLevel(logging.INFO if args.verbose else logging.WARNING)
     settings = WatchSettings(
@@ -610,8 +610,8 @@ async def cmd_logs(args: argparse.Namespace) -> int:
 
 
 async def _logs(args: argparse.Namespace, host: HostConfig, prefix: str = "") -> int:
-    from dflashctl.control import RunControl
-    from dflashctl.follow import Connected, Line, LogRestarted, Lost
+    from dflashctl.runs.control import RunControl
+    from dflashctl.runs.follow import Connected, Line, LogRestarted, Lost
 
     def say(text: str) -> None:
         print(f"dflashctl: {text}", file=sys.stderr, flush=True)
@@ -711,8 +711,8 @@ async def cmd_buckets(args: argparse.Namespace) -> int:
 
 async def cmd_measure(args: argparse.Namespace) -> int:
     """`measure HOST|GROUP`: start (and follow) trainer.measure on the host, or with --result /
-    --stop act on its newest measure (`dflashctl.measure`). A group measures on node 0."""
-    from dflashctl.measure import (
+    --stop act on its newest measure (`dflashctl.runs.measure`). A group measures on node 0."""
+    from dflashctl.runs.measure import (
         DETACH_GRACE_S,
         MeasureControl,
         MeasureRequest,
@@ -759,7 +759,7 @@ async def cmd_measure(args: argparse.Namespace) -> int:
             if stopped is None:
                 print(f"{host.name}: no measure is running")
             else:
-                from dflashctl.monitor import format_age
+                from dflashctl.monitor.state import format_age
 
                 ran = stopped.age()
                 after = f" after {format_age(ran)}" if ran is not None else ""
@@ -818,7 +818,7 @@ async def _measure_outcome(
     calibration: Path | None,
 ) -> int:
     """Print the newest measure's result (and fetch its calibration), or raise what it is."""
-    from dflashctl.measure import MeasureError, MeasureRunning, how_far, iso_utc, outcome_error
+    from dflashctl.runs.measure import MeasureError, MeasureRunning, how_far, iso_utc, outcome_error
 
     host = mc.host.name
     if (st.state == "none" or st.measure_id is None) and args.id:
@@ -860,7 +860,7 @@ async def cmd_secret(args: argparse.Namespace) -> int:
 
 
 async def _secret(args: argparse.Namespace, host: HostConfig, data: bytes) -> int:
-    from dflashctl.control import RunControl
+    from dflashctl.runs.control import RunControl
 
     async def go(t: Transport) -> int:
         path = await RunControl(t, host).put_secret(args.name, data)
@@ -874,7 +874,7 @@ async def _secret(args: argparse.Namespace, host: HostConfig, data: bytes) -> in
 
 
 def _add_run_flags(sp: argparse.ArgumentParser) -> None:
-    from dflashctl.control import DEFAULT_START_WAIT_S
+    from dflashctl.runs.control import DEFAULT_START_WAIT_S
 
     sp.add_argument(
         "--resume",

@@ -6,7 +6,7 @@
 except that an event kind reached by `summarize_at` or more hosts in one window becomes one
 summary ("unreachable: 5 hosts"), and a host's restarts in the window of its gave-up are folded
 into that one message (the gave-up names each attempt's exit status already: a crash loop is
-one notification, not one per restart and one more). Sending is `dflashctl.notify`'s job;
+one notification, not one per restart and one more). Sending is `dflashctl.alerts.notify`'s job;
 nothing here does I/O.
 """
 
@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from dflashctl.watch_events import (
+from dflashctl.alerts.events import (
     EventKind,
     HostSnapshot,
     WatchEvent,

@@ -78,7 +78,7 @@ class EventKind(StrEnum):
     UNREACHABLE = "unreachable"
     RECOVERED = "recovered"
     LOW_DISK = "low-disk"  # RUN has less free space than one checkpoint (supervisor.json)
-    # from dflashctl.gpu_health (`as_watch_events`): already once per change of a reading
+    # from dflashctl.gpus.health (`as_watch_events`): already once per change of a reading
     GPU_ERROR = "gpu-error"  # uncorrected ECC errors rose, an Xid
     GPU_THROTTLED = "gpu-throttled"  # a harmful clock-event reason became active
     GPU_CLEARED = "gpu-cleared"  # ... and stopped

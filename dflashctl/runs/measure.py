@@ -15,7 +15,7 @@ A measure is refused while a training run is live on the host (it would share th
 figures would mean nothing, or one of them would OOM) and while another measure runs there.
 
 Pure builders and parsers first, then `MeasureControl`, the service over a Transport (no
-Textual); `dflashctl.cli.cmd_measure` only parses flags and prints.
+Textual); `dflashctl.cli.main.cmd_measure` only parses flags and prints.
 """
 
 from __future__ import annotations
@@ -30,11 +30,9 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from dflashctl.control import LIVE_STATES, RunControl
+from dflashctl.config.inventory import HostConfig
 from dflashctl.errors import DflashctlError, ExitCode, UsageError
-from dflashctl.follow import Backoff
-from dflashctl.inventory import HostConfig
-from dflashctl.monitor import format_age
+from dflashctl.monitor.state import format_age
 from dflashctl.remote.files import read_file
 from dflashctl.remote.layout import (
     CONFIG,
@@ -67,8 +65,10 @@ from dflashctl.remote.transport import (
     Transport,
     TransportError,
 )
-from dflashctl.run_status import iso_utc as iso_utc
-from dflashctl.run_status import measure_started, split_sections
+from dflashctl.runs.control import LIVE_STATES, RunControl
+from dflashctl.runs.follow import Backoff
+from dflashctl.runs.snapshot import iso_utc as iso_utc
+from dflashctl.runs.snapshot import measure_started, split_sections
 from trainer.events import sanitize_for_terminal
 
 CLOCKS = ("wall", "cpu")
@@ -251,7 +251,7 @@ def check_overrides(config_text: str, sets: Sequence[str], host: str) -> None:
 
 
 # measure_started (a measure id's epoch seconds) and iso_utc are run control's: `start` reads a
-# running measure in its status round trip (dflashctl.control.RunningMeasure).
+# running measure in its status round trip (dflashctl.runs.control.RunningMeasure).
 
 
 @dataclass(frozen=True)

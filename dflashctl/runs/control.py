@@ -15,14 +15,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
-from dflashctl.deploy import (
-    DeployResult,
-    deploy,
-    push_config_file,
-)
+from dflashctl.config.inventory import NAME_RE, HostConfig, InventoryError
 from dflashctl.errors import DflashctlError, ExitCode
-from dflashctl.follow import Backoff, FollowEvent, LogFollower
-from dflashctl.gpu_health import (
+from dflashctl.gpus.health import (
     LEGACY_REASONS_PREFIX,
     REASONS_PREFIX,
     GpuHealth,
@@ -31,9 +26,13 @@ from dflashctl.gpu_health import (
     parse_health_csv,
     unknown_query_field,
 )
-from dflashctl.inventory import NAME_RE, HostConfig, InventoryError
-from dflashctl.launch import NodeLaunch
-from dflashctl.release import Release
+from dflashctl.groups.launch import NodeLaunch
+from dflashctl.releases.deploy import (
+    DeployResult,
+    deploy,
+    push_config_file,
+)
+from dflashctl.releases.release import Release
 from dflashctl.remote.commands import SUPERVISOR_MODULE, guarded, supervised
 from dflashctl.remote.files import line_count, read_file, tail_follow, tail_from, write_file_atomic
 from dflashctl.remote.layout import (
@@ -70,7 +69,8 @@ from dflashctl.remote.transport import (
     Transport,
     TransportError,
 )
-from dflashctl.run_status import (
+from dflashctl.runs.follow import Backoff, FollowEvent, LogFollower
+from dflashctl.runs.snapshot import (
     GpuSample,
     RunningMeasure,
     RunStatus,
@@ -89,7 +89,7 @@ from trainer.events import (
 )
 
 if TYPE_CHECKING:
-    from dflashctl.resume import CheckpointConfig
+    from dflashctl.releases.resume import CheckpointConfig
 
 FOLLOW_JITTER = 0.2
 """`follow`'s reconnect delays vary by +-20 %, so many clients of one host do not reconnect in
@@ -177,7 +177,7 @@ class RunService(Protocol):
 
     `RunControl` is the implementation over a Transport; doubles (tests, replays) implement the
     same signatures. `tail_log` is one connection's stream (it ends, or raises TransportError,
-    when that link drops); the reconnecting loop around it lives in `dflashctl.follow`.
+    when that link drops); the reconnecting loop around it lives in `dflashctl.runs.follow`.
     """
 
     async def status(self, *, setup_errors: bool = False) -> RunStatus: ...
@@ -246,7 +246,7 @@ TORCHRUN_SHUTDOWN_TIMEOUT_S = 600
 def _rank_count(config_text: str) -> int:
     """The ranks the deployed config needs on this host; 1 when it does not validate here (the
     trainer names the problem itself, as it did before torchrun starts existed)."""
-    from dflashctl.runconfig import RunConfigError, drafter_device_count
+    from dflashctl.config.runconfig import RunConfigError, drafter_device_count
 
     try:
         return drafter_device_count(config_text) if config_text else 1
@@ -296,7 +296,7 @@ class RunControl:
         InventoryError) is that host's state too, except with `setup_errors`, which the
         single-host commands pass so it reaches the user as the config error it is (exit 2).
         """
-        from dflashctl.runconfig import config_hash_of_text
+        from dflashctl.config.runconfig import config_hash_of_text
 
         try:
             res = await self._run(status_argv(self.host.workdir, self.host.session))
@@ -360,7 +360,7 @@ class RunControl:
         wait_s: float = DEFAULT_START_WAIT_S,
         progress: Callable[[str], None] | None = None,
     ) -> StartResult:
-        """Start this host's part of a group (`dflashctl.launch`): the pane runs the launch's
+        """Start this host's part of a group (`dflashctl.groups.launch`): the pane runs the launch's
         torchrun argv with its env added, and no supervisor: a node restarted alone cannot
         rejoin the group's static rendezvous, so a group's restarts are the whole group's
         (`dflashctl restart GROUP`). Otherwise as `start`."""
@@ -640,16 +640,16 @@ class RunControl:
 
         Refuses (ResumeRefused) when the config cannot resume the checkpoint a resume would load
         and `fresh` is not set: silently training from scratch, or crashing on resume, both waste
-        GPU hours. The check is the one `deploy --config` makes (dflashctl.resume).
+        GPU hours. The check is the one `deploy --config` makes (dflashctl.releases.resume).
         """
-        from dflashctl.resume import check_config_push
-        from dflashctl.runconfig import (
+        from dflashctl.config.runconfig import (
             config_diff,
             config_hash_of_file,
             config_hash_of_text,
             read_config_text,
             validate_config,
         )
+        from dflashctl.releases.resume import check_config_push
 
         path = config or self.host.run_config
         if path is not None:  # a bad local config fails before anything touches the host
@@ -695,7 +695,7 @@ class RunControl:
 
     async def checkpoint_config(self, resume: str = "auto") -> CheckpointConfig | None:
         """The config saved in the checkpoint a resume would load (None: cannot tell)."""
-        from dflashctl.resume import read_checkpoint_config
+        from dflashctl.releases.resume import read_checkpoint_config
 
         return await read_checkpoint_config(self.transport, self.host, resume)
 
@@ -753,7 +753,7 @@ class RunControl:
 
         Only newline-terminated lines are delivered, so the count of lines received is the
         resume point. It ends when the stream ends and raises TransportError (HostUnreachable,
-        HostKeyError) when the link drops; reconnecting is the caller's (dflashctl.follow).
+        HostKeyError) when the link drops; reconnecting is the caller's (dflashctl.runs.follow).
         """
         path = self.layout.status_log
         async for line in self.transport.stream_lines(guarded(tail_follow(path, from_line))):
@@ -767,7 +767,7 @@ class RunControl:
         max_attempts: int | None = None,
     ) -> AsyncGenerator[FollowEvent, None]:
         """status.log from 0-based `from_line`, forever, across dropped links, as the one follow
-        loop's typed events (`dflashctl.follow`): no line repeated or skipped on a reconnect,
+        loop's typed events (`dflashctl.runs.follow`): no line repeated or skipped on a reconnect,
         a log that started over read again from its first line. `delay` defaults to a
         jittered backoff."""
         follower = LogFollower(

@@ -17,7 +17,7 @@ never raises). On stop, a pending burst window is flushed and the queue is drain
 GPU health: where the container has `nvidia-smi`, each reachable poll also runs
 `gpu_health.health_query_argv()`; a host without it (exit 127 / not found) is asked once. The
 node's kernel log (`journalctl -k`, on the node itself, not in the container) is read for new
-`NVRM: Xid` lines each such poll (`dflashctl.xids.XidReader`, the TUI's reader too): the first
+`NVRM: Xid` lines each such poll (`dflashctl.gpus.xids.XidReader`, the TUI's reader too): the first
 read is history (no events), later reads report each Xid once (by its stamp, bus and text),
 whatever the overlap of the windows read.
 """
@@ -34,7 +34,16 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from dflashctl.gpu_health import (
+from dflashctl.alerts.events import (
+    HostSnapshot,
+    WatchEvent,
+    format_event_line,
+    snapshot_from_status,
+)
+from dflashctl.alerts.notify import Notifier
+from dflashctl.alerts.policy import Notification, PolicyConfig, PolicyState, flush, plan, plan_round
+from dflashctl.config.inventory import HostConfig
+from dflashctl.gpus.health import (
     LEGACY_REASONS_PREFIX,
     REASONS_PREFIX,
     GpuHealth,
@@ -46,13 +55,9 @@ from dflashctl.gpu_health import (
     parse_health_csv,
     unknown_query_field,
 )
-from dflashctl.inventory import HostConfig
-from dflashctl.notify import Notifier
-from dflashctl.notify_policy import Notification, PolicyConfig, PolicyState, flush, plan, plan_round
+from dflashctl.gpus.xids import KernelLogError, XidReader
 from dflashctl.remote.connect import TransportFactory
 from dflashctl.remote.transport import Transport
-from dflashctl.watch_events import HostSnapshot, WatchEvent, format_event_line, snapshot_from_status
-from dflashctl.xids import KernelLogError, XidReader
 from trainer.events import sanitize_for_terminal
 
 __all__ = [
@@ -66,7 +71,7 @@ __all__ = [
     "run_watch",
 ]
 
-log = logging.getLogger("dflashctl.watch")
+log = logging.getLogger("dflashctl.alerts.watch")
 
 DEFAULT_INTERVAL_S = 30.0
 DEFAULT_DRAIN_S = 10.0
@@ -122,11 +127,11 @@ class HostPoller:
         self._gpu_prefix = REASONS_PREFIX
         self._gpu_prev: dict[int, GpuHealth] | None = None
         self._gpu_said: set[str] = set()
-        self._xids = XidReader()  # the node's kernel log (`dflashctl.xids`), each Xid once
+        self._xids = XidReader()  # the node's kernel log (`dflashctl.gpus.xids`), each Xid once
         self._last_failure: str | None = None
 
     async def poll(self) -> PollResult:
-        from dflashctl.control import RunControl
+        from dflashctl.runs.control import RunControl
 
         started = time.time()
         limit = poll_limit_s(self.host)
