@@ -31,8 +31,8 @@ from pathlib import Path
 from dflashctl.config.inventory import HostConfig
 from dflashctl.errors import DflashctlError, ExitCode, run_main
 from dflashctl.fleet import HostHandle, open_local
-from dflashctl.runs.control import RunService
 from dflashctl.runs.follow import lines_of
+from dflashctl.runs.service import RunService
 from dflashctl.runs.snapshot import eval_summary
 from trainer.config.overlay import TomlTable, dump_toml, merge
 from trainer.events import EvalEvent, StatusEvent, parse_line

@@ -26,7 +26,8 @@ from dflashctl.releases.deploy import DeployResult, Progress, deploy
 from dflashctl.remote.commands import tmux_attach
 from dflashctl.remote.connect import DEFAULT_TERM, TransportFactory, attach_argv, make_transport
 from dflashctl.remote.transport import LocalTransport, Transport
-from dflashctl.runs.control import RestartResult, RunControl, RunService
+from dflashctl.runs.control import RunControl
+from dflashctl.runs.service import RestartResult, RunService
 
 
 class DeployFn(Protocol):

@@ -40,22 +40,21 @@ from dflashctl.alerts.events import (
     format_event_line,
     snapshot_from_status,
 )
+from dflashctl.alerts.gpu_events import as_watch_events, gpu_events
 from dflashctl.alerts.notify import Notifier
 from dflashctl.alerts.policy import Notification, PolicyConfig, PolicyState, flush, plan, plan_round
 from dflashctl.config.inventory import HostConfig
-from dflashctl.gpus.health import (
+from dflashctl.gpus.nvidia_smi import (
     LEGACY_REASONS_PREFIX,
     REASONS_PREFIX,
     GpuHealth,
-    Xid,
-    as_watch_events,
-    gpu_events,
     health_fields,
     health_query_argv,
     parse_health_csv,
     unknown_query_field,
 )
-from dflashctl.gpus.xids import KernelLogError, XidReader
+from dflashctl.gpus.xid_log import Xid
+from dflashctl.gpus.xid_reader import KernelLogError, XidReader
 from dflashctl.remote.connect import TransportFactory
 from dflashctl.remote.transport import Transport
 from trainer.events import sanitize_for_terminal

@@ -27,8 +27,8 @@ from dflashctl.remote.transport import Transport
 if TYPE_CHECKING:
     from dflashctl.alerts.notify import Notifier
     from dflashctl.groups.control import GroupControl
-    from dflashctl.runs.control import StartResult, StopResult
     from dflashctl.runs.measure import MeasureControl, MeasureState
+    from dflashctl.runs.service import StartResult, StopResult
     from dflashctl.runs.snapshot import RunStatus
 
 
@@ -625,7 +625,7 @@ async def _logs(args: argparse.Namespace, host: HostConfig, prefix: str = "") ->
             raise HostUnreachable(st.message or host.name)
         start = max(0, st.log_lines - args.lines)
         if not args.follow:
-            for line in await ctl.log_tail(start):
+            for line in await ctl.log.log_tail(start):
                 _print_line(line, args.json, prefix)
             return ExitCode.OK
         lost = False
@@ -874,7 +874,7 @@ async def _secret(args: argparse.Namespace, host: HostConfig, data: bytes) -> in
 
 
 def _add_run_flags(sp: argparse.ArgumentParser) -> None:
-    from dflashctl.runs.control import DEFAULT_START_WAIT_S
+    from dflashctl.runs.service import DEFAULT_START_WAIT_S
 
     sp.add_argument(
         "--resume",

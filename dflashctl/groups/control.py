@@ -34,17 +34,18 @@ from dflashctl.errors import DflashctlError
 from dflashctl.groups.launch import group_launches
 from dflashctl.releases.deploy import DeployResult, deploy
 from dflashctl.remote.transport import HostUnreachable, Transport
-from dflashctl.runs.control import (
+from dflashctl.runs.control import RunControl
+from dflashctl.runs.service import (
     DEFAULT_START_WAIT_S,
     ControlError,
     MeasureInProgress,
-    RunControl,
     StartFailed,
     StartResult,
     StopResult,
     measure_refusal,
 )
 from dflashctl.runs.snapshot import RunStatus
+from dflashctl.runs.starter import NodeCommand
 from trainer.events.run_state import RunState
 
 if TYPE_CHECKING:
@@ -504,7 +505,7 @@ class GroupControl:
 
     Node 0 holds the checkpoints: it is stopped first (its rank 0 writes the stop's checkpoint)
     and a config push is checked for resume against its checkpoint only. Nodes run torchrun
-    under tmux without the per-node supervisor (`RunControl.start_node`): a node
+    under tmux without the per-node supervisor (`RunStarter.start_node`): a node
     restarted alone cannot rejoin the group's static rendezvous.
     """
 
@@ -656,7 +657,10 @@ class GroupControl:
         await self._port_free(progress)
         outcomes = await _each(
             self.hosts,
-            [ctl.start_node(x, wait_s=0) for ctl, x in zip(self.controls, launches, strict=True)],
+            [
+                ctl.starter.start_node(NodeCommand(x.argv, x.env, "--fresh" in x.program), wait_s=0)
+                for ctl, x in zip(self.controls, launches, strict=True)
+            ],
         )
         failed = [o for o in outcomes if not o.ok]
         if failed:
@@ -670,7 +674,7 @@ class GroupControl:
             progress(f"{g}: waiting up to {wait_s:g} s for node 0 ({node0.host.name})'s setup")
         loop = asyncio.get_running_loop()
         t0 = loop.time()
-        ready = await node0.wait_started(sts[0].log_lines, wait_s)
+        ready = await node0.starter.wait_started(sts[0].log_lines, wait_s)
         took = loop.time() - t0
         after = await self.statuses()
         dead = [(i, st) for i, st in enumerate(after) if st.state not in LIVE_NODE_STATES]
@@ -678,7 +682,7 @@ class GroupControl:
             view = group_state(g, [NodeReport.from_status(st, i) for i, st in enumerate(after)])
             first = view.failed
             i = first.node_rank if first is not None else dead[0][0]
-            err = await self.controls[i].start_failure(sts[i].log_lines, took)
+            err = await self.controls[i].starter.start_failure(sts[i].log_lines, took)
             await self._stop_started([NodeOutcome(st.host, j) for j, st in enumerate(after)])
             raise StartFailed(f"group {g!r}: node {i}: {err}")
         return GroupStartResult(g, True, results, release, config_hash, ready == "ready", took)
@@ -701,7 +705,7 @@ class GroupControl:
         """After a failed group start: end the nodes that did start (they would wait for the
         rendezvous until its timeout)."""
         await asyncio.gather(
-            *(self.controls[o.node_rank].stop_node(10.0) for o in started),
+            *(self.controls[o.node_rank].stopper.stop_node(10.0) for o in started),
             return_exceptions=True,
         )
 
@@ -718,14 +722,19 @@ class GroupControl:
             # Every rank is signalled, not only node 0's: each then records a stop of its own
             # (a rank that stopped only on the reduced flag exited failed before the trainer
             # agreed the stop's checkpoint across ranks, and an older release still does).
-            await asyncio.gather(*(c.interrupt_workers() for c in others), return_exceptions=True)
+            await asyncio.gather(
+                *(c.stopper.interrupt_workers() for c in others), return_exceptions=True
+            )
 
-        first = await self.controls[0].stop_node(
+        first = await self.controls[0].stopper.stop_node(
             timeout, settle_s=SETTLE_S, after_interrupt=signal_others
         )
         rest = await _each(
             self.hosts[1:],
-            [c.stop_node(min(timeout, 60.0), settle_s=SETTLE_S, interrupt=False) for c in others],
+            [
+                c.stopper.stop_node(min(timeout, 60.0), settle_s=SETTLE_S, interrupt=False)
+                for c in others
+            ],
             first_rank=1,
         )
         errors = [o.error_line() for o in rest if not o.ok]

@@ -33,14 +33,10 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeVar, runtime_check
 
 from pydantic import ValidationError
 
-from dflashctl.gpus.health import (
-    GpuEventKind,
-    GpuHealth,
-    Xid,
-    gpu_events,
-    xid_wall_time,
-)
-from dflashctl.gpus.xids import XidReader
+from dflashctl.alerts.gpu_events import GpuEventKind, gpu_events
+from dflashctl.gpus.nvidia_smi import GpuHealth, GpuSample
+from dflashctl.gpus.xid_log import Xid, xid_wall_time
+from dflashctl.gpus.xid_reader import XidReader
 from dflashctl.remote.transport import Transport
 from dflashctl.runs.follow import (
     Backoff,
@@ -54,13 +50,7 @@ from dflashctl.runs.follow import (
     any_failure,
     describe_failure,
 )
-from dflashctl.runs.snapshot import (
-    GpuSample,
-    RunningMeasure,
-    restart_reason,
-    restart_time,
-    run_finished,
-)
+from dflashctl.runs.snapshot import RunningMeasure, restart_reason, restart_time, run_finished
 from trainer.events import (
     BUCKET_LOSS_KEY,
     CheckpointEvent,
@@ -700,7 +690,7 @@ def plan_restart(
 
 
 class FollowedHost(LogSource, Protocol):
-    """The slice of `dflashctl.runs.control.RunService` the follower uses."""
+    """The slice of `dflashctl.runs.service.RunService` the follower uses."""
 
     async def status(self) -> StatusView: ...
 
@@ -876,7 +866,8 @@ class HostFollower:
 
 
 if TYPE_CHECKING:
-    from dflashctl.runs.control import RunControl, RunService
+    from dflashctl.runs.control import RunControl
+    from dflashctl.runs.service import RunService
 
     def _slices(service: RunService, control: RunControl) -> tuple[FollowedHost, FollowedHost]:
         return service, control  # both serve a follower (checked by mypy)

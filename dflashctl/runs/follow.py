@@ -57,7 +57,7 @@ FollowEvent = Line | Connected | Lost | LogRestarted
 
 
 class LogSource(Protocol):
-    """The two primitives of `dflashctl.runs.control.RunService` the loop drives."""
+    """The two primitives of `dflashctl.runs.service.RunService` the loop drives."""
 
     def tail_log(self, from_line: int) -> AsyncIterator[str]:
         """One connection's tail of status.log from 0-based `from_line` (newline-terminated

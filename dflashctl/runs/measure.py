@@ -65,8 +65,9 @@ from dflashctl.remote.transport import (
     Transport,
     TransportError,
 )
-from dflashctl.runs.control import LIVE_STATES, RunControl
+from dflashctl.runs.control import RunControl
 from dflashctl.runs.follow import Backoff
+from dflashctl.runs.service import LIVE_STATES
 from dflashctl.runs.snapshot import iso_utc as iso_utc
 from dflashctl.runs.snapshot import measure_started, split_sections
 from trainer.events import sanitize_for_terminal

@@ -69,17 +69,6 @@ class RunningMeasure:
 
 
 @dataclass(frozen=True)
-class GpuSample:
-    index: int
-    name: str
-    util_pct: float | None
-    mem_used_mib: float | None
-    mem_total_mib: float | None
-    temp_c: float | None
-    power_w: float | None
-
-
-@dataclass(frozen=True)
 class RunStatus:
     host: str
     state: str  # running | restarting | stalled | stopped | crashed | gave-up | unreachable
@@ -489,29 +478,3 @@ def describe_exit(exit_status: int | None, sig: int | None) -> str:
         return "exited (no exit status)"
     what = {1: " (failed)", 2: " (refused: a user error)"}.get(exit_status, "")
     return f"exited with status {exit_status}{what}"
-
-
-def parse_gpu_csv(stdout: str) -> list[GpuSample]:
-    def num(v: str) -> float | None:
-        try:
-            return float(v)
-        except ValueError:
-            return None  # "[N/A]", "[Not Supported]"
-
-    out: list[GpuSample] = []
-    for line in stdout.splitlines():
-        cols = [c.strip() for c in line.split(",")]
-        if len(cols) != 7 or not cols[0].isdigit():
-            continue
-        out.append(
-            GpuSample(
-                int(cols[0]),
-                cols[1],
-                num(cols[2]),
-                num(cols[3]),
-                num(cols[4]),
-                num(cols[5]),
-                num(cols[6]),
-            )
-        )
-    return out

@@ -234,7 +234,7 @@ class DflashApp(App[None]):
             return
         state = self.states.get(host)
         if state is not None and state.measure is not None:  # start refuses it: say so first
-            from dflashctl.runs.control import measure_refusal
+            from dflashctl.runs.service import measure_refusal
 
             why = measure_refusal(state.measure, host, "a restart")
             self.notify(str(why), severity="warning")

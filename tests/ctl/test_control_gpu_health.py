@@ -10,9 +10,10 @@ from pathlib import Path
 import pytest
 
 from dflashctl.config.inventory import local_host
+from dflashctl.gpus.reader import GpuReadError
 from dflashctl.monitor.state import HealthSource
 from dflashctl.remote import LocalTransport
-from dflashctl.runs.control import ControlError, RunControl
+from dflashctl.runs.control import RunControl
 
 FIX = Path(__file__).parent / "fixtures" / "gpu-health"
 
@@ -61,6 +62,6 @@ async def test_no_nvidia_smi_is_no_gpus_and_a_failing_one_is_one_line(tmp_path: 
     absent, _ = control_with(tmp_path / "none", None)
     assert await absent.gpu_health() == []
     broken, _ = control_with(tmp_path, "echo 'Failed to initialize NVML: mismatch' >&2\nexit 9\n")
-    with pytest.raises(ControlError) as err:
+    with pytest.raises(GpuReadError) as err:
         await broken.gpu_health()
     assert "gpu-node: nvidia-smi" in str(err.value) and "\n" not in str(err.value)

@@ -6,10 +6,10 @@ import json
 from pathlib import Path
 
 from dflashctl.cli.status_text import format_run_status
-from dflashctl.runs.control import MARK, stop_wait_argv, trainer_argv
+from dflashctl.gpus.nvidia_smi import parse_gpu_csv
+from dflashctl.remote.run import MARK, stop_wait_argv, trainer_argv
 from dflashctl.runs.snapshot import (
     eval_summary,
-    parse_gpu_csv,
     parse_status,
     parse_supervisor_file,
     split_sections,

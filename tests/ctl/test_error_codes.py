@@ -17,7 +17,7 @@ from dflashctl.remote.transport import (
     HostUnreachable,
     TransportError,
 )
-from dflashctl.runs.control import ControlError, StartFailed
+from dflashctl.runs.service import ControlError, StartFailed
 
 
 @pytest.mark.parametrize(

@@ -16,21 +16,18 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dflashctl.alerts.events import EventKind
+from dflashctl.alerts.gpu_events import GpuEventKind, as_watch_events, gpu_events
 from dflashctl.alerts.policy import flush
-from dflashctl.gpus.health import (
+from dflashctl.gpus.nvidia_smi import (
     LEGACY_REASONS_PREFIX,
-    GpuEventKind,
     GpuHealth,
-    as_watch_events,
-    gpu_events,
     health_fields,
     health_query_argv,
-    kernel_log_argv,
     normalize_bus_id,
     parse_health_csv,
-    parse_xid_lines,
     unknown_query_field,
 )
+from dflashctl.gpus.xid_log import kernel_log_argv, parse_xid_lines
 
 FIX = Path(__file__).parent / "fixtures" / "gpu-health"
 

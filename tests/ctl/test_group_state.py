@@ -18,7 +18,7 @@ from dflashctl.groups.control import (
     torchrun_failure,
 )
 from dflashctl.remote.transport import LocalTransport
-from dflashctl.runs.control import ControlError
+from dflashctl.runs.service import ControlError
 from dflashctl.runs.snapshot import RunStatus
 from tests.ctl.parts import REPO, halve_lr
 from trainer.events.run_state import RunState

@@ -21,7 +21,7 @@ from dflashctl.groups.launch import (
     rdzv_endpoint,
 )
 from dflashctl.remote.commands import clean_env, pct_exec, shell_join, tmux_new_session
-from dflashctl.runs.control import trainer_argv
+from dflashctl.remote.run import trainer_argv
 
 PY = "/opt/venv/bin/python"
 

@@ -22,8 +22,9 @@ from dflashctl.releases.release import Release, build_release
 from dflashctl.releases.resume import ResumeRefused
 from dflashctl.remote import CommandTimeout, LocalTransport
 from dflashctl.remote.commands import PaneState, parse_pane_state, tmux_settled_pane_state
-from dflashctl.runs.control import ControlError, RunControl, StartFailed
+from dflashctl.runs.control import RunControl
 from dflashctl.runs.follow import lines_of
+from dflashctl.runs.service import ControlError, StartFailed
 from tests.conftest import require_part
 from tests.ctl.parts import bump_buckets, halve_lr
 
@@ -439,7 +440,7 @@ async def test_stop_does_not_report_an_old_checkpoint_as_its_own(
         "time.sleep(60)"
     )
 
-    res = await ctl.new_session([sys.executable, "-c", script], {})
+    res = await ctl.starter.new_session([sys.executable, "-c", script], {})
     assert res.ok
     # Signal only once the handler is installed: under load, python's start-up can outlast
     # the stop's SIGINT, and an un-ignored SIGINT makes this a different test.
@@ -498,7 +499,7 @@ async def test_exit_status_of_a_pane_tmux_failed_to_reap(ctl: RunControl) -> Non
     exiting ("server exited unexpectedly"), which new_session retries."""
     Path(ctl.host.workdir).mkdir(parents=True, exist_ok=True)
     for _ in range(60):  # about 1 instant exit in 6 to 20 hit the race here
-        started = await ctl.new_session(["sh", "-c", "exit 3"], {})
+        started = await ctl.starter.new_session(["sh", "-c", "exit 3"], {})
         assert started.ok, started.stderr
         st = await ctl.status()
         for _ in range(100):  # under load the pane's sh may not have exited yet
@@ -522,11 +523,11 @@ async def test_settled_pane_query_on_real_tmux(ctl: RunControl) -> None:
         return parse_pane_state(res.stdout)
 
     assert await query() is None
-    assert (await ctl.new_session(["sleep", "30"], {})).ok
+    assert (await ctl.starter.new_session(["sleep", "30"], {})).ok
     alive = await query()
     assert alive is not None and not alive.dead and alive.pid is not None
     await transport.run(["tmux", "-L", "dflash", "kill-server"])
-    assert (await ctl.new_session(["sh", "-c", "sleep 0.3; exit 5"], {})).ok
+    assert (await ctl.starter.new_session(["sh", "-c", "sleep 0.3; exit 5"], {})).ok
     await asyncio.sleep(0.6)
     dead = await query()
     assert dead is not None and dead.dead and dead.exit_status == 5
@@ -662,7 +663,7 @@ async def test_remote_text_is_sanitised_where_it_enters(ctl: RunControl) -> None
     st = await ctl.status()
     assert st.last_error == "red alert" and st.step == 1
     assert st.run_release == "abc"
-    tail = await ctl.log_tail(0)
+    tail = await ctl.log.log_tail(0)
     followed = []
     async for line in lines_of(ctl.follow(0)):
         followed.append(line)
@@ -723,7 +724,7 @@ async def test_a_stop_the_trainer_completed_is_stopped_whatever_the_last_signal(
         "'state': 'stopped', 'exit_status': 0, 'stop_signal': 'SIGINT'})); "
         "signal.signal(signal.SIGINT, signal.SIG_DFL); os.kill(os.getpid(), signal.SIGINT)"
     )
-    assert (await ctl.new_session([sys.executable, "-c", script], {})).ok
+    assert (await ctl.starter.new_session([sys.executable, "-c", script], {})).ok
 
     async def dead() -> bool:
         return (await ctl.status()).state != "running"
@@ -738,7 +739,7 @@ async def test_a_signal_exit_names_the_signal(ctl: RunControl) -> None:
 
     Path(ctl.host.run_dir).mkdir(parents=True)
     script = "import os, signal, time; time.sleep(0.2); os.kill(os.getpid(), signal.SIGKILL)"
-    assert (await ctl.new_session([sys.executable, "-c", script], {})).ok
+    assert (await ctl.starter.new_session([sys.executable, "-c", script], {})).ok
 
     async def dead() -> bool:
         return (await ctl.status()).state != "running"

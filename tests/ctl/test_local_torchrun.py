@@ -28,8 +28,9 @@ from dflashctl.releases.deploy import deploy
 from dflashctl.releases.release import build_release
 from dflashctl.remote import LocalTransport
 from dflashctl.remote.commands import SUPERVISOR_MODULE
-from dflashctl.remote.run import TORCHRUN_MODULE, host_trainer_argv
-from dflashctl.runs.control import TORCHRUN_SHUTDOWN_TIMEOUT_S, RunControl, trainer_argv
+from dflashctl.remote.run import TORCHRUN_MODULE, host_trainer_argv, trainer_argv
+from dflashctl.runs.control import RunControl
+from dflashctl.runs.starter import TORCHRUN_SHUTDOWN_TIMEOUT_S
 from tests.conftest import require_part
 from tests.ctl import parts as P
 from trainer.config.overlay import dump_toml, merge

@@ -35,7 +35,7 @@ from dflashctl.releases.release import build_release
 from dflashctl.remote import LocalTransport
 from dflashctl.remote.layout import RemoteLayout, measure_session
 from dflashctl.remote.run import MARK
-from dflashctl.runs.control import MeasureInProgress, RunControl
+from dflashctl.runs.control import RunControl
 from dflashctl.runs.follow import Backoff
 from dflashctl.runs.measure import (
     MeasureBusy,
@@ -52,6 +52,7 @@ from dflashctl.runs.measure import (
     parse_measure_status,
     parse_strategies,
 )
+from dflashctl.runs.service import MeasureInProgress
 from dflashctl.runs.snapshot import iso_utc, measure_started
 from tests.conftest import require_part
 from tests.ctl import parts as P

@@ -10,7 +10,8 @@ from pathlib import Path
 
 from dflashctl.config.inventory import local_host
 from dflashctl.remote import LocalTransport
-from dflashctl.runs.control import RunControl, RunService
+from dflashctl.runs.control import RunControl
+from dflashctl.runs.service import RunService
 
 PROTOCOL_METHODS = (
     "status",

@@ -23,7 +23,7 @@ import pytest
 from dflashctl.alerts.events import Condition, snapshot_from_status
 from dflashctl.cli.status_text import format_run_status, low_disk_line, supervisor_lines
 from dflashctl.remote.commands import supervised
-from dflashctl.runs.control import MARK, STATUS_SCRIPT
+from dflashctl.remote.run import MARK, STATUS_SCRIPT
 from dflashctl.runs.snapshot import parse_status, split_sections
 from trainer.config.policy import Policy
 

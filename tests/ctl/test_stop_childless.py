@@ -1,7 +1,7 @@
 """A group node's stop ends a torchrun left without ranks (`control.kill_if_childless`).
 
 torchrun whose ranks have exited can sit at its exit barrier (a peer's agent failed) and ignore
-the session's SIGHUP, holding the rendezvous port: `RunControl.stop_node` SIGKILLs it once it
+the session's SIGHUP, holding the rendezvous port: `RunStopper.stop_node` SIGKILLs it once it
 has no children, and never while a rank lives. Real process trees, no mocks: a stand-in
 torchrun (a Python parent that ignores SIGINT and SIGHUP, waits for its rank, then waits
 forever) and its rank (checkpoints on SIGINT and exits), in a real tmux session through
@@ -25,7 +25,8 @@ from dflashctl.config.inventory import local_host
 from dflashctl.remote import LocalTransport
 from dflashctl.remote.layout import RemoteLayout
 from dflashctl.remote.tmux import tmux_new_session
-from dflashctl.runs.control import RunControl, kill_if_childless
+from dflashctl.runs.control import RunControl
+from dflashctl.runs.stopper import kill_if_childless
 from tests.conftest import require_part
 from trainer.events.lifecycle import format_checkpoint_line
 
@@ -118,7 +119,7 @@ async def test_a_node_stop_kills_the_torchrun_its_ranks_left(
     torchrun, rank = (int(x) for x in pids_file.read_text().split())
     try:
         assert (await ctl.status()).state == "running"
-        stopped = await ctl.stop_node(60.0, settle_s=1.0)
+        stopped = await ctl.stopper.stop_node(60.0, settle_s=1.0)
         # the rank checkpointed and exited; torchrun did not exit by itself within settle_s
         assert stopped.was_running and stopped.outcome == "checkpointed", stopped
         assert stopped.checkpoint is not None and stopped.checkpoint.step == 7, stopped

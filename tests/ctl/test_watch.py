@@ -312,7 +312,7 @@ async def test_a_receiver_that_is_down_does_not_stop_the_watch(
             host = inv.get("ct")
             t = make_transport(host)
             try:
-                res = await RunControl(t, host).new_session(["sh", "-c", "exit 1"], {})
+                res = await RunControl(t, host).starter.new_session(["sh", "-c", "exit 1"], {})
                 assert res.ok, res.stderr
             finally:
                 await t.close()

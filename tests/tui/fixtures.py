@@ -18,8 +18,8 @@ from typing import Any, cast
 from dflashctl.monitor.state import RunShape, lr_schedule
 from dflashctl.releases.deploy import DeployResult
 from dflashctl.releases.preflight import Preflight
-from dflashctl.runs.control import RunService
 from dflashctl.runs.follow import FollowEvent, LogFollower
+from dflashctl.runs.service import RunService
 from dflashctl.runs.snapshot import RunningMeasure
 from trainer.events import (
     BUCKET_LOSS_KEY,

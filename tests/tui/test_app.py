@@ -13,9 +13,9 @@ from textual.message import Message
 from textual.notifications import Notify
 from textual.widgets import DataTable, Digits, Log, Static
 
+from dflashctl.gpus.nvidia_smi import parse_gpu_csv
 from dflashctl.monitor.state import RestartPlan, RunState, apply_lines, apply_status
 from dflashctl.releases.deploy import DeployResult, Progress
-from dflashctl.runs.snapshot import parse_gpu_csv
 from dflashctl.tui.app import DflashApp, HostBinding
 from dflashctl.tui.screens.confirm import ConfirmScreen
 from dflashctl.tui.screens.fleet import FleetScreen, fleet_row

@@ -15,7 +15,7 @@ import pytest
 from rich.text import Text
 from textual.widgets import DataTable, Static
 
-from dflashctl.gpus.health import GpuHealth, parse_health_csv
+from dflashctl.gpus.nvidia_smi import GpuHealth, GpuSample, parse_gpu_csv, parse_health_csv
 from dflashctl.monitor.state import (
     HISTORY,
     HostFollower,
@@ -27,7 +27,6 @@ from dflashctl.monitor.state import (
     start_new_run,
     tau_history,
 )
-from dflashctl.runs.snapshot import GpuSample, parse_gpu_csv
 from dflashctl.tui.app import DflashApp, HostBinding
 from dflashctl.tui.screens.fleet import tau_cell
 from dflashctl.tui.screens.host import HostScreen

@@ -17,12 +17,12 @@ from rich.text import Text
 from textual.widgets import Static
 
 from dflashctl.config.inventory import local_host
-from dflashctl.gpus.health import parse_health_csv, parse_xid_lines
-from dflashctl.gpus.xids import KernelLogError, XidRead, XidReader
+from dflashctl.gpus.nvidia_smi import parse_gpu_csv, parse_health_csv
+from dflashctl.gpus.xid_log import parse_xid_lines
+from dflashctl.gpus.xid_reader import KernelLogError, XidRead, XidReader
 from dflashctl.monitor.state import RunState, apply_xids, xid_events
 from dflashctl.remote import LocalTransport
 from dflashctl.runs.control import RunControl
-from dflashctl.runs.snapshot import parse_gpu_csv
 from dflashctl.tui.app import HostBinding
 from dflashctl.tui.screens.host import HostScreen
 from dflashctl.tui.widgets.panes import gpus_text, xids_text

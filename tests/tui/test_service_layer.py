@@ -9,7 +9,8 @@ from pathlib import Path
 from dflashctl.config.inventory import HostConfig, parse_inventory
 from dflashctl.fleet import ConfigWatcher, HostHandle, open_inventory, restart_details
 from dflashctl.remote.transport import LocalTransport, Transport
-from dflashctl.runs.control import RestartResult, RunControl, StartResult, StopResult
+from dflashctl.runs.control import RunControl
+from dflashctl.runs.service import RestartResult, StartResult, StopResult
 from dflashctl.tui.app import DflashApp
 from dflashctl.tui.view import AppView
 from tests.tui.fixtures import ReplayControl, deploy_result, service

@@ -10,9 +10,8 @@ from dataclasses import replace
 from pathlib import Path
 
 from dflashctl.config.runconfig import config_diff
-from dflashctl.gpus.health import parse_health_csv
+from dflashctl.gpus.nvidia_smi import parse_gpu_csv, parse_health_csv
 from dflashctl.monitor.state import LinkState, RestartPlan, RunState, apply_lines, apply_status
-from dflashctl.runs.snapshot import parse_gpu_csv
 from dflashctl.tui.app import DflashApp, HostBinding
 from dflashctl.tui.screens.host import HostScreen
 from dflashctl.tui.screens.restart import RestartScreen
@@ -191,7 +190,7 @@ def group_app() -> DflashApp:
     """`pair` (n0 node 0, n1 node 1; one rank each) and a single host: n0 streams the run's
     status lines and has two H100s, one with Xids in its node's kernel log (three from before
     the view, one since); n1 has been unreachable for 5 minutes; solo runs on its own."""
-    from dflashctl.gpus.health import parse_xid_lines
+    from dflashctl.gpus.xid_log import parse_xid_lines
     from dflashctl.monitor.state import apply_xids
     from tests.tui.fixtures import node_run_state
 

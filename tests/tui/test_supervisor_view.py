@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from dflashctl.monitor.state import RunState, apply_status, display_state, supervisor_events
-from dflashctl.runs.control import MARK
+from dflashctl.remote.run import MARK
 from dflashctl.runs.snapshot import RunStatus, parse_status
 from dflashctl.tui import app as app_module
 from dflashctl.tui.app import DflashApp, HostBinding

@@ -11,7 +11,8 @@ from collections.abc import Sequence
 from rich.text import Text
 from textual.widgets import Static
 
-from dflashctl.gpus.health import HARMFUL_REASONS, XID_TEXT, GpuHealth
+from dflashctl.gpus.nvidia_smi import HARMFUL_REASONS, GpuHealth
+from dflashctl.gpus.xid_log import XID_TEXT
 from dflashctl.monitor.state import (
     RunShape,
     RunState,

@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from dflashctl.errors import DflashctlError
-from dflashctl.gpus.health import Xid, kernel_log_argv, parse_xid_lines
+from dflashctl.gpus.xid_log import Xid, kernel_log_argv, parse_xid_lines
 from dflashctl.remote.transport import NodeCommands, Transport
 
 __all__ = ["XID_WINDOW_S", "KernelLogError", "XidRead", "XidReader"]
