@@ -479,7 +479,7 @@ def _group_entry(group: GroupConfig, sts: list[RunStatus], *, as_json: bool) -> 
     """A group's status: `{group, state, summary, world_size, step, nodes, failed}` for --json,
     else its summary line and each node's status (indented)."""
     from dflashctl.cli.status_text import format_run_status
-    from dflashctl.groups.control import NodeReport, group_json, group_state
+    from dflashctl.groups.state import NodeReport, group_json, group_state
 
     view = group_state(group.name, [NodeReport.from_status(st, i) for i, st in enumerate(sts)])
     if as_json:

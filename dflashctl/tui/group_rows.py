@@ -1,6 +1,6 @@
 """A group (a multi-node run) in the TUI: its figures from the states of its nodes (pure).
 
-The group's own state is `dflashctl.groups.control.group_state`, the function `dflashctl status GROUP`
+The group's own state is `dflashctl.groups.state.group_state`, the function `dflashctl status GROUP`
 uses, fed one `NodeReport` per node made from what the TUI follows of that node's host; so one
 node unreachable is the group `degraded` with that node "unreachable since T", never the group
 crashed, here as in the CLI.
@@ -21,7 +21,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from dflashctl.groups.control import GroupView, NodeReport, group_state
+from dflashctl.groups.state import GroupView, NodeReport, group_state
 from dflashctl.monitor.state import STALE_AFTER_S, RunState, display_state, line_age
 from dflashctl.runs.snapshot import run_finished
 from trainer.events import StatusEvent

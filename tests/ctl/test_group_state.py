@@ -1,4 +1,4 @@
-"""The group's state from its nodes' reports (dflashctl.groups.control.group_state, pure)."""
+"""The group's state from its nodes' reports (dflashctl.groups.state.group_state, pure)."""
 
 from __future__ import annotations
 
@@ -9,14 +9,8 @@ import pytest
 from dflashctl.config.inventory import GroupConfig, parse_inventory
 from dflashctl.config.runconfig import config_hash_of_file
 from dflashctl.errors import UsageError
-from dflashctl.groups.control import (
-    GroupControl,
-    NodeReport,
-    group_config_path,
-    group_json,
-    group_state,
-    torchrun_failure,
-)
+from dflashctl.groups.control import GroupControl, group_config_path
+from dflashctl.groups.state import NodeReport, group_json, group_state, torchrun_failure
 from dflashctl.remote.transport import LocalTransport
 from dflashctl.runs.service import ControlError
 from dflashctl.runs.snapshot import RunStatus
@@ -234,16 +228,16 @@ def test_start_refuses_nodes_with_another_release_or_nothing_deployed(tmp_path: 
         RunStatus(host=h, state="stopped", release="r1", deployed_config_hash="c1")
         for h in ("n0", "n1")
     ]
-    assert gc._refuse_mixed(same) == ("r1", "c1")
+    assert gc.starter.refuse_mixed(same) == ("r1", "c1")
     other = [
         same[0],
         RunStatus(host="n1", state="stopped", release="r2", deployed_config_hash="c1"),
     ]
     with pytest.raises(ControlError, match=r"the nodes' releases differ \(n0 r1, n1 r2\)"):
-        gc._refuse_mixed(other)
+        gc.starter.refuse_mixed(other)
     bare = [same[0], RunStatus(host="n1", state="stopped")]
     with pytest.raises(ControlError, match="nothing deployed on n1; run `dflashctl deploy g`"):
-        gc._refuse_mixed(bare)
+        gc.starter.refuse_mixed(bare)
     with pytest.raises(ValueError, match="1 transports, 2 nodes"):
         GroupControl(group, [LocalTransport()])
 

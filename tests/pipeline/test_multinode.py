@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import torch
 
-from dflashctl.groups.control import NodeReport, group_state
+from dflashctl.groups.state import NodeReport, group_state
 from trainer.events import ErrorEvent, StatusEvent, parse_line
 from trainer.events.run_state import parse_run_state
 from trainer.pipeline.checkpoint import list_checkpoints, load_checkpoint

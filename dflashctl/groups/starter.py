@@ -1,0 +1,219 @@
+"""Starting a group: torchrun on every node at once, node 0 hosting the rendezvous.
+
+Refused (nothing started) when a node is unreachable, some but not all nodes run, a measure
+runs on one, or the nodes' release or config differ.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, TypeVar
+
+from dflashctl.groups.launch import group_launches
+from dflashctl.groups.results import GroupStartResult, NodeOutcome, each_node
+from dflashctl.groups.state import LIVE_NODE_STATES, NodeReport, group_state
+from dflashctl.remote.transport import HostUnreachable
+from dflashctl.runs.control import RunControl
+from dflashctl.runs.service import (
+    DEFAULT_START_WAIT_S,
+    ControlError,
+    MeasureInProgress,
+    StartFailed,
+    measure_refusal,
+)
+from dflashctl.runs.snapshot import RunStatus
+from dflashctl.runs.starter import NodeCommand
+
+if TYPE_CHECKING:
+    from dflashctl.config.inventory import GroupConfig
+
+T = TypeVar("T")
+Progress = Callable[[str], None]
+PORT_WAIT_S = 60.0
+"""How long start waits for node 0's rendezvous port to be free (a stopped torchrun that
+was ended by its session's end shuts down for up to 30 s and holds it meanwhile)."""
+# Run with the node's python: exits 0 once PORT can be listened on (as torchrun's store does,
+# SO_REUSEADDR), 1 if it is still taken after SECONDS.
+PORT_FREE_SCRIPT = """
+import socket, sys, time
+port, end = int(sys.argv[1]), time.monotonic() + float(sys.argv[2])
+while True:
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        s.bind(("", port))
+        s.listen(1)
+        sys.exit(0)
+    except OSError as err:
+        if time.monotonic() > end:
+            print(err.strerror or err)
+            sys.exit(1)
+    finally:
+        s.close()
+    time.sleep(0.5)
+"""
+
+
+def port_free_argv(python: str, port: int, seconds: float) -> list[str]:
+    """Wait (on the node) until `port` can be listened on; see PORT_FREE_SCRIPT."""
+    return [python, "-c", PORT_FREE_SCRIPT, str(int(port)), f"{seconds:g}"]
+
+
+class GroupStarter:
+    """Starts a group's nodes through their RunControls (node 0 first in every list)."""
+
+    def __init__(self, group: GroupConfig, controls: Sequence[RunControl]) -> None:
+        self.group = group
+        self.controls = list(controls)
+
+    @property
+    def name(self) -> str:
+        return self.group.name
+
+    @property
+    def hosts(self) -> tuple[str, ...]:
+        return self.group.hosts
+
+    async def statuses(self, *, setup_errors: bool = False) -> list[RunStatus]:
+        return list(
+            await asyncio.gather(*(c.status(setup_errors=setup_errors) for c in self.controls))
+        )
+
+    async def reachable_statuses(self, doing: str) -> list[RunStatus]:
+        """Every node's status; HostUnreachable naming each unreachable node (`not DOING: ...`)
+        when one is: a group command acts on all nodes or on none."""
+        sts = await self.statuses(setup_errors=True)
+        down = [st for st in sts if st.state == "unreachable"]
+        if down:
+            raise HostUnreachable(
+                f"group {self.name!r}: not {doing}: "
+                + "; ".join(st.message or f"{st.host}: unreachable" for st in down)
+            )
+        return sts
+
+    def refuse_mixed(self, sts: Sequence[RunStatus]) -> tuple[str, str | None]:
+        """(release, config hash) shared by every node, or ControlError naming the nodes."""
+        g = self.name
+        missing = [st.host for st in sts if st.release is None]
+        if missing:
+            raise ControlError(
+                f"group {g!r}: nothing deployed on {', '.join(missing)}; run `dflashctl deploy {g}`"
+            )
+        no_config = [st.host for st in sts if st.deployed_config_hash is None]
+        if no_config:
+            raise ControlError(
+                f"group {g!r}: no valid run/config.toml on {', '.join(no_config)}; "
+                f"`dflashctl deploy {g} --config PATH` puts one on every node"
+            )
+        for what, values in (
+            ("releases", [st.release for st in sts]),
+            ("config hashes", [st.deployed_config_hash for st in sts]),
+        ):
+            if len(set(values)) > 1:
+                pairs = ", ".join(f"{st.host} {v}" for st, v in zip(sts, values, strict=True))
+                raise ControlError(
+                    f"group {g!r}: the nodes' {what} differ ({pairs}); "
+                    f"`dflashctl deploy {g}` puts the same on every node"
+                )
+        return sts[0].release or "", sts[0].deployed_config_hash
+
+    def refuse_measuring(self, sts: Sequence[RunStatus], doing: str) -> None:
+        """MeasureInProgress naming the first node where a measure runs (`not DOING: ...`)."""
+        for st in sts:
+            if st.measure is not None:
+                err = measure_refusal(st.measure, st.host, "the group's run")
+                raise MeasureInProgress(f"group {self.name!r}: not {doing}: {err}")
+
+    async def _node_procs(self) -> list[int]:
+        """Ranks per node: the entries of topology.drafter_devices in its deployed config."""
+        from dflashctl.config.runconfig import drafter_device_count
+
+        texts = await asyncio.gather(*(c.deployed_config() for c in self.controls))
+        return [drafter_device_count(t) for t in texts]
+
+    async def start(
+        self,
+        *,
+        fresh: bool = False,
+        resume: str = "auto",
+        wait_s: float = DEFAULT_START_WAIT_S,
+        progress: Progress | None = None,
+    ) -> GroupStartResult:
+        """Start torchrun on every node (node i with `--node-rank i`), then wait for node 0.
+
+        Refused (nothing started) when a node is unreachable, some but not all nodes run, a
+        measure runs on one (MeasureInProgress), or the nodes' release or config differ. Every
+        node's session is started at once (the static rendezvous waits for all of them); then
+        node 0's trainer is waited for up to `wait_s` (it is past its setup only once every
+        rank joined), and a node whose torchrun exited is a StartFailed naming that node.
+        """
+        g = self.name
+        sts = await self.reachable_statuses("starting")
+        live = [st.host for st in sts if st.state in LIVE_NODE_STATES]
+        if len(live) < len(sts):  # read in the same round trip as each node's status
+            self.refuse_measuring(sts, "starting")
+        release, config_hash = self.refuse_mixed(sts)
+        if len(live) == len(sts):
+            return GroupStartResult(g, False, [], release, config_hash, None)
+        if live:
+            idle = [st.host for st in sts if st.host not in live]
+            raise ControlError(
+                f"group {g!r}: running on {', '.join(live)} but not on {', '.join(idle)}; "
+                f"`dflashctl stop {g}` first, then start it whole"
+            )
+        launches = group_launches(self.group, await self._node_procs(), fresh=fresh, resume=resume)
+        await self._port_free(progress)
+        outcomes = await each_node(
+            self.hosts,
+            [
+                ctl.starter.start_node(NodeCommand(x.argv, x.env, "--fresh" in x.program), wait_s=0)
+                for ctl, x in zip(self.controls, launches, strict=True)
+            ],
+        )
+        failed = [o for o in outcomes if not o.ok]
+        if failed:
+            await self.stop_started([o for o in outcomes if o.ok])
+            raise ControlError("; ".join(o.error_line() for o in failed))
+        results = [o.result for o in outcomes if o.result is not None]
+        if wait_s <= 0:
+            return GroupStartResult(g, True, results, release, config_hash, None)
+        node0 = self.controls[0]
+        if progress:
+            progress(f"{g}: waiting up to {wait_s:g} s for node 0 ({node0.host.name})'s setup")
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        ready = await node0.starter.wait_started(sts[0].log_lines, wait_s)
+        took = loop.time() - t0
+        after = await self.statuses()
+        dead = [(i, st) for i, st in enumerate(after) if st.state not in LIVE_NODE_STATES]
+        if dead:
+            view = group_state(g, [NodeReport.from_status(st, i) for i, st in enumerate(after)])
+            first = view.failed
+            i = first.node_rank if first is not None else dead[0][0]
+            err = await self.controls[i].starter.start_failure(sts[i].log_lines, took)
+            await self.stop_started([NodeOutcome(st.host, j) for j, st in enumerate(after)])
+            raise StartFailed(f"group {g!r}: node {i}: {err}")
+        return GroupStartResult(g, True, results, release, config_hash, ready == "ready", took)
+
+    async def _port_free(self, progress: Progress | None) -> None:
+        """Node 0's rendezvous port must be free: torchrun there listens on it."""
+        node0, port = self.controls[0], self.group.rdzv_port
+        res = await node0.transport.run(
+            port_free_argv(node0.host.python, port, PORT_WAIT_S), timeout=PORT_WAIT_S + 30
+        )
+        if not res.ok:
+            raise ControlError(
+                f"group {self.name!r}: node 0 ({node0.host.name}) rendezvous port {port} is "
+                f"in use after {PORT_WAIT_S:g} s ({res.stdout.strip() or res.error_line()}): a "
+                f"torchrun still exiting, or another service; choose rdzv_port in [groups."
+                f"{self.name}] if it stays taken"
+            )
+
+    async def stop_started(self, started: Sequence[NodeOutcome[T]]) -> None:
+        """After a failed group start: end the nodes that did start (they would wait for the
+        rendezvous until its timeout)."""
+        await asyncio.gather(
+            *(self.controls[o.node_rank].stopper.stop_node(10.0) for o in started),
+            return_exceptions=True,
+        )

@@ -1,0 +1,357 @@
+"""A group (a multi-node run) as one thing: its nodes' handles in rank order, and its state.
+
+`group_state` is pure: from what each node reports (`NodeReport`, node 0 first) it decides the
+group's state and, when the run failed, which node and rank failed first. The CLI's `status
+GROUP`, the watch and the TUI's group row all use it, so "one node unreachable" means the same
+everywhere: that node is unreachable (the group is `degraded`), never that the run crashed: a
+lost link says nothing about the job (the peers' 24 false recoveries came from reading it so).
+
+Ranks are torchrun's global ranks throughout (`rank_range`, `failed_rank`, torchrun's own
+report), target processes of an M:N run included, so a recorded rank finds its node.
+Which failure came first, in this order:
+1. a global rank the trainer itself recorded (`failed_rank` in a node's run-state.json);
+2. torchrun's own report in a dead pane ("rank: N (local_rank: M)" with a signal exit code);
+3. a node whose trainer died without recording its end (killed: its run-state still says
+   running or starting), first in node order;
+4. the first node in node order that crashed.
+A peer that lost its partner fails too (its collective breaks); it is reported as stopped with
+the group, not as the cause.
+
+Checkpoints are node 0's alone (global rank 0 writes them, `checkpoint_node`); the other nodes'
+run-states name none, and `GroupView.checkpoint_json`/`checkpoint_line` say where they are.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Literal, TypedDict
+
+from dflashctl.runs.snapshot import RunStatus
+from trainer.events.run_state import RunState
+
+GroupPhase = Literal[
+    "running",  # every node runs
+    "degraded",  # some node unreachable, none failed: that node is unknown, not crashed
+    "failed",  # a node failed (the group goes down with it: torchrun's behaviour)
+    "partial",  # some nodes run, others are stopped (a start or stop in progress, or by hand)
+    "stopped",  # every node stopped (some may have finished)
+    "finished",  # every node finished the plan
+    "unreachable",  # no node answered
+]
+FAILED_NODE_STATES = frozenset({"crashed", "gave-up"})
+LIVE_NODE_STATES = frozenset({"running", "restarting", "stalled"})
+# torchrun's failure report (torch.distributed.elastic's ChildFailedError), one per failed rank:
+#   rank      : 1 (local_rank: 0)
+#   exitcode  : -9 (pid: 1234)
+_TORCHRUN_RANK = re.compile(r"\brank\s*:\s*(\d+)\s*\(local_rank:\s*\d+\)")
+_TORCHRUN_EXIT = re.compile(r"\bexitcode\s*:\s*(-?\d+)")
+
+
+@dataclass(frozen=True)
+class NodeReport:
+    """What one node of a group says about its part of the run (the input of `group_state`).
+
+    `state` is the host's state as `RunStatus.state` names it (running, stopped, crashed,
+    gave-up, unreachable, ...); `run_state` is that node's own run-state.json (node-level
+    fields from the trainer: node_rank, rank_range, step, failed_rank); `pane_tail` the dead
+    pane's last lines (torchrun's failure report), empty while it runs.
+    """
+
+    host: str
+    node_rank: int
+    state: str
+    exit_status: int | None = None
+    finished: bool = False
+    release: str | None = None
+    config_hash: str | None = None
+    deployed_config_hash: str | None = None
+    step: int | None = None
+    message: str | None = None
+    run_state: RunState = field(default_factory=RunState)
+    pane_tail: tuple[str, ...] = ()
+
+    @classmethod
+    def from_status(cls, st: RunStatus, node_rank: int) -> NodeReport:
+        """A node's report from `dflashctl status`'s RunStatus of its host."""
+        rs = st.run_state
+        return cls(
+            host=st.host,
+            node_rank=node_rank,
+            state=st.state,
+            exit_status=st.exit_status,
+            finished=st.finished,
+            release=st.release,
+            config_hash=st.config_hash,
+            deployed_config_hash=st.deployed_config_hash,
+            step=rs.step if rs.step is not None else _known_step(st),
+            message=st.message,
+            run_state=rs,
+            pane_tail=tuple(st.pane_tail),
+        )
+
+    @property
+    def rank_range(self) -> tuple[int, int] | None:
+        """[first, last + 1) of the global ranks on this node, as its trainer recorded them."""
+        rr = self.run_state.rank_range
+        if rr is None or len(rr) != 2:
+            return None
+        return rr[0], rr[1]
+
+    @property
+    def reachable(self) -> bool:
+        return self.state != "unreachable"
+
+    @property
+    def failed(self) -> bool:
+        return self.state in FAILED_NODE_STATES
+
+    @property
+    def unrecorded_death(self) -> bool:
+        """It failed and its trainer never wrote how it ended (killed: no handler ran)."""
+        return self.failed and self.run_state.state in {None, "starting", "running"}
+
+
+@dataclass(frozen=True)
+class FailedRank:
+    """The node and rank that failed first (`rank` None: the node has several, which is unknown)."""
+
+    host: str
+    node_rank: int
+    rank: int | None
+    why: str  # how that was decided, for people
+
+
+class FailedJson(TypedDict):
+    host: str
+    node_rank: int
+    rank: int | None
+
+
+class CheckpointJson(TypedDict):
+    """Where the run's checkpoints are: the writer node, and its newest one (None: none yet)."""
+
+    host: str
+    node_rank: int
+    step: int | None
+    path: str | None  # in that node's run dir (no other node has a copy)
+
+
+@dataclass(frozen=True)
+class GroupView:
+    """A group's state from its nodes' reports (node 0 first)."""
+
+    group: str
+    state: GroupPhase
+    nodes: tuple[NodeReport, ...]
+    failed: FailedRank | None = None
+
+    @property
+    def unreachable(self) -> tuple[str, ...]:
+        return tuple(n.host for n in self.nodes if not n.reachable)
+
+    @property
+    def world_size(self) -> int | None:
+        """The run's world size as node 0's trainer recorded it (None: not known yet)."""
+        return self.nodes[0].run_state.world_size if self.nodes else None
+
+    @property
+    def step(self) -> int | None:
+        """Node 0's step (the run's: rank 0 writes checkpoints and status lines)."""
+        return self.nodes[0].step if self.nodes else None
+
+    @property
+    def checkpoint_node(self) -> NodeReport | None:
+        """The node whose run dir holds the run's checkpoints: the one every node's run-state
+        names (`checkpoint_node`), else node 0 (global rank 0 writes them); the other nodes'
+        run-states name no checkpoint."""
+        named = [n.run_state.checkpoint_node for n in self.nodes]
+        writer = next((w for w in named if w is not None), 0)
+        return next((n for n in self.nodes if n.node_rank == writer), None)
+
+    def checkpoint_json(self) -> CheckpointJson | None:
+        n = self.checkpoint_node
+        if n is None:
+            return None
+        rs = n.run_state
+        return CheckpointJson(
+            host=n.host, node_rank=n.node_rank, step=rs.last_step, path=rs.last_checkpoint
+        )
+
+    def checkpoint_line(self) -> str | None:
+        """`checkpoints on node 0 (n0): step 40 run/checkpoints/step-00000040.pt`, one line."""
+        c = self.checkpoint_json()
+        if c is None:
+            return None
+        where = f"checkpoints on node {c['node_rank']} ({c['host']})"
+        if c["path"] is None:
+            return f"{where}: none recorded yet"
+        step = f"step {c['step']} " if c["step"] is not None else ""
+        return f"{where}: {step}{c['path']}"
+
+    def summary(self) -> str:
+        """`g: failed: node 1 (n1) rank 1 failed first (...)` and the like, one line."""
+        head = f"{self.group}: {self.state}"
+        if self.failed is not None:
+            f = self.failed
+            rank = f"rank {f.rank}" if f.rank is not None else "rank unknown"
+            return f"{head}: node {f.node_rank} ({f.host}) {rank} failed first ({f.why})"
+        if self.state == "degraded":
+            return f"{head}: {', '.join(self.unreachable)} unreachable (state unknown)"
+        if self.state == "partial":
+            live = [n.host for n in self.nodes if n.state in LIVE_NODE_STATES]
+            idle = [n.host for n in self.nodes if n.state not in LIVE_NODE_STATES]
+            return f"{head}: running on {', '.join(live)}; not on {', '.join(idle)}"
+        return head
+
+    def failed_json(self) -> FailedJson | None:
+        if self.failed is None:
+            return None
+        f = self.failed
+        return FailedJson(host=f.host, node_rank=f.node_rank, rank=f.rank)
+
+
+def _known_step(st: RunStatus) -> int | None:
+    """Without the node's own step: the later of its last status line and its last checkpoint
+    (a stop's checkpoint comes after the last status line)."""
+    known = [x for x in (st.step, st.run_state.last_step) if x is not None]
+    return max(known) if known else None
+
+
+def torchrun_failure(pane_tail: Sequence[str]) -> tuple[int, int] | None:
+    """(global rank, exit code) of the first rank torchrun reported failed in this pane."""
+    rank: int | None = None
+    lines = list(pane_tail)
+    # "Failures:" lists the other ranks first; "Root Cause (first observed failure)" is the one
+    roots = [i for i, line in enumerate(lines) if "Root Cause" in line]
+    for line in lines[roots[-1] :] if roots else lines:
+        m = _TORCHRUN_RANK.search(line)
+        if m:
+            rank = int(m.group(1))
+            continue
+        e = _TORCHRUN_EXIT.search(line)
+        if e and rank is not None:
+            return rank, int(e.group(1))
+    return None
+
+
+def _node_of_rank(nodes: Sequence[NodeReport], rank: int) -> NodeReport | None:
+    for n in nodes:
+        rr = n.rank_range
+        if rr is not None and rr[0] <= rank < rr[1]:
+            return n
+    return None
+
+
+def _only_rank(node: NodeReport) -> int | None:
+    rr = node.rank_range
+    return rr[0] if rr is not None and rr[1] - rr[0] == 1 else None
+
+
+def first_failure(nodes: Sequence[NodeReport]) -> FailedRank | None:
+    """The node and rank that failed first (rules in the module docstring); None: none failed."""
+    failed = [n for n in nodes if n.failed]
+    if not failed:
+        return None
+    for n in nodes:
+        rank = n.run_state.failed_rank
+        if rank is not None:
+            owner = _node_of_rank(nodes, rank) or n
+            return FailedRank(owner.host, owner.node_rank, rank, f"recorded by {n.host}")
+    reports = [(n, torchrun_failure(n.pane_tail)) for n in failed]
+    for n, rep in reports:
+        if rep is not None and rep[1] < 0:
+            return FailedRank(n.host, n.node_rank, rep[0], f"killed by signal {-rep[1]}")
+    for n in failed:
+        if n.unrecorded_death:
+            rep = torchrun_failure(n.pane_tail)
+            rank = rep[0] if rep is not None else _only_rank(n)
+            return FailedRank(n.host, n.node_rank, rank, "its trainer died without a record")
+    n = failed[0]
+    rep = torchrun_failure(n.pane_tail)
+    rank = n.run_state.failed_rank or (rep[0] if rep is not None else _only_rank(n))
+    how = f"exit status {n.exit_status}" if n.exit_status is not None else n.state
+    return FailedRank(n.host, n.node_rank, rank, f"first in node order to fail: {how}")
+
+
+def group_state(group: str, nodes: Sequence[NodeReport]) -> GroupView:
+    """The group's state from its nodes' reports, node 0 first (pure).
+
+    running: every node runs; failed: a node failed (named with its rank, `first_failure`),
+    whatever the others say (they are going down with it); degraded: some node is unreachable
+    and none failed; unreachable: none answered; finished: all finished; stopped: none runs;
+    partial: some run and some do not.
+    """
+    ordered = tuple(sorted(nodes, key=lambda n: n.node_rank))
+    failure = first_failure(ordered)
+    if failure is not None:
+        return GroupView(group, "failed", ordered, failure)
+    reachable = [n for n in ordered if n.reachable]
+    state: GroupPhase
+    if not reachable:
+        state = "unreachable"
+    elif len(reachable) < len(ordered):
+        state = "degraded"
+    elif all(n.state in LIVE_NODE_STATES for n in ordered):
+        state = "running"
+    elif all(n.finished for n in ordered):
+        state = "finished"
+    elif not any(n.state in LIVE_NODE_STATES for n in ordered):
+        state = "stopped"
+    else:
+        state = "partial"
+    return GroupView(group, state, ordered)
+
+
+class NodeJson(TypedDict):
+    host: str
+    node_rank: int
+    rank_range: list[int] | None
+    state: str
+    release: str | None
+    config_hash: str | None
+    deployed_config_hash: str | None
+    step: int | None
+    exit_status: int | None
+    message: str | None
+
+
+class GroupJson(TypedDict):
+    group: str
+    state: str
+    summary: str
+    world_size: int | None
+    step: int | None
+    nodes: list[NodeJson]
+    failed: FailedJson | None
+    checkpoint: CheckpointJson | None
+
+
+def group_json(view: GroupView) -> GroupJson:
+    """`status GROUP --json`: the group's state, one entry per node, the first failure, and
+    where the run's checkpoints are (the writer node's newest)."""
+    return GroupJson(
+        group=view.group,
+        state=view.state,
+        summary=view.summary(),
+        world_size=view.world_size,
+        step=view.step,
+        nodes=[
+            NodeJson(
+                host=n.host,
+                node_rank=n.node_rank,
+                rank_range=list(n.rank_range) if n.rank_range is not None else None,
+                state="finished" if n.finished else n.state,
+                release=n.release,
+                config_hash=n.config_hash,
+                deployed_config_hash=n.deployed_config_hash,
+                step=n.step,
+                exit_status=n.exit_status,
+                message=n.message,
+            )
+            for n in view.nodes
+        ],
+        failed=view.failed_json(),
+        checkpoint=view.checkpoint_json(),
+    )
