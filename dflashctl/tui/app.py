@@ -7,8 +7,9 @@ deploy, config read) runs in a worker and reports through notifications, so a sl
 never freezes the app.
 
 The app is the Textual shell: it wires followers and timers to screens and keys to commands.
-What it shows and what a key acts on is `targets`; the run commands themselves are `commands`
-(Textual-free); what becomes a toast, and its words, is `toasts`.
+What it shows and what a key acts on is `targets`; what a host key does (its modal, its worker)
+is `keys`; the run commands themselves are `commands` (Textual-free); what becomes a toast, and
+its words, is `toasts`.
 """
 
 from __future__ import annotations
@@ -16,8 +17,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
-import shlex
-import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -32,15 +31,13 @@ from textual.worker import Worker, WorkerState
 
 from dflashctl.errors import ExitCode, UsageError
 from dflashctl.fleet import ConfigWatcher, HostHandle, open_inventory
-from dflashctl.monitor.state import HostFollower, RestartPlan, RunShape, RunState, apply_lines
-from dflashctl.tui import commands, targets
-from dflashctl.tui.screens.confirm import ConfirmScreen
+from dflashctl.monitor.state import HostFollower, RunShape, RunState, apply_lines
+from dflashctl.tui import targets
+from dflashctl.tui.keys import HostKeys
 from dflashctl.tui.screens.fleet import FleetScreen
 from dflashctl.tui.screens.group import GroupScreen
 from dflashctl.tui.screens.help import QUIT_KEEPS_RUNS, HelpScreen
 from dflashctl.tui.screens.host import HostScreen
-from dflashctl.tui.screens.log import LogScreen
-from dflashctl.tui.screens.restart import Report, RestartScreen
 from dflashctl.tui.targets import tui_groups, tui_hosts
 from dflashctl.tui.toasts import Toast, news, worker_failure
 from dflashctl.tui.view import LiveScreen
@@ -101,6 +98,7 @@ class DflashApp(App[None]):
         self.dirty: set[str] = set(self.hosts)
         self.frames = 0
         self.configs = ConfigWatcher()
+        self.keys = HostKeys(self)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -201,125 +199,31 @@ class DflashApp(App[None]):
             self.dirty.add(handle.name)
         self.followers[handle.name].mark_config(verdict.changed, verdict.note)
 
-    # ------------------------------------------------------------------ actions
-
-    def _need_host(self, verb: str | None = None) -> str | None:
-        """The host a key acts on, or None after a warning saying why not (`targets.refusal`:
-        a group's row, nothing highlighted, a run command `verb` on a node of a group)."""
-        host = self.current_host()
-        why = targets.refusal(host, self.current_group(), self.groups, verb)
-        if why is not None:
-            self.notify(why, severity="warning")
-            return None
-        return host
+    # ------------------------------------------------------------------ actions (tui.keys)
 
     def action_help(self) -> None:
         self.push_screen(HelpScreen(self.quit_action))
 
     def action_log(self) -> None:
-        host = self._need_host()
-        if host is not None:
-            self.push_screen(LogScreen(host))
-            self.dirty.add(host)
+        self.keys.log()
 
     def action_reconnect(self) -> None:
-        host = self._need_host()
-        if host is not None and host in self.followers:
-            self.followers[host].reconnect_now()
-            self.notify(f"{host}: reconnecting now")
+        self.keys.reconnect()
 
     def action_restart(self) -> None:
-        host = self._need_host("restart")
-        if host is None:
-            return
-        state = self.states.get(host)
-        if state is not None and state.measure is not None:  # start refuses it: say so first
-            from dflashctl.runs.service import measure_refusal
-
-            why = measure_refusal(state.measure, host, "a restart")
-            self.notify(str(why), severity="warning")
-            return
-        self._open_restart(host)
-
-    async def build_restart_plan(self, host: str) -> RestartPlan:
-        """Deployed config (fresh from the host) vs. the local file, through the trainer's rules."""
-        return await commands.build_restart_plan(self.hosts[host])
-
-    def _open_restart(self, host: str) -> None:
-        self.run_worker(
-            self._restart_plan(host),
-            name=host,
-            group="restart-plan",
-            exclusive=True,
-            exit_on_error=False,
-        )
-
-    async def _restart_plan(self, host: str) -> None:
-        plan = await self.build_restart_plan(host)
-        self.push_screen(
-            RestartScreen(host, plan, lambda report: self.do_restart(host, plan, report))
-        )
-
-    async def do_restart(self, host: str, plan: RestartPlan, report: Report) -> str:
-        """`commands.restart_host`; returns (and says) the one-line result."""
-        follower = self.followers.get(host)
-        line = await commands.restart_host(self.hosts[host], plan, report, follower, self.configs)
-        self.notify(line)
-        return line
+        self.keys.restart()
 
     def action_stop(self) -> None:
-        host = self._need_host("stop")
-        if host is None:
-            return
-
-        def confirmed(ok: bool | None) -> None:
-            if ok:
-                self.run_worker(self._stop(host), name=host, group="stop", exit_on_error=False)
-
-        self.push_screen(
-            ConfirmScreen(f"Stop the run on {host}? (graceful: checkpoint, then exit)", "Stop"),
-            confirmed,
-        )
-
-    async def _stop(self, host: str) -> None:
-        await commands.stop_host(self.hosts[host], self.followers.get(host), self.notify)
+        self.keys.stop()
 
     def action_deploy(self) -> None:
-        host = self._need_host("deploy")
-        if host is not None:
-            self.run_worker(self._deploy(host), name=host, group="deploy", exit_on_error=False)
-
-    async def _deploy(self, host: str) -> None:
-        await commands.deploy_host(self.hosts[host], self.followers.get(host), self.notify)
+        self.keys.deploy()
 
     def action_edit(self) -> None:
-        host = self._need_host()
-        if host is None:
-            return
-        path = self.hosts[host].config_path
-        if path is None:
-            self.notify(f"{host}: no run_config in the inventory", severity="warning")
-            return
-        self._suspend_and_run([*shlex.split(self.editor), str(path)])
-        self.configs.edited(host)
-        self.call_later(self.check_configs)
+        self.keys.edit()
 
     def action_attach(self) -> None:
-        host = self._need_host()
-        if host is None:
-            return
-        argv = self.hosts[host].attach_argv
-        if not argv:
-            self.notify(f"{host}: attach is not available", severity="warning")
-            return
-        self._suspend_and_run(list(argv))
-
-    def _suspend_and_run(self, argv: list[str]) -> None:
-        try:
-            with self.suspend():
-                subprocess.call(argv)
-        except Exception as exc:  # SuspendNotSupported (headless) or the program is missing
-            self.notify(f"cannot run {argv[0]}: {exc}", severity="error")
+        self.keys.attach()
 
     def on_worker_state_changed(self, event: Worker.StateChanged) -> None:
         """The one place a failed service call becomes a notification, titled by what failed."""

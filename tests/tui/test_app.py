@@ -215,7 +215,7 @@ async def test_restart_modal_refuses_an_invalid_plan_and_cancel_calls_nothing(
     async with app.run_test(size=SIZE) as pilot:
         plan = RestartPlan(diff="", fresh=False, error="run.toml: [batching] boundaries must rise")
         app.push_screen(
-            RestartScreen("kpro6", plan, lambda report: app.do_restart("kpro6", plan, report))
+            RestartScreen("kpro6", plan, lambda report: app.keys.do_restart("kpro6", plan, report))
         )
         await pilot.pause()
         assert "cannot restart: run.toml" in str(app.screen.query_one("#verdict", Static).content)
@@ -304,12 +304,12 @@ async def test_restart_verdict_compares_with_the_checkpoint_not_the_last_push(
     app = DflashApp(
         [HostBinding("kpro6", service(control), config_path=local)], clock=lambda: FIXED_NOW
     )
-    plan = await app.build_restart_plan("kpro6")
+    plan = await app.keys.build_restart_plan("kpro6")
     assert not plan.fresh and plan.critical_keys == ()
     assert "resume from the latest checkpoint" in plan.verdict
     assert "-num_buckets = 3" in plan.diff  # the diff still shows what the push changes
     control.checkpoint_text = deployed  # now the checkpoint itself has 3 buckets
-    plan = await app.build_restart_plan("kpro6")
+    plan = await app.keys.build_restart_plan("kpro6")
     assert plan.fresh and plan.critical_keys == ("batching.num_buckets",)
 
 
