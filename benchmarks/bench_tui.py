@@ -30,7 +30,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # for tests.tui.fixtures
 
-from dflashctl.monitor.state import RunShape
+from dflashctl.monitor.plan import RunShape
 from dflashctl.tui.app import DflashApp, HostBinding
 from tests.tui.fixtures import bucket_losses, eval_event, service
 from trainer.events import (

@@ -21,7 +21,7 @@ from typing import Protocol
 
 from dflashctl.config.inventory import HostConfig, Inventory
 from dflashctl.config.runconfig import read_config_text
-from dflashctl.monitor.state import RunShape, shape_from_config
+from dflashctl.monitor.plan import RunShape, shape_from_config
 from dflashctl.releases.deploy import DeployResult, Progress, deploy
 from dflashctl.remote.commands import tmux_attach
 from dflashctl.remote.connect import DEFAULT_TERM, TransportFactory, attach_argv, make_transport

@@ -11,6 +11,10 @@ interpreters.
   (tensorboard, wandb) unimportable, and `dflashctl --help` runs.
 - Textual is imported only under dflashctl/tui/: every other dflashctl module (services, CLI,
   monitor, demo) imports with textual unimportable.
+- dflashctl's folders are its layers (docs/design.md, "dflashctl, top to bottom"): every module
+  belongs to exactly one layer of `DFLASHCTL_LAYERS`, and every import (function-local and
+  TYPE_CHECKING ones included) points to its own layer or one below. asyncssh is imported only
+  under dflashctl/remote/ssh/.
 """
 
 from __future__ import annotations
@@ -33,6 +37,24 @@ PACKAGES = ("trainer", "dflashctl")  # the tree whose module graph must have no 
 TRAINER_CONTRACTS = ("trainer.events", "trainer.config", "trainer.buckets")
 
 TRAINING_STACK = ("torch", "triton", "transformers", "tensorboard", "wandb")
+
+# dflashctl's layers, top to bottom: a module may import its own layer and the ones below it.
+DFLASHCTL_LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("command line", ("dflashctl.cli", "dflashctl.__main__")),
+    ("demo", ("dflashctl.demo",)),
+    ("tui", ("dflashctl.tui",)),
+    ("groups", ("dflashctl.groups",)),
+    ("fleet", ("dflashctl.fleet",)),
+    ("monitor", ("dflashctl.monitor",)),
+    ("alerts", ("dflashctl.alerts",)),
+    ("runs", ("dflashctl.runs",)),
+    ("releases", ("dflashctl.releases",)),
+    ("gpus", ("dflashctl.gpus",)),
+    ("remote", ("dflashctl.remote",)),
+    ("config", ("dflashctl.config",)),
+    ("base", ("dflashctl.errors", "dflashctl.humanize")),
+)
+SSH_PACKAGE = "dflashctl.remote.ssh"
 
 
 # --------------------------------------------------------------------------- the module graph
@@ -138,6 +160,51 @@ def wrong_trainer_edges(edges: list[Edge]) -> list[Edge]:
     ]
 
 
+def layer_of(module: str, layers: tuple[tuple[str, tuple[str, ...]], ...]) -> int | None:
+    """The index of the layer holding `module` (0 = top), None when no layer names it."""
+    for i, (_, prefixes) in enumerate(layers):
+        if _in(module, prefixes):
+            return i
+    return None
+
+
+def unplaced_modules(
+    modules: list[str], layers: tuple[tuple[str, tuple[str, ...]], ...] = DFLASHCTL_LAYERS
+) -> list[str]:
+    """dflashctl modules that belong to no layer (the package itself excepted)."""
+    return [
+        m
+        for m in modules
+        if _in(m, ("dflashctl",)) and m != "dflashctl" and layer_of(m, layers) is None
+    ]
+
+
+def upward_edges(
+    edges: list[Edge], layers: tuple[tuple[str, tuple[str, ...]], ...] = DFLASHCTL_LAYERS
+) -> list[str]:
+    """Imports from a dflashctl layer to one above it, as `file:line: a (layer) imports b
+    (layer)`; TYPE_CHECKING imports count (a type-only import upward is a dependency too)."""
+    out = []
+    for e in edges:
+        src, dst = layer_of(e.source, layers), layer_of(e.target, layers)
+        if src is not None and dst is not None and dst < src:
+            out.append(
+                f"{e.where()}: {e.source} ({layers[src][0]}) imports {e.target} ({layers[dst][0]})"
+            )
+    return out
+
+
+def ssh_outside_its_package(edges: list[Edge]) -> list[Edge]:
+    """asyncssh imported anywhere in dflashctl outside dflashctl/remote/ssh/."""
+    return [
+        e
+        for e in edges
+        if _in(e.target, ("asyncssh",))
+        and _in(e.source, ("dflashctl",))
+        and not _in(e.source, (SSH_PACKAGE,))
+    ]
+
+
 def import_cycles(edges: list[Edge]) -> list[list[Edge]]:
     """One cycle (as its edges, in order) per strongly connected group of modules; imports
     under `if TYPE_CHECKING:` and of modules outside the tree are left out."""
@@ -223,7 +290,8 @@ def test_the_graph_sees_function_local_and_relative_imports(edges: list[Edge]) -
     targets = {(e.source, e.target) for e in edges}
     assert ("dflashctl.monitor.state", "trainer.events") in targets
     assert ("trainer.events.run_state", "trainer.events.evaluation") in targets
-    assert any(e.source == "dflashctl.cli.main" and e.target.startswith("trainer.") for e in edges)
+    assert any(_in(e.source, ("dflashctl.cli",)) and e.target.startswith("trainer.") for e in edges)
+    assert ("dflashctl.remote.ssh.transport", "asyncssh") in targets
 
 
 def test_dflashctl_imports_only_the_trainer_contract_modules(edges: list[Edge]) -> None:
@@ -234,6 +302,53 @@ def test_dflashctl_imports_only_the_trainer_contract_modules(edges: list[Edge]) 
         + ":\n"
         + ("\n".join(f"{e.where()}: imports {e.target}" for e in wrong))
     )
+
+
+def test_every_dflashctl_module_is_in_a_layer(edges: list[Edge]) -> None:
+    modules = sorted(module_files(REPO, ("dflashctl",)))
+    assert "dflashctl.runs.control" in modules and "dflashctl.gpus.reader" in modules
+    assert not unplaced_modules(modules), (
+        "dflashctl modules outside every layer of DFLASHCTL_LAYERS (place the new folder "
+        "there and in docs/design.md): " + ", ".join(unplaced_modules(modules))
+    )
+
+
+def test_dflashctl_layers_only_import_downwards(edges: list[Edge]) -> None:
+    wrong = upward_edges(edges)
+    assert not wrong, "imports against the layer order:\n" + "\n".join(wrong)
+
+
+def test_asyncssh_only_under_remote_ssh(edges: list[Edge]) -> None:
+    wrong = ssh_outside_its_package(edges)
+    assert not wrong, "\n".join(f"{e.where()}: imports {e.target}" for e in wrong)
+
+
+def test_a_planted_upward_import_and_a_stray_module_are_named(tmp_path: Path) -> None:
+    """The layer checks fire on a tree that breaks them, naming file:line and both layers."""
+    _write(
+        tmp_path,
+        {
+            "dflashctl/__init__.py": "",
+            "dflashctl/runs/__init__.py": "",
+            "dflashctl/runs/control.py": (
+                "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+                "    from dflashctl.fleet import HostHandle\n"
+            ),
+            "dflashctl/fleet.py": "from dflashctl.runs import control\n",
+            "dflashctl/remote/__init__.py": "",
+            "dflashctl/remote/connect.py": "import asyncssh\n",
+            "dflashctl/remote/ssh/__init__.py": "import asyncssh\n",
+            "dflashctl/stray.py": "",
+        },
+    )
+    planted = import_edges(tmp_path, ("dflashctl",))
+    assert upward_edges(planted) == [
+        "dflashctl/runs/control.py:3: dflashctl.runs.control (runs) imports dflashctl.fleet (fleet)"
+    ]
+    assert unplaced_modules(sorted(module_files(tmp_path, ("dflashctl",)))) == ["dflashctl.stray"]
+    assert [e.where() for e in ssh_outside_its_package(planted)] == [
+        "dflashctl/remote/connect.py:1"
+    ]
 
 
 def test_no_import_cycle_in_the_tree(edges: list[Edge]) -> None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 from collections.abc import Mapping
 
-from dflashctl.monitor.state import format_age
+from dflashctl.humanize import format_age
 from dflashctl.runs.snapshot import (
     RunningMeasure,
     RunStatus,

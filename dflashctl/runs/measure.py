@@ -32,7 +32,7 @@ from typing import Any
 
 from dflashctl.config.inventory import HostConfig
 from dflashctl.errors import DflashctlError, ExitCode, UsageError
-from dflashctl.monitor.state import format_age
+from dflashctl.humanize import format_age
 from dflashctl.remote.files import read_file
 from dflashctl.remote.layout import (
     CONFIG,

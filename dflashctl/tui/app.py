@@ -31,7 +31,9 @@ from textual.worker import Worker, WorkerState
 
 from dflashctl.errors import ExitCode, UsageError
 from dflashctl.fleet import ConfigWatcher, HostHandle, open_inventory
-from dflashctl.monitor.state import HostFollower, RunShape, RunState, apply_lines
+from dflashctl.monitor.follower import HostFollower
+from dflashctl.monitor.plan import RunShape
+from dflashctl.monitor.state import RunState, apply_lines
 from dflashctl.tui import targets
 from dflashctl.tui.keys import HostKeys
 from dflashctl.tui.screens.fleet import FleetScreen

@@ -13,7 +13,8 @@ from collections.abc import Callable
 from typing import Literal, Protocol
 
 from dflashctl.fleet import ConfigWatcher, HostHandle, deploy_summary, restart_details
-from dflashctl.monitor.state import HostFollower, RestartPlan, plan_restart
+from dflashctl.monitor.follower import HostFollower
+from dflashctl.monitor.restart_plan import RestartPlan, plan_restart
 
 __all__ = [
     "STOP_TIMEOUT_S",

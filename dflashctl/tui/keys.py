@@ -12,7 +12,7 @@ import shlex
 import subprocess
 from typing import TYPE_CHECKING
 
-from dflashctl.monitor.state import RestartPlan
+from dflashctl.monitor.restart_plan import RestartPlan
 from dflashctl.tui import commands, targets
 from dflashctl.tui.screens.confirm import ConfirmScreen
 from dflashctl.tui.screens.log import LogScreen

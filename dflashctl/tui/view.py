@@ -12,7 +12,8 @@ from typing import Protocol, TypeVar, runtime_checkable
 from textual.screen import Screen
 
 from dflashctl.fleet import HostHandle
-from dflashctl.monitor.state import RunShape, RunState
+from dflashctl.monitor.plan import RunShape
+from dflashctl.monitor.state import RunState
 
 ResultT = TypeVar("ResultT")
 

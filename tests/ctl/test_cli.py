@@ -177,14 +177,14 @@ def test_start_wait_comes_from_the_inventory_and_is_checked(
 ) -> None:
     import argparse
 
-    from dflashctl.cli.main import _wait_s
+    from dflashctl.cli.common import wait_s_of
 
     inv = write_inv(
         tmp_path, '[defaults]\nstart_wait = 7.5\n[hosts.a]\naddress = "h"\nctid = 200\n'
     )
     host = load_inventory(Path(inv)).get("a")
-    assert _wait_s(argparse.Namespace(wait_s=None), host) == 7.5
-    assert _wait_s(argparse.Namespace(wait_s=0.0), host) == 0.0
+    assert wait_s_of(argparse.Namespace(wait_s=None), host) == 7.5
+    assert wait_s_of(argparse.Namespace(wait_s=0.0), host) == 0.0
     assert main(["--hosts", inv, "start", "a", "--wait-s", "-1"]) == 2
     assert "--wait-s -1: must be 0 (do not wait) or more" in capsys.readouterr().err
 

@@ -11,7 +11,7 @@ import pytest
 
 from dflashctl.config.inventory import local_host
 from dflashctl.gpus.reader import GpuReadError
-from dflashctl.monitor.state import HealthSource
+from dflashctl.monitor.follower import HealthSource
 from dflashctl.remote import LocalTransport
 from dflashctl.runs.control import RunControl
 

@@ -263,7 +263,7 @@ def test_the_group_names_node_0s_checkpoint_and_no_other_nodes() -> None:
 def test_status_text_names_the_writer_node_on_the_group_and_on_node_1(tmp_path: Path) -> None:
     """`dflashctl status GROUP` (text): the group's checkpoint line under its summary, and node
     1's own status says its checkpoints are on node 0 instead of naming none."""
-    from dflashctl.cli.main import _group_entry
+    from dflashctl.cli.status import group_entry
     from dflashctl.cli.status_text import format_run_status
 
     path = "/wd/run/checkpoints/step-00000040.pt"
@@ -274,6 +274,6 @@ def test_status_text_names_the_writer_node_on_the_group_and_on_node_1(tmp_path: 
     st1 = RunStatus(host="n1", state="running", run_state=rs1)
     assert "checkpoints: on node 0 (this node writes none)" in format_run_status(st1)
     assert "checkpoints: on node" not in format_run_status(st0)
-    text = _group_entry(_pair(tmp_path, None, None), [st0, st1], as_json=False)
+    text = group_entry(_pair(tmp_path, None, None), [st0, st1], as_json=False)
     assert isinstance(text, str)
     assert text.splitlines()[1] == f"  checkpoints on node 0 (n0): step 40 {path}"

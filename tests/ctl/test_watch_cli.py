@@ -113,7 +113,7 @@ def test_watch_usage_errors_are_exit_2(
 
 
 def test_watch_resolves_groups_and_all_to_hosts_in_order(tmp_path: Path) -> None:
-    from dflashctl.cli.main import _watch_hosts
+    from dflashctl.cli.watch import watch_hosts
 
     inv_path = tmp_path / "hosts.toml"
     inv_path.write_text(
@@ -124,6 +124,6 @@ def test_watch_resolves_groups_and_all_to_hosts_in_order(tmp_path: Path) -> None
         + '[groups.pair]\nhosts = ["c", "b"]\n'
     )
     inv = load_inventory(inv_path)
-    assert [h.name for h in _watch_hosts(inv, [])] == ["a", "b", "c"]
-    assert [h.name for h in _watch_hosts(inv, ["all"])] == ["a", "b", "c"]
-    assert [h.name for h in _watch_hosts(inv, ["pair", "b", "a"])] == ["c", "b", "a"]
+    assert [h.name for h in watch_hosts(inv, [])] == ["a", "b", "c"]
+    assert [h.name for h in watch_hosts(inv, ["all"])] == ["a", "b", "c"]
+    assert [h.name for h in watch_hosts(inv, ["pair", "b", "a"])] == ["c", "b", "a"]

@@ -15,7 +15,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, cast
 
-from dflashctl.monitor.state import RunShape, lr_schedule
+from dflashctl.monitor.plan import RunShape, lr_schedule
 from dflashctl.releases.deploy import DeployResult
 from dflashctl.releases.preflight import Preflight
 from dflashctl.runs.follow import FollowEvent, LogFollower

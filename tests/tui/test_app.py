@@ -14,7 +14,8 @@ from textual.notifications import Notify
 from textual.widgets import DataTable, Digits, Log, Static
 
 from dflashctl.gpus.nvidia_smi import parse_gpu_csv
-from dflashctl.monitor.state import RestartPlan, RunState, apply_lines, apply_status
+from dflashctl.monitor.restart_plan import RestartPlan
+from dflashctl.monitor.state import RunState, apply_lines, apply_status
 from dflashctl.releases.deploy import DeployResult, Progress
 from dflashctl.tui.app import DflashApp, HostBinding
 from dflashctl.tui.screens.confirm import ConfirmScreen

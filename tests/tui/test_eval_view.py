@@ -16,17 +16,9 @@ from rich.text import Text
 from textual.widgets import DataTable, Static
 
 from dflashctl.gpus.nvidia_smi import GpuHealth, GpuSample, parse_gpu_csv, parse_health_csv
-from dflashctl.monitor.state import (
-    HISTORY,
-    HostFollower,
-    RunState,
-    apply_lines,
-    apply_status,
-    best_checkpoint,
-    last_eval,
-    start_new_run,
-    tau_history,
-)
+from dflashctl.monitor.evals import best_checkpoint, last_eval, tau_history
+from dflashctl.monitor.follower import HostFollower
+from dflashctl.monitor.state import HISTORY, RunState, apply_lines, apply_status, start_new_run
 from dflashctl.tui.app import DflashApp, HostBinding
 from dflashctl.tui.screens.fleet import tau_cell
 from dflashctl.tui.screens.host import HostScreen

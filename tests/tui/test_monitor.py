@@ -8,23 +8,25 @@ from pathlib import Path
 
 import pytest
 
+from dflashctl.humanize import format_age
+from dflashctl.monitor.follower import HostFollower
+from dflashctl.monitor.plan import (
+    RunShape,
+    boundaries,
+    end_step,
+    shape_from_config,
+    total_steps,
+    warmup_steps,
+)
 from dflashctl.monitor.state import (
     HISTORY,
     LOG_TAIL,
-    HostFollower,
-    RunShape,
     RunState,
     apply_line,
     apply_lines,
     apply_status,
-    boundaries,
     bucket_labels,
     display_state,
-    end_step,
-    format_age,
-    shape_from_config,
-    total_steps,
-    warmup_steps,
 )
 from dflashctl.runs.follow import Backoff
 from tests.tui.fixtures import FIXED_NOW, ReplayControl, Status, run_lines, status_line

@@ -11,7 +11,8 @@ from pathlib import Path
 
 from dflashctl.config.runconfig import config_diff
 from dflashctl.gpus.nvidia_smi import parse_gpu_csv, parse_health_csv
-from dflashctl.monitor.state import LinkState, RestartPlan, RunState, apply_lines, apply_status
+from dflashctl.monitor.restart_plan import RestartPlan
+from dflashctl.monitor.state import LinkState, RunState, apply_lines, apply_status
 from dflashctl.tui.app import DflashApp, HostBinding
 from dflashctl.tui.screens.host import HostScreen
 from dflashctl.tui.screens.restart import RestartScreen

@@ -17,15 +17,9 @@ from textual.binding import Binding, BindingType
 from textual.coordinate import Coordinate
 from textual.widgets import DataTable, Footer, Header, Static
 
-from dflashctl.monitor.state import (
-    RunState,
-    best_checkpoint,
-    display_state,
-    format_age,
-    last_eval,
-    line_age,
-    restart_summary,
-)
+from dflashctl.humanize import format_age
+from dflashctl.monitor.evals import best_checkpoint, last_eval
+from dflashctl.monitor.state import RunState, display_state, line_age, restart_summary
 from dflashctl.tui.group_rows import group_figures, node_display, node_step
 from dflashctl.tui.view import LiveScreen
 from dflashctl.tui.widgets.panes import DASH, fmt, state_style

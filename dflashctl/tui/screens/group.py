@@ -13,7 +13,8 @@ from textual.binding import BindingType
 from textual.containers import Horizontal, VerticalScroll
 from textual.widgets import DataTable, Footer, Static
 
-from dflashctl.monitor.state import RunState, format_age, line_age
+from dflashctl.humanize import format_age
+from dflashctl.monitor.state import RunState, line_age
 from dflashctl.tui.group_rows import group_figures, node_display, node_step
 from dflashctl.tui.screens.fleet import cursor_row_key, update_changed_cells
 from dflashctl.tui.view import LiveScreen

@@ -10,7 +10,8 @@ from textual.binding import BindingType
 from textual.containers import Horizontal, Vertical
 from textual.widgets import Digits, Footer, Static
 
-from dflashctl.monitor.state import RunShape, RunState, warmup_steps
+from dflashctl.monitor.plan import RunShape, warmup_steps
+from dflashctl.monitor.state import RunState
 from dflashctl.tui.view import LiveScreen
 from dflashctl.tui.widgets.charts import SMOOTHING_STEPS
 from dflashctl.tui.widgets.loss_plot import LossPlot

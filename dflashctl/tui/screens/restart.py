@@ -15,7 +15,7 @@ from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.screen import ModalScreen
 from textual.widgets import Button, Static
 
-from dflashctl.monitor.state import RestartPlan
+from dflashctl.monitor.restart_plan import RestartPlan
 
 Report = Callable[[str], None]
 Execute = Callable[[Report], Awaitable[str]]

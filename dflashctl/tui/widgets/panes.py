@@ -13,21 +13,16 @@ from textual.widgets import Static
 
 from dflashctl.gpus.nvidia_smi import HARMFUL_REASONS, GpuHealth
 from dflashctl.gpus.xid_log import XID_TEXT
+from dflashctl.humanize import format_age
+from dflashctl.monitor.evals import best_checkpoint, last_eval, tau_history
+from dflashctl.monitor.plan import RunShape, boundaries, total_steps, warmup_steps
 from dflashctl.monitor.state import (
-    RunShape,
     RunState,
     SeenXid,
-    best_checkpoint,
-    boundaries,
     bucket_labels,
     display_state,
-    format_age,
-    last_eval,
     line_age,
     restart_summary,
-    tau_history,
-    total_steps,
-    warmup_steps,
 )
 from dflashctl.tui.group_rows import node_step, since_text
 from dflashctl.tui.view import AppView
