@@ -1,9 +1,10 @@
 """Import chat JSONL into a token store (`python -m trainer.data import`).
 
 A bad row never stops the import: it is counted under a reason with its line number, and the
-first few line numbers plus a few distinct details (the offending role, key or character) land
-in the manifest, so a 900k-row import that loses 3% of its rows says which rows and why. Only problems with the whole input (missing file, unloadable tokenizer, no
-usable row at all) are errors, and then nothing is written.
+first few line numbers plus the first details of every kind (the offending role, key, part type
+or character; `store.LineStat`) land in the manifest, so a 900k-row import that loses 3% of its
+rows says which rows and why. Only problems with the whole input (missing file, unloadable
+tokenizer, no usable row at all) are errors, and then nothing is written.
 """
 
 from __future__ import annotations
@@ -86,6 +87,21 @@ def describe(stat: LineStat) -> str:
 def has_supervised_pair(mask: np.ndarray) -> bool:
     """True when some position and its successor are both supervised (an anchor needs that)."""
     return bool(np.any(mask[:-1] & mask[1:])) if mask.size > 1 else False
+
+
+def unsupervised_detail(mask: np.ndarray, max_length: int) -> str:
+    """Why a row trains nothing: its length, and where supervision began (if anywhere)."""
+    supervised = np.flatnonzero(mask)
+    if mask.size > max_length:
+        where = (
+            f"supervision begins at token {int(supervised[0])}"
+            if supervised.size
+            else "nothing supervised"
+        )
+        return f"{mask.size} tokens cut to --max-length {max_length}; {where}"
+    if not supervised.size:
+        return f"{mask.size} tokens, none supervised"
+    return f"{mask.size} tokens, {supervised.size} supervised, never two in a row"
 
 
 def load_tokenizer(directory: Path, chat_template: Path | None = None) -> Any:
@@ -331,7 +347,7 @@ def _store_row(
         tokens, mask = tokens[:max_length], mask[:max_length]
     if not has_supervised_pair(mask):
         reason = NO_SUPERVISED_PAIR_AFTER_TRUNCATION if truncated else NO_SUPERVISED_PAIR
-        stats.skip(reason, line)
+        stats.skip(reason, line, unsupervised_detail(result.mask, max_length))
         return
     if truncated:
         stats.truncated.add(line)
