@@ -68,6 +68,7 @@ class ImportStats:
     expanded_rows: int = 0  # extra rows made by per-turn expansion
     skipped: dict[str, LineStat] = field(default_factory=dict)
     truncated: LineStat = field(default_factory=LineStat)
+    think_in_content: LineStat = field(default_factory=LineStat)  # kept rows, see chat_mask
 
     def skip(self, reason: str, line: int, detail: str | None = None) -> None:
         self.skipped.setdefault(reason, LineStat()).add(line, detail)
@@ -236,6 +237,7 @@ def import_chat_jsonl(
                 "reasoning_dropped": stats.reasoning_dropped,
                 "per_turn": per_turn,
                 "expanded_rows": stats.expanded_rows,
+                "think_in_content": stats.think_in_content.model_dump(),
                 "source_format": lines.format,
                 "template_kwargs": encoder.template_kwargs,
                 "chat_template": str(template_path.absolute()) if template_path else None,
@@ -351,6 +353,8 @@ def _store_row(
         return
     if truncated:
         stats.truncated.add(line)
+    if result.think_in_content is not None:
+        stats.think_in_content.add(line, result.think_in_content)
     writer.add(tokens, mask, source_line=line)
 
 

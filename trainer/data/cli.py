@@ -265,6 +265,7 @@ def format_summary(m: Manifest, lengths: np.ndarray, path: str | None = None) ->
     reasoning = _reasoning(m.params)
     if reasoning:
         lines.append(f"reasoning  {reasoning}")
+    lines.extend(_think_in_content(m.params))
     if m.truncated.count:
         lines.append(
             f"truncated  {m.truncated.count:,} rows kept after truncation ({_where(m.truncated)})"
@@ -298,6 +299,20 @@ def _reasoning(params: dict[str, Any]) -> str:
     if expanded:
         parts.append(f"--per-turn added {expanded:,} rows")
     return "; ".join(parts)
+
+
+def _think_in_content(params: dict[str, Any]) -> list[str]:
+    """Rows whose plain assistant content holds `</think>`: the template made a think block of
+    the text before it (trained as reasoning), silently unless said here."""
+    raw = params.get("think_in_content")
+    stat = LineStat.model_validate(raw) if isinstance(raw, dict) else LineStat()
+    if not stat.count:
+        return []
+    return [
+        f"think      {stat.count:,} rows have '</think>' inside plain assistant content: the "
+        f"template made a think block of the text before it, trained as reasoning ({_where(stat)})",
+        *(f"      {example}" for example in stat.examples[:1]),
+    ]
 
 
 def _where(stat: LineStat) -> str:
