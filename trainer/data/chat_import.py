@@ -53,7 +53,8 @@ TOKENIZER_FILES = (
     "tokenizer.model",
 )
 
-Progress = Callable[[int, int], None]  # (lines read, rows kept)
+# (bytes of the input read, rows read, rows kept): zeros once reading begins, then per chunk
+Progress = Callable[[int, int, int], None]
 
 
 @dataclass
@@ -61,6 +62,7 @@ class ImportStats:
     """Per-reason counts accumulated while streaming the input."""
 
     lines: int = 0
+    rows: int = 0  # rows read (kept or not; blank lines aside)
     blank_lines: int = 0
     unlocated_turns: int = 0
     reasoning_turns: int = 0  # assistant turns with reasoning in the kept conversations
@@ -209,12 +211,16 @@ def import_chat_jsonl(
     stats = ImportStats()
     lines = ChatSource(source)
     with StoreWriter(out, overwrite=overwrite) as writer:
+        if progress is not None:
+            progress(0, 0, 0)  # reading begins
         chunks = _parsed_chunks(lines, stats, chunk_rows, per_turn)
         for chunk, results in encode_chunks(chunks, encoder, workers):
             for (line, _), result in zip(chunk, results, strict=True):
                 _store_row(writer, stats, line, result, max_length)
             if progress is not None:
-                progress(stats.lines, writer.num_rows)
+                progress(lines.bytes_read(), stats.rows, writer.num_rows)
+        if progress is not None:  # the rows after the last chunk were all skipped
+            progress(source.stat().st_size, stats.rows, writer.num_rows)
         if writer.num_rows == 0:
             raise InputError(f"{source}: no usable rows in {stats.lines} lines ({stats.summary()})")
         return writer.commit(
@@ -231,6 +237,7 @@ def import_chat_jsonl(
             reserved_token_ids=[] if mask_token_id is None else [mask_token_id],
             params={
                 "lines": stats.lines,
+                "rows_read": stats.rows,
                 "blank_lines": stats.blank_lines,
                 "unlocated_turns": stats.unlocated_turns,
                 "reasoning_turns": stats.reasoning_turns,
@@ -260,6 +267,7 @@ def _parsed_chunks(
     pending: Chunk = []
     for line, parsed in rows:
         stats.lines = rows.lines
+        stats.rows += parsed is not None
         if parsed is None:
             stats.blank_lines += 1
         elif isinstance(parsed, Rejected):
