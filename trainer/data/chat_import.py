@@ -118,13 +118,15 @@ def load_tokenizer(directory: Path, chat_template: Path | None = None) -> Any:
     except Exception as exc:
         raise InputError(f"{directory}: cannot load tokenizer: {_one_line(exc)}") from None
     if chat_template is not None:
-        try:
-            tokenizer.chat_template = chat_template.read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as exc:
-            raise InputError(
-                f"{chat_template}: cannot read chat template: {_one_line(exc)}"
-            ) from None
+        tokenizer.chat_template = read_chat_template(chat_template)
     return tokenizer
+
+
+def read_chat_template(path: Path) -> str:
+    try:
+        return path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise InputError(f"{path}: cannot read chat template: {_one_line(exc)}") from None
 
 
 def tokenizer_identity(
@@ -188,6 +190,8 @@ def import_chat_jsonl(
     if workers < 1:
         raise InputError(f"--workers {workers}: must be at least 1")
     check_target(out, overwrite)
+    if template_path is not None:  # every input is checked before transformers loads (slow)
+        read_chat_template(template_path)
     tokenizer = load_tokenizer(tok_dir, template_path)
     try:
         encoder = ChatEncoder(tokenizer, template_kwargs)

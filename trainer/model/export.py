@@ -29,18 +29,15 @@ from pydantic import ValidationError
 from safetensors.torch import load_file, save_file
 
 from trainer.config.validation import dotted, one_line
-from trainer.errors import TrainerError
 from trainer.model.drafter import DFlashDrafter, DrafterConfig
+from trainer.model.errors import ExportError as ExportError
+from trainer.model.export_files import CONFIG as CONFIG
+from trainer.model.export_files import WEIGHTS as WEIGHTS
+from trainer.model.export_files import read_export_json
 from trainer.model.remote_code import AUTO_MAP, MODELING_FILE, write_modeling_file
 from trainer.model.target import TargetModel
 
-CONFIG = "config.json"
-WEIGHTS = "model.safetensors"
 TRAINING_DTYPE = torch.bfloat16
-
-
-class ExportError(TrainerError, ValueError):
-    """An export directory that cannot be read back (message names the file)."""
 
 
 def drafter_config_json(cfg: DrafterConfig, dtype: torch.dtype) -> dict[str, Any]:
@@ -135,15 +132,7 @@ def export_drafter(
 
 def read_drafter_config(path: str | Path) -> DrafterConfig:
     """The DrafterConfig of an export directory, without reading its weights."""
-    root = Path(path)
-    cfg_path = root / CONFIG
-    if not cfg_path.is_file() or not (root / WEIGHTS).is_file():
-        raise ExportError(f"{root}: not a drafter export (needs {CONFIG} and {WEIGHTS})")
-    try:
-        data = json.loads(cfg_path.read_text())
-    except json.JSONDecodeError as err:
-        raise ExportError(f"{cfg_path}: invalid JSON: {err}") from None
-    return config_from_json(data, str(cfg_path))
+    return config_from_json(read_export_json(path), str(Path(path) / CONFIG))
 
 
 def load_drafter(
