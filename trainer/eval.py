@@ -22,18 +22,21 @@ tokens committed per verify step (accepted drafts + the bonus token; max = block
 prompt set and over all sets; tau is the mean of per-turn taus (z-lab's averaging), pooled is
 total committed / total verify steps. `--protocol zlab` counts verify steps as z-lab's
 benchmark does (one more when the committed tokens land exactly on the limit); every figure
-printed names its protocol. Exit status: 0 all outputs match greedy, 1 a mismatch (a bug),
-2 a usage or input error.
+printed names its protocol. Ctrl-C (or SIGTERM) stops it cleanly: the summary and `--json` of
+the turns done so far, marked partial. Exit status: 0 all outputs match greedy, 1 a mismatch (a
+bug), 2 a usage or input error, 130 interrupted.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from types import FrameType
 from typing import TYPE_CHECKING, Any
 
 from trainer.errors import ExitCode, TrainerError
@@ -314,17 +317,52 @@ def _stop_names(stops: Sequence[int], tokenizer: Any) -> str:
     return ", ".join(f"{i} {tokenizer.convert_ids_to_tokens(i)!s}" for i in stops)
 
 
+@dataclass
+class _Progress:
+    """What a run has done so far: all a Ctrl-C must not lose."""
+
+    sets: list[PromptSet] = field(default_factory=list)
+    stop_ids: list[int] = field(default_factory=list)
+    block_size: int = 0
+    results: list[PromptResult] = field(default_factory=list)
+
+    def add(self, result: PromptResult) -> None:
+        self.results.append(result)
+        print(format_result(result), flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    done = _Progress()
+    previous = signal.signal(signal.SIGTERM, _interrupt)
     try:
         checked = check_inputs(args)  # no torch, no transformers yet
-        return _run(args, checked)
+        done.sets = checked.prompt_sets
+        _run(args, checked, done)
     except TrainerError as err:  # PromptError, ExportError, TargetError: one line
         print(f"error: {err}", file=sys.stderr)
         return ExitCode.USAGE
+    except KeyboardInterrupt:
+        for sig in (signal.SIGINT, signal.SIGTERM):  # a second signal must not cut the report
+            signal.signal(sig, signal.SIG_IGN)
+        planned = sum(s.turns for s in done.sets)
+        print(
+            f"interrupted: {len(done.results)} of {planned} turns done; the summary covers "
+            "those (partial)",
+            file=sys.stderr,
+        )
+        _report(args, done, partial=True)
+        return ExitCode.INTERRUPTED
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    return _report(args, done, partial=False)
 
 
-def _run(args: argparse.Namespace, checked: Checked) -> int:
+def _interrupt(signum: int, frame: FrameType | None) -> None:
+    raise KeyboardInterrupt  # SIGTERM ends the run as Ctrl-C does: with its report
+
+
+def _run(args: argparse.Namespace, checked: Checked, done: _Progress) -> None:
     import torch
 
     from trainer.model.export import load_drafter, read_drafter_config
@@ -334,14 +372,16 @@ def _run(args: argparse.Namespace, checked: Checked) -> int:
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise PromptError(f"--device {device} requested but no CUDA GPU is visible")
     drafter_cfg = read_drafter_config(args.drafter)
+    done.block_size = drafter_cfg.block_size
     inputs = prepare_inputs(args, checked)  # before any model loads: a bad prompt fails early
+    done.stop_ids = inputs.stop_ids
     target = TargetModel.load(args.target, drafter_cfg.target_layer_ids, device=device)
     drafter = load_drafter(args.drafter, target=target, device=device, dtype=target.dtype)
     forms = ", ".join(
         f"{s.name}: {', '.join(f'{n} {k}' for k, n in s.forms.items())}" for s in inputs.prompt_sets
     )
     print(f"prompts {forms}; stop at {_stop_names(inputs.stop_ids, inputs.renderer.tokenizer)}")
-    results, summaries = evaluate(
+    evaluate(
         target,
         drafter,
         inputs.prompt_sets,
@@ -350,14 +390,22 @@ def _run(args: argparse.Namespace, checked: Checked) -> int:
         eos_id=inputs.stop_ids,
         check_greedy=not args.no_greedy_check,
         protocol=args.protocol,
-        on_result=lambda r: print(format_result(r), flush=True),
+        on_result=done.add,
     )
+
+
+def _report(args: argparse.Namespace, done: _Progress, *, partial: bool) -> int:
+    """Summary lines (and `--json`) of the turns done; the exit status of a whole run."""
+    sets = [(s.name, s.turns) for s in done.sets]
+    summaries = summarize_sets(done.results, sets, args.protocol, done.block_size)
     for s in summaries:
-        print(format_summary(s))
-    overall = summaries[-1]
+        print(format_summary(s) + ("  [partial]" if partial else ""))
     if args.json is not None:
-        payload = results_json(args.protocol, inputs.stop_ids, results, summaries)
+        payload = results_json(args.protocol, done.stop_ids, done.results, summaries)
+        payload["partial"] = partial
+        payload["turns_planned"] = sum(turns for _, turns in sets)
         args.json.write_text(json.dumps(payload, indent=2) + "\n")
+    overall = summaries[-1]
     if overall.matches != overall.prompts:
         print(
             f"error: {overall.prompts - overall.matches} prompt(s) differ from greedy decoding",

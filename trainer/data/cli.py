@@ -121,7 +121,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return ExitCode.USAGE
     except KeyboardInterrupt:
         print("interrupted: nothing was written", file=sys.stderr)
-        return 130
+        return ExitCode.INTERRUPTED
     finally:
         signal.signal(signal.SIGTERM, previous)
     print(format_summary(manifest, TokenStore.open(args.out).lengths))
