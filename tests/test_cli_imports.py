@@ -41,7 +41,9 @@ def _probe(*argv: str) -> tuple[int, list[str], str]:
     return result["code"], result["heavy"], "\n".join(said)
 
 
-@pytest.mark.parametrize("module", ["trainer.eval", "trainer.data", "trainer.buckets"])
+@pytest.mark.parametrize(
+    "module", ["trainer.eval", "trainer.data", "trainer.export", "trainer.buckets"]
+)
 def test_help_loads_neither_torch_nor_transformers(module: str) -> None:
     code, heavy, _ = _probe(module, "--help")
     assert (code, heavy) == (0, [])

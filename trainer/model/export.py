@@ -13,9 +13,10 @@
 `target_layer_ids` is always written explicitly: loaders that fall back to the default rule
 read the wrong layers for most published checkpoints.
 
-A finished run exports twice: `RUN/export/` in the fp32 master weights and `RUN/export-bf16/`
-in the training dtype (`TRAINING_DTYPE`, what autocast computes in and what serving engines
-load), half the size; `dtype` in config.json says which.
+A run that reaches its end (the plan's or `[schedule] max_steps`) exports twice (`export_forms`):
+`RUN/export/` in the fp32 master weights and `RUN/export-bf16/` in the training dtype
+(`TRAINING_DTYPE`, what autocast computes in and what serving engines load), half the size;
+`dtype` in config.json says which. `python -m trainer.export` does the same for any checkpoint.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from trainer.model.drafter import DFlashDrafter, DrafterConfig
 from trainer.model.errors import ExportError as ExportError
 from trainer.model.export_files import CONFIG as CONFIG
 from trainer.model.export_files import WEIGHTS as WEIGHTS
-from trainer.model.export_files import read_export_json
+from trainer.model.export_files import bf16_dir, read_export_json
 from trainer.model.remote_code import AUTO_MAP, MODELING_FILE, write_modeling_file
 from trainer.model.target import TargetModel
 
@@ -128,6 +129,13 @@ def export_drafter(
     tmp_w.replace(out / WEIGHTS)
     tmp_c.replace(out / CONFIG)  # last: a directory with a config is a complete export
     return out
+
+
+def export_forms(drafter: DFlashDrafter, out_dir: str | Path) -> tuple[Path, Path]:
+    """What a finished run writes for a drafter: `OUT` in its own (fp32 master) weights and
+    `OUT-bf16` in the training dtype; returns both directories."""
+    out = export_drafter(drafter, out_dir)
+    return out, export_drafter(drafter, bf16_dir(out), dtype=TRAINING_DTYPE)
 
 
 def read_drafter_config(path: str | Path) -> DrafterConfig:

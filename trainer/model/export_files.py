@@ -13,6 +13,12 @@ CONFIG = "config.json"
 WEIGHTS = "model.safetensors"
 
 
+def bf16_dir(out_dir: str | Path) -> Path:
+    """Where the training-dtype form of the export at `out_dir` goes: `OUT-bf16` beside it."""
+    out = Path(out_dir)
+    return out.with_name(out.name + "-bf16")
+
+
 def read_export_json(path: str | Path) -> dict[str, Any]:
     """The config.json of an export directory (both files present), without its weights."""
     root = Path(path)
