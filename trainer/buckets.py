@@ -42,6 +42,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from trainer.bucketing.compare import POOL_SIZE, POOLS_AT_LEAST
 from trainer.bucketing.dp import (
     DEFAULT_CANDIDATES,
     GRID_CANDIDATES,
@@ -596,6 +597,16 @@ def format_compare_table(result: dict[str, Any]) -> str:
             f"{r['pairs_per_epoch']:>11,} {rep:>8}"
         )
     lines += COMPARE_LEGEND
+    if result.get("pool_size") is not None and any(
+        r["strategy"] == "pool-sort" for r in result["strategies"]
+    ):
+        how = (
+            f" (default: {POOL_SIZE:,}, at most 1/{POOLS_AT_LEAST} of the "
+            f"{result['num_samples']:,} samples)"
+            if result.get("pool_size_default")
+            else ""
+        )
+        lines.append(f"pool-sort pool = {result['pool_size']:,} samples{how}")
     if any(r.get("same_as_sorted") for r in result["strategies"]):
         lines.append("* = the pool holds every sample: this IS the sorted strategy (warning below)")
     lines += [f"bucket boundaries: {result['search']}"] if result.get("search") else []
@@ -650,7 +661,13 @@ def _parser() -> argparse.ArgumentParser:
     which.add_argument("--buckets", type=int, help="plan K buckets with the DP (default 6)")
     which.add_argument("--boundaries", help="comma-separated bucket cuts, e.g. 770,1216,1728")
     cmp_.add_argument("--epochs", type=int, default=2, help="epochs to run (>= 2 for diversity)")
-    cmp_.add_argument("--pool-size", type=int, default=3200, help="pool size for pool-sort")
+    cmp_.add_argument(
+        "--pool-size",
+        type=int,
+        default=None,
+        help=f"pool size for pool-sort (default: {POOL_SIZE:,}, at most 1/{POOLS_AT_LEAST} of "
+        "the samples)",
+    )
     cmp_.add_argument(
         "--row-length", type=int, default=None, help="row length for packed (default: longest)"
     )
@@ -763,7 +780,7 @@ def format_row_length_table(result: dict[str, Any]) -> str:
 
 
 def _run_compare(args: argparse.Namespace, x: np.ndarray) -> int:
-    from trainer.bucketing.compare import compare_strategies
+    from trainer.bucketing.compare import compare_strategies, default_pool_size
 
     if args.epochs < 1:
         raise PlanError(f"must be >= 1, got {args.epochs}", "--epochs")
@@ -782,6 +799,7 @@ def _run_compare(args: argparse.Namespace, x: np.ndarray) -> int:
         )
         edges, search = plan.boundaries, plan.search.describe()
     predicted = evaluate_boundaries(x, edges, args.token_budget, args.max_batch)
+    pool = args.pool_size if args.pool_size is not None else default_pool_size(len(x))
     reports = compare_strategies(
         x,
         edges,
@@ -789,7 +807,7 @@ def _run_compare(args: argparse.Namespace, x: np.ndarray) -> int:
         args.max_batch,
         epochs=args.epochs,
         seed=args.seed,
-        pool_size=args.pool_size,
+        pool_size=pool,
         row_length=args.row_length,
     )
     result = {
@@ -800,6 +818,8 @@ def _run_compare(args: argparse.Namespace, x: np.ndarray) -> int:
         "boundaries": edges,
         "search": search,
         "predicted_efficiency": int(x.sum()) / sum(e.padded for e in predicted),
+        "pool_size": pool,
+        "pool_size_default": args.pool_size is None,
         "strategies": [r.to_json_dict() for r in reports],
         "warnings": [w for r in reports for w in r.warnings],
     }

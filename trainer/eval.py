@@ -12,7 +12,9 @@ Prompt files are JSONL prompt sets in the forms people have: MT-Bench `question.
 '{"enable_thinking": false}'` reaches it); token ids are used as they are. The tokenizer
 defaults to the target directory, and generation stops at the tokenizer's and the target's
 `generation_config.json` EOS ids (`<|im_end|>` for Qwen3), as serving does. Every prompt is read,
-rendered and checked against the target's vocabulary before any model loads.
+rendered and checked against the target's vocabulary before any model loads; what needs no
+tokenizer (arguments, prompt files, the target's and the export's config.json) is checked before
+torch and transformers are even imported, so `--help` and input errors answer at once.
 
 For every prompt (every turn of a multi-turn prompt) it runs the speculative loop
 (`trainer.model.speculative`) and plain greedy decoding of the target, and reports tau = mean
@@ -20,23 +22,24 @@ tokens committed per verify step (accepted drafts + the bonus token; max = block
 prompt set and over all sets; tau is the mean of per-turn taus (z-lab's averaging), pooled is
 total committed / total verify steps. `--protocol zlab` counts verify steps as z-lab's
 benchmark does (one more when the committed tokens land exactly on the limit); every figure
-printed names its protocol. Exit status: 0 all outputs match greedy, 1 a mismatch (a bug),
-2 a usage or input error.
+printed names its protocol. Ctrl-C (or SIGTERM) stops it cleanly: the summary and `--json` of
+the turns done so far, marked partial. Exit status: 0 all outputs match greedy, 1 a mismatch (a
+bug), 2 a usage or input error, 130 interrupted.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from types import FrameType
+from typing import TYPE_CHECKING, Any
 
-import torch
-
-from trainer.errors import ExitCode
+from trainer.errors import ExitCode, TrainerError
 from trainer.eval_prompts import (
     ZLAB_MATH_SUFFIX,
     PromptError,
@@ -47,70 +50,26 @@ from trainer.eval_prompts import (
     run_turns,
     unread_template_kwargs,
 )
-from trainer.model.drafter import DFlashDrafter
-from trainer.model.export import ExportError, load_drafter, read_drafter_config
-from trainer.model.speculative import (
-    PROTOCOLS,
-    Protocol,
-    greedy_generate,
-    speculative_generate,
+from trainer.eval_results import (
+    EvalSummary,
+    PromptResult,
+    format_result,
+    format_summary,
+    results_json,
+    summarize,
+    summarize_sets,
 )
-from trainer.model.target import TargetError, TargetModel
+from trainer.model.errors import TargetError
+from trainer.model.export_files import read_export_json
+from trainer.model.protocols import PROTOCOLS, Protocol
+
+if TYPE_CHECKING:  # torch and transformers load only once the inputs are known to be good
+    from trainer.model.drafter import DFlashDrafter
+    from trainer.model.target import TargetModel
+
+__all__ = ["EvalSummary", "PromptResult", "evaluate", "main", "summarize"]
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
-
-
-@dataclass(frozen=True)
-class PromptResult:
-    index: int
-    set: str
-    line: int
-    turn: int
-    prompt_tokens: int
-    new_tokens: int
-    verify_steps: int
-    tau: float
-    matches_greedy: bool
-    spec_seconds: float
-    greedy_seconds: float
-    tokens: list[int] = field(default_factory=list)
-
-
-@dataclass(frozen=True)
-class EvalSummary:
-    name: str  # a prompt set's file name, or "all"
-    protocol: str
-    prompts: int  # evaluated turns (an MT-Bench question counts once per turn)
-    tau: float  # mean of per-turn tau (turns with a verify step)
-    tau_pooled: float  # total committed tokens / total verify steps
-    new_tokens: int
-    verify_steps: int
-    matches: int
-    block_size: int
-    spec_seconds: float
-    greedy_seconds: float
-
-
-def summarize(
-    results: Sequence[PromptResult], name: str, protocol: str, block_size: int
-) -> EvalSummary:
-    steps = sum(r.verify_steps for r in results)
-    committed = sum(r.tau * r.verify_steps for r in results)
-    # A turn whose first token is already EOS has no verify step, hence no tau ("exact").
-    measured = [r.tau for r in results if r.verify_steps]
-    return EvalSummary(
-        name=name,
-        protocol=protocol,
-        prompts=len(results),
-        tau=sum(measured) / len(measured) if measured else 0.0,
-        tau_pooled=committed / steps if steps else 0.0,
-        new_tokens=sum(r.new_tokens for r in results),
-        verify_steps=steps,
-        matches=sum(r.matches_greedy for r in results),
-        block_size=block_size,
-        spec_seconds=sum(r.spec_seconds for r in results),
-        greedy_seconds=sum(r.greedy_seconds for r in results),
-    )
 
 
 def evaluate(
@@ -130,9 +89,9 @@ def evaluate(
     `on_result` sees each turn's result as soon as it is measured (progress on long sets).
     Returns the per-turn results and one summary per prompt set followed by the overall one.
     """
+    from trainer.model.speculative import greedy_generate, speculative_generate
+
     results: list[PromptResult] = []
-    summaries: list[EvalSummary] = []
-    block = drafter.config.block_size
     for pset in prompt_sets:
         first = len(results)
         for prompt in pset.prompts:
@@ -168,26 +127,8 @@ def evaluate(
                 return spec.tokens
 
             run_turns(prompt, renderer, where, generate)
-        summaries.append(summarize(results[first:], pset.name, protocol, block))
-    summaries.append(summarize(results, "all", protocol, block))
-    return results, summaries
-
-
-def format_result(r: PromptResult) -> str:
-    return (
-        f"prompt {r.set}:{r.line} turn {r.turn}: tau={r.tau:.2f} steps={r.verify_steps} "
-        f"new_tokens={r.new_tokens} greedy_match={'yes' if r.matches_greedy else 'NO'}"
-    )
-
-
-def format_summary(s: EvalSummary) -> str:
-    label = "all sets" if s.name == "all" else f"set {s.name}"
-    return (
-        f"{label}: tau={s.tau:.3f} (protocol {s.protocol}, pooled {s.tau_pooled:.3f}, "
-        f"block {s.block_size}) prompts={s.prompts} new_tokens={s.new_tokens} "
-        f"verify_steps={s.verify_steps} greedy_match={s.matches}/{s.prompts} "
-        f"spec={s.spec_seconds:.1f}s greedy={s.greedy_seconds:.1f}s"
-    )
+    sets = [(pset.name, pset.turns) for pset in prompt_sets]
+    return results, summarize_sets(results, sets, protocol, drafter.config.block_size)
 
 
 def target_vocab_size(target_dir: Path) -> int:
@@ -293,10 +234,22 @@ def build_parser() -> argparse.ArgumentParser:
         help="verify-step counting: exact, or zlab (z-lab's benchmark, to compare with "
         "published tau)",
     )
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument(
+        "--device", default=None, help="cpu, cuda or cuda:N (default: cuda when a GPU is visible)"
+    )
     p.add_argument("--no-greedy-check", action="store_true", help="skip the greedy reference run")
     p.add_argument("--json", type=Path, default=None, help="also write results as JSON here")
     return p
+
+
+@dataclass
+class Checked:
+    """What was read and checked before torch or transformers load: every file a typo could
+    name, the prompts, the template kwargs."""
+
+    prompt_sets: list[PromptSet]
+    template_kwargs: dict[str, Any]
+    vocab: int
 
 
 @dataclass
@@ -306,25 +259,41 @@ class Inputs:
     stop_ids: list[int]
 
 
-def prepare_inputs(args: argparse.Namespace) -> Inputs:
-    """Everything that can be checked without a model: prompts, tokenizer, ids, stop ids."""
+def check_inputs(args: argparse.Namespace) -> Checked:
+    """The checks that need no tokenizer or model, so a bad input fails in a fraction of a
+    second (transformers alone takes 10-40 s to import)."""
+    if args.max_new_tokens < 1:
+        raise PromptError("--max-new-tokens must be >= 1")
     template_kwargs = parse_template_kwargs(args.template_kwargs)
+    read_export_json(args.drafter)
+    vocab = target_vocab_size(args.target)
+    if args.tokenizer is not None and not args.tokenizer.is_dir():
+        raise PromptError(f"--tokenizer {args.tokenizer}: not a directory")
+    for i in args.eos_id or []:
+        if not 0 <= i < vocab:
+            raise PromptError(f"--eos-id {i} is outside the target vocabulary 0..{vocab - 1}")
     suffix = ZLAB_MATH_SUFFIX if args.question_suffix == "zlab" else args.question_suffix
     sets = [
         read_prompt_set(path, raw_text=args.raw_text, question_suffix=suffix)
         for path in args.prompts
     ]
-    vocab = target_vocab_size(args.target)
+    return Checked(sets, template_kwargs, vocab)
+
+
+def prepare_inputs(args: argparse.Namespace, checked: Checked) -> Inputs:
+    """The tokenizer's part, still before any model loads: every prompt rendered and its ids
+    checked against the target's vocabulary, and the stop ids."""
+    sets, vocab = checked.prompt_sets, checked.vocab
     tok_dir = args.tokenizer or args.target
     needed = any(s.needs_tokenizer for s in sets)
     tokenizer = load_tokenizer(tok_dir, required=needed or args.tokenizer is not None)
-    unread = unread_template_kwargs(tokenizer, template_kwargs)
+    unread = unread_template_kwargs(tokenizer, checked.template_kwargs)
     if unread:
         names = ", ".join(repr(k) for k in unread)
         raise PromptError(
             f"--template-kwargs: {names} never read by the chat template of {tok_dir}"
         )
-    renderer = Renderer(tokenizer, vocab, template_kwargs)
+    renderer = Renderer(tokenizer, vocab, checked.template_kwargs)
     for pset in sets:
         for prompt in pset.prompts:
             renderer.first_ids(prompt, f"{pset.path}:{prompt.line}")
@@ -348,52 +317,95 @@ def _stop_names(stops: Sequence[int], tokenizer: Any) -> str:
     return ", ".join(f"{i} {tokenizer.convert_ids_to_tokens(i)!s}" for i in stops)
 
 
+@dataclass
+class _Progress:
+    """What a run has done so far: all a Ctrl-C must not lose."""
+
+    sets: list[PromptSet] = field(default_factory=list)
+    stop_ids: list[int] = field(default_factory=list)
+    block_size: int = 0
+    results: list[PromptResult] = field(default_factory=list)
+
+    def add(self, result: PromptResult) -> None:
+        self.results.append(result)
+        print(format_result(result), flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if args.max_new_tokens < 1:
-        print("error: --max-new-tokens must be >= 1", file=sys.stderr)
-        return ExitCode.USAGE
-    if args.device.startswith("cuda") and not torch.cuda.is_available():
-        print(
-            f"error: --device {args.device} requested but no CUDA GPU is visible", file=sys.stderr
-        )
-        return ExitCode.USAGE
+    done = _Progress()
+    previous = signal.signal(signal.SIGTERM, _interrupt)
     try:
-        drafter_cfg = read_drafter_config(args.drafter)
-        inputs = prepare_inputs(args)  # before any model loads: a bad prompt fails in seconds
-        target = TargetModel.load(args.target, drafter_cfg.target_layer_ids, device=args.device)
-        drafter = load_drafter(args.drafter, target=target, device=args.device, dtype=target.dtype)
-        forms = ", ".join(
-            f"{s.name}: {', '.join(f'{n} {k}' for k, n in s.forms.items())}"
-            for s in inputs.prompt_sets
-        )
-        print(f"prompts {forms}; stop at {_stop_names(inputs.stop_ids, inputs.renderer.tokenizer)}")
-        results, summaries = evaluate(
-            target,
-            drafter,
-            inputs.prompt_sets,
-            inputs.renderer,
-            max_new_tokens=args.max_new_tokens,
-            eos_id=inputs.stop_ids,
-            check_greedy=not args.no_greedy_check,
-            protocol=args.protocol,
-            on_result=lambda r: print(format_result(r), flush=True),
-        )
-    except (PromptError, ExportError, TargetError) as err:
+        checked = check_inputs(args)  # no torch, no transformers yet
+        done.sets = checked.prompt_sets
+        _run(args, checked, done)
+    except TrainerError as err:  # PromptError, ExportError, TargetError: one line
         print(f"error: {err}", file=sys.stderr)
         return ExitCode.USAGE
+    except KeyboardInterrupt:
+        for sig in (signal.SIGINT, signal.SIGTERM):  # a second signal must not cut the report
+            signal.signal(sig, signal.SIG_IGN)
+        planned = sum(s.turns for s in done.sets)
+        print(
+            f"interrupted: {len(done.results)} of {planned} turns done; the summary covers "
+            "those (partial)",
+            file=sys.stderr,
+        )
+        _report(args, done, partial=True)
+        return ExitCode.INTERRUPTED
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    return _report(args, done, partial=False)
+
+
+def _interrupt(signum: int, frame: FrameType | None) -> None:
+    raise KeyboardInterrupt  # SIGTERM ends the run as Ctrl-C does: with its report
+
+
+def _run(args: argparse.Namespace, checked: Checked, done: _Progress) -> None:
+    import torch
+
+    from trainer.model.export import load_drafter, read_drafter_config
+    from trainer.model.target import TargetModel
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise PromptError(f"--device {device} requested but no CUDA GPU is visible")
+    drafter_cfg = read_drafter_config(args.drafter)
+    done.block_size = drafter_cfg.block_size
+    inputs = prepare_inputs(args, checked)  # before any model loads: a bad prompt fails early
+    done.stop_ids = inputs.stop_ids
+    target = TargetModel.load(args.target, drafter_cfg.target_layer_ids, device=device)
+    drafter = load_drafter(args.drafter, target=target, device=device, dtype=target.dtype)
+    forms = ", ".join(
+        f"{s.name}: {', '.join(f'{n} {k}' for k, n in s.forms.items())}" for s in inputs.prompt_sets
+    )
+    print(f"prompts {forms}; stop at {_stop_names(inputs.stop_ids, inputs.renderer.tokenizer)}")
+    evaluate(
+        target,
+        drafter,
+        inputs.prompt_sets,
+        inputs.renderer,
+        max_new_tokens=args.max_new_tokens,
+        eos_id=inputs.stop_ids,
+        check_greedy=not args.no_greedy_check,
+        protocol=args.protocol,
+        on_result=done.add,
+    )
+
+
+def _report(args: argparse.Namespace, done: _Progress, *, partial: bool) -> int:
+    """Summary lines (and `--json`) of the turns done; the exit status of a whole run."""
+    sets = [(s.name, s.turns) for s in done.sets]
+    summaries = summarize_sets(done.results, sets, args.protocol, done.block_size)
     for s in summaries:
-        print(format_summary(s))
-    overall = summaries[-1]
+        print(format_summary(s) + ("  [partial]" if partial else ""))
     if args.json is not None:
-        payload = {
-            "protocol": args.protocol,
-            "stop_ids": inputs.stop_ids,
-            "summary": asdict(overall),
-            "sets": [asdict(s) for s in summaries[:-1]],
-            "prompts": [asdict(r) for r in results],
-        }
+        payload = results_json(args.protocol, done.stop_ids, done.results, summaries)
+        payload["partial"] = partial
+        payload["turns_planned"] = sum(turns for _, turns in sets)
         args.json.write_text(json.dumps(payload, indent=2) + "\n")
+    overall = summaries[-1]
     if overall.matches != overall.prompts:
         print(
             f"error: {overall.prompts - overall.matches} prompt(s) differ from greedy decoding",

@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from trainer.bucketing.compare import pair_keys, repeat_share
+from trainer.bucketing.compare import default_pool_size, pair_keys, repeat_share
 from trainer.buckets import format_plan_table, main
 from trainer.config import Strategy
 from trainer.data.lengths import seed_shaped_lengths
@@ -300,3 +300,27 @@ def test_the_candidate_count_is_a_flag_and_the_output_says_which_search_ran(
     assert f"exact search: --candidates {distinct + 1}" in out and "grid alone:" in out
     rc, _, err = run([*base, "--candidates", "1"], capsys)
     assert rc == 2 and err.startswith("error: --candidates: must be >= 2")
+
+
+def test_compare_default_pool_fits_the_data(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """On a 2,679-row store the config's 3,200-sample pool would hold every sample (pool-sort
+    would be sorted): without --pool-size the pool is at most a quarter of the samples, and the
+    table says which pool pool-sort ran with and why."""
+    path = tmp_path / "small.npy"
+    np.save(path, (seed_shaped_lengths(2_679) // 200 * 200 + 65).astype(np.int16))
+    base = ["compare", "--lengths", str(path), "--token-budget", "49152", "--max-batch", "64"]
+    base += ["--boundaries", "770,1216,1728,2432,3296"]
+    rc, out, _ = run(base, capsys)
+    assert rc == 0
+    assert "pool-sort pool = 669 samples (default: 3,200, at most 1/4 of the 2,679 samples)" in out
+    assert "pool-sort*" not in out and "warning: pool-sort" not in out
+    _, js, _ = run([*base, "--json"], capsys)
+    d = json.loads(js)
+    assert d["pool_size"] == 669 and d["pool_size_default"] is True and d["warnings"] == []
+    # a pool given explicitly is used as given, and named without the default's note
+    rc, out, _ = run([*base, "--pool-size", "3200"], capsys)
+    assert "pool-sort pool = 3,200 samples\n" in out and "pool-sort*" in out
+    # large data keeps the config's pool
+    assert default_pool_size(1_000_000) == 3200 and default_pool_size(3) == 1

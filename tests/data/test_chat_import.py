@@ -17,7 +17,15 @@ from tests.data.conftest import write_jsonl
 from trainer.data.chat_import import import_chat_jsonl, load_tokenizer
 from trainer.data.chat_mask import ChatEncoder, mask_from_spans
 from trainer.data.errors import InputError
-from trainer.data.store import FIRST_LINES_KEPT, Manifest, TokenStore, sha256_file
+from trainer.data.store import (
+    EXAMPLES_PER_KIND,
+    FIRST_LINES_KEPT,
+    KINDS_KEPT,
+    LineStat,
+    Manifest,
+    TokenStore,
+    sha256_file,
+)
 
 CHAT = [
     {"role": "system", "content": "You are terse."},
@@ -141,6 +149,43 @@ def test_truncation_keeps_prefix_and_counts_lines(tmp_path: Path, qwen_tokenizer
     assert manifest.truncated.count == 1 and manifest.truncated.first_lines == [2]
     assert manifest.skipped["no_supervised_pair_after_truncation"].first_lines == [3]
     assert int(store.lengths.max()) <= manifest.max_length == 32
+    # The skip says how long the row was and where its supervision began.
+    whole, _ = _import(tmp_path / "whole", qwen_tokenizer_dir, [prompt_heavy], max_length=4096)
+    tokens, mask = whole.row(0)
+    begins = int(np.flatnonzero(mask)[0])
+    assert begins > 32
+    assert manifest.skipped["no_supervised_pair_after_truncation"].examples == [
+        f"line 3: {tokens.size} tokens cut to --max-length 32; supervision begins at token {begins}"
+    ]
+
+
+def test_skip_examples_keep_every_kind_of_detail(tmp_path: Path, qwen_tokenizer_dir: Path) -> None:
+    """Many rows with one kind of problem do not hide a rarer one under the same reason: the
+    first few examples are kept per kind of detail (numbers aside), not per reason."""
+    rows: list[object] = [{"conversations": CHAT[1:3]}]
+    for k in range(5):  # content a number at message k: one kind of detail, five strings
+        turns = [{"role": "user", "content": "hi"}] * k + [{"role": "user", "content": 5}]
+        rows.append({"conversations": [*turns, CHAT[2]]})
+    image = {"type": "image_url", "image_url": {"url": "cat.png"}}
+    rows.append({"conversations": [{"role": "user", "content": [image]}, CHAT[2]]})  # line 7
+    _, manifest = _import(tmp_path, qwen_tokenizer_dir, rows)
+    stat = manifest.skipped["bad_schema"]
+    assert stat.count == 6
+    assert stat.examples == [
+        "line 2: message 0 content is a JSON number, not text",
+        "line 3: message 1 content is a JSON number, not text",
+        "line 7: message 0 content part 0 has type 'image_url' (read: text, reasoning, tool_call)",
+    ]
+
+
+def test_line_stat_bounds_its_examples() -> None:
+    stat = LineStat()
+    for kind in range(KINDS_KEPT + 3):
+        for n in range(EXAMPLES_PER_KIND + 2):
+            stat.add(1000 * kind + n, f"{'x' * (kind + 1)} at {n}")
+        stat.add(1000 * kind + 99, f"{'x' * (kind + 1)} at 0")  # the same detail again
+    assert len(stat.examples) == KINDS_KEPT * EXAMPLES_PER_KIND
+    assert stat.examples[:3] == ["line 0: x at 0", "line 1: x at 1", "line 1000: xx at 0"]
 
 
 def test_every_bad_input_reason_is_counted_with_its_line(
@@ -178,6 +223,9 @@ def test_every_bad_input_reason_is_counted_with_its_line(
         "control_token_in_content": [10],
     }
     assert manifest.params["blank_lines"] == 1 and manifest.params["lines"] == 15
+    assert manifest.skipped["no_supervised_pair"].examples == [
+        "line 9: 15 tokens, 1 supervised, never two in a row"  # the empty turn's <|im_end|>
+    ]
 
 
 def test_first_lines_are_capped_but_counts_are_not(

@@ -4,7 +4,11 @@ default EOS, fail-fast validation before any model loads, and the z-lab counting
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -27,6 +31,7 @@ from trainer.model.fit import fit, greedy_continuations
 from trainer.model.speculative import speculative_generate
 from trainer.model.target import TargetModel
 
+REPO = Path(__file__).resolve().parents[2]
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "eval-prompts"
 MT_BENCH = FIXTURES / "mt_bench_question.jsonl"
 GSM8K = FIXTURES / "gsm8k_test.jsonl"
@@ -449,3 +454,40 @@ def test_zlab_protocol_matches_zlabs_loop_step_for_step(target: TargetModel) -> 
             assert (got.tokens, got.accept_lengths) == want, (stops, limit)
             exact = speculative_generate(target, drafter, ids, limit, stops)
             assert exact.tokens == got.tokens
+
+
+@pytest.mark.timeout(180)
+def test_ctrl_c_reports_the_turns_done_marked_partial(target: TargetModel, tmp_path: Path) -> None:
+    """A real `python -m trainer.eval` sent SIGINT mid-run: exit 130 without a traceback, the
+    summary of the turns done printed and written as JSON, marked partial."""
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(f"[{5 + i % 20}, {6 + i % 30}, 7]\n" for i in range(2000)))
+    drafter = export_drafter(make_drafter(target), tmp_path / "d")
+    out = tmp_path / "r.json"
+    argv = [sys.executable, "-m", "trainer.eval", "--target", str(target.model.name_or_path)]
+    argv += ["--drafter", str(drafter), "--prompts", str(prompts), "--json", str(out)]
+    argv += ["--max-new-tokens", "32", "--device", "cpu"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen(
+        argv, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    assert proc.stdout is not None
+    before: list[str] = []
+    while len([x for x in before if x.startswith("prompt ")]) < 3:  # turns are being measured
+        line = proc.stdout.readline()
+        assert line, proc.communicate()[1]
+        before.append(line)
+    proc.send_signal(signal.SIGINT)
+    rest, err = proc.communicate(timeout=120)
+    lines = [*before, *rest.splitlines(keepends=True)]
+    done = [x for x in lines if x.startswith("prompt ")]
+    assert proc.returncode == 130, err
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
+    assert f"interrupted: {len(done)} of 2000 turns done" in err
+    summary = [x for x in lines if x.startswith(("set ", "all sets"))]
+    assert len(summary) == 2 and all(x.rstrip().endswith("[partial]") for x in summary)
+    assert f"prompts={len(done)} " in summary[-1]
+    data = json.loads(out.read_text())
+    assert data["partial"] is True and data["turns_planned"] == 2000
+    assert len(data["prompts"]) == data["summary"]["prompts"] == len(done) >= 3
+    assert data["sets"][0]["prompts"] == len(done)

@@ -20,6 +20,15 @@ from trainer.config import STRATEGIES
 from trainer.sampler import Batch, BatchSampler, SamplerWarning
 
 COMPARED = ("sorted", "random", "bucketed", "pool-sort", "packed")
+POOL_SIZE = 3200  # pool-sort's pool: the config's default, when the data has room for it
+POOLS_AT_LEAST = 4  # the default pool leaves at least this many pools per epoch
+
+
+def default_pool_size(num_samples: int) -> int:
+    """pool-sort's pool for `compare` when none is given: the config's 3,200, but never more
+    than a quarter of the samples (a pool holding them all is the sorted strategy, not a
+    pool-sort: a 2,679-row store compared 'sorted' twice)."""
+    return max(1, min(POOL_SIZE, num_samples // POOLS_AT_LEAST))
 
 
 @dataclass(frozen=True)
@@ -124,7 +133,7 @@ def compare_strategies(
     *,
     epochs: int = 2,
     seed: int = 0,
-    pool_size: int = 3200,
+    pool_size: int = POOL_SIZE,
     row_length: int | None = None,
 ) -> list[StrategyReport]:
     """Sorted static, random, bucketed, pool-sort and packed batching on the same lengths (each

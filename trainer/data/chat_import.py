@@ -1,9 +1,10 @@
 """Import chat JSONL into a token store (`python -m trainer.data import`).
 
 A bad row never stops the import: it is counted under a reason with its line number, and the
-first few line numbers plus a few distinct details (the offending role, key or character) land
-in the manifest, so a 900k-row import that loses 3% of its rows says which rows and why. Only problems with the whole input (missing file, unloadable tokenizer, no
-usable row at all) are errors, and then nothing is written.
+first few line numbers plus the first details of every kind (the offending role, key, part type
+or character; `store.LineStat`) land in the manifest, so a 900k-row import that loses 3% of its
+rows says which rows and why. Only problems with the whole input (missing file, unloadable
+tokenizer, no usable row at all) are errors, and then nothing is written.
 """
 
 from __future__ import annotations
@@ -52,7 +53,8 @@ TOKENIZER_FILES = (
     "tokenizer.model",
 )
 
-Progress = Callable[[int, int], None]  # (lines read, rows kept)
+# (bytes of the input read, rows read, rows kept): zeros once reading begins, then per chunk
+Progress = Callable[[int, int, int], None]
 
 
 @dataclass
@@ -60,6 +62,7 @@ class ImportStats:
     """Per-reason counts accumulated while streaming the input."""
 
     lines: int = 0
+    rows: int = 0  # rows read (kept or not; blank lines aside)
     blank_lines: int = 0
     unlocated_turns: int = 0
     reasoning_turns: int = 0  # assistant turns with reasoning in the kept conversations
@@ -67,6 +70,7 @@ class ImportStats:
     expanded_rows: int = 0  # extra rows made by per-turn expansion
     skipped: dict[str, LineStat] = field(default_factory=dict)
     truncated: LineStat = field(default_factory=LineStat)
+    think_in_content: LineStat = field(default_factory=LineStat)  # kept rows, see chat_mask
 
     def skip(self, reason: str, line: int, detail: str | None = None) -> None:
         self.skipped.setdefault(reason, LineStat()).add(line, detail)
@@ -88,6 +92,21 @@ def has_supervised_pair(mask: np.ndarray) -> bool:
     return bool(np.any(mask[:-1] & mask[1:])) if mask.size > 1 else False
 
 
+def unsupervised_detail(mask: np.ndarray, max_length: int) -> str:
+    """Why a row trains nothing: its length, and where supervision began (if anywhere)."""
+    supervised = np.flatnonzero(mask)
+    if mask.size > max_length:
+        where = (
+            f"supervision begins at token {int(supervised[0])}"
+            if supervised.size
+            else "nothing supervised"
+        )
+        return f"{mask.size} tokens cut to --max-length {max_length}; {where}"
+    if not supervised.size:
+        return f"{mask.size} tokens, none supervised"
+    return f"{mask.size} tokens, {supervised.size} supervised, never two in a row"
+
+
 def load_tokenizer(directory: Path, chat_template: Path | None = None) -> Any:
     """Load a local Hugging Face tokenizer; never touches the network."""
     if not directory.is_dir():
@@ -99,13 +118,15 @@ def load_tokenizer(directory: Path, chat_template: Path | None = None) -> Any:
     except Exception as exc:
         raise InputError(f"{directory}: cannot load tokenizer: {_one_line(exc)}") from None
     if chat_template is not None:
-        try:
-            tokenizer.chat_template = chat_template.read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as exc:
-            raise InputError(
-                f"{chat_template}: cannot read chat template: {_one_line(exc)}"
-            ) from None
+        tokenizer.chat_template = read_chat_template(chat_template)
     return tokenizer
+
+
+def read_chat_template(path: Path) -> str:
+    try:
+        return path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise InputError(f"{path}: cannot read chat template: {_one_line(exc)}") from None
 
 
 def tokenizer_identity(
@@ -169,6 +190,8 @@ def import_chat_jsonl(
     if workers < 1:
         raise InputError(f"--workers {workers}: must be at least 1")
     check_target(out, overwrite)
+    if template_path is not None:  # every input is checked before transformers loads (slow)
+        read_chat_template(template_path)
     tokenizer = load_tokenizer(tok_dir, template_path)
     try:
         encoder = ChatEncoder(tokenizer, template_kwargs)
@@ -192,12 +215,16 @@ def import_chat_jsonl(
     stats = ImportStats()
     lines = ChatSource(source)
     with StoreWriter(out, overwrite=overwrite) as writer:
+        if progress is not None:
+            progress(0, 0, 0)  # reading begins
         chunks = _parsed_chunks(lines, stats, chunk_rows, per_turn)
         for chunk, results in encode_chunks(chunks, encoder, workers):
             for (line, _), result in zip(chunk, results, strict=True):
                 _store_row(writer, stats, line, result, max_length)
             if progress is not None:
-                progress(stats.lines, writer.num_rows)
+                progress(lines.bytes_read(), stats.rows, writer.num_rows)
+        if progress is not None:  # the rows after the last chunk were all skipped
+            progress(source.stat().st_size, stats.rows, writer.num_rows)
         if writer.num_rows == 0:
             raise InputError(f"{source}: no usable rows in {stats.lines} lines ({stats.summary()})")
         return writer.commit(
@@ -214,12 +241,14 @@ def import_chat_jsonl(
             reserved_token_ids=[] if mask_token_id is None else [mask_token_id],
             params={
                 "lines": stats.lines,
+                "rows_read": stats.rows,
                 "blank_lines": stats.blank_lines,
                 "unlocated_turns": stats.unlocated_turns,
                 "reasoning_turns": stats.reasoning_turns,
                 "reasoning_dropped": stats.reasoning_dropped,
                 "per_turn": per_turn,
                 "expanded_rows": stats.expanded_rows,
+                "think_in_content": stats.think_in_content.model_dump(),
                 "source_format": lines.format,
                 "template_kwargs": encoder.template_kwargs,
                 "chat_template": str(template_path.absolute()) if template_path else None,
@@ -242,6 +271,7 @@ def _parsed_chunks(
     pending: Chunk = []
     for line, parsed in rows:
         stats.lines = rows.lines
+        stats.rows += parsed is not None
         if parsed is None:
             stats.blank_lines += 1
         elif isinstance(parsed, Rejected):
@@ -331,10 +361,12 @@ def _store_row(
         tokens, mask = tokens[:max_length], mask[:max_length]
     if not has_supervised_pair(mask):
         reason = NO_SUPERVISED_PAIR_AFTER_TRUNCATION if truncated else NO_SUPERVISED_PAIR
-        stats.skip(reason, line)
+        stats.skip(reason, line, unsupervised_detail(result.mask, max_length))
         return
     if truncated:
         stats.truncated.add(line)
+    if result.think_in_content is not None:
+        stats.think_in_content.add(line, result.think_in_content)
     writer.add(tokens, mask, source_line=line)
 
 

@@ -75,6 +75,8 @@ class Encoded:
     unlocated_turns: int = 0
     reasoning_turns: int = 0  # trained assistant turns that carry reasoning
     reasoning_dropped: int = 0  # ... whose reasoning the template did not render
+    think_in_content: str | None = None  # a trained turn's content the template split at
+    # `</think>` (`think_in_content`): where, for the import summary; None when no turn was
 
 
 @dataclass(frozen=True)
@@ -173,6 +175,7 @@ class ChatEncoder:
             unlocated_turns=plan.unlocated,
             reasoning_turns=sum(map(has_reasoning, _trained(row))),
             reasoning_dropped=reasoning_dropped(row, plan.text),
+            think_in_content=think_in_content(row, plan.text),
         )
 
     def render(self, conversation: Conversation | list[Message]) -> str:
@@ -383,6 +386,31 @@ def reasoning_dropped(row: Conversation, text: str) -> int:
             if thought and thought not in text:
                 dropped += 1
     return dropped
+
+
+def think_in_content(row: Conversation, text: str) -> str | None:
+    """The first trained assistant turn whose plain content holds `</think>` and that the
+    template rewrote (Qwen3, like transformers, makes the text before it a think block, trained
+    as reasoning): `message 3: '...use </think> to close...'`. Content that opens with `<think>`
+    is the inline reasoning form, and a template that renders the content as it is changed
+    nothing: neither is reported."""
+    first = len(row.messages) - 1 if row.last_turn_only else 0
+    for k in range(first, len(row.messages)):
+        message = row.messages[k]
+        content = message["content"]
+        if message["role"] != "assistant" or message.get("reasoning_content"):
+            continue
+        if THINK_CLOSE not in content or content.lstrip().startswith(THINK_OPEN):
+            continue
+        if content in text:
+            continue
+        at = content.index(THINK_CLOSE)
+        start, end = max(0, at - 40), at + len(THINK_CLOSE) + 40
+        snippet = (
+            ("..." if start else "") + content[start:end] + ("..." if end < len(content) else "")
+        )
+        return f"message {k}: {snippet!r}"
+    return None
 
 
 def _trained(row: Conversation) -> list[Message]:

@@ -13,6 +13,7 @@ import signal
 import sys
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from types import FrameType
 from typing import Any
 
@@ -120,7 +121,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return ExitCode.USAGE
     except KeyboardInterrupt:
         print("interrupted: nothing was written", file=sys.stderr)
-        return 130
+        return ExitCode.INTERRUPTED
     finally:
         signal.signal(signal.SIGTERM, previous)
     print(format_summary(manifest, TokenStore.open(args.out).lengths))
@@ -133,6 +134,7 @@ def _raise_interrupt(signum: int, frame: FrameType | None) -> None:
 
 def _run_import(args: argparse.Namespace) -> Manifest:
     from trainer.data.chat_import import import_chat_jsonl
+    from trainer.data.progress import ImportProgress
 
     try:
         kwargs = json.loads(args.template_kwargs)
@@ -140,23 +142,27 @@ def _run_import(args: argparse.Namespace) -> Manifest:
         raise InputError(f"--template-kwargs: not JSON ({exc.msg})") from None
     if not isinstance(kwargs, dict):
         raise InputError("--template-kwargs: must be a JSON object")
-    return import_chat_jsonl(
-        args.input,
-        args.tokenizer,
-        args.max_length,
-        args.out,
-        overwrite=args.force,
-        chat_template=args.chat_template,
-        template_kwargs=kwargs,
-        workers=args.workers,
-        mask_token_id=args.mask_token_id,
-        per_turn=args.per_turn,
-        progress=_throttled("import", "lines"),
-    )
+    source = Path(args.input)
+    with ImportProgress(source.stat().st_size if source.is_file() else 0) as progress:
+        manifest = import_chat_jsonl(
+            source,
+            args.tokenizer,
+            args.max_length,
+            args.out,
+            overwrite=args.force,
+            chat_template=args.chat_template,
+            template_kwargs=kwargs,
+            workers=args.workers,
+            mask_token_id=args.mask_token_id,
+            per_turn=args.per_turn,
+            progress=progress.update,
+        )
+    print(progress.summary(), file=sys.stderr)
+    return manifest
 
 
 def _throttled(command: str, unit: str) -> Callable[[int, int], None]:
-    """A progress callback printing to stderr at most every PROGRESS_EVERY_S seconds."""
+    """A progress callback printing to stderr at most every PROGRESS_EVERY_S seconds (synth)."""
     started = time.monotonic()
     last = [started]
 
@@ -166,8 +172,7 @@ def _throttled(command: str, unit: str) -> Callable[[int, int], None]:
             return
         last[0] = now
         rate = done / max(now - started, 1e-9)
-        detail = f"of {other:,}" if command == "synth" else f"({other:,} rows kept)"
-        print(f"{command}: {done:,} {unit} {detail}, {rate:,.0f} {unit}/s", file=sys.stderr)
+        print(f"{command}: {done:,} {unit} of {other:,}, {rate:,.0f} {unit}/s", file=sys.stderr)
 
     return report
 
@@ -265,6 +270,7 @@ def format_summary(m: Manifest, lengths: np.ndarray, path: str | None = None) ->
     reasoning = _reasoning(m.params)
     if reasoning:
         lines.append(f"reasoning  {reasoning}")
+    lines.extend(_think_in_content(m.params))
     if m.truncated.count:
         lines.append(
             f"truncated  {m.truncated.count:,} rows kept after truncation ({_where(m.truncated)})"
@@ -298,6 +304,20 @@ def _reasoning(params: dict[str, Any]) -> str:
     if expanded:
         parts.append(f"--per-turn added {expanded:,} rows")
     return "; ".join(parts)
+
+
+def _think_in_content(params: dict[str, Any]) -> list[str]:
+    """Rows whose plain assistant content holds `</think>`: the template made a think block of
+    the text before it (trained as reasoning), silently unless said here."""
+    raw = params.get("think_in_content")
+    stat = LineStat.model_validate(raw) if isinstance(raw, dict) else LineStat()
+    if not stat.count:
+        return []
+    return [
+        f"think      {stat.count:,} rows have '</think>' inside plain assistant content: the "
+        f"template made a think block of the text before it, trained as reasoning ({_where(stat)})",
+        *(f"      {example}" for example in stat.examples[:1]),
+    ]
 
 
 def _where(stat: LineStat) -> str:

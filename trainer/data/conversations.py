@@ -11,8 +11,12 @@ call, value = JSON {"name", "arguments"} or a list of them) and `observation` (a
 A row-level `tools` (a list, or the JSON string LLaMA-Factory stores) becomes the template's
 `tools`, bare function definitions wrapped as OpenAI {"type": "function", "function": ...}, the
 form a server passes to the template at inference. A row-level `system` string (LLaMA-Factory)
-becomes the first message. Content may be a list of text parts ({"type": "text", "text"|"value":
-...}). An assistant turn may carry `reasoning_content` (or `reasoning`) and OpenAI `tool_calls`.
+becomes the first message. An assistant turn may carry `reasoning_content` (or `reasoning`) and
+OpenAI `tool_calls`. Content may be a string or a list of parts ({"type": ..., "text"|"value":
+...}, LLaMA-Factory's v1 form): `text` parts are joined into the content; in an assistant turn,
+`reasoning` parts are its reasoning (as `reasoning_content`) and each `tool_call` part (JSON
+{"name", "arguments"}) one of its tool calls (as `tool_calls`). Any other part type rejects the
+row, naming the type.
 
 Pure functions, no tokenizer: bad rows are classified here so the import can count them by
 reason without ever raising.
@@ -36,6 +40,7 @@ NO_ASSISTANT_TURN = "no_assistant_turn"
 
 TURN_KEYS = ("conversations", "messages", "conversation")
 FUNCTION_CALL = "function_call"
+PART_TYPES = ("text", "reasoning", "tool_call")  # content part types read (LLaMA-Factory's v1)
 ROLE_ALIASES: dict[str, str] = {
     "system": "system",
     "user": "user",
@@ -204,18 +209,72 @@ def _normalise_turn(k: int, turn: Any) -> Message | Rejected:
         return Rejected(BAD_SCHEMA, f"message {k} tool_calls is not a list of function calls")
     if raw_content is None and tool_calls:
         raw_content = ""  # OpenAI: an assistant turn that only calls tools has content null
-    content = content_text(raw_content)
-    if content is None:
-        return Rejected(
-            BAD_SCHEMA, f"message {k} content is a JSON {_json_type(raw_content)}, not text"
-        )
-    message: Message = {"role": canonical, "content": content}
+    parts = _content_parts(k, canonical, raw_content)
+    if isinstance(parts, Rejected):
+        return parts
+    message: Message = {"role": canonical, "content": parts.text}
     reasoning = turn.get("reasoning_content", turn.get("reasoning"))
-    if canonical == "assistant" and isinstance(reasoning, str) and reasoning:
-        message["reasoning_content"] = reasoning
-    if tool_calls:
-        message["tool_calls"] = tool_calls
+    reasoning = reasoning if canonical == "assistant" and isinstance(reasoning, str) else ""
+    if reasoning and parts.reasoning:
+        return Rejected(
+            BAD_SCHEMA, f"message {k} has reasoning both as a field and as 'reasoning' parts"
+        )
+    if reasoning or parts.reasoning:
+        message["reasoning_content"] = reasoning or parts.reasoning
+    if tool_calls and parts.tool_calls:
+        return Rejected(
+            BAD_SCHEMA, f"message {k} has tool calls both in 'tool_calls' and as 'tool_call' parts"
+        )
+    called: list[dict[str, Any]] | None = tool_calls or parts.tool_calls
+    if called:
+        message["tool_calls"] = called
     return message
+
+
+@dataclass(frozen=True)
+class _Parts:
+    """One message's content split by part type (a plain string is all text)."""
+
+    text: str
+    reasoning: str = ""
+    tool_calls: list[dict[str, Any]] | None = None
+
+
+def _content_parts(k: int, role: str, content: Any) -> _Parts | Rejected:
+    """A content string, or its parts: text joined, and (assistant turns) reasoning and tool
+    calls, read as LLaMA-Factory's own renderer reads them."""
+    if isinstance(content, str):
+        return _Parts(content)
+    if not isinstance(content, list):
+        return Rejected(
+            BAD_SCHEMA, f"message {k} content is a JSON {_json_type(content)}, not text"
+        )
+    texts: list[str] = []
+    thoughts: list[str] = []
+    calls: list[dict[str, Any]] = []
+    for j, part in enumerate(content):
+        where = f"message {k} content part {j}"
+        if not isinstance(part, dict):
+            return Rejected(BAD_SCHEMA, f"{where} is a JSON {_json_type(part)}, not an object")
+        kind = part.get("type")
+        value = part.get("text", part.get("value"))
+        if kind not in PART_TYPES:
+            named = repr(kind)[:40] if isinstance(kind, str) else f"a JSON {_json_type(kind)}"
+            return Rejected(BAD_SCHEMA, f"{where} has type {named} (read: {', '.join(PART_TYPES)})")
+        if kind != "text" and role != "assistant":
+            return Rejected(BAD_SCHEMA, f"{where} is a {kind!r} part in a {role} turn")
+        if kind == "tool_call":
+            call = _function_call(value)
+            if call is None:
+                return Rejected(
+                    BAD_SCHEMA, f"{where} (tool_call) is not a JSON {{name, arguments}} call"
+                )
+            calls.extend(call)
+        elif not isinstance(value, str):
+            return Rejected(BAD_SCHEMA, f"{where} ({kind}) has no 'text' or 'value' string")
+        else:
+            (texts if kind == "text" else thoughts).append(value)
+    return _Parts("".join(texts), "".join(thoughts), calls or None)
 
 
 def _function_call(value: Any) -> list[dict[str, Any]] | None:

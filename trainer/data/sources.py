@@ -55,6 +55,14 @@ class ChatSource:
         self.digest = hashlib.sha256()
         self.format = "jsonl"
         self.lines = 0  # lines read so far (JSONL) or the line of the last element (array)
+        self._raw: IO[bytes] | None = None  # the file as stored (compressed for .gz)
+
+    def bytes_read(self) -> int:
+        """How far into the file as stored the reader is (progress against its size)."""
+        raw = self._raw
+        if raw is None or raw.closed:
+            return 0
+        return raw.tell()
 
     def file_sha256(self) -> str:
         """sha256 of the file as stored (what `sha256sum` prints), compressed or not."""
@@ -62,7 +70,7 @@ class ChatSource:
 
     def __iter__(self) -> Iterator[tuple[int, Parsed]]:
         try:
-            with self._open() as fh:
+            with open(self.path, "rb") as raw, self._reader(raw) as fh:
                 first = fh.readline(PROBE_BYTES)  # bounded: a one-line array may be GBs
                 self.digest.update(first)
                 if _is_array_start(first):
@@ -85,10 +93,11 @@ class ChatSource:
         except (OSError, EOFError) as exc:  # unreadable, or a truncated .gz
             raise InputError(f"{self.path}: read failed: {' '.join(str(exc).split())}") from None
 
-    def _open(self) -> IO[bytes]:
+    def _reader(self, raw: IO[bytes]) -> IO[bytes]:
+        self._raw = raw
         if self.path.suffix == ".gz":
-            return cast(IO[bytes], gzip.open(self.path, "rb"))  # a GzipFile reads like IO[bytes]
-        return open(self.path, "rb")
+            return cast(IO[bytes], gzip.GzipFile(fileobj=raw, mode="rb"))  # reads like IO[bytes]
+        return raw
 
     def _jsonl(self, first: bytes, fh: IO[bytes]) -> Iterator[tuple[int, Parsed]]:
         if first:

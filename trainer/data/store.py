@@ -54,7 +54,12 @@ DATA_FILES: dict[str, np.dtype[Any]] = {
     LINES: np.dtype("<i8"),
 }
 FIRST_LINES_KEPT = 10  # line numbers remembered per skip reason: enough to find the pattern
-EXAMPLES_KEPT = 3  # distinct details (with their line) remembered per skip reason
+# Details (with their line) remembered per skip reason: the first few of every kind, where a
+# kind is the detail with its numbers blanked ("message 3 content part 0 has type 'image_url'"
+# and "message 1 ..." are one kind), so a rare cause is shown beside a frequent one.
+EXAMPLES_PER_KIND = 2
+KINDS_KEPT = 12
+_NUMBER = re.compile(r"\d+")
 _TMP_MARK = ".tmp-"
 _HASH_CHUNK = 1 << 22
 
@@ -87,9 +92,20 @@ class LineStat(BaseModel):
         self.count += 1
         if len(self.first_lines) < FIRST_LINES_KEPT:
             self.first_lines.append(line)
-        seen = (e.split(": ", 1)[-1] for e in self.examples)
-        if detail and len(self.examples) < EXAMPLES_KEPT and detail not in seen:
+        if not detail:
+            return
+        details = [e.split(": ", 1)[-1] for e in self.examples]
+        kinds = [detail_kind(d) for d in details]
+        kind = detail_kind(detail)
+        same = kinds.count(kind)
+        new_kind = same == 0 and len(set(kinds)) < KINDS_KEPT
+        if detail not in details and (new_kind or 0 < same < EXAMPLES_PER_KIND):
             self.examples.append(f"line {line}: {detail}")
+
+
+def detail_kind(detail: str) -> str:
+    """A skip detail with its numbers blanked: what makes two details the same cause."""
+    return _NUMBER.sub("#", detail)
 
 
 class TokenizerIdentity(BaseModel):

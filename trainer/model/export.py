@@ -13,9 +13,10 @@
 `target_layer_ids` is always written explicitly: loaders that fall back to the default rule
 read the wrong layers for most published checkpoints.
 
-A finished run exports twice: `RUN/export/` in the fp32 master weights and `RUN/export-bf16/`
-in the training dtype (`TRAINING_DTYPE`, what autocast computes in and what serving engines
-load), half the size; `dtype` in config.json says which.
+A run that reaches its end (the plan's or `[schedule] max_steps`) exports twice (`export_forms`):
+`RUN/export/` in the fp32 master weights and `RUN/export-bf16/` in the training dtype
+(`TRAINING_DTYPE`, what autocast computes in and what serving engines load), half the size;
+`dtype` in config.json says which. `python -m trainer.export` does the same for any checkpoint.
 """
 
 from __future__ import annotations
@@ -29,18 +30,15 @@ from pydantic import ValidationError
 from safetensors.torch import load_file, save_file
 
 from trainer.config.validation import dotted, one_line
-from trainer.errors import TrainerError
 from trainer.model.drafter import DFlashDrafter, DrafterConfig
+from trainer.model.errors import ExportError as ExportError
+from trainer.model.export_files import CONFIG as CONFIG
+from trainer.model.export_files import WEIGHTS as WEIGHTS
+from trainer.model.export_files import bf16_dir, read_export_json
 from trainer.model.remote_code import AUTO_MAP, MODELING_FILE, write_modeling_file
 from trainer.model.target import TargetModel
 
-CONFIG = "config.json"
-WEIGHTS = "model.safetensors"
 TRAINING_DTYPE = torch.bfloat16
-
-
-class ExportError(TrainerError, ValueError):
-    """An export directory that cannot be read back (message names the file)."""
 
 
 def drafter_config_json(cfg: DrafterConfig, dtype: torch.dtype) -> dict[str, Any]:
@@ -133,17 +131,16 @@ def export_drafter(
     return out
 
 
+def export_forms(drafter: DFlashDrafter, out_dir: str | Path) -> tuple[Path, Path]:
+    """What a finished run writes for a drafter: `OUT` in its own (fp32 master) weights and
+    `OUT-bf16` in the training dtype; returns both directories."""
+    out = export_drafter(drafter, out_dir)
+    return out, export_drafter(drafter, bf16_dir(out), dtype=TRAINING_DTYPE)
+
+
 def read_drafter_config(path: str | Path) -> DrafterConfig:
     """The DrafterConfig of an export directory, without reading its weights."""
-    root = Path(path)
-    cfg_path = root / CONFIG
-    if not cfg_path.is_file() or not (root / WEIGHTS).is_file():
-        raise ExportError(f"{root}: not a drafter export (needs {CONFIG} and {WEIGHTS})")
-    try:
-        data = json.loads(cfg_path.read_text())
-    except json.JSONDecodeError as err:
-        raise ExportError(f"{cfg_path}: invalid JSON: {err}") from None
-    return config_from_json(data, str(cfg_path))
+    return config_from_json(read_export_json(path), str(Path(path) / CONFIG))
 
 
 def load_drafter(

@@ -25,12 +25,13 @@ from __future__ import annotations
 import time
 from collections.abc import Collection
 from dataclasses import dataclass, field
-from typing import Literal
 
 import torch
 from torch import Tensor
 
 from trainer.model.drafter import DFlashDrafter, DrafterCache
+from trainer.model.protocols import PROTOCOLS as PROTOCOLS
+from trainer.model.protocols import Protocol as Protocol
 from trainer.model.target import TargetModel
 
 
@@ -55,8 +56,6 @@ def _as_prompt(prompt: list[int] | Tensor, device: torch.device) -> Tensor:
     return ids
 
 
-Protocol = Literal["exact", "zlab"]
-PROTOCOLS: tuple[Protocol, ...] = ("exact", "zlab")
 StopIds = int | Collection[int] | None
 
 

@@ -21,11 +21,7 @@ import torch
 from torch import Tensor, nn
 from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache, PreTrainedModel
 
-from trainer.errors import TrainerError
-
-
-class TargetError(TrainerError, ValueError):
-    """A target directory or layer selection that cannot work (message names the culprit)."""
+from trainer.model.errors import TargetError as TargetError
 
 
 class _StopForward(Exception):

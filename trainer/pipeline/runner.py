@@ -307,24 +307,23 @@ def _finish(r: Run, t: Training, queues: Queues, drafter: threading.Thread) -> E
         r.reporter.error("pipeline stopped before the end of the plan")
         return ExitCode.FAILED
     t.monitor.emit(queues, t.end_micro, time.monotonic(), None)
-    if r.world.is_main and t.p.schedule.end_step == t.p.schedule.total_steps:
+    if r.world.is_main:  # the plan's end or [schedule] max_steps: both ends the user asked for
         _export(r, t.p)
     r.reporter.phase("finished", f"step={step}")
     return ExitCode.OK
 
 
 def _export(r: Run, p: Parts) -> None:
-    """The finished drafter to RUN/export, and the held-out best to RUN/export-best."""
-    from trainer.model.export import TRAINING_DTYPE, export_drafter
+    """The finished drafter to RUN/export, and the held-out best to RUN/export-best (each also
+    as -bf16; `python -m trainer.export` writes the same from any checkpoint)."""
+    from trainer.model.export import export_forms
 
-    out = export_drafter(p.drafter, r.opts.run_dir / "export")
-    export_drafter(p.drafter, r.opts.run_dir / "export-bf16", dtype=TRAINING_DTYPE)
-    r.reporter.line(f"Exported drafter to {out} (bf16: {out}-bf16)", status_log=False)
+    out, bf16 = export_forms(p.drafter, r.opts.run_dir / "export")
+    r.reporter.line(f"Exported drafter to {out} (bf16: {bf16})", status_log=False)
     best = checkpoint.best_checkpoint(r.opts.run_dir)
     if best is not None:  # the held-out best, alongside the last
         p.drafter.load_state_dict(checkpoint.load_checkpoint(best[1])["drafter"])
-        out = export_drafter(p.drafter, r.opts.run_dir / "export-best")
-        export_drafter(p.drafter, r.opts.run_dir / "export-best-bf16", dtype=TRAINING_DTYPE)
+        out, _ = export_forms(p.drafter, r.opts.run_dir / "export-best")
         r.reporter.line(f"Exported best drafter (step {best[0]}) to {out}", status_log=False)
 
 

@@ -1,0 +1,112 @@
+"""`--help` and input errors answer before torch or transformers load (importing transformers
+takes 10-40 s on a loaded machine). A small harness runs each command as `python -m` would, in
+a fresh interpreter, and reports its exit status and which heavy modules were imported."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+HEAVY = ("torch", "transformers")
+HARNESS = """
+import json, runpy, sys
+module, *sys.argv[1:] = sys.argv[1:]
+sys.argv[0] = module
+try:
+    runpy.run_module(module, run_name="__main__", alter_sys=True)
+    code = 0
+except SystemExit as exc:
+    code = exc.code
+heavy = [m for m in {heavy!r} if m in sys.modules]
+print(json.dumps({{"code": code, "heavy": heavy}}), file=sys.stderr)
+"""
+
+
+def _probe(*argv: str) -> tuple[int, list[str], str]:
+    """(exit status, heavy modules imported, what the command wrote to stderr)."""
+    done = subprocess.run(
+        [sys.executable, "-c", HARNESS.format(heavy=HEAVY), *argv],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    *said, report = done.stderr.strip().splitlines()
+    result = json.loads(report)
+    return result["code"], result["heavy"], "\n".join(said)
+
+
+@pytest.mark.parametrize(
+    "module", ["trainer.eval", "trainer.data", "trainer.export", "trainer.buckets"]
+)
+def test_help_loads_neither_torch_nor_transformers(module: str) -> None:
+    code, heavy, _ = _probe(module, "--help")
+    assert (code, heavy) == (0, [])
+
+
+def _eval_inputs(tmp_path: Path) -> tuple[Path, Path, Path]:
+    target = tmp_path / "target"
+    target.mkdir()
+    (target / "config.json").write_text(json.dumps({"vocab_size": 100}))
+    drafter = tmp_path / "drafter"
+    drafter.mkdir()
+    (drafter / "config.json").write_text("{}")
+    (drafter / "model.safetensors").write_bytes(b"")
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("[1, 2]\n")
+    return target, drafter, prompts
+
+
+def test_eval_input_errors_come_before_the_heavy_imports(tmp_path: Path) -> None:
+    target, drafter, prompts = _eval_inputs(tmp_path)
+    bad_prompts = tmp_path / "bad.jsonl"
+    bad_prompts.write_text('[1, 2]\n{"turns": "oops"\n')
+    base = ["--target", str(target), "--drafter", str(drafter), "--prompts"]
+    cases = [
+        ([*base, str(bad_prompts)], f"{bad_prompts}:2: invalid JSON"),
+        ([*base, str(tmp_path / "missing.jsonl")], "missing.jsonl"),
+        ([*base, str(prompts), "--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
+        ([*base, str(prompts), "--template-kwargs", "[1]"], "--template-kwargs"),
+        ([*base, str(prompts), "--eos-id", "100"], "--eos-id 100 is outside"),
+        (
+            ["--target", str(target), "--drafter", str(tmp_path), "--prompts", str(prompts)],
+            "not a drafter export",
+        ),
+        (
+            ["--target", str(tmp_path), "--drafter", str(drafter), "--prompts", str(prompts)],
+            "not a model directory",
+        ),
+    ]
+    for argv, message in cases:
+        code, heavy, err = _probe("trainer.eval", *argv)
+        assert (code, heavy) == (2, []), (argv, err)
+        assert message in err and err.startswith("error: ") and err.count("\n") == 0, err
+
+
+def test_data_import_input_errors_come_before_the_heavy_imports(tmp_path: Path) -> None:
+    source = tmp_path / "c.jsonl"
+    source.write_text('{"messages": []}\n')
+    tokenizer = tmp_path / "tok"
+    tokenizer.mkdir()
+    taken = tmp_path / "taken"
+    taken.mkdir()
+    (taken / "x").write_text("")
+    base = ["import", "--max-length", "64", "--out", str(tmp_path / "s")]
+    good = ["--input", str(source), "--tokenizer", str(tokenizer)]
+    cases = [
+        ([*base, "--input", str(tmp_path / "none.jsonl"), "--tokenizer", str(tokenizer)], "none"),
+        ([*base, "--input", str(source), "--tokenizer", str(tmp_path / "no-tok")], "no-tok"),
+        ([*base, *good, "--template-kwargs", "{oops"], "--template-kwargs: not JSON"),
+        ([*base, *good, "--chat-template", str(tmp_path / "t.jinja")], "t.jinja"),
+        (["import", *good, "--max-length", "1", "--out", str(tmp_path / "s")], "--max-length 1"),
+        (["import", *good, "--max-length", "64", "--out", str(taken)], str(taken)),
+    ]
+    for argv, message in cases:
+        code, heavy, err = _probe("trainer.data", *argv)
+        assert (code, heavy) == (2, []), (argv, err)
+        assert message in err and err.count("\n") == 0, err
