@@ -165,8 +165,9 @@ def test_the_need_is_the_checkpoints_retention_keeps_less_those_already_there(
     d = check(tmp_path, keep2)
     assert d is not None and (d.checkpoint, d.slots, d.held, d.need) == (MIB, 3, MIB, 2 * MIB)
     assert d.text().endswith(
-        ", checkpoints need 2.0 (checkpoint.keep_last 2 + 1 being written = 3 x 1.0 MiB, "
-        "less 1.0 already there)"
+        ", checkpoints need 2.0 MiB: the newest checkpoint (1.0 MiB) x 3 checkpoints on disk at "
+        "the peak of a write (checkpoint.keep_last 2 + 1 being written), less 1.0 MiB already "
+        "there"
     )
     # retention full: two kept, the next one needs room for itself only
     (ck / "step-00000020.pt").write_bytes(b"x" * MIB)
@@ -180,7 +181,10 @@ def test_the_need_is_the_checkpoints_retention_keeps_less_those_already_there(
     os.symlink("step-00000010.pt", ck / "best.pt")
     d = check(tmp_path, keep2)  # best.pt set: counted although the config does not evaluate
     assert d is not None and d.best and (d.slots, d.held, d.need) == (4, 3 * MIB, MIB)
-    assert "keep_last 2 + best + 1 being written = 4 x 1.0 MiB" in d.text()
+    assert (
+        "the newest checkpoint (1.0 MiB) x 4 checkpoints on disk at the peak of a write "
+        "(checkpoint.keep_last 2 + best + 1 being written), less 3.0 MiB already there"
+    ) in d.text()
     every = check(tmp_path, evals)
     assert every is not None and "keep_every_steps 100 keeps more on top" in every.text()
     # no config: one checkpoint, the old wording
@@ -218,8 +222,9 @@ def test_low_disk_counts_what_the_configs_retention_keeps(
     assert (
         line.detail.startswith("low: 1.")
         and (
-            ", checkpoints need 2.0 (checkpoint.keep_last 2 + 1 being written = 3 x 1.0 MiB, "
-            f"less 1.0 already there) on {run}; a later checkpoint will fail unless space is freed"
+            ", checkpoints need 2.0 MiB: the newest checkpoint (1.0 MiB) x 3 checkpoints on disk "
+            "at the peak of a write (checkpoint.keep_last 2 + 1 being written), less 1.0 MiB "
+            f"already there on {run}; a later checkpoint will fail unless space is freed"
         )
         in line.detail
     ), line.detail

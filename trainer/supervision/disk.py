@@ -108,22 +108,24 @@ class Disk:
         return self.free < self.checkpoint
 
     def text(self) -> str:
-        """`3.0 MiB free, checkpoint needs 5.0` (the trainer's ENOSPC wording), with the
-        retention that makes up the need when the config gave it."""
+        """`3.0 MiB free, checkpoint needs 5.0` (the trainer's ENOSPC wording); when the config
+        gave the retention, what makes up the need: `..., checkpoints need 2.0 MiB: the newest
+        checkpoint (1.0 MiB) x 3 checkpoints on disk at the peak of a write (checkpoint.keep_last
+        2 + 1 being written), less 1.0 MiB already there`."""
         r = self.retention
         if r.source is None:
             return f"{self.free / MIB:.1f} MiB free, checkpoint needs {self.need / MIB:.1f}"
-        slots = f"checkpoint.keep_last {r.keep_last}" + (" + best" if self.best else "")
-        less = f", less {self.held / MIB:.1f} already there" if self.held else ""
+        kept = f"checkpoint.keep_last {r.keep_last}" + (" + best" if self.best else "")
+        less = f", less {self.held / MIB:.1f} MiB already there" if self.held else ""
         every = (
             f"; keep_every_steps {r.keep_every_steps} keeps more on top"
             if r.keep_every_steps
             else ""
         )
         return (
-            f"{self.free / MIB:.1f} MiB free, checkpoints need {self.need / MIB:.1f} "
-            f"({slots} + 1 being written = {self.slots} x {self.checkpoint / MIB:.1f} MiB"
-            f"{less}{every})"
+            f"{self.free / MIB:.1f} MiB free, checkpoints need {self.need / MIB:.1f} MiB: the "
+            f"newest checkpoint ({self.checkpoint / MIB:.1f} MiB) x {self.slots} checkpoints on "
+            f"disk at the peak of a write ({kept} + 1 being written){less}{every}"
         )
 
     def one_text(self) -> str:
