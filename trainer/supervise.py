@@ -10,12 +10,16 @@ stop. Stall watchdog: no new step, checkpoint or phase line in RUN/status.log fo
 trainer's thread stacks (SIGUSR1, faulthandler) into RUN/console.log, SIGINT, SIGKILL after
 `--kill-grace-s`, then the policy.
 
-Disk: free space in RUN against the newest checkpoint's size times the checkpoints retention
-keeps (the trainer argv's `--config`: checkpoint.keep_last + the best when it evaluates + the one
-being written, less those already there; one checkpoint without a readable config), at start,
-every `--disk-check-s` while the trainer runs (a `low_disk` phase line once per change,
-`low_disk` in the state; the trainer is not stopped for it), and before every restart (less than
-one checkpoint: not restarted, since the restart would fail its first checkpoint the same way).
+Disk: free space on every filesystem the trainer writes to (RUN, RUN/checkpoints, the exports,
+the trackers' dirs; each filesystem once, named by the trainer's directory on it). Where the
+checkpoints go, against the newest checkpoint's size times the checkpoints retention keeps (the
+trainer argv's `--config`: checkpoint.keep_last + the best when it evaluates + the one being
+written, less those already there; one checkpoint without a readable config); elsewhere against
+the exports or the logs (`trainer.supervision.filesystems`). At start, every `--disk-check-s`
+while the trainer runs (a `low_disk` phase line per filesystem and change, `low_disk` and
+`low_disks` in the state; the trainer is not stopped for it), and before every restart (less than
+one checkpoint where the checkpoints go: not restarted, since the restart would fail its first
+checkpoint the same way).
 
 Signals: the trainer runs in its own session, so a Ctrl-C in the tmux pane reaches it exactly
 once, forwarded by the supervisor (SIGINT, SIGTERM, SIGHUP). A signal during a backoff ends the
@@ -39,10 +43,11 @@ from trainer.config.policy import Ending, Policy, decide, exit_code, restart_arg
 from trainer.errors import ExitCode
 from trainer.events import format_error_line, format_phase_line
 from trainer.supervision import child as children
-from trainer.supervision import disk, procinfo
+from trainer.supervision import procinfo
 from trainer.supervision.child import TICK_S, Child
 from trainer.supervision.console import PREFIX, Console
 from trainer.supervision.diskwatch import DiskWatch
+from trainer.supervision.filesystems import Space
 from trainer.supervision.flags import DISK_CHECK_S, parse_policy, split_argv
 from trainer.supervision.flags import parser as flags_parser
 from trainer.supervision.progress import LogTail, Progress
@@ -92,7 +97,8 @@ class Supervisor:
             "gave_up": False,
             "detail": None,
             "exit_status": None,
-            "low_disk": None,  # {free_mib, needed_mib, since} while free < one checkpoint
+            "low_disk": None,  # {free_mib, needed_mib, path, holds, since, ...} while low
+            "low_disks": [],  # every low filesystem's entry
         }
         self._write_problem: str | None = None
 
@@ -107,13 +113,14 @@ class Supervisor:
             self.console.error(problem)
         self._write_problem = problem
 
-    def check_disk(self) -> disk.Disk | None:
-        """Free space against one checkpoint; the state's low_disk entry follows each change."""
-        was = self.disk.low_disk
-        d = self.disk.check()
-        if self.disk.low_disk != was:
-            self.save(low_disk=self.disk.low_disk)
-        return d
+    def check_disk(self) -> Space | None:
+        """Free space on every filesystem the trainer writes to; the state's low_disk entries
+        follow each change. The checkpoints' filesystem."""
+        was = self.disk.low_disks
+        space = self.disk.check()
+        if self.disk.low_disks != was:
+            self.save(low_disk=self.disk.low_disk, low_disks=self.disk.low_disks)
+        return space
 
     # ------------------------------------------------------------------ signals
     def _on_signal(self, signum: int, _frame: object) -> None:
@@ -224,10 +231,11 @@ class Supervisor:
                 self.save(state="not-restarted", detail=why, exit_status=status)
                 return status
             space = self.check_disk()
-            if space is not None and space.full:
+            if space is not None and space.checkpoints is not None and space.full:
                 detail = (
-                    f"no space left on {self.run_dir} ({space.one_text()}) after {why}: a restart "
-                    f"would fail its next checkpoint; free space there, then dflashctl start HOST"
+                    f"no space left on {space.path} ({space.checkpoints.one_text()}) after {why}: "
+                    "a restart would fail its next checkpoint; free space there, then dflashctl "
+                    "start HOST"
                 )
                 self.say(format_phase_line("not_restarting", detail), status_log=True)
                 self.save(

@@ -1,4 +1,4 @@
-"""Free space in the run directory against what retention will hold on disk (torch-free).
+"""Free space for the checkpoints against what retention will hold on disk (torch-free).
 
 A checkpoint is taken to be as large as the newest complete `checkpoints/step-*.pt` (0 before
 the first: nothing to compare against yet). Retention comes from the run's config (the trainer
@@ -177,9 +177,11 @@ def checkpoint_need(run_dir: Path) -> int:
 
 
 def check(run_dir: Path, retention: Retention = UNKNOWN) -> Disk | None:
-    """Free space against what retention needs; None when the run dir cannot be statted."""
+    """Free space where the checkpoints go (RUN/checkpoints, else RUN before it exists) against
+    what retention needs; None when neither can be statted."""
+    root = run_dir / "checkpoints"
     try:
-        st = os.statvfs(run_dir)
+        st = os.statvfs(root if root.is_dir() else run_dir)
     except OSError:
         return None
     free = st.f_bavail * st.f_frsize
