@@ -5,10 +5,11 @@ death, a stall) is restarted from the newest checkpoint (`--resume auto`, never 
 a backoff that doubles per restart, at most `--max-restarts` times within `--restart-window-s`;
 then it gives up, once. Never restarted: a finished run, a stop (the supervisor or the trainer
 was signalled), an exit status in `--no-restart-exit-codes`, the trainer's non-finite divergence
-stop. Stall watchdog: no new step, checkpoint or phase line in RUN/status.log for
-`--stall-timeout-s` (`--startup-timeout-s` before the first step) -> /proc snapshot and the
-trainer's thread stacks (SIGUSR1, faulthandler) into RUN/console.log, SIGINT, SIGKILL after
-`--kill-grace-s`, then the policy.
+stop, its stop for checkpoints that keep failing (exit 3, whatever the flag says). Stall
+watchdog: no new step, checkpoint or phase line in RUN/status.log for `--stall-timeout-s`
+(`--startup-timeout-s` before the first step) -> /proc snapshot and the trainer's thread stacks
+(SIGUSR1, faulthandler) into RUN/console.log, SIGINT, SIGKILL after `--kill-grace-s`, then the
+policy.
 
 Disk: free space on every filesystem the trainer writes to (RUN, RUN/checkpoints, the exports,
 the trackers' dirs; each filesystem once, named by the trainer's directory on it). Where the

@@ -1,6 +1,9 @@
 """Phase, checkpoint and error lines: their models, formatters and parsers.
 
-Each keeps the line it was parsed from in ``text`` (what `format_line` prints back).
+Each keeps the line it was parsed from in ``text`` (what `format_line` prints back). A failed
+checkpoint is an error line of its own grammar (``ERROR: checkpoint step=15 not written to DIR:
+REASON``): every reader still sees an `ErrorEvent`, and its ``checkpoint_failed`` holds the step,
+the directory and the reason.
 """
 
 from __future__ import annotations
@@ -16,8 +19,10 @@ __all__ = [
     "ERROR_PREFIX",
     "PHASE_TEXTS",
     "CheckpointEvent",
+    "CheckpointFailed",
     "ErrorEvent",
     "PhaseEvent",
+    "checkpoint_failed_message",
     "format_checkpoint_line",
     "format_error_line",
     "format_phase_line",
@@ -68,6 +73,17 @@ class CheckpointEvent(BaseModel):
     text: str
 
 
+class CheckpointFailed(BaseModel):
+    """A checkpoint the trainer could not write, and the directory it was to go to (the one to
+    free space in when the reason is a full disk)."""
+
+    model_config = _FROZEN
+
+    step: int
+    directory: str
+    reason: str
+
+
 class ErrorEvent(BaseModel):
     """``ERROR: <one-line message>``; the traceback, if any, follows as raw lines."""
 
@@ -76,6 +92,7 @@ class ErrorEvent(BaseModel):
     kind: Literal["error"] = "error"
     message: str
     text: str
+    checkpoint_failed: CheckpointFailed | None = None  # the message is a failed checkpoint's
 
 
 def format_phase_line(phase: str, detail: str = "") -> str:
@@ -117,8 +134,26 @@ def format_error_line(message: str) -> str:
     return ERROR_PREFIX + " ".join(message.split())
 
 
+# The directory ends at the first ": " (a directory whose name holds one is cut there).
+_CHECKPOINT_FAILED = LineGrammar(
+    "checkpoint step={step} not written to {directory}: {reason}",
+    {"step": INT, "directory": Slot(r"(.+?)", str, str), "reason": Slot(r"(.+)", str, str)},
+    extras=False,
+)
+
+
+def checkpoint_failed_message(failed: CheckpointFailed) -> str:
+    """The error message of a failed checkpoint, its reason folded onto one line
+    (`format_error_line` prints it)."""
+    values = {**failed.model_dump(), "reason": " ".join(failed.reason.split())}
+    return _CHECKPOINT_FAILED.format(values)
+
+
 def parse_error_line(line: str) -> ErrorEvent | None:
     """The ErrorEvent of an ``ERROR: ...`` line, or None when it is not one."""
     if not line.startswith(ERROR_PREFIX):
         return None
-    return ErrorEvent(message=line[len(ERROR_PREFIX) :], text=line)
+    message = line[len(ERROR_PREFIX) :]
+    values = _CHECKPOINT_FAILED.parse(message)
+    failed = None if values is None else CheckpointFailed(**values)
+    return ErrorEvent(message=message, text=line, checkpoint_failed=failed)
