@@ -25,7 +25,8 @@ checkpoint the same way).
 Signals: the trainer runs in its own session, so a Ctrl-C in the tmux pane reaches it exactly
 once, forwarded by the supervisor (SIGINT, SIGTERM, SIGHUP). A signal during a backoff ends the
 supervisor without another attempt. State: RUN/supervisor.json (this process is its only
-writer); events: phase lines on stdout, RUN/status.log and RUN/console.log.
+writer; while it cannot be written, a `state_stale` line on stdout says what it is instead);
+events: phase lines on stdout, RUN/status.log and RUN/console.log.
 
 Exit status: the last attempt's (a signal death is 128 + N), 2 for a usage error.
 """
@@ -54,7 +55,7 @@ from trainer.supervision.flags import parser as flags_parser
 from trainer.supervision.progress import LogTail, Progress
 from trainer.supervision.restarts import GiveUp, RestartHistory
 from trainer.supervision.stall import stop_stalled
-from trainer.supervision.statefile import now_iso, read_trainer_record, write_state
+from trainer.supervision.statefile import StateFile, now_iso, read_trainer_record
 
 __all__ = ["DISK_CHECK_S", "TICK_S", "Supervisor", "main", "parse_policy"]
 
@@ -101,7 +102,7 @@ class Supervisor:
             "low_disk": None,  # {free_mib, needed_mib, path, holds, since, ...} while low
             "low_disks": [],  # every low filesystem's entry
         }
-        self._write_problem: str | None = None
+        self.state_file = StateFile(run_dir, self.console)
 
     # ------------------------------------------------------------------ output
     def say(self, text: str, status_log: bool = False) -> None:
@@ -109,10 +110,7 @@ class Supervisor:
 
     def save(self, **fields: Any) -> None:
         self.state.update(fields)
-        problem = write_state(self.run_dir, self.state)
-        if problem and problem != self._write_problem:
-            self.console.error(problem)
-        self._write_problem = problem
+        self.state_file.write(self.state)
 
     def check_disk(self) -> Space | None:
         """Free space on every filesystem the trainer writes to; the state's low_disk entries

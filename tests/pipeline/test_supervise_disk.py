@@ -18,6 +18,7 @@ import pytest
 from tests.conftest import tmpfs
 from trainer import tracking
 from trainer.config import TrainConfig
+from trainer.events import PhaseEvent, parse_line, parse_state_stale
 from trainer.pipeline import checkpoint, runner
 from trainer.supervision.disk import (
     MIB,
@@ -339,3 +340,52 @@ def test_each_filesystem_the_trainer_writes_to_is_measured_once_and_named(
         (run / "done").touch()
         assert s.wait(30) == 0
         assert len(_phases(run, "low_disk")) == 2  # no line for RUN, nor a second per change
+
+
+# Writes RUN/checkpoints/step-00000001.pt of SIZE bytes, fills the rest of the disk to the last
+# byte, then exits 1.
+FILL_AND_CRASH = (
+    "import os, sys\n"
+    "run, size = sys.argv[1], int(sys.argv[2])\n"
+    "os.makedirs(run + '/checkpoints', exist_ok=True)\n"
+    "open(run + '/checkpoints/step-00000001.pt', 'wb').write(b'\\0' * size)\n"
+    "with open(run + '/filler', 'wb', buffering=0) as fh:\n"
+    "    try:\n"
+    "        while True: fh.write(b'\\0' * 4096)\n"
+    "    except OSError: pass\n"
+    "sys.exit(1)\n"
+)
+
+
+@pytest.mark.timeout(60)
+def test_a_supervisor_that_cannot_write_its_state_file_says_so_on_its_pane(
+    tmp_path: Path, sups: list[Sup]
+) -> None:
+    """RUN (a 1 MiB tmpfs) filled to the last byte by the trainer: supervisor.json can no longer
+    be replaced and goes on saying `running`. The pane says so, naming the file and the full
+    disk, and says what the supervisor is instead: not restarted, with its exit status."""
+    with tmpfs(tmp_path / "run", "1m") as run:
+        argv = _sup_argv(
+            run, "--max-restarts", "1", "--backoff-s", "0.05",
+            child=[*_script(FILL_AND_CRASH), str(run), str(MIB // 4)],
+        )  # fmt: skip
+        s = Sup(argv, tmp_path / "out")
+        sups.append(s)
+        assert s.wait(30) == 1
+        pane = [parse_line(x) for x in s.text().splitlines()]
+        lines = [e for e in pane if isinstance(e, PhaseEvent) and e.phase == "state_stale"]
+        stale = [parse_state_stale(e.detail) for e in lines]
+        assert lines and None not in stale, s.text()
+        last = stale[-1]
+        assert last is not None
+        assert last.path == str(run / "supervisor.json")
+        assert last.why == "No space left on device: the disk is full"
+        assert (last.state, last.attempt, last.exit_status) == ("not-restarted", 1, 1)
+        assert last.detail.startswith(f"no space left on {run} (")
+        assert lines[-1].text.startswith(
+            f"Supervisor state file stale: {run / 'supervisor.json'} not written (No space left "
+            "on device: the disk is full), it is out of date: the supervisor is not-restarted, "
+            "attempt 1, exit status 1; no space left on "
+        )
+        assert _sup_state(run)["state"] == "running"  # the file itself is stale
+        assert "Not restarting trainer: no space left" in s.text()

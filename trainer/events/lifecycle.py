@@ -22,13 +22,16 @@ __all__ = [
     "CheckpointFailed",
     "ErrorEvent",
     "PhaseEvent",
+    "StaleState",
     "checkpoint_failed_message",
     "format_checkpoint_line",
     "format_error_line",
     "format_phase_line",
+    "format_state_stale",
     "parse_checkpoint_line",
     "parse_error_line",
     "parse_phase_line",
+    "parse_state_stale",
 ]
 
 _FROZEN = ConfigDict(frozen=True, extra="forbid")
@@ -46,6 +49,7 @@ PHASE_TEXTS: dict[str, str] = {
     "not_restarting": "Not restarting trainer:",
     "gave_up": "Supervisor gave up",
     "low_disk": "Run disk space:",  # detail "low: ..." or "ok again: ..."
+    "state_stale": "Supervisor state file stale:",  # detail: `format_state_stale`
 }
 CHECKPOINT_PREFIX = "Checkpoint saved: "
 ERROR_PREFIX = "ERROR: "
@@ -157,3 +161,50 @@ def parse_error_line(line: str) -> ErrorEvent | None:
     values = _CHECKPOINT_FAILED.parse(message)
     failed = None if values is None else CheckpointFailed(**values)
     return ErrorEvent(message=message, text=line, checkpoint_failed=failed)
+
+
+class StaleState(BaseModel):
+    """What the supervisor is when it cannot write RUN/supervisor.json (a full disk): the file
+    still says an older state, so the pane's line is the truth (and the supervisor's exit
+    status, once it ends)."""
+
+    model_config = _FROZEN
+
+    path: str  # the state file that is out of date
+    why: str  # why it could not be written
+    state: str  # the supervisor's state now (supervisor.json's `state`)
+    attempt: int
+    exit_status: int | None = None
+    detail: str = ""
+
+
+def _opt_int(text: str) -> int | None:
+    return None if text == "---" else int(text)
+
+
+_STALE = LineGrammar(
+    "{path} not written ({why}), it is out of date: the supervisor is {state}, attempt "
+    "{attempt}, exit status {exit_status}{detail}",
+    {
+        "path": Slot(r"(.+?)", str, str),
+        "why": Slot(r"(.*?)", str, str),
+        "state": Slot(r"(\S+)", str, str),
+        "attempt": INT,
+        "exit_status": Slot(r"(\d+|---)", lambda v: "---" if v is None else str(v), _opt_int),
+        # "; detail", nothing when empty (a pane capture drops trailing blanks)
+        "detail": Slot(r"((?:; .*)?)", lambda d: f"; {d}" if d else "", lambda t: t[2:]),
+    },
+    extras=False,
+)
+
+
+def format_state_stale(stale: StaleState) -> str:
+    """The supervisor's line for a state file it could not write (one line)."""
+    values = {**stale.model_dump(), "detail": " ".join(stale.detail.split())}
+    return format_phase_line("state_stale", _STALE.format(values))
+
+
+def parse_state_stale(detail: str) -> StaleState | None:
+    """The StaleState of a `state_stale` phase line's detail, or None."""
+    values = _STALE.parse(detail)
+    return None if values is None else StaleState(**values)
