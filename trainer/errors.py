@@ -17,6 +17,7 @@ class ExitCode(IntEnum):
     OK = 0
     FAILED = 1  # training failed (a stage crashed, a stop lost steps)
     USAGE = 2  # the run was refused: bad config, data or checkpoint (restarting cannot help)
+    UNSAVED = 3  # checkpoints kept failing: stopped rather than train steps that cannot be kept
     INTERRUPTED = 130  # Ctrl-C / SIGTERM cut a tool short (trainer.data, trainer.eval)
 
 

@@ -5,22 +5,28 @@ death, a stall) is restarted from the newest checkpoint (`--resume auto`, never 
 a backoff that doubles per restart, at most `--max-restarts` times within `--restart-window-s`;
 then it gives up, once. Never restarted: a finished run, a stop (the supervisor or the trainer
 was signalled), an exit status in `--no-restart-exit-codes`, the trainer's non-finite divergence
-stop. Stall watchdog: no new step, checkpoint or phase line in RUN/status.log for
-`--stall-timeout-s` (`--startup-timeout-s` before the first step) -> /proc snapshot and the
-trainer's thread stacks (SIGUSR1, faulthandler) into RUN/console.log, SIGINT, SIGKILL after
-`--kill-grace-s`, then the policy.
+stop, its stop for checkpoints that keep failing (exit 3, whatever the flag says). Stall
+watchdog: no new step, checkpoint or phase line in RUN/status.log for `--stall-timeout-s`
+(`--startup-timeout-s` before the first step) -> /proc snapshot and the trainer's thread stacks
+(SIGUSR1, faulthandler) into RUN/console.log, SIGINT, SIGKILL after `--kill-grace-s`, then the
+policy.
 
-Disk: free space in RUN against the newest checkpoint's size times the checkpoints retention
-keeps (the trainer argv's `--config`: checkpoint.keep_last + the best when it evaluates + the one
-being written, less those already there; one checkpoint without a readable config), at start,
-every `--disk-check-s` while the trainer runs (a `low_disk` phase line once per change,
-`low_disk` in the state; the trainer is not stopped for it), and before every restart (less than
-one checkpoint: not restarted, since the restart would fail its first checkpoint the same way).
+Disk: free space on every filesystem the trainer writes to (RUN, RUN/checkpoints, the exports,
+the trackers' dirs; each filesystem once, named by the trainer's directory on it). Where the
+checkpoints go, against the newest checkpoint's size times the checkpoints retention keeps (the
+trainer argv's `--config`: checkpoint.keep_last + the best when it evaluates + the one being
+written, less those already there; one checkpoint without a readable config); elsewhere against
+the exports or the logs (`trainer.supervision.filesystems`). At start, every `--disk-check-s`
+while the trainer runs (a `low_disk` phase line per filesystem and change, `low_disk` and
+`low_disks` in the state; the trainer is not stopped for it), and before every restart (less than
+one checkpoint where the checkpoints go: not restarted, since the restart would fail its first
+checkpoint the same way).
 
 Signals: the trainer runs in its own session, so a Ctrl-C in the tmux pane reaches it exactly
 once, forwarded by the supervisor (SIGINT, SIGTERM, SIGHUP). A signal during a backoff ends the
 supervisor without another attempt. State: RUN/supervisor.json (this process is its only
-writer); events: phase lines on stdout, RUN/status.log and RUN/console.log.
+writer; while it cannot be written, a `state_stale` line on stdout says what it is instead);
+events: phase lines on stdout, RUN/status.log and RUN/console.log.
 
 Exit status: the last attempt's (a signal death is 128 + N), 2 for a usage error.
 """
@@ -39,16 +45,17 @@ from trainer.config.policy import Ending, Policy, decide, exit_code, restart_arg
 from trainer.errors import ExitCode
 from trainer.events import format_error_line, format_phase_line
 from trainer.supervision import child as children
-from trainer.supervision import disk, procinfo
+from trainer.supervision import procinfo
 from trainer.supervision.child import TICK_S, Child
 from trainer.supervision.console import PREFIX, Console
 from trainer.supervision.diskwatch import DiskWatch
+from trainer.supervision.filesystems import Space
 from trainer.supervision.flags import DISK_CHECK_S, parse_policy, split_argv
 from trainer.supervision.flags import parser as flags_parser
 from trainer.supervision.progress import LogTail, Progress
 from trainer.supervision.restarts import GiveUp, RestartHistory
 from trainer.supervision.stall import stop_stalled
-from trainer.supervision.statefile import now_iso, read_trainer_record, write_state
+from trainer.supervision.statefile import StateFile, now_iso, read_trainer_record
 
 __all__ = ["DISK_CHECK_S", "TICK_S", "Supervisor", "main", "parse_policy"]
 
@@ -92,9 +99,10 @@ class Supervisor:
             "gave_up": False,
             "detail": None,
             "exit_status": None,
-            "low_disk": None,  # {free_mib, needed_mib, since} while free < one checkpoint
+            "low_disk": None,  # {free_mib, needed_mib, path, holds, since, ...} while low
+            "low_disks": [],  # every low filesystem's entry
         }
-        self._write_problem: str | None = None
+        self.state_file = StateFile(run_dir, self.console)
 
     # ------------------------------------------------------------------ output
     def say(self, text: str, status_log: bool = False) -> None:
@@ -102,18 +110,16 @@ class Supervisor:
 
     def save(self, **fields: Any) -> None:
         self.state.update(fields)
-        problem = write_state(self.run_dir, self.state)
-        if problem and problem != self._write_problem:
-            self.console.error(problem)
-        self._write_problem = problem
+        self.state_file.write(self.state)
 
-    def check_disk(self) -> disk.Disk | None:
-        """Free space against one checkpoint; the state's low_disk entry follows each change."""
-        was = self.disk.low_disk
-        d = self.disk.check()
-        if self.disk.low_disk != was:
-            self.save(low_disk=self.disk.low_disk)
-        return d
+    def check_disk(self) -> Space | None:
+        """Free space on every filesystem the trainer writes to; the state's low_disk entries
+        follow each change. The checkpoints' filesystem."""
+        was = self.disk.low_disks
+        space = self.disk.check()
+        if self.disk.low_disks != was:
+            self.save(low_disk=self.disk.low_disk, low_disks=self.disk.low_disks)
+        return space
 
     # ------------------------------------------------------------------ signals
     def _on_signal(self, signum: int, _frame: object) -> None:
@@ -224,10 +230,11 @@ class Supervisor:
                 self.save(state="not-restarted", detail=why, exit_status=status)
                 return status
             space = self.check_disk()
-            if space is not None and space.full:
+            if space is not None and space.checkpoints is not None and space.full:
                 detail = (
-                    f"no space left on {self.run_dir} ({space.one_text()}) after {why}: a restart "
-                    f"would fail its next checkpoint; free space there, then dflashctl start HOST"
+                    f"no space left on {space.path} ({space.checkpoints.one_text()}) after {why}: "
+                    "a restart would fail its next checkpoint; free space there, then dflashctl "
+                    "start HOST"
                 )
                 self.say(format_phase_line("not_restarting", detail), status_log=True)
                 self.save(

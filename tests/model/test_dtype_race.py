@@ -1,14 +1,17 @@
-"""The process-global default dtype vs concurrent bf16 target loads (issue 16, item 3).
+"""The process-global default dtype vs concurrent bf16 target loads (issue 16 item 3, issue 25
+item 4).
 
 transformers builds a model inside `torch.set_default_dtype(dtype)`; that default is process-wide,
-so concurrent loads (the pipeline's target workers) left the process with bf16 as its default and
-the drafter thread's `torch.rand` returned bf16 meanwhile. Loads are now serialised and restore
-the default, and the drafter-side code names its dtypes, so neither depends on thread timing.
+so while a bf16 load was in flight every other thread's `torch.rand` returned bf16 (a prefetch
+thread, the drafter, the other target workers), and concurrent loads could leave bf16 behind.
+Targets now load without touching the default (`trainer.model.target_load`), and the drafter-side
+code names its dtypes anyway.
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -19,6 +22,7 @@ from trainer.model.masks import Anchors, sample_anchors
 from trainer.model.target import TargetModel
 
 LOADERS = 6
+SAMPLES = 2_000
 ROUNDS = 8  # the old code ended bf16 in ~60 % of rounds; 8 rounds all fp32 by luck: < 0.1 %
 
 
@@ -109,3 +113,46 @@ def test_concurrent_bf16_target_loads_keep_the_default_and_the_anchor_draws(
     assert after == [torch.float32] * ROUNDS
     assert draws[0] > 0
     assert mismatches == []
+
+
+def test_no_thread_sees_bf16_while_bf16_targets_load(tiny_dir: Path) -> None:
+    """Six threads load bf16 targets, over and over, while a seventh samples
+    `torch.rand(2).dtype` 2,000 times: every sample is fp32 (before issue 25, 1,088 to 1,363
+    of 2,000 were bf16 in six runs) and every target is bf16."""
+    assert torch.get_default_dtype() == torch.float32
+    start = threading.Barrier(LOADERS + 1)
+    sampled = threading.Event()
+    seen: list[torch.dtype] = []
+    dtypes: list[torch.dtype] = []
+    errors: list[BaseException] = []
+
+    def sample() -> None:
+        start.wait()
+        try:
+            for _ in range(SAMPLES):
+                seen.append(torch.rand(2).dtype)
+                time.sleep(0)  # hand the GIL to the loaders: the samples spread over their loads
+        finally:
+            sampled.set()
+
+    def load() -> None:
+        start.wait()
+        try:
+            while True:  # a load in flight for the whole of the sampling
+                dtypes.append(TargetModel.load(tiny_dir, [1, 5], "cpu", torch.bfloat16).dtype)
+                if sampled.is_set():
+                    return
+        except BaseException as exc:  # reported below, not lost in the thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=load) for _ in range(LOADERS)]
+    threads.append(threading.Thread(target=sample))
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    assert len(seen) == SAMPLES
+    assert seen.count(torch.bfloat16) == 0
+    assert len(dtypes) >= LOADERS and set(dtypes) == {torch.bfloat16}
+    assert torch.get_default_dtype() == torch.float32

@@ -210,12 +210,13 @@ def test_a_full_disk_fails_the_checkpoint_in_one_line_and_loses_nothing(
         assert "Traceback" not in out.stderr and "unexpected pos" not in out.stdout + out.stderr
         errors = _stdout_errors(out)
         pattern = (
-            rf"ERROR: no space left on {re.escape(str(run_dir))} \((\d+\.\d) MiB free, checkpoint"
-            rf" needs (\d+\.\d)\): step-000000(15|20)\.pt not written, kept step-00000010\.pt"
+            rf"ERROR: checkpoint step=(15|20) not written to "
+            rf"{re.escape(str(run_dir / 'checkpoints'))}: no space left \((\d+\.\d) MiB free, "
+            rf"checkpoint needs (\d+\.\d)\); kept step-00000010\.pt"
         )
         full = [m for m in errors if re.fullmatch(pattern, m)]
-        assert [re.fullmatch(pattern, m).group(3) for m in full] == ["15", "20"], errors  # type: ignore[union-attr]
-        free, needs = (float(x) for x in re.fullmatch(pattern, full[0]).groups()[:2])  # type: ignore[union-attr]
+        assert [re.fullmatch(pattern, m).group(1) for m in full] == ["15", "20"], errors  # type: ignore[union-attr]
+        free, needs = (float(x) for x in re.fullmatch(pattern, full[0]).groups()[1:])  # type: ignore[union-attr]
         assert free < needs and needs >= size / 2**20 * 0.9
         assert errors[-1] == (
             "ERROR: stopped at step 20 without its checkpoint: resuming from step-00000010.pt "
@@ -229,7 +230,8 @@ def test_a_full_disk_fails_the_checkpoint_in_one_line_and_loses_nothing(
         state = _run_state(run_dir)
         assert state["state"] == "crashed" and state["exit_status"] == 1, state
         assert state["last_checkpoint"] == str(kept) and state["lost_steps"] == 10
-        assert state["checkpoint_error"].startswith(f"no space left on {run_dir} (")
+        assert state["checkpoint_error"] == errors[-2].removeprefix("ERROR: ")
+        assert state["checkpoint_failed"]["step"] == 20 and state["checkpoint_failures"] == 2
         assert "ERROR: " + state["last_error"] == errors[-1]
         assert state["pid"] and state["config_hash"] and state["release"]
 

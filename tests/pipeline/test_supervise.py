@@ -197,7 +197,13 @@ def test_decide_and_reasons() -> None:
         "not-restarted",
         "the trainer's exit 2 (launcher exit 1) is in no_restart_exit_codes",
     )
-    assert decide(Ending(returncode=1, trainer_exit=3), p)[0] == "failure"
+    assert decide(Ending(returncode=1, trainer_exit=4), p)[0] == "failure"
+    # the trainer's stop for checkpoints that keep failing (exit 3): never restarted, whatever
+    # no_restart_exit_codes says (dflashctl passes its own list)
+    unsaved = decide(Ending(returncode=3), Policy(no_restart_exit_codes=frozenset()))
+    assert unsaved[0] == "not-restarted" and unsaved[1].startswith("checkpoints kept failing")
+    assert decide(Ending(returncode=1, trainer_exit=3), p)[0] == "not-restarted"
+    assert decide(Ending(returncode=3, operator_stop=True), p)[0] == "stopped"
     assert decide(Ending(returncode=1), Policy(restart="never"))[0] == "not-restarted"
     err = "stage drafter failed: NonFiniteLoss: 3 non-finite losses in a row (step 12)"
     assert decide(Ending(returncode=1, errors=(err,)), p)[0] == "not-restarted"

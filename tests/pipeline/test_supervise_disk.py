@@ -1,9 +1,12 @@
-"""The supervisor's free-space checks on a real, small tmpfs run directory (needs root to mount):
-a restart that would hit the same full disk is not made; low disk while the trainer runs is one
-phase line per change and an entry in supervisor.json, and the trainer keeps running."""
+"""The supervisor's free-space checks on real, small tmpfs mounts (needs root to mount): a restart
+that would hit the same full disk is not made; low disk while the trainer runs is one phase line
+per filesystem and change and an entry in supervisor.json, and the trainer keeps running. Every
+filesystem the trainer writes to is measured, once each: RUN/checkpoints, the exports or a
+tracker's dir on a mount of its own is named when it is the short one."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import time
@@ -11,7 +14,12 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import tmpfs
+from trainer import tracking
 from trainer.config import TrainConfig
+from trainer.events import PhaseEvent, parse_line, parse_state_stale
+from trainer.model.export_files import run_export_dirs
+from trainer.pipeline import checkpoint
 from trainer.supervision.disk import (
     MIB,
     UNKNOWN,
@@ -21,6 +29,7 @@ from trainer.supervision.disk import (
     checkpoint_need,
     config_of,
 )
+from trainer.supervision.filesystems import LOG_RESERVE, WRITES
 
 from .conftest import REPO
 from .test_supervise import Sup, _phases, _script, _sup_argv, _sup_state, _until, sups
@@ -102,7 +111,10 @@ def test_low_disk_while_training_is_one_line_per_change_and_the_trainer_keeps_ru
     filler.write_bytes(b"\0" * (_free(small_fs) - MIB // 2))  # 0.5 MiB left, 1 MiB needed
     _until(lambda: len(_phases(run, "low_disk")) == 1, 30, "the low_disk line")
     (line,) = _phases(run, "low_disk")
-    assert line.detail.startswith("low: 0.") and ", checkpoint needs 1.0 on " in line.detail
+    assert line.detail.startswith("low: 0.") and line.detail.endswith(
+        f" MiB free on {run}, checkpoint needs 1.0; the next checkpoint will fail unless space "
+        "is freed"
+    )
     first = _sup_state(run)["low_disk"]
     assert first["needed_mib"] == 1.0 and first["free_mib"] < 1.0
     # Still low, less free: later checks update the entry (same `since`) without a second line.
@@ -165,8 +177,9 @@ def test_the_need_is_the_checkpoints_retention_keeps_less_those_already_there(
     d = check(tmp_path, keep2)
     assert d is not None and (d.checkpoint, d.slots, d.held, d.need) == (MIB, 3, MIB, 2 * MIB)
     assert d.text().endswith(
-        ", checkpoints need 2.0 (checkpoint.keep_last 2 + 1 being written = 3 x 1.0 MiB, "
-        "less 1.0 already there)"
+        ", checkpoints need 2.0 MiB: the newest checkpoint (1.0 MiB) x 3 checkpoints on disk at "
+        "the peak of a write (checkpoint.keep_last 2 + 1 being written), less 1.0 MiB already "
+        "there"
     )
     # retention full: two kept, the next one needs room for itself only
     (ck / "step-00000020.pt").write_bytes(b"x" * MIB)
@@ -180,7 +193,10 @@ def test_the_need_is_the_checkpoints_retention_keeps_less_those_already_there(
     os.symlink("step-00000010.pt", ck / "best.pt")
     d = check(tmp_path, keep2)  # best.pt set: counted although the config does not evaluate
     assert d is not None and d.best and (d.slots, d.held, d.need) == (4, 3 * MIB, MIB)
-    assert "keep_last 2 + best + 1 being written = 4 x 1.0 MiB" in d.text()
+    assert (
+        "the newest checkpoint (1.0 MiB) x 4 checkpoints on disk at the peak of a write "
+        "(checkpoint.keep_last 2 + best + 1 being written), less 3.0 MiB already there"
+    ) in d.text()
     every = check(tmp_path, evals)
     assert every is not None and "keep_every_steps 100 keeps more on top" in every.text()
     # no config: one checkpoint, the old wording
@@ -215,13 +231,10 @@ def test_low_disk_counts_what_the_configs_retention_keeps(
         return
     _until(lambda: len(_phases(run, "low_disk")) == 1, 30, "the low_disk line")
     (line,) = _phases(run, "low_disk")
-    assert (
-        line.detail.startswith("low: 1.")
-        and (
-            ", checkpoints need 2.0 (checkpoint.keep_last 2 + 1 being written = 3 x 1.0 MiB, "
-            f"less 1.0 already there) on {run}; a later checkpoint will fail unless space is freed"
-        )
-        in line.detail
+    assert line.detail.startswith("low: 1.") and line.detail.endswith(
+        f" MiB free on {run}, checkpoints need 2.0 MiB: the newest checkpoint (1.0 MiB) x 3 "
+        "checkpoints on disk at the peak of a write (checkpoint.keep_last 2 + 1 being written), "
+        "less 1.0 MiB already there; a later checkpoint will fail unless space is freed"
     ), line.detail
     low = _sup_state(run)["low_disk"]
     assert (low["needed_mib"], low["checkpoint_mib"], low["checkpoints"]) == (2.0, 1.0, 3)
@@ -249,3 +262,129 @@ def test_a_crash_on_a_disk_low_for_retention_but_with_room_for_one_checkpoint_is
     assert state["state"] == "gave-up" and [r["reason"] for r in state["restarts"]] == ["exit 1"]
     assert state["low_disk"]["needed_mib"] == 2.0 and state["low_disk"]["free_mib"] < 2.0
     assert _phases(run, "not_restarting") == []
+
+
+def test_the_watched_directories_are_the_ones_the_trainer_writes() -> None:
+    rel = {what: [r for w, r in WRITES if w == what] for what, _ in WRITES}
+    assert rel["checkpoints"] == [checkpoint.checkpoint_dir(Path(".")).name]
+    assert rel["exports"] == list(run_export_dirs())  # the names the runner exports into
+    assert rel["exports"] == ["export", "export-bf16", "export-best", "export-best-bf16"]
+    assert rel["tracker"] == [tracking.TB_DIR, "wandb"]  # wandb.init(dir=RUN) makes RUN/wandb
+    assert rel["logs"] == ["."]
+
+
+@pytest.mark.timeout(60)
+def test_a_restart_onto_a_full_checkpoint_filesystem_of_its_own_is_not_made(
+    tmp_path: Path, sups: list[Sup]
+) -> None:
+    """RUN on a roomy filesystem, RUN/checkpoints on a 4 MiB one of its own: a 3 MiB checkpoint
+    leaves < 1 MiB there, so the crashed trainer is not restarted, and the line names
+    RUN/checkpoints (RUN itself has room: measuring it alone, the supervisor restarted into the
+    same failing saves)."""
+    with tmpfs(tmp_path / "run", "64m") as run, tmpfs(run / "checkpoints", "4m") as ckpts:
+        argv = _sup_argv(
+            run, "--max-restarts", "1", "--backoff-s", "0.05",
+            child=[*_script(CHILD), str(run), str(3 * MIB), "exit"],
+        )  # fmt: skip
+        s = Sup(argv, tmp_path / "out")
+        sups.append(s)
+        assert s.wait(30) == 1
+        state = _sup_state(run)
+        assert (tmp_path / "starts").read_text().count("start") == 1
+        assert state["state"] == "not-restarted" and state["restarts"] == []
+        (line,) = _phases(run, "not_restarting")
+        assert line.detail.startswith(f"no space left on {ckpts} (")
+        assert " MiB free, checkpoint needs 3.0) after exit 1: " in line.detail
+        (low,) = _phases(run, "low_disk")
+        assert low.detail.startswith("low: ") and f" MiB free on {ckpts}, " in low.detail
+        assert low.detail.endswith("; the next checkpoint will fail unless space is freed")
+        assert state["low_disk"]["path"] == str(ckpts)
+        assert state["low_disk"]["holds"] == ["checkpoints"]
+        assert [e["path"] for e in state["low_disks"]] == [str(ckpts)]
+
+
+@pytest.mark.timeout(60)
+def test_each_filesystem_the_trainer_writes_to_is_measured_once_and_named(
+    tmp_path: Path, sups: list[Sup]
+) -> None:
+    """RUN, RUN/checkpoints (8 MiB), RUN/export (2 MiB; RUN/export-best a symlink into it) and
+    RUN/tb (2 MiB) on four filesystems; a 3 MiB checkpoint. The checkpoints fit; the exports
+    (about one checkpoint) do not, nor the tracker's reserve: one line for each of those two,
+    naming it, none for the symlinked export-best (the same filesystem), none for RUN."""
+    with contextlib.ExitStack() as mounts:
+        run = mounts.enter_context(tmpfs(tmp_path / "run", "64m"))
+        mounts.enter_context(tmpfs(run / "checkpoints", "8m"))
+        export = mounts.enter_context(tmpfs(run / "export", "2m"))
+        tb = mounts.enter_context(tmpfs(run / tracking.TB_DIR, "2m"))
+        (export / "best").mkdir()
+        (run / "export-best").symlink_to(export / "best")
+        child = [*_script(CHILD), str(run), str(3 * MIB), "wait"]
+        s = Sup(_sup_argv(run, "--disk-check-s", "0.1", child=child), tmp_path / "out")
+        sups.append(s)
+        _until(lambda: len(_phases(run, "low_disk")) == 2, 30, "two low_disk lines")
+        lines = {p.detail for p in _phases(run, "low_disk")}  # tb's first: no checkpoint yet
+        assert lines == {
+            f"low: 2.0 MiB free on {export}, the exports at the end need 3.0 MiB (the newest "
+            "checkpoint's size); the export at the end will fail unless space is freed",
+            f"low: 2.0 MiB free on {tb}, logs keep {LOG_RESERVE // MIB} MiB; logs and tracker "
+            "files will stop being written unless space is freed",
+        }
+        state = _sup_state(run)
+        assert [(e["path"], e["holds"]) for e in state["low_disks"]] == [
+            (str(export), ["exports"]),
+            (str(tb), ["tracker"]),
+        ]
+        assert state["low_disk"] == state["low_disks"][0] and state["low_disk"]["since"]
+        assert state["low_disk"]["needed_mib"] == 3.0
+        (run / "done").touch()
+        assert s.wait(30) == 0
+        assert len(_phases(run, "low_disk")) == 2  # no line for RUN, nor a second per change
+
+
+# Writes RUN/checkpoints/step-00000001.pt of SIZE bytes, fills the rest of the disk to the last
+# byte, then exits 1.
+FILL_AND_CRASH = (
+    "import os, sys\n"
+    "run, size = sys.argv[1], int(sys.argv[2])\n"
+    "os.makedirs(run + '/checkpoints', exist_ok=True)\n"
+    "open(run + '/checkpoints/step-00000001.pt', 'wb').write(b'\\0' * size)\n"
+    "with open(run + '/filler', 'wb', buffering=0) as fh:\n"
+    "    try:\n"
+    "        while True: fh.write(b'\\0' * 4096)\n"
+    "    except OSError: pass\n"
+    "sys.exit(1)\n"
+)
+
+
+@pytest.mark.timeout(60)
+def test_a_supervisor_that_cannot_write_its_state_file_says_so_on_its_pane(
+    tmp_path: Path, sups: list[Sup]
+) -> None:
+    """RUN (a 1 MiB tmpfs) filled to the last byte by the trainer: supervisor.json can no longer
+    be replaced and goes on saying `running`. The pane says so, naming the file and the full
+    disk, and says what the supervisor is instead: not restarted, with its exit status."""
+    with tmpfs(tmp_path / "run", "1m") as run:
+        argv = _sup_argv(
+            run, "--max-restarts", "1", "--backoff-s", "0.05",
+            child=[*_script(FILL_AND_CRASH), str(run), str(MIB // 4)],
+        )  # fmt: skip
+        s = Sup(argv, tmp_path / "out")
+        sups.append(s)
+        assert s.wait(30) == 1
+        pane = [parse_line(x) for x in s.text().splitlines()]
+        lines = [e for e in pane if isinstance(e, PhaseEvent) and e.phase == "state_stale"]
+        stale = [parse_state_stale(e.detail) for e in lines]
+        assert lines and None not in stale, s.text()
+        last = stale[-1]
+        assert last is not None
+        assert last.path == str(run / "supervisor.json")
+        assert last.why == "No space left on device: the disk is full"
+        assert (last.state, last.attempt, last.exit_status) == ("not-restarted", 1, 1)
+        assert last.detail.startswith(f"no space left on {run} (")
+        assert lines[-1].text.startswith(
+            f"Supervisor state file stale: {run / 'supervisor.json'} not written (No space left "
+            "on device: the disk is full), it is out of date: the supervisor is not-restarted, "
+            "attempt 1, exit status 1; no space left on "
+        )
+        assert _sup_state(run)["state"] == "running"  # the file itself is stale
+        assert "Not restarting trainer: no space left" in s.text()

@@ -186,9 +186,10 @@ def test_non_finite_state_is_never_written_and_never_resumed(tmp_path: Path) -> 
     with pytest.raises(CheckpointWriteError) as info:
         save_checkpoint(tmp_path, 20, bad, keep_last=1)
     assert str(info.value) == (
-        "checkpoint step-00000020.pt not written: non-finite values in drafter.fc.weight; "
-        "kept step-00000010.pt"
+        f"checkpoint step=20 not written to {tmp_path / 'checkpoints'}: non-finite values in "
+        "drafter.fc.weight; kept step-00000010.pt"
     )
+    assert info.value.failed.step == 20
     moments = _state(1.0)
     moments["optimizer"]["state"][0]["exp_avg"][1] = float("inf")  # type: ignore[index]
     with pytest.raises(CheckpointWriteError, match=r"optimizer.state.0.exp_avg; kept step-0+10"):

@@ -6,6 +6,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
+from trainer.errors import ExitCode
+
 RESTART_CHOICES = ("on-failure", "never")
 # The trainer's divergence stop (runner.NonFiniteLoss / NonFiniteState): its ERROR line names it.
 DIVERGENCE_MARKERS = ("NonFiniteLoss", "NonFiniteState")
@@ -102,6 +104,13 @@ def decide(e: Ending, policy: Policy) -> tuple[Verdict, str]:
             return (
                 "not-restarted",
                 f"non-finite divergence ({reason(e)}): a restart would repeat it",
+            )
+        if ExitCode.UNSAVED in (e.returncode, e.trainer_exit):
+            return (
+                "not-restarted",
+                f"checkpoints kept failing (exit {int(ExitCode.UNSAVED)}): a restart would train "
+                "steps that cannot be kept; free space where the trainer's checkpoint errors "
+                "say, then dflashctl start HOST",
             )
         if e.returncode in policy.no_restart_exit_codes:
             return "not-restarted", f"{reason(e)} is in no_restart_exit_codes"

@@ -1,6 +1,9 @@
 """Phase, checkpoint and error lines: their models, formatters and parsers.
 
-Each keeps the line it was parsed from in ``text`` (what `format_line` prints back).
+Each keeps the line it was parsed from in ``text`` (what `format_line` prints back). A failed
+checkpoint is an error line of its own grammar (``ERROR: checkpoint step=15 not written to DIR:
+REASON``): every reader still sees an `ErrorEvent`, and its ``checkpoint_failed`` holds the step,
+the directory and the reason.
 """
 
 from __future__ import annotations
@@ -16,14 +19,19 @@ __all__ = [
     "ERROR_PREFIX",
     "PHASE_TEXTS",
     "CheckpointEvent",
+    "CheckpointFailed",
     "ErrorEvent",
     "PhaseEvent",
+    "StaleState",
+    "checkpoint_failed_message",
     "format_checkpoint_line",
     "format_error_line",
     "format_phase_line",
+    "format_state_stale",
     "parse_checkpoint_line",
     "parse_error_line",
     "parse_phase_line",
+    "parse_state_stale",
 ]
 
 _FROZEN = ConfigDict(frozen=True, extra="forbid")
@@ -41,6 +49,7 @@ PHASE_TEXTS: dict[str, str] = {
     "not_restarting": "Not restarting trainer:",
     "gave_up": "Supervisor gave up",
     "low_disk": "Run disk space:",  # detail "low: ..." or "ok again: ..."
+    "state_stale": "Supervisor state file stale:",  # detail: `format_state_stale`
 }
 CHECKPOINT_PREFIX = "Checkpoint saved: "
 ERROR_PREFIX = "ERROR: "
@@ -68,6 +77,17 @@ class CheckpointEvent(BaseModel):
     text: str
 
 
+class CheckpointFailed(BaseModel):
+    """A checkpoint the trainer could not write, and the directory it was to go to (the one to
+    free space in when the reason is a full disk)."""
+
+    model_config = _FROZEN
+
+    step: int
+    directory: str
+    reason: str
+
+
 class ErrorEvent(BaseModel):
     """``ERROR: <one-line message>``; the traceback, if any, follows as raw lines."""
 
@@ -76,6 +96,7 @@ class ErrorEvent(BaseModel):
     kind: Literal["error"] = "error"
     message: str
     text: str
+    checkpoint_failed: CheckpointFailed | None = None  # the message is a failed checkpoint's
 
 
 def format_phase_line(phase: str, detail: str = "") -> str:
@@ -117,8 +138,73 @@ def format_error_line(message: str) -> str:
     return ERROR_PREFIX + " ".join(message.split())
 
 
+# The directory ends at the first ": " (a directory whose name holds one is cut there).
+_CHECKPOINT_FAILED = LineGrammar(
+    "checkpoint step={step} not written to {directory}: {reason}",
+    {"step": INT, "directory": Slot(r"(.+?)", str, str), "reason": Slot(r"(.+)", str, str)},
+    extras=False,
+)
+
+
+def checkpoint_failed_message(failed: CheckpointFailed) -> str:
+    """The error message of a failed checkpoint, its reason folded onto one line
+    (`format_error_line` prints it)."""
+    values = {**failed.model_dump(), "reason": " ".join(failed.reason.split())}
+    return _CHECKPOINT_FAILED.format(values)
+
+
 def parse_error_line(line: str) -> ErrorEvent | None:
     """The ErrorEvent of an ``ERROR: ...`` line, or None when it is not one."""
     if not line.startswith(ERROR_PREFIX):
         return None
-    return ErrorEvent(message=line[len(ERROR_PREFIX) :], text=line)
+    message = line[len(ERROR_PREFIX) :]
+    values = _CHECKPOINT_FAILED.parse(message)
+    failed = None if values is None else CheckpointFailed(**values)
+    return ErrorEvent(message=message, text=line, checkpoint_failed=failed)
+
+
+class StaleState(BaseModel):
+    """What the supervisor is when it cannot write RUN/supervisor.json (a full disk): the file
+    still says an older state, so the pane's line is the truth (and the supervisor's exit
+    status, once it ends)."""
+
+    model_config = _FROZEN
+
+    path: str  # the state file that is out of date
+    why: str  # why it could not be written
+    state: str  # the supervisor's state now (supervisor.json's `state`)
+    attempt: int
+    exit_status: int | None = None
+    detail: str = ""
+
+
+def _opt_int(text: str) -> int | None:
+    return None if text == "---" else int(text)
+
+
+_STALE = LineGrammar(
+    "{path} not written ({why}), it is out of date: the supervisor is {state}, attempt "
+    "{attempt}, exit status {exit_status}{detail}",
+    {
+        "path": Slot(r"(.+?)", str, str),
+        "why": Slot(r"(.*?)", str, str),
+        "state": Slot(r"(\S+)", str, str),
+        "attempt": INT,
+        "exit_status": Slot(r"(\d+|---)", lambda v: "---" if v is None else str(v), _opt_int),
+        # "; detail", nothing when empty (a pane capture drops trailing blanks)
+        "detail": Slot(r"((?:; .*)?)", lambda d: f"; {d}" if d else "", lambda t: t[2:]),
+    },
+    extras=False,
+)
+
+
+def format_state_stale(stale: StaleState) -> str:
+    """The supervisor's line for a state file it could not write (one line)."""
+    values = {**stale.model_dump(), "detail": " ".join(stale.detail.split())}
+    return format_phase_line("state_stale", _STALE.format(values))
+
+
+def parse_state_stale(detail: str) -> StaleState | None:
+    """The StaleState of a `state_stale` phase line's detail, or None."""
+    values = _STALE.parse(detail)
+    return None if values is None else StaleState(**values)

@@ -19,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from trainer.events.escapes import sanitize_for_terminal
 from trainer.events.evaluation import EvalEvent
+from trainer.events.lifecycle import CheckpointFailed
 
 RUN_STATE_FILE = "run-state.json"
 
@@ -55,7 +56,11 @@ class RunState(BaseModel):
     # multi-node run's node 0: `checkpoint_node`); None in every other node's run-state
     last_step: int | None = Field(default=None, ge=0)  # the newest checkpoint's step
     last_checkpoint: str | None = None  # its path, on the node that wrote it
-    checkpoint_error: str | None = None
+    checkpoint_error: str | None = None  # the last failed write's message, until one succeeds
+    # the last failed write (step, directory, reason) and how many failed in a row; None and 0
+    # once one succeeds. The trainer stops (exit 3) when writes keep failing (runner).
+    checkpoint_failed: CheckpointFailed | None = None
+    checkpoint_failures: int = Field(default=0, ge=0)
     # how it stopped
     stop_signal: str | None = None
     signals: int = Field(default=0, ge=0)

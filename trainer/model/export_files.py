@@ -11,12 +11,22 @@ from trainer.model.errors import ExportError
 
 CONFIG = "config.json"
 WEIGHTS = "model.safetensors"
+EXPORT = "export"
+"""RUN/export: the drafter a run ends with (the plan's end or [schedule] max_steps)."""
+EXPORT_BEST = "export-best"
+"""RUN/export-best: the held-out best checkpoint's drafter, beside the last."""
 
 
 def bf16_dir(out_dir: str | Path) -> Path:
     """Where the training-dtype form of the export at `out_dir` goes: `OUT-bf16` beside it."""
     out = Path(out_dir)
     return out.with_name(out.name + "-bf16")
+
+
+def run_export_dirs() -> tuple[str, ...]:
+    """Every directory a run exports into under RUN (each export and its -bf16 form): what the
+    runner writes and the supervisor's disk watch measures."""
+    return tuple(n for e in (EXPORT, EXPORT_BEST) for n in (e, bf16_dir(e).name))
 
 
 def read_export_json(path: str | Path) -> dict[str, Any]:

@@ -11,7 +11,6 @@ never run.
 from __future__ import annotations
 
 import inspect
-import threading
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, suppress
 from pathlib import Path
@@ -19,9 +18,10 @@ from typing import Any, TypeVar
 
 import torch
 from torch import Tensor, nn
-from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache, PreTrainedModel
+from transformers import DynamicCache, PreTrainedModel
 
 from trainer.model.errors import TargetError as TargetError
+from trainer.model.target_load import load_causal_lm
 
 
 class _StopForward(Exception):
@@ -57,14 +57,6 @@ def validate_layer_ids(layer_ids: Sequence[int], num_layers: int) -> list[int]:
     if ids[0] < 0 or ids[-1] >= num_layers:
         raise TargetError(f"target_layer_ids {ids} out of range for a {num_layers}-layer target")
     return ids
-
-
-_LOAD_LOCK = threading.Lock()
-"""Serialises `TargetModel.load` across threads. transformers builds every model inside
-`torch.set_default_dtype(dtype)`, which is process-global: two loads in flight at once restore
-each other's bf16 as "the previous default", so the process ends with bf16 as its default and
-every other thread's `torch.rand`/`torch.zeros` silently changes precision (pipeline target
-workers load concurrently)."""
 
 
 def default_dtype(device: torch.device | str) -> torch.dtype:
@@ -108,33 +100,21 @@ def _own_module(model: nn.Module, module: object, kind: type[_M], what: str) -> 
     return module
 
 
-class TargetModel:
-    """A frozen causal LM plus forward hooks on the decoder layers in `layer_ids`.
+class LayerCapture:
+    """Forward hooks on the decoder layers in `layer_ids` of a HF causal LM, and the forwards
+    that collect what those layers output (`capture`, `forward_with_capture`)."""
 
-    `embed_tokens` and `lm_head` are the target's own modules (no copies), shared with the
-    drafter; every parameter has `requires_grad=False`.
-    """
-
-    def __init__(self, model: PreTrainedModel, layer_ids: Sequence[int]) -> None:
-        model.train(False)  # eval(); transformers leaves eval unannotated
-        model.requires_grad_(False)
+    def __init__(
+        self, model: PreTrainedModel, layer_ids: Sequence[int], document_attention: bool
+    ) -> None:
         self.model = model
         self.decoder, self.layers = _decoder_of(model)
         self.num_layers = len(self.layers)
         self.layer_ids = validate_layer_ids(layer_ids, self.num_layers)
-        self.embed_tokens = _own_module(
-            model, model.get_input_embeddings(), nn.Embedding, "the input embedding"
-        )
-        head = model.get_output_embeddings()  # type: ignore[no-untyped-call]  # unannotated in transformers
-        self.lm_head = _own_module(model, head, nn.Linear, "the LM head")
-        self.hidden_size = int(self.embed_tokens.weight.shape[1])
-        # Embedding rows (padded vocab), which is what a mask token id must index.
-        self.vocab_size = int(self.embed_tokens.weight.shape[0])
-        self.config = model.config
         self._cache_kw = cache_keyword(model)
         self._captured: dict[int, Tensor] | None = None
         self._stop_after: int | None = None
-        self.document_attention = self.attends_per_document(self.config, self.device)
+        self.document_attention = document_attention
         """Packed captures (`position_ids`) attend per document in length groups
         (`target_attention`) instead of transformers' block-diagonal mask: on for CPU targets
         whose every layer is full attention; off keeps transformers' packed path."""
@@ -143,75 +123,6 @@ class TargetModel:
         `target_attention.DEFAULT_MAX_GROUPS`)."""
         for i in self.layer_ids:
             self.layers[i].register_forward_hook(self._make_hook(i))
-
-    @staticmethod
-    def attends_per_document(config: object, device: torch.device | str) -> bool:
-        """Whether a target of `config` on `device` attends packed documents apart (the
-        default of `document_attention`; the step-cost features follow it): on CPU, when
-        every layer is full (not sliding-window) attention, as the grouped document attention
-        assumes; a config without `layer_types` does not say, so it is not assumed. (On the
-        class, not a module function: `remote_code` copies this class into the export alone.)"""
-        types = getattr(config, "layer_types", None)
-        full = isinstance(types, list) and all(t == "full_attention" for t in types)
-        return torch.device(device).type == "cpu" and full
-
-    @classmethod
-    def load(
-        cls,
-        path: str | Path,
-        layer_ids: Sequence[int] | None = None,
-        device: torch.device | str = "cpu",
-        dtype: torch.dtype | None = None,
-        *,
-        num_draft_layers: int | None = None,
-    ) -> TargetModel:
-        """Load a local HF causal LM directory (never the hub), frozen, in eval mode.
-
-        Args:
-            path: directory written by `save_pretrained`.
-            layer_ids: decoder layers to capture; None derives them with
-                `default_target_layer_ids(num_layers, num_draft_layers)`.
-            device: where the target runs.
-            dtype: None picks bf16 on accelerators and fp32 on CPU.
-        """
-        path = Path(path)
-        if not (path / "config.json").is_file():
-            raise TargetError(f"{path}: not a model directory (no config.json)")
-        dtype = dtype or default_dtype(device)
-        with _LOAD_LOCK:
-            before = torch.get_default_dtype()
-            try:
-                AutoConfig.from_pretrained(path, local_files_only=True)
-                model = AutoModelForCausalLM.from_pretrained(
-                    path, dtype=dtype, local_files_only=True, attn_implementation="sdpa"
-                )
-            except Exception as err:  # safetensors, torch and HF raise their own types
-                first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-                raise TargetError(f"{path}: cannot load target model: {first}") from err
-            finally:
-                # transformers restores it itself; a loader that did not must not leak bf16.
-                if torch.get_default_dtype() != before:
-                    torch.set_default_dtype(before)
-        # transformers types `to` through a decorator as if `self` were the argument.
-        model.to(device)  # type: ignore[arg-type]  # outside the lock: copies to several devices may overlap
-        if layer_ids is None:
-            if num_draft_layers is None:
-                raise TargetError("give layer_ids or num_draft_layers")
-            layer_ids = default_target_layer_ids(len(_decoder_of(model)[1]), num_draft_layers)
-        return cls(model, layer_ids)
-
-    @property
-    def device(self) -> torch.device:
-        return self.embed_tokens.weight.device
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.embed_tokens.weight.dtype
-
-    @property
-    def feature_size(self) -> int:
-        """Width of one captured position: len(layer_ids) * hidden_size."""
-        return len(self.layer_ids) * self.hidden_size
 
     def _make_hook(self, layer_id: int) -> Callable[[nn.Module, Any, Any], None]:
         def hook(_module: nn.Module, _args: Any, output: Any) -> None:
@@ -232,27 +143,6 @@ class TargetModel:
         finally:
             self._captured = None
             self._stop_after = None
-
-    def new_cache(self) -> DynamicCache:
-        """An empty KV cache for `forward_with_capture`."""
-        return DynamicCache(config=self.config)
-
-    @staticmethod
-    def crop_cache(cache: DynamicCache, length: int) -> None:
-        """Drop cached positions >= `length` (rejected draft tokens after a verify step)."""
-        have = cache.get_seq_length()
-        if have < length:
-            raise ValueError(f"cannot crop a cache of {have} to {length}")
-        if have > length:
-            # A negative count (transformers 5 takes no other); never crop(-0), which
-            # transformers 4.x reads as crop(0), "keep 0 positions".
-            cache.crop(length - have)
-
-    def logits(self, input_ids: Tensor, cache: DynamicCache) -> Tensor:
-        """Logits [B, T, V] of a forward that extends `cache` in place (greedy decoding)."""
-        out = self.model(input_ids=input_ids, use_cache=True, **{self._cache_kw: cache})
-        logits: Tensor = out.logits
-        return logits
 
     def _concat(self, captured: dict[int, Tensor]) -> Tensor:
         return torch.cat([captured[i] for i in self.layer_ids], dim=-1)
@@ -379,3 +269,105 @@ class TargetModel:
                 **{self._cache_kw: cache},
             )
             return out.logits.float(), self._concat(captured)
+
+
+class TargetModel(LayerCapture):
+    """A frozen causal LM plus forward hooks on the decoder layers in `layer_ids`.
+
+    `embed_tokens` and `lm_head` are the target's own modules (no copies), shared with the
+    drafter; every parameter has `requires_grad=False`.
+    """
+
+    def __init__(self, model: PreTrainedModel, layer_ids: Sequence[int]) -> None:
+        model.train(False)  # eval(); transformers leaves eval unannotated
+        model.requires_grad_(False)
+        self.embed_tokens = _own_module(
+            model, model.get_input_embeddings(), nn.Embedding, "the input embedding"
+        )
+        head = model.get_output_embeddings()  # type: ignore[no-untyped-call]  # unannotated in transformers
+        self.lm_head = _own_module(model, head, nn.Linear, "the LM head")
+        self.hidden_size = int(self.embed_tokens.weight.shape[1])
+        # Embedding rows (padded vocab), which is what a mask token id must index.
+        self.vocab_size = int(self.embed_tokens.weight.shape[0])
+        self.config = model.config
+        super().__init__(model, layer_ids, self.attends_per_document(self.config, self.device))
+
+    @staticmethod
+    def attends_per_document(config: object, device: torch.device | str) -> bool:
+        """Whether a target of `config` on `device` attends packed documents apart (the
+        default of `document_attention`; the step-cost features follow it): on CPU, when
+        every layer is full (not sliding-window) attention, as the grouped document attention
+        assumes; a config without `layer_types` does not say, so it is not assumed. (On the
+        class, not a module function: `remote_code` copies this class into the export alone.)"""
+        types = getattr(config, "layer_types", None)
+        full = isinstance(types, list) and all(t == "full_attention" for t in types)
+        return torch.device(device).type == "cpu" and full
+
+    @classmethod
+    def load(
+        cls,
+        path: str | Path,
+        layer_ids: Sequence[int] | None = None,
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype | None = None,
+        *,
+        num_draft_layers: int | None = None,
+    ) -> TargetModel:
+        """Load a local HF causal LM directory (never the hub), frozen, in eval mode.
+
+        Args:
+            path: directory written by `save_pretrained`.
+            layer_ids: decoder layers to capture; None derives them with
+                `default_target_layer_ids(num_layers, num_draft_layers)`.
+            device: where the target runs.
+            dtype: None picks bf16 on accelerators and fp32 on CPU.
+        """
+        path = Path(path)
+        if not (path / "config.json").is_file():
+            raise TargetError(f"{path}: not a model directory (no config.json)")
+        try:
+            model = load_causal_lm(path, dtype or default_dtype(device))
+        except Exception as err:  # safetensors, torch and HF raise their own types
+            first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+            raise TargetError(f"{path}: cannot load target model: {first}") from err
+        # transformers types `to` through a decorator as if `self` were the argument.
+        model.to(device)  # type: ignore[arg-type]  # outside the load lock: copies may overlap
+        if layer_ids is None:
+            if num_draft_layers is None:
+                raise TargetError("give layer_ids or num_draft_layers")
+            layer_ids = default_target_layer_ids(len(_decoder_of(model)[1]), num_draft_layers)
+        return cls(model, layer_ids)
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed_tokens.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed_tokens.weight.dtype
+
+    @property
+    def feature_size(self) -> int:
+        """Width of one captured position: len(layer_ids) * hidden_size."""
+        return len(self.layer_ids) * self.hidden_size
+
+    def new_cache(self) -> DynamicCache:
+        """An empty KV cache for `forward_with_capture`."""
+        return DynamicCache(config=self.config)
+
+    @staticmethod
+    def crop_cache(cache: DynamicCache, length: int) -> None:
+        """Drop cached positions >= `length` (rejected draft tokens after a verify step)."""
+        have = cache.get_seq_length()
+        if have < length:
+            raise ValueError(f"cannot crop a cache of {have} to {length}")
+        if have > length:
+            # A negative count (transformers 5 takes no other); never crop(-0), which
+            # transformers 4.x reads as crop(0), "keep 0 positions".
+            cache.crop(length - have)
+
+    def logits(self, input_ids: Tensor, cache: DynamicCache) -> Tensor:
+        """Logits [B, T, V] of a forward that extends `cache` in place (greedy decoding)."""
+        out = self.model(input_ids=input_ids, use_cache=True, **{self._cache_kw: cache})
+        logits: Tensor = out.logits
+        return logits

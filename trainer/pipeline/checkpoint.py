@@ -15,7 +15,8 @@ refuses it), and `load_checkpoint` refuses one that is unreadable, incomplete or
 `select_resume` can fall back to the newest usable one; the ones it skips are moved aside to
 `checkpoints/rejected/` (with a `.why` line), never deleted. A write that runs out of space
 (ENOSPC/EFBIG/EDQUOT, often surfacing as torch's "unexpected pos") removes its temp file and
-raises `CheckpointWriteError` saying how much space there is and how much it needs.
+raises `CheckpointWriteError` naming RUN/checkpoints (the directory whose filesystem is full,
+which need not be RUN's) and saying how much space there is and how much it needs.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ import numpy as np
 import torch
 
 from trainer.errors import TrainerError
+from trainer.events import CheckpointFailed, checkpoint_failed_message
 from trainer.events.checkpoint_layout import CHECKPOINT_VERSION as CHECKPOINT_VERSION
 from trainer.events.checkpoint_layout import REQUIRED_KEYS as REQUIRED_KEYS
 
@@ -54,7 +56,12 @@ class CheckpointError(TrainerError, RuntimeError):
 
 
 class CheckpointWriteError(TrainerError, RuntimeError):
-    """A checkpoint was not written (disk full, non-finite state); the earlier ones are intact."""
+    """A checkpoint was not written (disk full, non-finite state); the earlier ones are intact.
+    One line naming the step, the directory it was to go to and why (`failed`)."""
+
+    def __init__(self, step: int, directory: Path, reason: str) -> None:
+        self.failed = CheckpointFailed(step=step, directory=str(directory), reason=reason)
+        super().__init__(checkpoint_failed_message(self.failed))
 
 
 def checkpoint_dir(run_dir: Path) -> Path:
@@ -233,7 +240,9 @@ def save_checkpoint(
     final = checkpoint_path(run_dir, step)
     bad = nonfinite_entries(state)
     if bad:
-        raise CheckpointWriteError(nonfinite_message(run_dir, step, bad))
+        raise CheckpointWriteError(
+            step, root, f"non-finite values in {_names(bad)}; {_kept(run_dir)}"
+        )
     tmp = root / f".{final.name}.tmp-{os.getpid()}"
     rec: _Recorder | None = None
     try:
@@ -254,12 +263,13 @@ def save_checkpoint(
             raise
         if err.errno in _DISK_FULL:
             raise CheckpointWriteError(
-                f"no space left on {run_dir} ({free_bytes(root) / _MIB:.1f} MiB free, checkpoint "
-                f"needs {state_bytes(state) / _MIB:.1f}): {final.name} not written, "
-                f"{_kept(run_dir)}"
+                step,
+                root,
+                f"no space left ({free_bytes(root) / _MIB:.1f} MiB free, checkpoint needs "
+                f"{state_bytes(state) / _MIB:.1f}); {_kept(run_dir)}",
             ) from None
         raise CheckpointWriteError(
-            f"cannot write {final}: {err.strerror or err}; {_kept(run_dir)}"
+            step, root, f"cannot write {final.name}: {err.strerror or err}; {_kept(run_dir)}"
         ) from None
     finally:
         tmp.unlink(missing_ok=True)

@@ -8,6 +8,11 @@ writes it atomically as before; the drafter goes on training meanwhile. At most 
 flight: a checkpoint due while the previous one is still being written waits for it (one
 WARNING line says how long). A final or stop checkpoint, and a new best (its `best.pt` link
 needs the file), wait for their own write; the drafter's loop drains the writer before it ends.
+
+A write that fails is one ERROR line naming the step, RUN/checkpoints and why (`CheckpointFailed`,
+also in run-state.json with the count of failures in a row); training goes on, so a disk that
+is freed in time loses nothing. `failing` says when `MAX_FAILED_IN_A_ROW` failed in a row: the
+drafter's loop then stops the run (`runner.train`) rather than train what cannot be kept.
 """
 
 from __future__ import annotations
@@ -30,6 +35,10 @@ from trainer.pipeline.evaluate import Best
 from trainer.pipeline.status import Board, Reporter, RunRecord
 
 RngState = dict[str, object]
+
+MAX_FAILED_IN_A_ROW = 2
+"""Failed checkpoint writes in a row after which the run stops (after one last try): two
+checkpoint intervals of training that no checkpoint holds."""
 
 
 class NonFiniteState(RuntimeError):
@@ -128,6 +137,12 @@ class Checkpointer:
         self.host = HostCopy()
         self.writer = BackgroundWrite()
         self.blocked_s: list[float] = []  # per save: time the drafter thread spent in it
+        self.failures = 0  # writes failed in a row (the writer thread's count)
+
+    @property
+    def failing(self) -> bool:
+        """`MAX_FAILED_IN_A_ROW` writes in a row failed: the run must stop."""
+        return self.failures >= MAX_FAILED_IN_A_ROW
 
     @property
     def saving(self) -> bool:
@@ -245,12 +260,24 @@ class Checkpointer:
                 before_sync=lambda: self.p.faults.tick("checkpoint"),
             )
         except checkpoint.CheckpointWriteError as exc:
-            self.reporter.error(str(exc))
-            self.record(checkpoint_error=str(exc))
+            self.failures += 1
+            self.reporter.error(str(exc))  # parses back as an ErrorEvent with checkpoint_failed
+            self.record(
+                checkpoint_error=str(exc),
+                checkpoint_failed=exc.failed.model_dump(),
+                checkpoint_failures=self.failures,
+            )
             return False
+        self.failures = 0
         self.saved_step, self.saved_path = step, path
         self.reporter.checkpoint(step, path)
-        self.record(last_step=step, last_checkpoint=str(path), checkpoint_error=None)
+        self.record(
+            last_step=step,
+            last_checkpoint=str(path),
+            checkpoint_error=None,
+            checkpoint_failed=None,
+            checkpoint_failures=0,
+        )
         return True
 
     def drain(self) -> None:

@@ -1,7 +1,7 @@
 """The one all-reduce of an optimizer step, packed and unpacked by name.
 
-Each rank contributes its metric sums, three flags (a stop was asked, a timed checkpoint is due,
-a timed evaluation is due), its reorder-buffer depth (in its own slot, so the sum is every
+Each rank contributes its metric sums, four flags (a stop was asked, a timed checkpoint is due,
+a timed evaluation is due, checkpoints keep failing), its reorder-buffer depth (in its own slot, so the sum is every
 rank's depth) and its per-bucket (loss, weight) sums. One float64 tensor carries them, summed
 over ranks, read back once per step (the step's one host sync): a flag is set when any rank
 set it, so every rank takes the same decision at the same step.
@@ -26,9 +26,15 @@ class StepFlags:
     stop: bool = False  # a signal asked to stop
     checkpoint_due: bool = False  # checkpoint.every_minutes elapsed
     eval_due: bool = False  # eval.every_minutes elapsed
+    checkpoints_failing: bool = False  # rank 0's checkpoint writes failed too often in a row
 
     def values(self) -> list[float]:
-        return [float(self.stop), float(self.checkpoint_due), float(self.eval_due)]
+        return [
+            float(self.stop),
+            float(self.checkpoint_due),
+            float(self.eval_due),
+            float(self.checkpoints_failing),
+        ]
 
 
 _FLAGS = len(StepFlags().values())

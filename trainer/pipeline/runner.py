@@ -22,7 +22,10 @@ signals are ignored, so a late Ctrl-C cannot turn a completed stop into a signal
 Resume (`--resume auto`) takes the newest loadable, complete, finite checkpoint; newer ones
 that are not are named (ERROR lines) and moved to `checkpoints/rejected/` (`resume`). A
 checkpoint that cannot be written (non-finite state, full disk) is one ERROR line and the
-earlier ones stay (`Checkpointer`).
+earlier ones stay (`Checkpointer`); training goes on, but not for long with nothing saved: once
+`MAX_FAILED_IN_A_ROW` writes failed in a row, the next step is checkpointed at once (space may
+have come back) and, if that fails too, the run stops with exit 3 (`ExitCode.UNSAVED`, which
+the supervisor never restarts) rather than spend GPU-hours on steps no checkpoint will hold.
 
 Read top to bottom: `run` (the CLI's body and the run-state it leaves), `_run` (setup, stages,
 monitor, how it ended), `setup`, `start_stages`, `train` (the drafter's loop).
@@ -111,6 +114,7 @@ class Run:
     links: topology.Links | None = None  # M:N: features from the target ranks
     completed: bool = False  # the drafter trained to the end of the plan
     final_save_failed: bool = False  # the last step's checkpoint was not written
+    unsaved: str | None = None  # why the run stopped because checkpoints kept failing
 
     def __post_init__(self) -> None:
         self.signals = StopSignals(self.reporter, self.sup.stop)
@@ -176,6 +180,8 @@ def run(opts: RunOptions) -> int:
         last_step=newest[0][0] if newest else None,
         last_checkpoint=str(newest[0][1]) if newest else None,
         checkpoint_error=None,
+        checkpoint_failed=None,
+        checkpoint_failures=0,
         stop_signal=None,
         signals=0,
         stop_detail=None,
@@ -221,7 +227,7 @@ def run(opts: RunOptions) -> int:
             else None,
             stop_signal=received[0].name if received else None,
             signals=len(received),
-            stop_detail=r.stop_detail(),
+            stop_detail=r.unsaved or r.stop_detail(),
             lost_steps=max(0, r.board.step - r.saved_step),
             last_error=r.reporter.last_error,
         )
@@ -290,6 +296,9 @@ def _finish(r: Run, t: Training, queues: Queues, drafter: threading.Thread) -> E
     if stuck:
         r.reporter.error(f"stages did not stop within 5 s: {', '.join(stuck)}")
     step = r.board.step
+    if r.unsaved is not None:
+        r.reporter.error(r.unsaved)
+        return ExitCode.UNSAVED
     if r.final_save_failed:
         lost = step - t.ckpt.saved_step
         start = f"resuming from {t.ckpt.saved_name}" if t.ckpt.saved_path else "starting over"
@@ -317,13 +326,14 @@ def _export(r: Run, p: Parts) -> None:
     """The finished drafter to RUN/export, and the held-out best to RUN/export-best (each also
     as -bf16; `python -m trainer.export` writes the same from any checkpoint)."""
     from trainer.model.export import export_forms
+    from trainer.model.export_files import EXPORT, EXPORT_BEST
 
-    out, bf16 = export_forms(p.drafter, r.opts.run_dir / "export")
+    out, bf16 = export_forms(p.drafter, r.opts.run_dir / EXPORT)
     r.reporter.line(f"Exported drafter to {out} (bf16: {bf16})", status_log=False)
     best = checkpoint.best_checkpoint(r.opts.run_dir)
     if best is not None:  # the held-out best, alongside the last
         p.drafter.load_state_dict(checkpoint.load_checkpoint(best[1])["drafter"])
-        out, _ = export_forms(p.drafter, r.opts.run_dir / "export-best")
+        out, _ = export_forms(p.drafter, r.opts.run_dir / EXPORT_BEST)
         r.reporter.line(f"Exported best drafter (step {best[0]}) to {out}", status_log=False)
 
 
@@ -452,6 +462,7 @@ def train(r: Run, t: Training, feed: Feed) -> None:
             stop=sig.requested.is_set(),
             checkpoint_due=ckpt.time_due(),
             eval_due=ev is not None and ev.time_due(),
+            checkpoints_failing=ckpt.failing,
         )
 
     try:
@@ -479,8 +490,12 @@ def train(r: Run, t: Training, feed: Feed) -> None:
             stop_now = res.totals.flags.stop
             if stop_now:
                 sig.announce()  # before its checkpoint line, even if the monitor is asleep
-            final = stop_now or step == end
+            # Checkpoints keep failing: this step's is written and waited for, one last try.
+            failing = res.totals.flags.checkpoints_failing
+            final = stop_now or step == end or failing
             if not _after_step(r, t, res, final, autocast):
+                if failing:
+                    r.unsaved = _unsaved(ckpt, step)
                 return
             if stop_now:
                 sig.stopped = True
@@ -556,6 +571,19 @@ def _after_step(
     elif t.evals is not None:
         t.evals.report(step, evaluated)
     return True
+
+
+def _unsaved(ckpt: Checkpointer, step: int) -> str:
+    """The ERROR line of a run stopped because its checkpoints keep failing."""
+    failed = ckpt.failures
+    where = checkpoint.checkpoint_dir(ckpt.p.run_dir)
+    start = f"resuming from {ckpt.saved_name}" if ckpt.saved_path else "starting over"
+    return (
+        f"stopped at step {step}: the last {failed} checkpoints failed, so training on would "
+        f"not be kept (exit {int(ExitCode.UNSAVED)}: not restarted); free space in {where} "
+        f"(or fix what the checkpoint errors say), then start again: {start} repeats "
+        f"{step - ckpt.saved_step} step(s)"
+    )
 
 
 def _stop_at_once(r: Run, ckpt: Checkpointer, step: int, rng: RngState | None) -> None:

@@ -361,7 +361,9 @@ NODE_ONLY = frozenset(
 )
 # What only the node that writes checkpoints can say (its run dir's paths, its newest step):
 # always None in another node's run-state, whatever its own run dir holds.
-WRITER_ONLY = frozenset({"last_step", "last_checkpoint", "checkpoint_error", "best_checkpoint"})
+WRITER_ONLY = frozenset(
+    {"last_step", "last_checkpoint", "checkpoint_error", "checkpoint_failed", "best_checkpoint"}
+)
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""Free space in the run directory against what retention will hold on disk (torch-free).
+"""Free space for the checkpoints against what retention will hold on disk (torch-free).
 
 A checkpoint is taken to be as large as the newest complete `checkpoints/step-*.pt` (0 before
 the first: nothing to compare against yet). Retention comes from the run's config (the trainer
@@ -108,22 +108,24 @@ class Disk:
         return self.free < self.checkpoint
 
     def text(self) -> str:
-        """`3.0 MiB free, checkpoint needs 5.0` (the trainer's ENOSPC wording), with the
-        retention that makes up the need when the config gave it."""
+        """`3.0 MiB free, checkpoint needs 5.0` (the trainer's ENOSPC wording); when the config
+        gave the retention, what makes up the need: `..., checkpoints need 2.0 MiB: the newest
+        checkpoint (1.0 MiB) x 3 checkpoints on disk at the peak of a write (checkpoint.keep_last
+        2 + 1 being written), less 1.0 MiB already there`."""
         r = self.retention
         if r.source is None:
             return f"{self.free / MIB:.1f} MiB free, checkpoint needs {self.need / MIB:.1f}"
-        slots = f"checkpoint.keep_last {r.keep_last}" + (" + best" if self.best else "")
-        less = f", less {self.held / MIB:.1f} already there" if self.held else ""
+        kept = f"checkpoint.keep_last {r.keep_last}" + (" + best" if self.best else "")
+        less = f", less {self.held / MIB:.1f} MiB already there" if self.held else ""
         every = (
             f"; keep_every_steps {r.keep_every_steps} keeps more on top"
             if r.keep_every_steps
             else ""
         )
         return (
-            f"{self.free / MIB:.1f} MiB free, checkpoints need {self.need / MIB:.1f} "
-            f"({slots} + 1 being written = {self.slots} x {self.checkpoint / MIB:.1f} MiB"
-            f"{less}{every})"
+            f"{self.free / MIB:.1f} MiB free, checkpoints need {self.need / MIB:.1f} MiB: the "
+            f"newest checkpoint ({self.checkpoint / MIB:.1f} MiB) x {self.slots} checkpoints on "
+            f"disk at the peak of a write ({kept} + 1 being written){less}{every}"
         )
 
     def one_text(self) -> str:
@@ -175,9 +177,11 @@ def checkpoint_need(run_dir: Path) -> int:
 
 
 def check(run_dir: Path, retention: Retention = UNKNOWN) -> Disk | None:
-    """Free space against what retention needs; None when the run dir cannot be statted."""
+    """Free space where the checkpoints go (RUN/checkpoints, else RUN before it exists) against
+    what retention needs; None when neither can be statted."""
+    root = run_dir / "checkpoints"
     try:
-        st = os.statvfs(run_dir)
+        st = os.statvfs(root if root.is_dir() else run_dir)
     except OSError:
         return None
     free = st.f_bavail * st.f_frsize

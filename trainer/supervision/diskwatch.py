@@ -1,6 +1,9 @@
-"""The supervisor's free-space watch of RUN: `disk.check` against the retention the trainer's
-config gives, a phase line each time it turns low or ok again (and once per new retention
-problem), and the `low_disk` entry of supervisor.json while it is low.
+"""The supervisor's free-space watch of every filesystem the trainer writes to
+(`filesystems.spaces`: RUN, RUN/checkpoints, the exports, the trackers' dirs, each filesystem
+once) against the retention the trainer's config gives: a phase line naming the filesystem each
+time one turns low or ok again (and once per new retention problem), and supervisor.json's
+`low_disk` (the first low filesystem, the checkpoints' first) and `low_disks` (every low one)
+while any is low.
 """
 
 from __future__ import annotations
@@ -10,8 +13,9 @@ from pathlib import Path
 from typing import Any
 
 from trainer.events import format_phase_line
-from trainer.supervision import disk
+from trainer.supervision import disk, filesystems
 from trainer.supervision.console import PREFIX, Console
+from trainer.supervision.filesystems import Space
 from trainer.supervision.statefile import now_iso
 
 
@@ -21,10 +25,21 @@ class DiskWatch:
         self.retention = disk.RetentionReader(disk.config_of(trainer_argv))
         self._retention_problem: str | None = None
         self.checked = -float("inf")  # monotonic time of the last check
-        self.low_disk: dict[str, Any] | None = None  # {free_mib, needed_mib, since} while low
+        self._low: dict[Path, dict[str, Any]] = {}  # by the filesystem's name, while low
 
-    def check(self) -> disk.Disk | None:
-        """Free space against one checkpoint (None: unknown); says each change of low/ok."""
+    @property
+    def low_disk(self) -> dict[str, Any] | None:
+        """{free_mib, needed_mib, path, holds, since, ...} of the first low filesystem."""
+        return next(iter(self._low.values()), None)
+
+    @property
+    def low_disks(self) -> list[dict[str, Any]]:
+        """Every low filesystem's entry, the checkpoints' first."""
+        return list(self._low.values())
+
+    def check(self) -> Space | None:
+        """Measure every filesystem, say each change of low/ok; the checkpoints' filesystem
+        (None: it cannot be statted)."""
         self.checked = time.monotonic()
         retention = self.retention.read()
         if retention.problem != self._retention_problem and retention.problem:
@@ -33,27 +48,18 @@ class DiskWatch:
                 "space is checked against one checkpoint"
             )
         self._retention_problem = retention.problem
-        d = disk.check(self.run_dir, retention)
-        if d is None:
-            return None
-        was = self.low_disk
-        if d.low:
-            since = was["since"] if was else now_iso()
-            if was is None:
-                self.console.say(
-                    format_phase_line(
-                        "low_disk",
-                        f"low: {d.text()} on {self.run_dir}; "
-                        + ("the next checkpoint" if d.full else "a later checkpoint")
-                        + " will fail unless space is freed",
-                    ),
-                    status_log=True,
-                )
-            self.low_disk = {**d.as_json(), "since": since}
-        elif was is not None:
-            self.console.say(
-                format_phase_line("low_disk", f"ok again: {d.text()} on {self.run_dir}"),
-                status_log=True,
-            )
-            self.low_disk = None
-        return d
+        spaces = filesystems.spaces(self.run_dir, retention)
+        low: dict[Path, dict[str, Any]] = {}
+        for sp in spaces:
+            was = self._low.get(sp.path)
+            if sp.low:
+                if was is None:
+                    self._say(f"low: {sp.text()}; {sp.consequence()} unless space is freed")
+                low[sp.path] = {**sp.as_json(), "since": was["since"] if was else now_iso()}
+            elif was is not None:
+                self._say(f"ok again: {sp.text()}")
+        self._low = low
+        return next((sp for sp in spaces if sp.checkpoints is not None), None)
+
+    def _say(self, detail: str) -> None:
+        self.console.say(format_phase_line("low_disk", detail), status_log=True)

@@ -7,7 +7,9 @@ from pathlib import Path
 from trainer.events import CheckpointEvent, ErrorEvent, Event, PhaseEvent, StatusEvent, parse_line
 
 # Phases the supervisor prints itself: they are not the trainer's progress.
-SUPERVISOR_PHASES = frozenset({"restarting", "not_restarting", "gave_up", "low_disk"})
+SUPERVISOR_PHASES = frozenset(
+    {"restarting", "not_restarting", "gave_up", "low_disk", "state_stale"}
+)
 
 
 class LogTail:
