@@ -18,8 +18,12 @@ Rules (issue 12 item 4):
   retention keeps, or one checkpoint where the supervisor knew no retention) is one
   LOW_DISK event when it appears and one RECOVERED when it goes; it is no condition of its own
   (the trainer keeps running), so it never opens or closes a condition's alert.
+- A checkpoint the trainer could not write (status --json `checkpoint_failed`: run-state, or
+  the pane's error line when the disk is too full for run-state) is one CHECKPOINT_FAILED event
+  per failed step, and one RECOVERED when a later checkpoint is written; like low disk it opens
+  no condition (the trainer stops by itself after two unsaved intervals: a crash, exit 3).
 - A host seen for the first time reports only an alert it is already in (a crashed host at
-  watch start is news), never its history.
+  watch start is news, and so is a failing checkpoint), never its history.
 """
 
 from __future__ import annotations
@@ -78,6 +82,7 @@ class EventKind(StrEnum):
     UNREACHABLE = "unreachable"
     RECOVERED = "recovered"
     LOW_DISK = "low-disk"  # RUN has less free space than one checkpoint (supervisor.json)
+    CHECKPOINT_FAILED = "checkpoint-failed"  # a checkpoint was not written (run-state, pane)
     # from dflashctl.gpus.health (`as_watch_events`): already once per change of a reading
     GPU_ERROR = "gpu-error"  # uncorrected ECC errors rose, an Xid
     GPU_THROTTLED = "gpu-throttled"  # a harmful clock-event reason became active
@@ -117,6 +122,8 @@ class HostSnapshot:
     detail: str | None = None  # last error / stall detail, shown with the event
     restarts: tuple[Restart, ...] = ()
     low_disk: str | None = None  # "0.5 MiB free, checkpoint needs 1.0" while the disk is low
+    checkpoint_failed: int | None = None  # the step of the newest checkpoint not written
+    checkpoint_failure: str | None = None  # "step 15 not written to RUN/checkpoints: ..."
 
 
 @dataclass(frozen=True)
@@ -128,6 +135,7 @@ class HostTrack:
     unreachable_alerted: bool = False
     step: int | None = None
     low_disk: bool = False
+    checkpoint_failed: int | None = None  # the failed step already reported
 
 
 @dataclass(frozen=True)
@@ -234,6 +242,15 @@ def _fold_host(
     elif t.low_disk and not snap.low_disk:
         events.append(WatchEvent(host, EventKind.RECOVERED, at, "low disk cleared", step=snap.step))
 
+    failed = snap.checkpoint_failed
+    if failed is not None and failed != t.checkpoint_failed:
+        text = snap.checkpoint_failure or f"checkpoint step {failed} not written"
+        events.append(WatchEvent(host, EventKind.CHECKPOINT_FAILED, at, text, step=snap.step))
+    elif failed is None and t.checkpoint_failed is not None:
+        events.append(
+            WatchEvent(host, EventKind.RECOVERED, at, "checkpoints written again", step=snap.step)
+        )
+
     open_alert = t.open_alert
     if cond != t.condition or first:
         if cond in ALERT_CONDITIONS:
@@ -271,6 +288,7 @@ def _fold_host(
         restarts_seen=restarts_seen,
         step=snap.step,
         low_disk=snap.low_disk is not None,
+        checkpoint_failed=failed,
     )
     return new, events
 
@@ -364,7 +382,17 @@ def snapshot_from_status(d: Mapping[str, Any], at: float) -> HostSnapshot:
         detail = sup_detail + (f"; last error: {last_error}" if last_error else "")
     low = supervisor.get("low_disk")
     low_disk = _low_disk_text(low) if isinstance(low, Mapping) else None
-    return HostSnapshot(host, at, True, cond, exit_status, step, detail, restarts, low_disk)
+    ck = d.get("checkpoint_failed")
+    failed_step = _int(ck.get("step")) if isinstance(ck, Mapping) else None
+    failure = (
+        f"checkpoint step {failed_step} not written to {ck.get('directory', '?')}: "
+        f"{ck.get('reason', '?')}"
+        if isinstance(ck, Mapping) and failed_step is not None
+        else None
+    )
+    return HostSnapshot(
+        host, at, True, cond, exit_status, step, detail, restarts, low_disk, failed_step, failure
+    )
 
 
 def _restart(r: Mapping[str, Any]) -> Restart:
@@ -399,14 +427,12 @@ def _str(v: object) -> str | None:
 
 
 def _low_disk_text(low: Mapping[str, Any]) -> str:
-    """`0.5 MiB free on the run directory, checkpoint needs 1.0`; with the supervisor's
-    retention when it had one (`checkpoints` > 1): `..., retention (4 checkpoints of 1.0 MiB)
-    needs 3.0`."""
+    """The supervisor's own words (`0.5 MiB free on /data/ckpt, checkpoints need 3.0 MiB: ...;
+    the next checkpoint will fail`); an older supervisor's entry (figures only): `0.5 MiB free
+    on the run directory, checkpoint needs 1.0`."""
+    text, consequence = low.get("text"), low.get("consequence")
+    if isinstance(text, str) and isinstance(consequence, str):
+        return f"{text}; {consequence}"
     free, need = low.get("free_mib", "?"), low.get("needed_mib", "?")
-    slots, size = low.get("checkpoints"), low.get("checkpoint_mib")
-    if isinstance(slots, int) and slots > 1 and size is not None:
-        return (
-            f"{free} MiB free on the run directory, retention ({slots} checkpoints of "
-            f"{size} MiB) needs {need}"
-        )
-    return f"{free} MiB free on the run directory, checkpoint needs {need}"
+    where = low.get("path") if isinstance(low.get("path"), str) else "the run directory"
+    return f"{free} MiB free on {where}, checkpoint needs {need}"

@@ -35,6 +35,7 @@ _SEVERITY: dict[EventKind, str] = {
     EventKind.UNREACHABLE: "warning",
     EventKind.RESTARTED: "warning",
     EventKind.LOW_DISK: "warning",
+    EventKind.CHECKPOINT_FAILED: "failure",  # training goes on that cannot be kept
     EventKind.FINISHED: "success",
     EventKind.RECOVERED: "success",
     EventKind.GPU_ERROR: "failure",

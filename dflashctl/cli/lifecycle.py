@@ -180,9 +180,7 @@ async def cmd_stop(args: argparse.Namespace) -> int:
     async def go(t: Transport) -> int:
         res = await RunControl(t, host).stop(args.timeout)
         print(f"{host.name}: {res.summary()}")
-        if not res.was_running:
-            return ExitCode.OK
-        return ExitCode.OK if res.checkpoint or res.outcome == "exited" else ExitCode.FAILED
+        return ExitCode.OK if res.saved else ExitCode.FAILED
 
     return await with_transport(host, go)
 
@@ -194,10 +192,7 @@ async def _stop_group(args: argparse.Namespace, group: GroupConfig) -> int:
             print(
                 f"{r.host}: node {i}: {r.summary() if i == 0 or r.was_running else _node_exit(r)}"
             )
-        node0 = res.nodes[0]
-        if not node0.was_running:
-            return ExitCode.OK
-        return ExitCode.OK if node0.checkpoint or node0.outcome == "exited" else ExitCode.FAILED
+        return ExitCode.OK if res.nodes[0].saved else ExitCode.FAILED  # node 0 writes them
 
     return await with_group(group, go)
 

@@ -53,6 +53,12 @@ def format_run_status(st: RunStatus) -> str:
         lines.append(f"  stop: {detail}")
     if isinstance(ck_error, str) and ck_error:
         lines.append(f"  checkpoint error: {ck_error}")
+    if (failed := st.checkpoint_failed) is not None:
+        lines.append(
+            f"  checkpoint NOT written: step {failed.step} to {failed.directory}: {failed.reason}"
+        )
+    if st.stale_note:
+        lines.append(f"  note: {st.stale_note}")
     if st.last_event is not None:
         lines.append("  " + format_status_line(st.last_event))
     if st.last_checkpoint is not None:
@@ -99,9 +105,7 @@ def supervisor_lines(st: RunStatus, now: float | None = None) -> list[str]:
         f"{_num(policy.get('restart_window_s'))} s"
     )
     lines = [head]
-    low = low_disk_line(sup, now)
-    if low:
-        lines.append(f"  {low}")
+    lines += [f"  {low}" for low in low_disk_lines(sup, now)]
     detail = sup.get("detail")
     if sup.get("state") in DETAIL_STATES and isinstance(detail, str):
         lines.append(f"  supervisor: {detail}")
@@ -115,30 +119,32 @@ def supervisor_lines(st: RunStatus, now: float | None = None) -> list[str]:
     return lines
 
 
-def low_disk_line(supervisor: Mapping[str, object] | None, now: float) -> str | None:
-    """`disk: LOW: 2.5 MiB free in run/, checkpoints need 4.0 MiB (4 x 1.0 MiB) for 3m05s: a
-    later checkpoint will fail unless space is freed` while the supervisor's `low_disk` entry
-    (RUN/supervisor.json: free_mib, needed_mib, checkpoint_mib, checkpoints, since) is set;
-    "the next checkpoint" when not even one fits. None when the disk is fine."""
-    low = supervisor.get("low_disk") if supervisor else None
-    if not isinstance(low, dict):
-        return None
-    free, need, one, slots = (
-        low.get(k) for k in ("free_mib", "needed_mib", "checkpoint_mib", "checkpoints")
-    )
-    made_of = (
-        f" ({slots} x {_num(one)} MiB)"
-        if isinstance(slots, int) and slots > 1 and isinstance(one, int | float)
-        else ""
-    )
+def low_disk_lines(supervisor: Mapping[str, object] | None, now: float) -> list[str]:
+    """One line per low filesystem (supervisor.json `low_disks`, else its `low_disk`), in the
+    supervisor's own words: `disk: LOW: 2.0 MiB free on /data/ckpt, checkpoints need 3.0 MiB:
+    the newest checkpoint (1.0 MiB) x 3 ... for 3m05s: the next checkpoint will fail unless space
+    is freed`. An older supervisor's entry (figures only) says them plainly. [] when fine."""
+    if not supervisor:
+        return []
+    many = supervisor.get("low_disks")
+    one = supervisor.get("low_disk")
+    entries = many if isinstance(many, list) and many else [one] if one else []
+    return [_low_disk_line(e, now) for e in entries if isinstance(e, dict)]
+
+
+def _low_disk_line(low: Mapping[str, object], now: float) -> str:
     since = iso_time(low.get("since"))
     age = f" for {format_age(max(0.0, now - since))}" if since is not None else ""
+    text, consequence = low.get("text"), low.get("consequence")
+    if isinstance(text, str) and isinstance(consequence, str):
+        return f"disk: LOW: {text}{age}: {consequence} unless space is freed"
+    free, need, one = (low.get(k) for k in ("free_mib", "needed_mib", "checkpoint_mib"))
+    where = low.get("path") if isinstance(low.get("path"), str) else "the run directory"
     limit = one if isinstance(one, int | float) else need
     full = isinstance(free, int | float) and isinstance(limit, int | float) and free < limit
     return (
-        f"disk: LOW: {_num(free)} MiB free in run/, checkpoints need {_num(need)} MiB"
-        f"{made_of}{age}: {'the next' if full else 'a later'} checkpoint will fail unless "
-        f"space is freed"
+        f"disk: LOW: {_num(free)} MiB free on {where}, checkpoints need {_num(need)} MiB{age}: "
+        f"{'the next' if full else 'a later'} checkpoint will fail unless space is freed"
     )
 
 

@@ -150,7 +150,8 @@ def judge_fit(host: str, config: str, gpu: tuple[str, int], rep: dict[str, Any])
 def judge_disk(
     host: str, run_dir: str, probe: dict[str, Any], rep: dict[str, Any]
 ) -> MemoryVerdict:
-    """Free space in the run dir against (checkpoint.keep_last + 1) checkpoints; warn within 2x."""
+    """Free space where the checkpoints go (run/checkpoints, else the run dir: the probe's
+    `free_at`) against (checkpoint.keep_last + 1) checkpoints; warn within 2x."""
     ck = rep.get("checkpoint")
     if not isinstance(ck, dict) or "bytes" not in ck:
         return MemoryVerdict(
@@ -162,8 +163,9 @@ def judge_disk(
     size, keep = int(ck["bytes"]), int(ck.get("keep_last", 1))
     needed = max(0, size * (keep + 1) - int(probe.get("existing_bytes", 0)))
     free = int(probe.get("free_bytes", 0))
+    at = probe.get("free_at") if isinstance(probe.get("free_at"), str) else run_dir
     what = (
-        f"{_mib(free)} free under {run_dir}, checkpoints need {_mib(needed)} "
+        f"{_mib(free)} free under {at}, checkpoints need {_mib(needed)} "
         f"(checkpoint.keep_last = {keep}, +1 being written, {_mib(size)} each"
         + (", less those already there" if probe.get("existing_bytes") else "")
         + ")"

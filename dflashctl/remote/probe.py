@@ -32,6 +32,7 @@ def _render(template: str) -> str:
         memory_source=py_names(L.MEMORY_SOURCE),
         memory_config=py_names(L.MEMORY_CHECK_CONFIG, under=L.RUN_DIR),
         checkpoint_files=py_names(f"{L.CHECKPOINTS}/{L.CHECKPOINT_FILES}", under=L.RUN_DIR),
+        checkpoints=py_names(L.CHECKPOINTS, under=L.RUN_DIR),
     )
 
 
@@ -122,8 +123,10 @@ else:
         out["rc"], out["report"], out["error"] = 124, None, "timed out after 240 s"
     finally:
         os.unlink(tmp)
-st = os.statvfs(run)
+ckpts = os.path.join(run, $checkpoints)  # often a volume of its own: measure where they go
+st = os.statvfs(ckpts if os.path.isdir(ckpts) else run)
 out["free_bytes"] = st.f_bavail * st.f_frsize
+out["free_at"] = ckpts if os.path.isdir(ckpts) else run
 out["existing_bytes"] = sum(
     os.path.getsize(p) for p in glob.glob(os.path.join(run, $checkpoint_files))
     if os.path.isfile(p) and not os.path.islink(p)

@@ -82,6 +82,17 @@ class StopResult:
     checkpoint: CheckpointEvent | None
     outcome: str  # exited | checkpointed | timeout | not-running | dead
     exit_status: int | None = None
+    error: str | None = None  # the trainer's own error line after the interrupt, if any
+    in_backoff: bool = False  # the supervisor was between attempts: no trainer was running
+
+    @property
+    def saved(self) -> bool:
+        """The stop lost nothing: its checkpoint line was seen, the trainer exited 0 (nothing
+        unsaved), or no trainer was running (a restart backoff). A stop that was not needed
+        (not running) counts as saved."""
+        if not self.was_running or self.in_backoff or self.checkpoint is not None:
+            return True
+        return self.outcome == "exited" and self.exit_status == 0
 
     def summary(self) -> str:
         """What stop found and did, for people (the CLI and the demo print it)."""
@@ -90,8 +101,15 @@ class StopResult:
                 return "not running"
             return f"not running: the run had already exited with status {self.exit_status}"
         ck = self.checkpoint
-        saved = f"checkpoint step {ck.step} at {ck.path}" if ck else "NO checkpoint line seen"
-        return f"stopped ({self.outcome}); {saved}"
+        if ck:
+            return f"stopped ({self.outcome}); checkpoint step {ck.step} at {ck.path}"
+        if self.in_backoff:
+            return f"stopped ({self.outcome}); it was in a restart backoff: nothing unsaved"
+        if self.saved:
+            return f"stopped ({self.outcome}); the trainer exited 0: nothing unsaved"
+        status = f", exit status {self.exit_status}" if self.exit_status is not None else ""
+        why = self.error or "no checkpoint line seen"
+        return f"stopped ({self.outcome}{status}); its checkpoint was NOT written: {why}"
 
 
 @dataclass(frozen=True)

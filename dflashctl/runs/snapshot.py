@@ -21,8 +21,16 @@ from dflashctl.remote.layout import RUN_STATE as RUN_STATE_FILE
 from dflashctl.remote.layout import SUPERVISOR_STATE as SUPERVISOR_STATE_FILE
 from dflashctl.remote.run import MARK
 from dflashctl.remote.tmux import PaneState, parse_pane_state
+from dflashctl.runs.stale import (
+    checkpoint_failure,
+    newest_status,
+    stale_note,
+    stale_state,
+    stale_supervisor,
+)
 from trainer.events import (
     CheckpointEvent,
+    CheckpointFailed,
     ErrorEvent,
     Event,
     PhaseEvent,
@@ -40,7 +48,10 @@ SUPERVISOR_KEYS = (
     "detail",
     "exit_status",
     "policy",
-    "low_disk",  # {free_mib, needed_mib, checkpoint_mib, checkpoints, since}: less free than retention keeps
+    # the first low filesystem, and every one: {free_mib, needed_mib, path, holds, text,
+    # consequence, since; checkpoint_mib, checkpoints where the checkpoints are}
+    "low_disk",
+    "low_disks",
 )
 
 
@@ -95,6 +106,10 @@ class RunStatus:
     supervisor_error: str | None = None  # supervisor.json exists but cannot be read
     release_has_supervisor: bool = False  # `current` ships trainer/supervise.py
     measure: RunningMeasure | None = None  # a `dflashctl measure` running there now
+    # the newest checkpoint the trainer could not write (none written since), and why
+    checkpoint_failed: CheckpointFailed | None = None
+    # a run file that could not be written (a full disk) and where the truth was read instead
+    stale_note: str | None = None
 
     @property
     def step(self) -> int | None:
@@ -109,6 +124,8 @@ class RunStatus:
         d = asdict(self)
         d["last_event"] = self.last_event.model_dump() if self.last_event else None
         d["last_checkpoint"] = self.last_checkpoint.model_dump() if self.last_checkpoint else None
+        failed = self.checkpoint_failed
+        d["checkpoint_failed"] = failed.model_dump() if failed else None
         # the file's keys as read (extras included), not the model's defaults
         d["run_state"] = self.run_state.model_dump(mode="json", exclude_unset=True)
         d["step"] = self.step
@@ -389,6 +406,12 @@ def parse_status(
     run_state, run_state_error = parse_run_state(s.get("run_state", ""), RUN_STATE_FILE)
     sup_file, sup_error = parse_supervisor_file(s.get("supervisor", ""))
     sup = pane_supervisor(sup_file, pane)
+    # The capture is taken with -J: tmux already re-joined wrapped rows, so re-joining rows that
+    # happen to be exactly the pane width would glue separate lines together.
+    pane_events = parse_events(capture)
+    stale = stale_state(pane_events) if sup is not None else None
+    if sup is not None and stale is not None:  # the file could not be written: the pane wins
+        sup = SupervisorFile(stale_supervisor(sup.fields, stale))
     sup_state = sup.state if sup else None
     sig: int | None = None
     if pane is None:
@@ -414,17 +437,15 @@ def parse_status(
                 sig = exit_status - 128  # the supervisor exits 128 + N for a trainer killed by N
     supervisor, restarts = supervisor_view(sup)
     log_events = parse_events(s.get("log", ""))
-    last_status = next((e for e in reversed(log_events) if isinstance(e, StatusEvent)), None)
+    # Errors and status of the current run only: status.log keeps every run's lines, the pane
+    # only this one's.
+    this_run = log_events[current_run_start(log_events) :]
+    # a full disk stops status.log first: the pane may be ahead; before this run's first line,
+    # the last run's
+    last_status = newest_status(this_run, pane_events) or newest_status(log_events)
     last_ckpt = next((e for e in reversed(log_events) if isinstance(e, CheckpointEvent)), None)
-    # The capture is taken with -J: tmux already re-joined wrapped rows, so re-joining rows that
-    # happen to be exactly the pane width would glue separate lines together.
-    pane_events = parse_events(capture)
-    if last_status is None:
-        last_status = next((e for e in reversed(pane_events) if isinstance(e, StatusEvent)), None)
     if last_ckpt is None:
         last_ckpt = next((e for e in reversed(pane_events) if isinstance(e, CheckpointEvent)), None)
-    # Errors of the current run only: status.log keeps every run's lines, the pane only this one.
-    this_run = log_events[current_run_start(log_events) :]
     errors = [e for e in [*this_run, *pane_events] if isinstance(e, ErrorEvent)]
     config_text = s.get("config", "")
     lines = s.get("log_lines", "0").strip()
@@ -453,6 +474,8 @@ def parse_status(
         supervisor_error=sup_error,
         release_has_supervisor=s.get("supervisable", "").strip() == "yes",
         measure=parse_running_measure(s, session),
+        checkpoint_failed=checkpoint_failure(run_state, [*this_run, *pane_events], last_ckpt),
+        stale_note=stale_note(stale) if sup is not None and stale is not None else None,
     )
 
 
@@ -476,5 +499,9 @@ def describe_exit(exit_status: int | None, sig: int | None) -> str:
         return f"was killed by {signal_name(sig)} (exit status {128 + sig})"
     if exit_status is None:
         return "exited (no exit status)"
-    what = {1: " (failed)", 2: " (refused: a user error)"}.get(exit_status, "")
+    what = {
+        1: " (failed)",
+        2: " (refused: a user error)",
+        3: " (checkpoints kept failing: stopped rather than train what cannot be kept)",
+    }.get(exit_status, "")
     return f"exited with status {exit_status}{what}"

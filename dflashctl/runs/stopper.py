@@ -11,7 +11,7 @@ from dflashctl.remote.transport import CommandResult, HostUnreachable
 from dflashctl.runs.reader import RunReader
 from dflashctl.runs.service import LIVE_STATES, ControlError, StopResult
 from dflashctl.runs.snapshot import parse_events
-from trainer.events import CheckpointEvent
+from trainer.events import CheckpointEvent, ErrorEvent
 
 
 def interrupt_children(pid: int) -> list[str]:
@@ -24,6 +24,16 @@ def kill_if_childless(pid: int) -> list[str]:
     # without pgrep nothing is known of its children: then nothing is killed
     script = 'command -v pgrep >/dev/null && ! pgrep -P "$1" >/dev/null && kill -KILL "$1"'
     return ["sh", "-c", script, "kill-if-childless", str(int(pid))]
+
+
+def _error_after(log_text: str, capture: str) -> str | None:
+    """The trainer's last ERROR line since the interrupt: status.log past the mark, else the
+    pane's (a full disk stops status.log first)."""
+    for text in (log_text, capture):
+        errors = [e for e in parse_events(text) if isinstance(e, ErrorEvent)]
+        if errors:
+            return errors[-1].message
+    return None
 
 
 class RunStopper:
@@ -141,8 +151,15 @@ class RunStopper:
             await self._run(kill_if_childless(state.pid))
         await self._run(tmux_kill_session(self.host.session))
         best = max(ckpts, key=lambda e: e.step) if ckpts else None
+        error = None if best else _error_after(log.stdout if log.ok else "", cap.stdout)
         return StopResult(
-            self.host.name, True, best, outcome, state.exit_status if state and state.dead else None
+            self.host.name,
+            True,
+            best,
+            outcome,
+            state.exit_status if state and state.dead else None,
+            error,
+            in_backoff=st.state == "restarting",
         )
 
     async def interrupt_workers(self) -> None:

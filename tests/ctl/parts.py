@@ -428,3 +428,27 @@ def pinned_inventory(parts: Parts, tmp_path: Path, run_config: Path | None = Non
         + 'env = { OMP_NUM_THREADS = "1" }\n'
     )
     return ["--hosts", str(inv)]
+
+
+def attach(parts: Parts, script: str, *args: str, stdin: str | None = None) -> str:
+    res = subprocess.run(
+        ["lxc-attach", "-n", parts.container.name, "--", "sh", "-c", script, "sh", *args],
+        input=stdin,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert res.returncode == 0, res.stderr
+    return res.stdout
+
+
+@contextlib.contextmanager
+def container_tmpfs(parts: Parts, path: str, size: str) -> Iterator[str]:
+    """A tmpfs of `size` mounted at `path` inside the container (only), unmounted after (a
+    directory made for it is removed)."""
+    made = attach(parts, '[ -d "$1" ] || { mkdir -p "$1" && echo made; }', path).strip()
+    attach(parts, 'mount -t tmpfs -o size="$2" dflt-tmpfs "$1"', path, size)
+    try:
+        yield path
+    finally:
+        attach(parts, 'umount "$1"' + (' && rmdir "$1"' if made else ""), path)

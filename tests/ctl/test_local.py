@@ -451,7 +451,11 @@ async def test_stop_does_not_report_an_old_checkpoint_as_its_own(
     assert ready.exists(), "the SIGINT-ignoring stand-in never started"
     stop = await ctl.stop(timeout=1.0)
     assert stop.was_running and stop.outcome == "timeout" and stop.checkpoint is None
-    assert stop.summary() == "stopped (timeout); NO checkpoint line seen"
+    assert (
+        stop.summary()
+        == "stopped (timeout); its checkpoint was NOT written: no checkpoint line seen"
+    )
+    assert not stop.saved
     assert (await ctl.status()).state == "stopped"  # killed after the timeout
 
 

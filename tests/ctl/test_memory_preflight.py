@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import re
 import shutil
-import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -33,30 +32,6 @@ H200 = "0, NVIDIA H200, 143771\n1, NVIDIA H200, 143771\n"
 TARGET = "/srv/dflash-target"  # the Qwen3-8B config.json, inside the container
 
 
-def attach(parts: P.Parts, script: str, *args: str, stdin: str | None = None) -> str:
-    res = subprocess.run(
-        ["lxc-attach", "-n", parts.container.name, "--", "sh", "-c", script, "sh", *args],
-        input=stdin,
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    assert res.returncode == 0, res.stderr
-    return res.stdout
-
-
-@contextlib.contextmanager
-def container_tmpfs(parts: P.Parts, path: str, size: str) -> Iterator[str]:
-    """A tmpfs of `size` mounted at `path` inside the container (only), unmounted after (a
-    directory made for it is removed)."""
-    made = attach(parts, '[ -d "$1" ] || { mkdir -p "$1" && echo made; }', path).strip()
-    attach(parts, 'mount -t tmpfs -o size="$2" dflt-tmpfs "$1"', path, size)
-    try:
-        yield path
-    finally:
-        attach(parts, 'umount "$1"' + (' && rmdir "$1"' if made else ""), path)
-
-
 @contextlib.contextmanager
 def standin_nvidia_smi(parts: P.Parts, csv: str) -> Iterator[None]:
     """`nvidia-smi` on the container's PATH answering the preflight's GPU query with `csv`."""
@@ -65,14 +40,14 @@ def standin_nvidia_smi(parts: P.Parts, csv: str) -> Iterator[None]:
         'case "$*" in *--query-gpu=index,name,memory.total*) cat "$0.csv";; '
         '*) echo "stand-in nvidia-smi: unsupported query" >&2; exit 2;; esac\n'
     )
-    with container_tmpfs(parts, "/usr/local/sbin", "1m"):
-        attach(parts, "cat > /usr/local/sbin/nvidia-smi.csv", stdin=csv)
-        attach(
+    with P.container_tmpfs(parts, "/usr/local/sbin", "1m"):
+        P.attach(parts, "cat > /usr/local/sbin/nvidia-smi.csv", stdin=csv)
+        P.attach(
             parts,
             "cat > /usr/local/sbin/nvidia-smi && chmod 755 /usr/local/sbin/nvidia-smi",
             stdin=script,
         )
-        got = attach(
+        got = P.attach(
             parts, "nvidia-smi --query-gpu=index,name,memory.total --format=csv,noheader,nounits"
         )
         assert got == csv
@@ -92,9 +67,9 @@ def trainer_release(tmp_path_factory: pytest.TempPathFactory) -> Release:
 @pytest.fixture
 def target_in_container(real_parts: P.Parts) -> Iterator[str]:
     cfg = (REPO / "tests" / "fixtures" / "qwen3-8b" / "config.json").read_text()
-    attach(real_parts, 'mkdir -p "$1" && cat > "$1/config.json"', TARGET, stdin=cfg)
+    P.attach(real_parts, 'mkdir -p "$1" && cat > "$1/config.json"', TARGET, stdin=cfg)
     yield TARGET
-    attach(real_parts, 'rm -rf "$1"', TARGET)
+    P.attach(real_parts, 'rm -rf "$1"', TARGET)
 
 
 def seed_config(tmp_path: Path, *, max_query_rows: int, name: str = "run.toml") -> Path:
@@ -162,7 +137,7 @@ async def test_fit_check_on_the_containers_gpu(
     assert expected is not None and 24_576 <= expected < 200_000
     with (
         standin_nvidia_smi(real_parts, H200),
-        container_tmpfs(real_parts, "/srv/fitcheck", "400g") as workdir,
+        P.container_tmpfs(real_parts, "/srv/fitcheck", "400g") as workdir,
     ):
         host = ssh_host.model_copy(update={"workdir": workdir})
         transport = SshTransport(host)
@@ -183,7 +158,7 @@ async def test_fit_check_on_the_containers_gpu(
                 f"model.max_query_rows = 200000; the largest that fits is {expected}"
             )
             # refused before the switch: no config pushed, no current
-            assert attach(
+            assert P.attach(
                 real_parts, 'ls -A "$1"; test ! -e "$1/run/config.toml"', workdir
             ).split() == ["releases", "run"]
             ok = await deploy(
@@ -227,7 +202,7 @@ def test_disk_check_and_no_gpu_through_the_cli(
     )
     ckpt = local_estimate(cfg, 143771)["checkpoint"]["bytes"]
     needed = ckpt * (3 + 1)
-    with container_tmpfs(real_parts, "/srv/small", "1536m") as small:
+    with P.container_tmpfs(real_parts, "/srv/small", "1536m") as small:
         inv = _inventory(real_parts, ssh_host, tmp_path, small)
         argv = [*inv, "deploy", "ct", "--config", str(cfg), "--tree", str(tree)]
         assert cli_main(argv) == 1
@@ -244,15 +219,20 @@ def test_disk_check_and_no_gpu_through_the_cli(
         assert int(m[1].replace(",", "")) < 1536
         assert int(m[2].replace(",", "")) == round(needed / MIB)
         assert "ct: no GPU in the container: memory fit check skipped" in out.out
-        assert attach(real_parts, 'test ! -e "$1/current" && echo none', small).strip() == "none"
+        assert P.attach(real_parts, 'test ! -e "$1/current" && echo none', small).strip() == "none"
         # --no-memory-check: deployed, and said so
         assert cli_main([*argv, "--no-memory-check"]) == 0
         skipped = capsys.readouterr().out
         assert "ct: memory checks skipped (--no-memory-check)" in skipped
         assert "checkpoints" not in skipped
-    with container_tmpfs(real_parts, "/srv/roomy", "400g") as roomy:
+    with P.container_tmpfs(real_parts, "/srv/roomy", "400g") as roomy:
         inv = _inventory(real_parts, ssh_host, tmp_path, roomy)
         assert cli_main([*inv, "deploy", "ct", "--config", str(cfg), "--tree", str(tree)]) == 0
         fits = capsys.readouterr().out
         assert "ct: no GPU in the container: memory fit check skipped" in fits
-        assert "ct: checkpoints fit: " in fits
+        assert re.search(rf"ct: checkpoints fit: [\d,]+ MiB free under {roomy}/run, ", fits), fits
+        # run/checkpoints on a volume of its own (common): measured there, not in run/
+        with P.container_tmpfs(real_parts, f"{roomy}/run/checkpoints", "1536m") as ckpts:
+            assert cli_main([*inv, "deploy", "ct", "--config", str(cfg), "--tree", str(tree)]) == 1
+            short = capsys.readouterr().err
+            assert f"MiB free under {ckpts}, checkpoints need " in short, short

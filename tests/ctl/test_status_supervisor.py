@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 
 from dflashctl.alerts.events import Condition, snapshot_from_status
-from dflashctl.cli.status_text import format_run_status, low_disk_line, supervisor_lines
+from dflashctl.cli.status_text import format_run_status, low_disk_lines, supervisor_lines
 from dflashctl.remote.commands import supervised
 from dflashctl.remote.run import MARK, STATUS_SCRIPT
 from dflashctl.runs.snapshot import parse_status, split_sections
@@ -121,25 +121,50 @@ def test_low_disk_reaches_status_json_and_clears_with_the_file() -> None:
     assert d["supervisor"]["low_disk"] is None
 
 
-def test_low_disk_is_one_status_line_naming_what_fails_next() -> None:
+def test_low_disk_is_one_status_line_per_filesystem_in_the_supervisors_words() -> None:
     now = 1_000_000.0
     since = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(now - 185))
-    # the supervisor's entry (trainer.supervision.disk.Disk.as_json + since): retention known
-    later = {"free_mib": 2.5, "needed_mib": 3.0, "checkpoint_mib": 1.0, "checkpoints": 4}
-    assert low_disk_line({"low_disk": {**later, "since": since}}, now) == (
-        "disk: LOW: 2.5 MiB free in run/, checkpoints need 3 MiB (4 x 1 MiB) for 3m05s: "
-        "a later checkpoint will fail unless space is freed"
-    )
+    # the supervisor's entries (trainer.supervision.filesystems.Space.as_json + since)
+    ckpts = {
+        "free_mib": 2.5,
+        "needed_mib": 3.0,
+        "checkpoint_mib": 1.0,
+        "checkpoints": 4,
+        "path": "/w/run/checkpoints",
+        "holds": ["checkpoints"],
+        "text": "2.5 MiB free on /w/run/checkpoints, checkpoints need 3.0 MiB: the newest "
+        "checkpoint (1.0 MiB) x 4 checkpoints on disk at the peak of a write",
+        "consequence": "a later checkpoint will fail",
+        "since": since,
+    }
+    logs = {
+        "free_mib": 1.0,
+        "needed_mib": 16.0,
+        "path": "/w/run/tb",
+        "holds": ["tracker"],
+        "text": "1.0 MiB free on /w/run/tb, logs keep 16 MiB",
+        "consequence": "logs and tracker files will stop being written",
+    }
+    sup_json = {"low_disk": ckpts, "low_disks": [ckpts, logs]}
+    assert low_disk_lines(sup_json, now) == [
+        "disk: LOW: 2.5 MiB free on /w/run/checkpoints, checkpoints need 3.0 MiB: the newest "
+        "checkpoint (1.0 MiB) x 4 checkpoints on disk at the peak of a write for 3m05s: a later "
+        "checkpoint will fail unless space is freed",
+        "disk: LOW: 1.0 MiB free on /w/run/tb, logs keep 16 MiB: logs and tracker files will "
+        "stop being written unless space is freed",
+    ]
+    # an older supervisor: figures only, said plainly (no unexplained multiplier)
     full = {"free_mib": 0.5, "needed_mib": 1.0, "checkpoint_mib": 1.0, "checkpoints": 1}
-    assert low_disk_line({"low_disk": full}, now) == (
-        "disk: LOW: 0.5 MiB free in run/, checkpoints need 1 MiB: "
+    assert low_disk_lines({"low_disk": full}, now) == [
+        "disk: LOW: 0.5 MiB free on the run directory, checkpoints need 1 MiB: "
         "the next checkpoint will fail unless space is freed"
-    )
-    assert low_disk_line({"low_disk": None}, now) is None and low_disk_line(None, now) is None
-    st = status(out("0|||40", sup(40, "running", low_disk={**full, "since": since})))
+    ]
+    assert low_disk_lines({"low_disk": None}, now) == [] and low_disk_lines(None, now) == []
+    st = status(out("0|||40", sup(40, "running", low_disk=ckpts, low_disks=[ckpts, logs])))
     lines = format_run_status(st).splitlines()
     assert lines[1].startswith("  supervisor: running, attempt 1;")
-    assert lines[2].startswith("  disk: LOW: 0.5 MiB free in run/") and len(lines) == 3
+    assert lines[2].startswith("  disk: LOW: 2.5 MiB free on /w/run/checkpoints, ")
+    assert lines[3].startswith("  disk: LOW: 1.0 MiB free on /w/run/tb, ") and len(lines) == 4
 
 
 # Writes RUN/checkpoints/step-00000001.pt of 1 MiB (a stand-in for the trainer's checkpoint),
@@ -200,8 +225,8 @@ def test_low_disk_as_the_real_supervisor_writes_it_reaches_status_text_and_json(
         assert d["state"] == "running" and d["supervisor"]["low_disk"] == written["low_disk"]
         line = next(ln for ln in format_run_status(got).splitlines() if "disk:" in ln)
         assert re.fullmatch(
-            r"  disk: LOW: 0\.\d MiB free in run/, checkpoints need 1 MiB for \d+s: "
-            r"the next checkpoint will fail unless space is freed",
+            rf"  disk: LOW: 0\.\d MiB free on {re.escape(str(run))}, checkpoint needs 1\.0 for "
+            r"\d+s: the next checkpoint will fail unless space is freed",
             line,
         ), line
         filler.unlink()

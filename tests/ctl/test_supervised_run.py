@@ -26,6 +26,7 @@ from tests.conftest import require_part
 from tests.ctl import parts as P
 from tests.ctl.test_notify import SECRET, Receiver
 from tests.ctl.test_watch import Lines, serving, write_urls
+from trainer.events import StatusEvent, parse_line
 
 REPO = Path(__file__).resolve().parents[2]
 pytestmark = [pytest.mark.parts, pytest.mark.slow, pytest.mark.timeout(600)]
@@ -323,7 +324,9 @@ def test_stop_during_a_restart_backoff_stops_for_good(
     assert [r["reason"] for r in st["restarts"]] == ["exit 2"]
     capsys.readouterr()
     assert cli_main([*inv, "stop", "ct", "--timeout", "60"]) == 0
-    assert "stopped (exited)" in capsys.readouterr().out
+    assert (
+        "stopped (exited); it was in a restart backoff: nothing unsaved" in capsys.readouterr().out
+    )
     time.sleep(2)
     st = site.status(inv, capsys)
     assert st["state"] == "stopped" and st["exit_status"] is None  # session ended
@@ -390,3 +393,98 @@ def test_a_crash_loop_is_restarted_max_restarts_times_then_gave_up(
     capsys.readouterr()
     assert cli_main([*inv, "stop", "ct"]) == 0
     assert "not running: the run had already exited with status 1" in capsys.readouterr().out
+
+
+def _pane_lines(site: Site) -> list[str]:
+    """The trainer's tmux pane, as the operator would read it by hand."""
+    got = site.in_container(
+        "tmux", "-L", "dflash", "capture-pane", "-p", "-J", "-S", "-", "-t", "=dflash-test:"
+    )
+    return got.stdout.splitlines()
+
+
+def _last_step(lines: list[str]) -> int | None:
+    steps = [e.step for e in map(parse_line, lines) if isinstance(e, StatusEvent)]
+    return steps[-1] if steps else None
+
+
+def test_a_stop_whose_checkpoint_is_not_written_fails_and_says_what_was_lost(
+    site: Site, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """run/checkpoints on a full volume of its own: the stop's checkpoint fails, so `stop`
+    exits 1 naming the trainer's own account, and status names the checkpoint not written."""
+    inv = site.inventory("plain")
+    rare = site.base / "rare-checkpoints.toml"
+    text = tiny_config(site.base, "run.toml").read_text()
+    rare.write_text(re.sub(r"(?m)^every_steps = \d+", "every_steps = 100000", text))
+    assert cli_main([*inv, "deploy", "ct", "--config", str(rare)]) == 0
+    assert cli_main([*inv, "start", "ct", "--fresh", "--wait-s", "300"]) == 0
+    site.wait(inv, capsys, lambda s: (s["step"] or 0) >= 3, 300, "three steps")
+    ckpts = f"{P.CONTAINER_WORKDIR}/run/checkpoints"
+    with P.container_tmpfs(site.parts, ckpts, "64k"):
+        P.attach(site.parts, 'dd if=/dev/zero of="$1/fill" bs=4k 2>/dev/null; true', ckpts)
+        capsys.readouterr()
+        assert cli_main([*inv, "stop", "ct", "--timeout", "120"]) == 1
+        out = capsys.readouterr().out
+        assert re.search(
+            r"^ct: stopped \(exited, exit status 1\); its checkpoint was NOT written: "
+            r"stopped at step (\d+) without its checkpoint: starting over repeats \1 step\(s\)$",
+            out,
+            re.M,
+        ), out
+        st = site.status(inv, capsys)
+        failed = st["checkpoint_failed"]
+        assert failed["directory"].endswith("run/checkpoints"), failed
+        assert failed["reason"].startswith("no space left ("), failed
+        capsys.readouterr()
+        assert cli_main([*inv, "status", "ct"]) == 0
+        assert f"  checkpoint NOT written: step {failed['step']} to " in capsys.readouterr().out
+
+
+def test_status_stays_true_when_the_run_directory_is_completely_full(
+    site: Site, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """run/ on a tmpfs filled to the last byte while the trainer trains: status.log, run-state
+    and supervisor.json all stop; status reads the step and the supervisor's state from the
+    pane, says that supervisor.json is out of date because the disk is full, and names the
+    checkpoint that was not written."""
+    inv = site.inventory("plain")
+    assert (
+        cli_main([*inv, "deploy", "ct", "--config", str(tiny_config(site.base, "run.toml"))]) == 0
+    )
+    run = f"{P.CONTAINER_WORKDIR}/run"
+    P.attach(site.parts, 'cp "$1/config.toml" /tmp/dflt-run-config.toml', run)
+    try:
+        with P.container_tmpfs(site.parts, run, "48m"):
+            P.attach(site.parts, 'cp /tmp/dflt-run-config.toml "$1/config.toml"', run)
+            assert cli_main([*inv, "start", "ct", "--fresh", "--wait-s", "300"]) == 0
+            site.wait(inv, capsys, lambda s: (s["step"] or 0) >= 3, 300, "three steps")
+            # to the last byte: tmpfs hands out pages, so status.log's last one is topped up too
+            fill = (
+                'dd if=/dev/zero of="$1/fill" bs=16k 2>/dev/null; '
+                'while echo "# filler: the disk is full" >> "$1/status.log"; do :; done 2>/dev/null; '
+                "true"
+            )
+            P.attach(site.parts, fill, run)
+            st = site.wait(inv, capsys, lambda s: s["state"] != "running", 300, "the run to end")
+            pane = _pane_lines(site)
+            log = P.attach(site.parts, 'cat "$1/status.log"', run).splitlines()
+            pane_step, log_step = _last_step(pane), _last_step(log)
+            assert pane_step is not None and log_step is not None and pane_step > log_step
+            assert st["step"] == pane_step  # not status.log's, which the full disk stopped
+            assert st["state"] == "crashed" and st["exit_status"] == 3, st
+            assert st["supervisor"]["state"] == "not-restarted", st["supervisor"]
+            assert "checkpoints kept failing" in (st["supervisor"]["detail"] or "")
+            assert st["stale_note"] == (  # the supervisor's --run-dir, relative to the workdir
+                "run/supervisor.json is out of date: not written (No space left on device: "
+                "the disk is full); the supervisor's state is read from its pane"
+            )
+            assert st["checkpoint_failed"] is not None
+            capsys.readouterr()
+            assert cli_main([*inv, "status", "ct"]) == 0
+            text = capsys.readouterr().out
+            assert f"  note: {st['stale_note']}" in text
+            assert "exit=3 " in text and "  supervisor: checkpoints kept failing" in text
+            P.kill_tmux_in(site.parts.container)
+    finally:
+        P.kill_tmux_in(site.parts.container)

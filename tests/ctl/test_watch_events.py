@@ -213,16 +213,56 @@ def test_low_disk_is_one_event_per_change_and_no_condition() -> None:
         "supervisor": {"state": "running", "low_disk": None},
     }
     assert snapshot_from_status(cleared, T0).low_disk is None
-    # the supervisor counted the config's retention: the message says how many checkpoints
-    kept = {"free_mib": 1.5, "needed_mib": 2.0, "checkpoint_mib": 1.0, "checkpoints": 3}
+    # a supervisor that words it (trainer.supervision.filesystems): its words, as they are
+    worded = {
+        "free_mib": 1.5,
+        "needed_mib": 2.0,
+        "path": "/w/run/checkpoints",
+        "text": "1.5 MiB free on /w/run/checkpoints, checkpoints need 2.0 MiB: the newest "
+        "checkpoint (1.0 MiB) x 3 checkpoints on disk at the peak of a write",
+        "consequence": "a later checkpoint will fail",
+    }
     retained = {
         "host": "a",
         "state": "running",
-        "supervisor": {"state": "running", "low_disk": kept},
+        "supervisor": {"state": "running", "low_disk": worded},
     }
     assert snapshot_from_status(retained, T0).low_disk == (
-        "1.5 MiB free on the run directory, retention (3 checkpoints of 1.0 MiB) needs 2.0"
+        f"{worded['text']}; a later checkpoint will fail"
     )
+
+
+def test_a_failed_checkpoint_is_one_event_per_step_and_recovers_when_one_is_written() -> None:
+    def polled(at: float, failed: int | None, step: int) -> HostSnapshot:
+        ck = {"step": failed, "directory": "/w/run/checkpoints", "reason": "No space left"}
+        d = {"host": "a", "state": "running", "step": step, "checkpoint_failed": ck}
+        return snapshot_from_status(
+            d if failed is not None else {**d, "checkpoint_failed": None}, at
+        )
+
+    snaps = [
+        polled(T0, None, 5),
+        polled(T0 + 1, 10, 11),
+        polled(T0 + 2, 10, 13),  # the same failure: nothing new
+        down("a", T0 + 3),
+        polled(T0 + 4, 15, 16),  # the next one failed too
+        polled(T0 + 5, None, 21),  # step 20's was written
+    ]
+    _, evs = derive(WatchState(), snaps, T0 + 5)
+    assert [(e.kind, e.detail) for e in evs] == [
+        (
+            K.CHECKPOINT_FAILED,
+            "checkpoint step 10 not written to /w/run/checkpoints: No space left",
+        ),
+        (
+            K.CHECKPOINT_FAILED,
+            "checkpoint step 15 not written to /w/run/checkpoints: No space left",
+        ),
+        (K.RECOVERED, "checkpoints written again"),
+    ]
+    # already failing when the watch starts: news, like an alert it is in
+    _, first = derive(WatchState(), [polled(T0, 10, 11)], T0)
+    assert [e.kind for e in first] == [K.CHECKPOINT_FAILED]
 
 
 # --- properties ------------------------------------------------------------------------------

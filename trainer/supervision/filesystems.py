@@ -84,7 +84,14 @@ class Space:
         return "logs and tracker files will stop being written"
 
     def as_json(self) -> dict[str, object]:
-        out: dict[str, object] = {"path": str(self.path), "holds": list(self.holds)}
+        """supervisor.json's `low_disk`/`low_disks` entry: the figures, and the supervisor's own
+        words for them (`text`, `consequence`), which status and watch show as they are."""
+        out: dict[str, object] = {
+            "path": str(self.path),
+            "holds": list(self.holds),
+            "text": self.text(),
+            "consequence": self.consequence(),
+        }
         if self.checkpoints is not None:
             return {**self.checkpoints.as_json(), **out}
         return {
