@@ -13,6 +13,7 @@ import subprocess
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import asyncssh
 import pytest
 
 from dflashctl.cli.main import main as cli_main
@@ -350,6 +351,24 @@ async def test_rsa_only_node_with_an_ed25519_key_pinned_is_a_key_change(
     msg = str(info.value)
     assert msg.startswith(f"ct: host key of 127.0.0.1:{rsa_only_sshd.port} CHANGED")
     assert "it now presents a ssh-rsa key SHA256:" in msg and "pinned: ssh-ed25519" in msg
+
+
+def test_trust_against_a_changed_key_exits_3_as_the_docs_say(
+    real_parts: P.Parts, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """docs/dflashctl.md: exit 3 is "host unreachable (including an unknown or changed host
+    key)", and every command that meets a changed key exits 3; `trust` exited 1."""
+    inv = inventory_with(real_parts, tmp_path)
+    other = asyncssh.generate_private_key("ssh-ed25519").export_public_key().decode().split()
+    known = tmp_path / "known_hosts"  # the node's key replaced (a reinstalled node, or not)
+    known.write_text(f"[127.0.0.1]:{real_parts.sshd.port} {other[0]} {other[1]}\n")
+    pinned = known.read_text()
+    assert cli_main(["--hosts", str(inv), "trust", "ct", "--yes"]) == 3
+    err = capsys.readouterr().err
+    assert f"ct: a DIFFERENT key is pinned in {known}" in err
+    assert known.read_text() == pinned  # nothing added
+    assert cli_main(["--hosts", str(inv), "status", "ct"]) == 3  # the same exit, everywhere
+    assert "CHANGED from the one pinned" in capsys.readouterr().out
 
 
 # --- item 11: the pct stand-in and a frozen container ----------------------------------------
