@@ -104,6 +104,23 @@ async def test_a_hanging_pct_leaves_nothing_running_on_the_node(
         await transport.close()
 
 
+def test_failures_under_a_hanging_pct_name_the_operation_not_its_status_step(
+    real_parts: P.Parts, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`logs`, `start` and `stop` read the run's status first; when that hangs, the operator's
+    command failed, and the line said "status on host ct: ..." as if `status` had been run."""
+    inv = str(inventory_with(real_parts, tmp_path, "command_timeout = 1.5"))
+    with P.hanging_pct(real_parts.sshd, 7775):
+        for operation in ("logs", "start", "stop"):
+            assert cli_main(["--hosts", inv, operation, "ct"]) == 3, operation
+            assert capsys.readouterr().err.splitlines() == [
+                f"dflashctl: {operation} on host ct: reading the run's status: no answer within "
+                "1.5 s; the remote command was stopped"
+            ]
+        assert cli_main(["--hosts", inv, "status", "ct"]) == 3  # status itself: as it was
+        assert "  status on host ct: no answer within 1.5 s" in capsys.readouterr().out
+
+
 async def test_a_log_stream_under_a_hanging_pct_ends_with_its_channel(
     real_parts: P.Parts, ssh_host: HostConfig
 ) -> None:

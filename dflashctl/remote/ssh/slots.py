@@ -37,10 +37,11 @@ class ChannelSlots:
         try:
             await asyncio.wait_for(slots.acquire(), limit if left is None else max(0.0, left))
         except TimeoutError:
-            raise CommandTimeout(
-                f"{what} on host {self.host.name}: not started within {limit:g} s: all "
-                f"{self.host.max_channels} SSH channels to {self.host.address} are in use "
-                f"(max_channels) by commands still running there"
+            raise CommandTimeout.of_command(
+                what,
+                self.host.name,
+                f"not started within {limit:g} s: all {self.host.max_channels} SSH channels to "
+                f"{self.host.address} are in use (max_channels) by commands still running there",
             ) from None
         return slots
 

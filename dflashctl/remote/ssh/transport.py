@@ -34,7 +34,7 @@ from dflashctl.remote.transport import (
     CommandTimeout,
     HostUnreachable,
     TransportError,
-    timeout_message,
+    no_answer,
 )
 
 # After the node's own bound (limit, then KILL_AFTER_S) has passed, how long its answer may take
@@ -99,30 +99,32 @@ class SshTransport:
                 opened.stdin.write_eof()  # also for b"": an empty file is still a whole file
             done = await asyncio.wait_for(opened.wait(), max(0.0, give_up - loop.time()))
         except TimeoutError:
-            raise CommandTimeout(
-                timeout_message(
-                    what,
-                    self.host.name,
+            raise CommandTimeout.of_command(
+                what,
+                self.host.name,
+                no_answer(
                     limit,
                     "the node did not report it stopped either (link stalled?); "
                     "it is bounded there and ends by itself",
-                )
+                ),
             ) from None
         except asyncssh.ChannelOpenError as err:
             if conn.is_closed():
                 self._link.drop()
-                raise HostUnreachable(
-                    f"{what} on host {self.host.name}: connection lost: {err.reason}"
+                raise HostUnreachable.of_command(
+                    what, self.host.name, f"connection lost: {err.reason}"
                 ) from None
             # The connection itself is fine (and may carry a live stream): keep it.
-            raise TransportError(
-                f"{what} on host {self.host.name}: the node refused a new SSH channel: "
-                f"{err.reason} (sshd MaxSessions below max_channels = {self.host.max_channels}?)"
+            raise TransportError.of_command(
+                what,
+                self.host.name,
+                f"the node refused a new SSH channel: {err.reason} (sshd MaxSessions below "
+                f"max_channels = {self.host.max_channels}?)",
             ) from None
         except LINK_ERRORS as err:
             self._link.drop()
-            raise HostUnreachable(
-                f"{what} on host {self.host.name}: connection lost: {err}"
+            raise HostUnreachable.of_command(
+                what, self.host.name, f"connection lost: {err}"
             ) from None
         finally:
             self._slots.release_when_closed(proc, slot)
@@ -131,8 +133,8 @@ class SshTransport:
         assert isinstance(out, bytes) and isinstance(err_b, bytes)
         rc = done.exit_status if done.exit_status is not None else 255
         if rc in TIMED_OUT_RCS and loop.time() - started >= limit:
-            raise CommandTimeout(
-                timeout_message(what, self.host.name, limit, "the remote command was stopped")
+            raise CommandTimeout.of_command(
+                what, self.host.name, no_answer(limit, "the remote command was stopped")
             )
         return CommandResult(
             rc, out.decode("utf-8", "replace"), err_b.decode("utf-8", "replace"), out
