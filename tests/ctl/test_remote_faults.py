@@ -391,20 +391,48 @@ def test_trust_against_a_changed_key_exits_3_as_the_docs_say(
 # --- item 11: the pct stand-in and a frozen container ----------------------------------------
 
 
-async def test_frozen_container_is_reported_as_frozen_not_stopped(
-    real_parts: P.Parts, ssh_host: HostConfig
+async def test_a_frozen_container_is_not_responding_though_the_node_answers(
+    real_parts: P.Parts, tmp_path: Path
 ) -> None:
-    name = real_parts.container.name
-    transport = SshTransport(ssh_host)
-    ctl = RunControl(transport, ssh_host)
+    """A frozen container (lxc-freeze, `pct suspend`) is running to the node, and `pct exec`
+    into it blocks in lxc-attach until it is thawed. Its status said "the node did not report
+    it stopped either (link stalled?)", though the link was fine: now it says what the node
+    answered and that the container is not responding, and, once the frozen commands hold
+    every channel, that the node cannot be asked. The lxc-attach processes wait on the node
+    until the container is thawed, then end (docs/dflashctl.md says so)."""
+    deadline = asyncio.get_running_loop().time() + 150  # one budget for the whole test
+    inv = inventory_with(real_parts, tmp_path, "command_timeout = 2", "max_channels = 2")
+    host = load_inventory(inv).get("ct")
+    name, attaching = real_parts.container.name, f"lxc-attach -n {real_parts.container.name} "
+    transport = SshTransport(host)
+    ctl = RunControl(transport, host)
     subprocess.run(["lxc-freeze", "-n", name], check=True)
     try:
         frozen = subprocess.run(["lxc-info", "-n", name, "-sH"], capture_output=True, text=True)
         assert frozen.stdout.strip() == "FROZEN"
         st = await ctl.status()
         assert st.state == "unreachable"
-        assert st.message == "ct: container '4242' is frozen/paused (resume it: pct resume 4242)"
+        assert st.message == (
+            "status on host ct: no answer within 2 s from container 4242, though the node "
+            "answers (`pct status 4242`: running): the container is not responding (frozen? "
+            "`pct resume 4242` thaws it); the command waits on the node until the container "
+            "runs again"
+        )
         assert await transport.container_state() == "running"  # as PVE reports a frozen CT
+        assert P.node_processes(attaching), "the blocked lxc-attach is on the node"
+        # the first status still holds its channel: this one takes the last, none is left
+        st = await ctl.status()
+        assert st.message == (
+            "status on host ct: no answer within 2 s; all 2 SSH channels are held by commands "
+            "that have not ended, so the node cannot be asked about container 4242 (frozen? "
+            "`pct resume 4242` thaws it)"
+        )
     finally:
         subprocess.run(["lxc-unfreeze", "-n", name], check=True)
+    try:
+        while P.node_processes(attaching):  # thawed: the blocked commands run and end
+            assert asyncio.get_running_loop().time() < deadline, P.node_processes(attaching)
+            await asyncio.sleep(0.2)
+        assert (await ctl.status()).state != "unreachable"  # the same link, fine all along
+    finally:
         await transport.close()

@@ -31,6 +31,10 @@ class ChannelSlots:
         """A new connection: slots still held by channels of a dropped one do not count."""
         self._slots = asyncio.Semaphore(self.host.max_channels)
 
+    def all_taken(self) -> bool:
+        """No slot free now: every channel is held by a command sshd has not closed."""
+        return self._slots.locked()
+
     async def take(self, what: str, limit: float, left: float | None = None) -> Slot:
         """Take one slot within `left` (default `limit`) seconds; CommandTimeout if none frees."""
         slots = self._slots
