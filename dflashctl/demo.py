@@ -12,6 +12,11 @@ fresh.
 `--headless --duration S` runs without the TUI, prints the status and Eval lines as they come,
 stops gracefully and prints the last Eval line and then the last status line (exit 0), or says
 why there was no status line (exit 1).
+
+SIGINT (Ctrl-C) or SIGTERM (`timeout`, `kill`) stops the demo run as `q` does in the TUI: a
+headless demo ends its follow early (same stop, same last lines), a TUI closes (the run is
+stopped unless --keep), a bring-up is cut short and whatever it started stopped; the demo then
+exits 128 + the signal's number (130, 143).
 """
 
 from __future__ import annotations
@@ -22,11 +27,13 @@ import contextlib
 import hashlib
 import os
 import re
+import signal
 import sys
 import tomllib
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, TypeVar
 
 from dflashctl.config.inventory import HostConfig
 from dflashctl.errors import DflashctlError, ExitCode, run_main
@@ -63,6 +70,80 @@ class DemoError(DflashctlError):
 
 
 Say = Callable[[str], None]
+T = TypeVar("T")
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+class StopSignals:
+    """SIGINT and SIGTERM while the demo drives its run: asked to stop, never killed mid-way.
+
+    Handled on the running loop (between callbacks, never inside one), and also when the demo
+    was started with SIGINT ignored (a script's background job: `dflashctl demo ... &`), which
+    an asyncio program otherwise never hears. The first signal sets `requested` and is kept for
+    the exit status; a later one only says the stop is under way: a second Ctrl-C must not end
+    dflashctl halfway through the graceful stop and leave the trainer training.
+    """
+
+    def __init__(self, say: Say) -> None:
+        self.received: signal.Signals | None = None
+        self.requested = asyncio.Event()
+        self._say = say
+
+    def _on_signal(self, sig: signal.Signals) -> None:
+        if self.received is None:
+            self.received = sig
+            self.requested.set()
+        else:
+            self._say(
+                f"{sig.name}: the demo is ending already (a graceful stop takes up to "
+                f"{STOP_TIMEOUT_S:g} s)"
+            )
+
+    @contextlib.contextmanager
+    def installed(self) -> Iterator[StopSignals]:
+        loop = asyncio.get_running_loop()
+        for sig in STOP_SIGNALS:
+            loop.add_signal_handler(sig, self._on_signal, sig)
+        try:
+            yield self
+        finally:
+            for sig in STOP_SIGNALS:
+                loop.remove_signal_handler(sig)
+
+    async def race(self, task: asyncio.Future[T]) -> bool:
+        """Wait until `task` is done or a signal came (True: the signal; `task` goes on)."""
+        waiter = asyncio.ensure_future(self.requested.wait())
+        both: list[asyncio.Future[Any]] = [task, waiter]
+        try:
+            await asyncio.wait(both, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            waiter.cancel()
+        return not task.done()
+
+    async def unless_signalled(self, work: Awaitable[T]) -> T | None:
+        """`work`'s result, or None when a signal came first (`work` is then cancelled)."""
+        task = asyncio.ensure_future(work)
+        try:
+            signalled = await self.race(task)
+        except BaseException:
+            task.cancel()
+            raise
+        if not signalled:
+            return task.result()
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        return None
+
+    def exit_code(self, rc: int) -> int:
+        """What a signal makes of the demo's exit status `rc`: 130 (Ctrl-C), 143 (SIGTERM)."""
+        if self.received is None:
+            return rc
+        return ExitCode.INTERRUPTED if self.received == signal.SIGINT else ExitCode.TERMINATED
+
+    def why(self) -> str:
+        """`SIGINT: ` once a signal came (what the demo then says starts with it), else empty."""
+        return f"{self.received.name}: " if self.received is not None else ""
 
 
 def default_dir() -> Path:
@@ -182,12 +263,17 @@ async def bring_up(demo: HostHandle, session: str, *, fresh: bool, say: Say) -> 
 
 
 async def headless(
-    control: RunService, duration: float, say: Say, from_line: int | None = None
+    control: RunService,
+    duration: float,
+    say: Say,
+    from_line: int | None,
+    signals: StopSignals,
 ) -> int:
-    """Follow the status and Eval lines after `from_line` (None: from now) for `duration` s,
-    stop gracefully, print the last Eval line (when the run evaluated) and then the last status
-    line. `bring_up` gives the line the run started at, so a line the run wrote while the start
-    waited for it (its first evaluation, at step 0) is not skipped."""
+    """Follow the status and Eval lines after `from_line` (None: from now) for `duration` s, or
+    until one of `signals` comes, stop gracefully, print the last Eval line (when the run
+    evaluated) and then the last status line. `bring_up` gives the line the run started at, so
+    a line the run wrote while the start waited for it (its first evaluation, at step 0) is not
+    skipped."""
     if from_line is None:
         from_line = (await control.status()).log_lines
     last: str | None = None
@@ -205,24 +291,33 @@ async def headless(
                     last_eval = line
                     say(line)
 
-    with contextlib.suppress(TimeoutError):
-        await asyncio.wait_for(watch(), duration)
+    async def watch_for_duration() -> None:
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(watch(), duration)
+
+    await signals.unless_signalled(watch_for_duration())
     before = await control.status()
-    say("stopping the demo run gracefully ...")
-    stopped = await control.stop(timeout=STOP_TIMEOUT_S)
-    say(f"stop: {stopped.summary()}")
+    await stop_run(control, say, signals.why())
     evaluated = eval_summary((await control.status()).run_state)
     if evaluated:
         say(evaluated)
     if last is None:
         tail = [ln for ln in before.pane_tail if ln.strip()]
         why = before.last_error or (tail[-1] if tail else None) or f"run is {before.state}"
-        print(f"dflashctl demo: no status line within {duration:g} s ({why})", file=sys.stderr)
+        until = f"before {signals.received.name}" if signals.received else f"within {duration:g} s"
+        print(f"dflashctl demo: no status line {until} ({why})", file=sys.stderr)
         return ExitCode.FAILED
     if last_eval is not None:
         print(last_eval)
     print(last)
     return ExitCode.OK
+
+
+async def stop_run(control: RunService, say: Say, why: str = "", note: str = "") -> None:
+    """Stop the demo run gracefully and say how it went (`why`: what asked, `note`: an aside)."""
+    say(f"{why}stopping the demo run gracefully{note} ...")
+    stopped = await control.stop(timeout=STOP_TIMEOUT_S)
+    say(f"stop: {stopped.summary()}")
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
@@ -239,19 +334,35 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
 
 
 async def _run(args: argparse.Namespace, demo: HostHandle, config: DemoConfig) -> int:
+    """Bring the run up, then follow it headless or in the TUI, then stop it (unless --keep);
+    one loop throughout, so SIGINT and SIGTERM are heard in every phase (StopSignals)."""
+
     def say(msg: str) -> None:
         print(msg, file=sys.stderr if not args.headless else sys.stdout, flush=True)
 
+    signals = StopSignals(say)
+    with signals.installed():
+        try:
+            rc = await _drive(args, demo, config, signals, say)
+        finally:
+            if demo.close is not None:
+                await demo.close()
+    return signals.exit_code(rc)
+
+
+async def _drive(
+    args: argparse.Namespace, demo: HostHandle, config: DemoConfig, signals: StopSignals, say: Say
+) -> int:
     if config.note:
         say(config.note + ("; starting fresh (checkpoints archived)" if config.fresh else ""))
-    try:
-        started_at = await bring_up(demo, args.session, fresh=args.fresh or config.fresh, say=say)
-        if args.headless:
-            return await headless(demo.control, args.duration, say, started_at)
-    finally:
-        if args.headless and demo.close is not None:
-            await demo.close()
-    return ExitCode.OK
+    fresh = args.fresh or config.fresh
+    started_at = await signals.unless_signalled(bring_up(demo, args.session, fresh=fresh, say=say))
+    if started_at is None:  # cut short: stop whatever it started (nothing: "not running")
+        await stop_run(demo.control, say, signals.why())
+        return ExitCode.OK
+    if args.headless:
+        return await headless(demo.control, args.duration, say, started_at, signals)
+    return await run_tui(args, demo, signals)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -265,14 +376,15 @@ def _main(args: argparse.Namespace) -> int:
     config = prepare(demo_dir)
     host = demo_host(demo_dir, config.path, args.session)
     demo = open_local(host, label=DEMO_HOST)  # one handle: bring-up, the TUI, the final stop
-    rc = asyncio.run(_run(args, demo, config))
-    if rc or args.headless:
-        return rc
-    return run_tui(args, demo, host.session)
+    return asyncio.run(_run(args, demo, config))
 
 
-def run_tui(args: argparse.Namespace, demo: HostHandle, session: str) -> int:
-    """Open the TUI on the demo host; stop the run on exit unless --keep."""
+def _stdout(msg: str) -> None:
+    print(msg, flush=True)
+
+
+async def run_tui(args: argparse.Namespace, demo: HostHandle, signals: StopSignals) -> int:
+    """The TUI on the demo host until `q` or a signal; then stop the run unless --keep."""
     from dflashctl.tui.app import DflashApp
 
     quit_action = (
@@ -280,21 +392,16 @@ def run_tui(args: argparse.Namespace, demo: HostHandle, session: str) -> int:
         if args.keep
         else "quit and stop the demo run gracefully (--keep leaves it running)"
     )
-    DflashApp([demo], quit_action=quit_action).run()
+    app = DflashApp([demo], quit_action=quit_action)
+    running = asyncio.ensure_future(app.run_async())
+    if await signals.race(running):
+        app.exit()  # as `q` does: the app restores the terminal, then the run is stopped
+    await running
+    why = signals.why()
     if args.keep:
-        print(f"demo run left running: tmux -L dflash attach -t ={session}")
+        print(f"{why}demo run left running: tmux -L dflash attach -t ={args.session}")
         return ExitCode.OK
-    print("stopping the demo run gracefully (use --keep to leave it running) ...")
-
-    async def stop() -> None:
-        try:
-            result = await demo.control.stop(timeout=STOP_TIMEOUT_S)
-            print(f"stop: {result.summary()}")
-        finally:
-            if demo.close is not None:
-                await demo.close()
-
-    asyncio.run(stop())
+    await stop_run(demo.control, _stdout, why, " (use --keep to leave it running)")
     return ExitCode.OK
 
 

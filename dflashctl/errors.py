@@ -24,6 +24,7 @@ class ExitCode(IntEnum):
     USAGE = 2  # the user's input is wrong (arguments, inventory, config, a refused choice)
     UNREACHABLE = 3  # a host could not be reached (connect, auth, host key)
     INTERRUPTED = 128 + signal.SIGINT  # Ctrl-C (130, as a shell reports it)
+    TERMINATED = 128 + signal.SIGTERM  # SIGTERM, where it is handled (the demo: 143)
     BROKEN_PIPE = 128 + signal.SIGPIPE  # the reader left (`dflashctl status | head -1`)
 
 

@@ -13,7 +13,8 @@ import os
 import shutil
 import subprocess
 import sys
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -100,15 +101,47 @@ def small_fs(tmp_path: Path) -> Iterator[Path]:
 REPO = Path(__file__).resolve().parents[1]
 
 
+def headless_demo_argv(demo_dir: Path, session: str, duration: int) -> list[str]:
+    """`python -m dflashctl demo --headless` in `demo_dir` on tmux session `session` (the real
+    trainer under real tmux, as `make demo` runs it without a tty); needs tmux and torch."""
+    require_part(shutil.which("tmux") is not None, "tmux is not installed")
+    require_part(importlib.util.find_spec("torch") is not None, "torch (the train extra) missing")
+    demo = [sys.executable, "-m", "dflashctl", "demo", "--dir", str(demo_dir)]
+    return [*demo, "--session", session, "--headless", "--duration", str(duration)]
+
+
+def demo_processes(demo_dir: Path) -> list[str]:
+    """`pid cmdline` of every process working under `demo_dir` (the supervisor, the trainer and
+    its workers run in the demo's workdir, the pane's shell too)."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit() or int(proc.name) == os.getpid():
+            continue
+        try:
+            cwd = os.readlink(proc / "cwd")
+            cmd = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:  # gone meanwhile, or a kernel thread
+            continue
+        if cwd == str(demo_dir) or cwd.startswith(f"{demo_dir}/"):
+            found.append(f"{proc.name} {cmd.strip()}")
+    return found
+
+
+def wait_until(done: Callable[[], bool], deadline: float) -> bool:
+    """Poll `done` until it holds or the one overall `deadline` (time.monotonic) passes."""
+    while not done():
+        if time.monotonic() > deadline:
+            return done()
+        time.sleep(0.2)
+    return True
+
+
 def run_headless_demo(
     demo_dir: Path, session: str, duration: int
 ) -> subprocess.CompletedProcess[str]:
     """`dflashctl demo --headless` in `demo_dir` on tmux session `session` (killed afterwards,
     whatever happened): the real trainer under real tmux, as `make demo` runs it without a tty."""
-    require_part(shutil.which("tmux") is not None, "tmux is not installed")
-    require_part(importlib.util.find_spec("torch") is not None, "torch (the train extra) missing")
-    argv = [sys.executable, "-m", "dflashctl.demo", "--dir", str(demo_dir)]
-    argv += ["--session", session, "--headless", "--duration", str(duration)]
+    argv = headless_demo_argv(demo_dir, session, duration)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     try:
         return subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=280)

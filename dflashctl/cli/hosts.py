@@ -73,7 +73,7 @@ async def _trust(args: argparse.Namespace, host: HostConfig) -> int:
             f"({pinned[0].get_fingerprint('sha256')}); remove that line by hand if the host "
             f"really was reinstalled"
         )
-        return ExitCode.FAILED
+        return ExitCode.UNREACHABLE  # as every command that meets this key exits (HostKeyError)
     if not args.yes:
         print("Compare with `ssh-keygen -lf /etc/ssh/ssh_host_*_key.pub` on the host.")
         print("Trust this key? [y/N] ", end="", flush=True)

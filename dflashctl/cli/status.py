@@ -115,11 +115,7 @@ async def _logs(args: argparse.Namespace, host: HostConfig, prefix: str = "") ->
 
     async def go(t: Transport) -> int:
         ctl = RunControl(t, host)
-        st = await ctl.status()
-        if st.state == "unreachable":
-            from dflashctl.remote.transport import HostUnreachable
-
-            raise HostUnreachable(st.message or host.name)
+        st = await ctl.reader.status_for("logs")
         start = max(0, st.log_lines - args.lines)
         if not args.follow:
             for line in await ctl.log.log_tail(start):

@@ -32,13 +32,20 @@ from trainer.events.checkpoint_layout import CHECKPOINT_VERSION, REQUIRED_KEYS
 
 RESUME_CHOICE_RE = re.compile(r"auto|never|\d+|[^-\s;][^\s;]*")
 
-# argv: run dir (relative to the cwd = workdir), choice (auto | STEP | PATH), version, required
-# keys (comma-separated). Prints one JSON
+# argv: workdir, run dir (relative to the workdir), choice (auto | STEP | PATH), version,
+# required keys (comma-separated). Prints one JSON
 # object: {"used": {"path", "step", "config"} | null, "skipped": [[path, reason]...], "count": n}.
+# A workdir that does not exist yet (the first deploy to a host) holds no checkpoints: that is a
+# report (count 0), not a failure. One that exists is the trainer's cwd, so a relative PATH
+# means here what it means to the trainer.
 CHECKPOINT_CONFIG_SCRIPT = r"""
 import json, os, pickle, re, sys, zipfile
 
-run, choice, version, required = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
+workdir, run, choice = sys.argv[1], sys.argv[2], sys.argv[3]
+version, required = int(sys.argv[4]), sys.argv[5]
+no_workdir = not os.path.isdir(workdir)
+if not no_workdir:
+    os.chdir(workdir)
 
 
 class Stub:
@@ -75,6 +82,8 @@ class Reader(pickle.Unpickler):
 
 
 def saved_config(path):
+    if no_workdir:
+        raise ValueError("no workdir " + workdir)
     with zipfile.ZipFile(path) as z:
         names = [n for n in z.namelist() if n.endswith("/data.pkl") or n == "data.pkl"]
         if not names:
@@ -92,7 +101,7 @@ def saved_config(path):
 
 root = os.path.join(run, "checkpoints")
 found = []
-if os.path.isdir(root):
+if not no_workdir and os.path.isdir(root):
     for name in os.listdir(root):
         m = re.fullmatch(r"step-(\d{8,})\.pt", name)
         if m:
@@ -140,14 +149,10 @@ def validate_resume_choice(value: str) -> str:
 def checkpoint_config_argv(python: str, workdir: str, choice: str) -> list[str]:
     """Run the reader in the workdir (the trainer's cwd: a relative PATH means the same)."""
     return [
-        "sh",
-        "-c",
-        'cd "$1" && shift && exec "$@"',
-        "dflash-ckpt-config",
-        workdir,
         python,
         "-c",
         CHECKPOINT_CONFIG_SCRIPT,
+        workdir,
         "run",
         choice,
         str(CHECKPOINT_VERSION),
@@ -187,14 +192,25 @@ def parse_checkpoint_report(stdout: str) -> CheckpointConfig | None:
     return None
 
 
+async def read_checkpoint_report(
+    transport: Transport, host: HostConfig, choice: str = "auto"
+) -> CheckpointConfig | str:
+    """The config saved in the checkpoint `--resume choice` would load, or why the reader could
+    not tell (one line: its error, or that it printed no report)."""
+    res = await transport.run(
+        checkpoint_config_argv(host.python, host.workdir, choice), timeout=host.command_timeout
+    )
+    if not res.ok:
+        return res.error_line()
+    return parse_checkpoint_report(res.stdout) or "the reader printed no report"
+
+
 async def read_checkpoint_config(
     transport: Transport, host: HostConfig, choice: str = "auto"
 ) -> CheckpointConfig | None:
     """The config saved in the checkpoint `--resume choice` would load (None: cannot tell)."""
-    res = await transport.run(
-        checkpoint_config_argv(host.python, host.workdir, choice), timeout=host.command_timeout
-    )
-    return parse_checkpoint_report(res.stdout) if res.ok else None
+    found = await read_checkpoint_report(transport, host, choice)
+    return found if isinstance(found, CheckpointConfig) else None
 
 
 def breaking_keys(saved: dict[str, Any], new_path: Path) -> list[str]:
@@ -233,10 +249,11 @@ async def check_config_push(
     """
     if fresh or resume == "never":
         return ResumeCheck(None, [], [])
-    found = await read_checkpoint_config(transport, host, resume)
+    found = await read_checkpoint_report(transport, host, resume)
     notes: list[str] = []
-    if found is None:
-        return ResumeCheck(None, [], [f"{host.name}: could not read the checkpoints' config"])
+    if isinstance(found, str):
+        note = f"{host.name}: could not read the checkpoints' config ({found}); not compared"
+        return ResumeCheck(None, [], [note])
     for path, reason in found.skipped:
         notes.append(f"{host.name}: checkpoint {path} unreadable ({reason}); not compared")
     if found.config is None:

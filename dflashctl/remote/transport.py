@@ -13,16 +13,55 @@ import os
 import signal
 from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import Protocol, Self, runtime_checkable
 
 from dflashctl.errors import DflashctlError, ExitCode
 from dflashctl.remote.commands import describe
 
 
 class TransportError(DflashctlError):
-    """A remote operation failed for transport reasons (one-line message naming the host)."""
+    """A remote operation failed for transport reasons (one-line message naming the host).
+
+    `label` (the host) and `detail` (what went wrong there) are kept apart when one command
+    failed (`of_command`) or the container refused it, so an operation that ran that command
+    as one of its steps can report the failure as its own (`during`).
+    """
 
     exit_code = ExitCode.FAILED
+
+    def __init__(
+        self,
+        message: str = "",
+        *,
+        hint: str | None = None,
+        label: str | None = None,
+        detail: str | None = None,
+        command: str | None = None,
+    ) -> None:
+        super().__init__(message, hint=hint)
+        self.label = label
+        self.detail = detail
+        self.command = command  # the failed command, as `describe` words it
+
+    @classmethod
+    def of_command(cls, what: str, label: str, detail: str) -> Self:
+        """`status on host pve-a: no answer within 5 s; the remote command was stopped`."""
+        return cls(f"{what} on host {label}: {detail}", label=label, detail=detail, command=what)
+
+    def during(self, operation: str, step: str) -> TransportError:
+        """This failure as `operation`'s, whose `step` ran the command: `logs on host pve-a:
+        reading the run's status: no answer within 5 s; ...`. A failure that is not one
+        command's (a connection, a host key) is returned as it is: it already says it all."""
+        if self.label is None or self.detail is None:
+            return self
+        where = f"{step}: " if self.command is not None else ""
+        return type(self)(
+            f"{operation} on host {self.label}: {where}{self.detail}",
+            hint=self.hint,
+            label=self.label,
+            detail=self.detail,
+            command=self.command,
+        )
 
 
 class HostUnreachable(TransportError):
@@ -39,9 +78,9 @@ class CommandTimeout(TransportError):
     """A command ran past its timeout. The message says what, where, and whether it was ended."""
 
 
-def timeout_message(what: str, label: str, seconds: float, outcome: str) -> str:
-    """`status on host pve-a: no answer within 5 s; the remote command was stopped`."""
-    return f"{what} on host {label}: no answer within {seconds:g} s; {outcome}"
+def no_answer(seconds: float, outcome: str) -> str:
+    """A timed-out command's detail: `no answer within 5 s; the remote command was stopped`."""
+    return f"no answer within {seconds:g} s; {outcome}"
 
 
 @dataclass(frozen=True)
@@ -158,8 +197,8 @@ class LocalTransport:
         except TimeoutError:
             await _kill_group(proc)
             assert limit is not None
-            raise CommandTimeout(
-                timeout_message(describe(argv), self.label, limit, "the command was killed")
+            raise CommandTimeout.of_command(
+                describe(argv), self.label, no_answer(limit, "the command was killed")
             ) from None
         except BaseException:
             await _kill_group(proc)

@@ -435,9 +435,7 @@ class MeasureControl:
         without trainer.measure, no run config, a `--set` the config cannot take)."""
         req.check()
         name = self.host.name
-        run = await RunControl(self.transport, self.host).status(setup_errors=True)
-        if run.state == "unreachable":
-            raise HostUnreachable(run.message or f"{name}: unreachable")
+        run = await RunControl(self.transport, self.host).reader.status_for("measure")
         if run.state in LIVE_STATES:
             step = f", step {run.step}" if run.step is not None else ""
             raise MeasureBusy(

@@ -9,7 +9,12 @@ from dflashctl.remote.files import read_file
 from dflashctl.remote.layout import RemoteLayout
 from dflashctl.remote.run import status_argv
 from dflashctl.remote.tmux import PaneState, parse_pane_state, tmux_settled_pane_state
-from dflashctl.remote.transport import CommandResult, Transport, TransportError
+from dflashctl.remote.transport import (
+    CommandResult,
+    HostUnreachable,
+    Transport,
+    TransportError,
+)
 from dflashctl.runs.snapshot import RunStatus, parse_status
 from trainer.events import sanitize_for_terminal
 
@@ -43,23 +48,39 @@ class RunReader:
         InventoryError) is that host's state too, except with `setup_errors`, which the
         single-host commands pass so it reaches the user as the config error it is (exit 2).
         """
-        from dflashctl.config.runconfig import config_hash_of_text
-
         try:
-            res = await self._run(status_argv(self.host.workdir, self.host.session))
+            return await self._status()
         except TransportError as err:
             if setup_errors and isinstance(err, InventoryError):
                 raise
             return RunStatus(host=self.host.name, state="unreachable", message=str(err))
+
+    async def status_for(self, operation: str) -> RunStatus:
+        """The status `operation` (`start`, `stop`, `logs`) reads before it acts. A host it
+        cannot read is that operation's failure, named for it (`start on host pve-a: reading
+        the run's status: no answer within 5 s; ...`), not for the status query; a setup
+        problem is raised as the config error it is. HostUnreachable (exit 3) either way."""
+        try:
+            return await self._status()
+        except InventoryError:
+            raise
+        except TransportError as err:
+            named = err.during(operation, "reading the run's status")
+            if isinstance(named, HostUnreachable):
+                raise named from None
+            # a status that timed out is an unreachable host here too, as `status` reports it
+            raise HostUnreachable(str(named), hint=named.hint) from None
+
+    async def _status(self) -> RunStatus:
+        from dflashctl.config.runconfig import config_hash_of_text
+
+        res = await self._run(status_argv(self.host.workdir, self.host.session))
         if not res.ok:
             msg = res.error_line()
             if "not running" in msg:
                 msg = f"container {self.host.ctid} is not running (pct start {self.host.ctid})"
-            return RunStatus(
-                host=self.host.name,
-                state="unreachable",
-                message=sanitize_for_terminal(f"{self.host.name}: {msg}"),
-            )
+            msg = sanitize_for_terminal(msg)
+            raise HostUnreachable(f"{self.host.name}: {msg}", label=self.host.name, detail=msg)
         return parse_status(
             self.host.name, res.stdout, config_hash_of_text, session=self.host.session
         )

@@ -30,7 +30,7 @@ from dflashctl.remote.tmux import (
     tmux_new_session,
     tmux_settled_pane_state,
 )
-from dflashctl.remote.transport import CommandResult, HostUnreachable
+from dflashctl.remote.transport import CommandResult
 from dflashctl.runs.logs import RunLog
 from dflashctl.runs.reader import RunReader
 from dflashctl.runs.service import (
@@ -129,9 +129,7 @@ class RunStarter:
         progress: Callable[[str], None] | None,
         node: NodeCommand | None,
     ) -> StartResult:
-        st = await self.reader.status(setup_errors=True)
-        if st.state == "unreachable":
-            raise HostUnreachable(st.message or f"{self.host.name}: unreachable")
+        st = await self.reader.status_for("start")
         argv = node.argv if node is not None else trainer_argv(self.host.python, fresh, resume)
         if st.state in LIVE_STATES:
             return StartResult(self.host.name, False, st.run_release or "", None, argv)

@@ -7,7 +7,7 @@ from collections.abc import Awaitable, Callable
 from dflashctl.remote.files import tail_from
 from dflashctl.remote.run import stop_wait_argv
 from dflashctl.remote.tmux import tmux_capture, tmux_interrupt, tmux_kill_session
-from dflashctl.remote.transport import CommandResult, HostUnreachable
+from dflashctl.remote.transport import CommandResult
 from dflashctl.runs.reader import RunReader
 from dflashctl.runs.service import LIVE_STATES, ControlError, StopResult
 from dflashctl.runs.snapshot import parse_events
@@ -97,9 +97,7 @@ class RunStopper:
         interrupt: bool = True,
         after_interrupt: Callable[[], Awaitable[None]] | None = None,
     ) -> StopResult:
-        st = await self.reader.status(setup_errors=True)
-        if st.state == "unreachable":
-            raise HostUnreachable(st.message or f"{self.host.name}: unreachable")
+        st = await self.reader.status_for("stop")
         if st.state not in LIVE_STATES:
             if st.exit_status is not None:
                 await self._run(tmux_kill_session(self.host.session))

@@ -5,8 +5,13 @@ checkpoint, and `status` reporting both (the real trainer on CPU under tmux, Loc
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
+import signal
+import subprocess
+import threading
+import time
 import tomllib
 from pathlib import Path
 
@@ -23,7 +28,7 @@ from dflashctl.demo import (
 from dflashctl.remote import LocalTransport
 from dflashctl.runs.control import RunControl
 from dflashctl.runs.snapshot import RunStatus
-from tests.conftest import run_headless_demo
+from tests.conftest import demo_processes, headless_demo_argv, run_headless_demo, wait_until
 from trainer.config import TrainConfig
 from trainer.events import EvalEvent, StatusEvent, parse_line
 
@@ -140,3 +145,87 @@ def test_a_headless_demo_shows_tau_climbing_a_best_checkpoint_and_status_reports
         f"  eval: step {ev['step']} tau={ev['tau']:.3f} (best {best['step']}, "
         f"tau={best['tau']:.3f}, checkpoints/{best_file.name}); evals cost "
     ) in format_run_status(st)
+
+
+@pytest.fixture(scope="module")
+def signalled_demo_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One demo dir for both signals: the second reuses the tiny store and target."""
+    return tmp_path_factory.mktemp("signalled") / "demo"
+
+
+@pytest.mark.parts
+@pytest.mark.slow
+@pytest.mark.timeout(420)
+@pytest.mark.parametrize(
+    ("sig", "ignored"),
+    [(signal.SIGINT, False), (signal.SIGTERM, False), (signal.SIGINT, True)],
+    ids=["SIGINT", "SIGTERM", "SIGINT-to-a-background-job"],
+)
+def test_a_signal_stops_the_headless_demo_and_its_training(
+    signalled_demo_dir: Path, tmp_path: Path, sig: signal.Signals, ignored: bool
+) -> None:
+    """The fault: SIGINT 40 s into `dflashctl demo --headless --duration 120` left it running past
+    its duration, training on; SIGTERM (what `timeout` sends) ended dflashctl and left the
+    trainer training in its tmux session. Either must stop the run, as `q` does in the TUI:
+    also when the demo is a script's background job (`dflashctl demo ... &`: the shell starts
+    it with SIGINT ignored, and `kill -INT` did nothing at all)."""
+    demo_dir, session = signalled_demo_dir, f"dflash-demo-sig-{os.getpid()}"
+    sock = tmp_path / "tmux"  # a private tmux server: its socket -L dflash is this test's alone
+    sock.mkdir()
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TMUX_TMPDIR": str(sock)}
+
+    def tmux(*args: str) -> subprocess.CompletedProcess[str]:
+        argv = ["tmux", "-L", "dflash", *args]
+        return subprocess.run(argv, env=env, capture_output=True, text=True, check=False)
+
+    deadline = time.monotonic() + 360  # one budget for the whole run, start to cleanup
+    argv = headless_demo_argv(demo_dir, session, 3600)  # only the signal can end it in time
+    if ignored:  # as sh starts a background job without job control
+        argv = ["sh", "-c", 'trap "" INT; exec "$@"', "background-job", *argv]
+    lines: list[str] = []
+    with (tmp_path / "stderr").open("w") as err:
+        proc = subprocess.Popen(
+            argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=err, text=True
+        )
+
+    def read() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.append(line.rstrip("\n"))
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:
+
+        def training() -> bool:
+            return proc.poll() is not None or any(
+                isinstance(parse_line(ln), StatusEvent) for ln in lines
+            )
+
+        assert wait_until(training, deadline) and proc.poll() is None, lines
+        proc.send_signal(sig)
+        try:
+            proc.wait(max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"the demo was still running after {sig.name}: {lines[-5:]}")
+        reader.join(max(1.0, deadline - time.monotonic()))
+
+        stderr = (tmp_path / "stderr").read_text()
+        assert proc.returncode == 128 + sig, (proc.returncode, lines[-5:], stderr[-2000:])
+        assert f"{sig.name}: stopping the demo run gracefully ..." in lines, lines
+        assert any(ln.startswith("stop: stopped (") for ln in lines), lines  # gracefully
+        assert isinstance(parse_line(lines[-1]), StatusEvent), lines[-5:]  # as a timed end
+
+        def all_gone() -> bool:
+            alive = tmux("has-session", "-t", f"={session}").returncode == 0
+            return not alive and not demo_processes(demo_dir)
+
+        assert wait_until(all_gone, deadline), (tmux("ls").stdout, demo_processes(demo_dir))
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        tmux("kill-server")
+        for left in demo_processes(demo_dir):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(left.split()[0]), signal.SIGKILL)

@@ -298,7 +298,7 @@ async def test_trust_pins_once_and_refuses_a_changed_key(
     )
     try:
         rc = await asyncio.to_thread(cli_main, ["--hosts", inv, "trust", "fake", "--yes"])
-        assert rc == 1 and "DIFFERENT key is pinned" in capsys.readouterr().err
+        assert rc == 3 and "DIFFERENT key is pinned" in capsys.readouterr().err
         rc = await asyncio.to_thread(cli_main, ["--hosts", inv, "status", "fake"])
         assert rc == 3 and "CHANGED" in capsys.readouterr().out
     finally:

@@ -354,6 +354,31 @@ async def test_checkpoint_config_skips_an_unreadable_newest_checkpoint(
     assert any("step-00000009.pt unreadable" in n for n in check.notes)
 
 
+async def test_a_first_deploy_with_a_config_says_nothing_about_checkpoints(
+    local: Local, tmp_path: Path
+) -> None:
+    """The fault: the first deploy to a workdir that does not exist yet (every `make demo` on a
+    fresh clone) printed "could not read the checkpoints' config": there are none to read."""
+    require_part(TINY.is_file(), "configs/tiny-cpu.toml not in this checkout")
+    transport, host = local
+    assert not Path(host.workdir).exists()
+    said: list[str] = []
+    rel = build_release(standin_copy(tmp_path))
+    kw: DeployKw = {"release": rel, "min_free_bytes": 0, "import_check": False}
+    await deploy(transport, host, config=TINY, progress=said.append, **kw)
+    assert (Path(host.run_dir) / "config.toml").read_text() == TINY.read_text()
+    assert not [line for line in said if "checkpoint" in line], said
+    # a reader that really fails still says so, and why (here: no python where the host says)
+    from dflashctl.releases.resume import check_config_push
+
+    broken = host.model_copy(update={"python": str(tmp_path / "no-python")})
+    check = await check_config_push(transport, broken, TINY, fresh=False)
+    assert check.notes == [
+        f"loc: could not read the checkpoints' config ({tmp_path / 'no-python'}: command not "
+        "found); not compared"
+    ]
+
+
 async def test_restart_pushes_config_redeploys_and_resumes(ctl: RunControl, tmp_path: Path) -> None:
     require_part(TINY.is_file(), "configs/tiny-cpu.toml not in this checkout")
     rel = build_release(standin_copy(tmp_path))

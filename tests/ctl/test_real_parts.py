@@ -22,6 +22,7 @@ from dflashctl.runs.control import RunControl
 from dflashctl.runs.follow import lines_of
 from tests.ctl import parts as P
 
+TINY = Path(__file__).resolve().parents[2] / "configs" / "tiny-cpu.toml"
 pytestmark = [pytest.mark.parts, pytest.mark.timeout(180)]
 
 
@@ -65,6 +66,22 @@ async def test_deploy_preflight_and_noop_redeploy(
         assert again.transferred_bytes == 0 and not again.switched
     finally:
         await transport.close()
+
+
+async def test_a_first_deploy_with_a_config_says_nothing_about_checkpoints(
+    ssh_host: HostConfig, standin_release: Release, clean_workdir: Path
+) -> None:
+    """A container whose workdir does not exist yet has no checkpoints: the resume check says
+    nothing (it said "could not read the checkpoints' config" on every first deploy)."""
+    host = ssh_host.model_copy(update={"workdir": f"{P.CONTAINER_WORKDIR}/fresh"})
+    said: list[str] = []
+    transport = SshTransport(host)
+    try:
+        await deploy(transport, host, release=standin_release, config=TINY, progress=said.append)
+    finally:
+        await transport.close()
+    assert (clean_workdir / "fresh" / "run" / "config.toml").read_text() == TINY.read_text()
+    assert not [line for line in said if "checkpoint" in line], said
 
 
 async def test_stopped_container_is_refused_before_anything_is_sent(

@@ -13,6 +13,7 @@ import subprocess
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import asyncssh
 import pytest
 
 from dflashctl.cli.main import main as cli_main
@@ -101,6 +102,23 @@ async def test_a_hanging_pct_leaves_nothing_running_on_the_node(
         assert (await ctl.status()).state == "stopped"  # the same connection still works
     finally:
         await transport.close()
+
+
+def test_failures_under_a_hanging_pct_name_the_operation_not_its_status_step(
+    real_parts: P.Parts, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`logs`, `start` and `stop` read the run's status first; when that hangs, the operator's
+    command failed, and the line said "status on host ct: ..." as if `status` had been run."""
+    inv = str(inventory_with(real_parts, tmp_path, "command_timeout = 1.5"))
+    with P.hanging_pct(real_parts.sshd, 7775):
+        for operation in ("logs", "start", "stop"):
+            assert cli_main(["--hosts", inv, operation, "ct"]) == 3, operation
+            assert capsys.readouterr().err.splitlines() == [
+                f"dflashctl: {operation} on host ct: reading the run's status: no answer within "
+                "1.5 s; the remote command was stopped"
+            ]
+        assert cli_main(["--hosts", inv, "status", "ct"]) == 3  # status itself: as it was
+        assert "  status on host ct: no answer within 1.5 s" in capsys.readouterr().out
 
 
 async def test_a_log_stream_under_a_hanging_pct_ends_with_its_channel(
@@ -352,23 +370,69 @@ async def test_rsa_only_node_with_an_ed25519_key_pinned_is_a_key_change(
     assert "it now presents a ssh-rsa key SHA256:" in msg and "pinned: ssh-ed25519" in msg
 
 
+def test_trust_against_a_changed_key_exits_3_as_the_docs_say(
+    real_parts: P.Parts, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """docs/dflashctl.md: exit 3 is "host unreachable (including an unknown or changed host
+    key)", and every command that meets a changed key exits 3; `trust` exited 1."""
+    inv = inventory_with(real_parts, tmp_path)
+    other = asyncssh.generate_private_key("ssh-ed25519").export_public_key().decode().split()
+    known = tmp_path / "known_hosts"  # the node's key replaced (a reinstalled node, or not)
+    known.write_text(f"[127.0.0.1]:{real_parts.sshd.port} {other[0]} {other[1]}\n")
+    pinned = known.read_text()
+    assert cli_main(["--hosts", str(inv), "trust", "ct", "--yes"]) == 3
+    err = capsys.readouterr().err
+    assert f"ct: a DIFFERENT key is pinned in {known}" in err
+    assert known.read_text() == pinned  # nothing added
+    assert cli_main(["--hosts", str(inv), "status", "ct"]) == 3  # the same exit, everywhere
+    assert "CHANGED from the one pinned" in capsys.readouterr().out
+
+
 # --- item 11: the pct stand-in and a frozen container ----------------------------------------
 
 
-async def test_frozen_container_is_reported_as_frozen_not_stopped(
-    real_parts: P.Parts, ssh_host: HostConfig
+async def test_a_frozen_container_is_not_responding_though_the_node_answers(
+    real_parts: P.Parts, tmp_path: Path
 ) -> None:
-    name = real_parts.container.name
-    transport = SshTransport(ssh_host)
-    ctl = RunControl(transport, ssh_host)
+    """A frozen container (lxc-freeze, `pct suspend`) is running to the node, and `pct exec`
+    into it blocks in lxc-attach until it is thawed. Its status said "the node did not report
+    it stopped either (link stalled?)", though the link was fine: now it says what the node
+    answered and that the container is not responding, and, once the frozen commands hold
+    every channel, that the node cannot be asked. The lxc-attach processes wait on the node
+    until the container is thawed, then end (docs/dflashctl.md says so)."""
+    deadline = asyncio.get_running_loop().time() + 150  # one budget for the whole test
+    inv = inventory_with(real_parts, tmp_path, "command_timeout = 2", "max_channels = 2")
+    host = load_inventory(inv).get("ct")
+    name, attaching = real_parts.container.name, f"lxc-attach -n {real_parts.container.name} "
+    transport = SshTransport(host)
+    ctl = RunControl(transport, host)
     subprocess.run(["lxc-freeze", "-n", name], check=True)
     try:
         frozen = subprocess.run(["lxc-info", "-n", name, "-sH"], capture_output=True, text=True)
         assert frozen.stdout.strip() == "FROZEN"
         st = await ctl.status()
         assert st.state == "unreachable"
-        assert st.message == "ct: container '4242' is frozen/paused (resume it: pct resume 4242)"
+        assert st.message == (
+            "status on host ct: no answer within 2 s from container 4242, though the node "
+            "answers (`pct status 4242`: running): the container is not responding (frozen? "
+            "`pct resume 4242` thaws it); the command waits on the node until the container "
+            "runs again"
+        )
         assert await transport.container_state() == "running"  # as PVE reports a frozen CT
+        assert P.node_processes(attaching), "the blocked lxc-attach is on the node"
+        # the first status still holds its channel: this one takes the last, none is left
+        st = await ctl.status()
+        assert st.message == (
+            "status on host ct: no answer within 2 s; all 2 SSH channels are held by commands "
+            "that have not ended, so the node cannot be asked about container 4242 (frozen? "
+            "`pct resume 4242` thaws it)"
+        )
     finally:
         subprocess.run(["lxc-unfreeze", "-n", name], check=True)
+    try:
+        while P.node_processes(attaching):  # thawed: the blocked commands run and end
+            assert asyncio.get_running_loop().time() < deadline, P.node_processes(attaching)
+            await asyncio.sleep(0.2)
+        assert (await ctl.status()).state != "unreachable"  # the same link, fine all along
+    finally:
         await transport.close()

@@ -6,11 +6,13 @@ live values change, edits the demo config, presses `r`, confirms, and sees the r
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -19,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import require_part, run_headless_demo
+from tests.conftest import demo_processes, require_part, run_headless_demo, wait_until
 from tests.terminal import Terminal
 from trainer.config import TrainConfig, config_hash
 from trainer.events import StatusEvent, parse_line
@@ -122,3 +124,53 @@ def test_headless_demo_prints_the_last_status_line_and_stops(tmp_path: Path) -> 
         check=False,
     )
     assert alive.returncode != 0, "the demo run was left running"
+
+
+@pytest.mark.parts
+@pytest.mark.slow
+@pytest.mark.timeout(LIVE_EDIT_BUDGET_S + 120)
+def test_sigterm_to_the_demo_tui_stops_its_run_as_q_does(tmp_path: Path) -> None:
+    """The fault: SIGTERM (what `timeout` sends) ended `dflashctl demo` at once and left its
+    trainer training in the tmux session. Now the TUI closes and the run is stopped, as `q` does,
+    and the demo exits 143."""
+    require_part(shutil.which("tmux") is not None, "tmux is not installed")
+    require_part(importlib.util.find_spec("torch") is not None, "torch (the train extra) missing")
+    tag = f"{os.getpid()}"
+    session, term = f"dflash-demo-term-{tag}", Terminal(f"dflash-tuiterm-{tag}")
+    demo_dir, sock = tmp_path / "demo", tmp_path / "tmux"
+    sock.mkdir()  # the demo's tmux server (-L dflash) is this test's alone
+    env = {"TERM": "xterm-256color", "OMP_NUM_THREADS": "1", "COLUMNS": "140", "LINES": "45"}
+    env |= {"TMUX_TMPDIR": str(sock)}
+    deadline = time.monotonic() + LIVE_EDIT_BUDGET_S
+
+    def wait(what: str, predicate: Callable[[str], bool]) -> str:
+        return term.wait(what, predicate, max(deadline - time.monotonic(), 0.0))
+
+    def demo_session() -> bool:
+        argv = ["tmux", "-L", "dflash", "has-session", "-t", f"={session}"]
+        return subprocess.run(argv, env={**os.environ, **env}, check=False).returncode == 0
+
+    try:
+        argv = [sys.executable, "-m", "dflashctl", "demo", "--dir", str(demo_dir)]
+        term.start([*argv, "--session", session], env)
+        wait("a running demo row", lambda t: (_row(t) or ("", 0))[0] == "running")
+        shell = int(term.tmux("display-message", "-p", "-t", "=tui:", "#{pane_pid}"))
+        demo = [
+            int(pid)
+            for pid in subprocess.run(
+                ["pgrep", "-P", str(shell)], capture_output=True, text=True, check=False
+            ).stdout.split()
+        ]
+        assert len(demo) == 1, demo  # `env ... python -m dflashctl demo`, exec'd by env
+        os.kill(demo[0], signal.SIGTERM)
+        screen = wait("the demo to exit", lambda t: "exit=" in t)
+        assert "exit=143" in screen and "SIGTERM: stopping the demo run gracefully" in screen
+        assert "stop: stopped (" in screen, screen
+        gone = wait_until(lambda: not demo_session() and not demo_processes(demo_dir), deadline)
+        assert gone, demo_processes(demo_dir)
+    finally:
+        term.kill()
+        subprocess.run(["tmux", "-L", "dflash", "kill-server"], env={**os.environ, **env})
+        for left in demo_processes(demo_dir):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(left.split()[0]), signal.SIGKILL)

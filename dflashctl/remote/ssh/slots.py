@@ -31,16 +31,21 @@ class ChannelSlots:
         """A new connection: slots still held by channels of a dropped one do not count."""
         self._slots = asyncio.Semaphore(self.host.max_channels)
 
+    def all_taken(self) -> bool:
+        """No slot free now: every channel is held by a command sshd has not closed."""
+        return self._slots.locked()
+
     async def take(self, what: str, limit: float, left: float | None = None) -> Slot:
         """Take one slot within `left` (default `limit`) seconds; CommandTimeout if none frees."""
         slots = self._slots
         try:
             await asyncio.wait_for(slots.acquire(), limit if left is None else max(0.0, left))
         except TimeoutError:
-            raise CommandTimeout(
-                f"{what} on host {self.host.name}: not started within {limit:g} s: all "
-                f"{self.host.max_channels} SSH channels to {self.host.address} are in use "
-                f"(max_channels) by commands still running there"
+            raise CommandTimeout.of_command(
+                what,
+                self.host.name,
+                f"not started within {limit:g} s: all {self.host.max_channels} SSH channels to "
+                f"{self.host.address} are in use (max_channels) by commands still running there",
             ) from None
         return slots
 

@@ -34,12 +34,44 @@ from dflashctl.remote.transport import (
     CommandTimeout,
     HostUnreachable,
     TransportError,
-    timeout_message,
+    no_answer,
 )
 
 # After the node's own bound (limit, then KILL_AFTER_S) has passed, how long its answer may take
 # to arrive before the link, not the command, is taken to be what is stuck.
 REPLY_GRACE_S = 5.0
+# How long the node gets to answer `pct status` when a container command's answer never came.
+NODE_PROBE_S = 5.0
+LINK_STALLED = "(link stalled?); it is bounded there and ends by itself"
+
+
+def unanswered(limit: float, ctid: int, node_state: str | None) -> str:
+    """Why a container command's answer never came, as far as the node tells (`node_state`:
+    what it answered to `pct status`; None: nothing, so the link is what stalled).
+
+    A frozen container (`pct suspend`, `lxc-freeze`) is `running` to the node, and `pct exec`
+    into it blocks in lxc-attach until it is thawed: a fine link, a silent container."""
+    if node_state is None:
+        return no_answer(
+            limit, f"the node did not answer `pct status {ctid}` either {LINK_STALLED}"
+        )
+    if node_state != "running":
+        return no_answer(limit, f"the node says container {ctid} is {node_state} (`pct status`)")
+    return (
+        f"no answer within {limit:g} s from container {ctid}, though the node answers "
+        f"(`pct status {ctid}`: running): the container is not responding (frozen? `pct resume "
+        f"{ctid}` thaws it); the command waits on the node until the container runs again"
+    )
+
+
+def unasked(limit: float, ctid: int, channels: int) -> str:
+    """A container command's answer never came, and the node cannot be asked why: every
+    channel is held by a command that has not ended (what a frozen container's commands do)."""
+    return no_answer(
+        limit,
+        f"all {channels} SSH channels are held by commands that have not ended, so the node "
+        f"cannot be asked about container {ctid} (frozen? `pct resume {ctid}` thaws it)",
+    )
 
 
 class SshTransport:
@@ -62,7 +94,7 @@ class SshTransport:
         self, argv: Sequence[str], *, input: bytes | None = None, timeout: float | None = None
     ) -> CommandResult:
         """Run an argv on the Proxmox node itself (pct status, ...)."""
-        return await self._run_command(list(argv), input, timeout, describe(argv))
+        return await self._run_command(list(argv), input, timeout, describe(argv), container=False)
 
     async def run(
         self, argv: Sequence[str], *, input: bytes | None = None, timeout: float | None = None
@@ -72,7 +104,13 @@ class SshTransport:
         return await self._run_command(node_argv, input, timeout, describe(argv))
 
     async def _run_command(
-        self, node_argv: list[str], input: bytes | None, timeout: float | None, what: str
+        self,
+        node_argv: list[str],
+        input: bytes | None,
+        timeout: float | None,
+        what: str,
+        *,
+        container: bool = True,
     ) -> CommandResult:
         limit = timeout if timeout is not None else self.host.command_timeout
         loop = asyncio.get_running_loop()
@@ -99,30 +137,32 @@ class SshTransport:
                 opened.stdin.write_eof()  # also for b"": an empty file is still a whole file
             done = await asyncio.wait_for(opened.wait(), max(0.0, give_up - loop.time()))
         except TimeoutError:
-            raise CommandTimeout(
-                timeout_message(
-                    what,
-                    self.host.name,
-                    limit,
-                    "the node did not report it stopped either (link stalled?); "
-                    "it is bounded there and ends by itself",
+            if not container:
+                detail = no_answer(
+                    limit, f"the node did not report it stopped either {LINK_STALLED}"
                 )
-            ) from None
+            elif self._slots.all_taken():  # a channel to ask the node on would not come either
+                detail = unasked(limit, self.host.ctid, self.host.max_channels)
+            else:  # ask the node what it knows of the container: is the link at fault?
+                detail = unanswered(limit, self.host.ctid, await self._node_state())
+            raise CommandTimeout.of_command(what, self.host.name, detail) from None
         except asyncssh.ChannelOpenError as err:
             if conn.is_closed():
                 self._link.drop()
-                raise HostUnreachable(
-                    f"{what} on host {self.host.name}: connection lost: {err.reason}"
+                raise HostUnreachable.of_command(
+                    what, self.host.name, f"connection lost: {err.reason}"
                 ) from None
             # The connection itself is fine (and may carry a live stream): keep it.
-            raise TransportError(
-                f"{what} on host {self.host.name}: the node refused a new SSH channel: "
-                f"{err.reason} (sshd MaxSessions below max_channels = {self.host.max_channels}?)"
+            raise TransportError.of_command(
+                what,
+                self.host.name,
+                f"the node refused a new SSH channel: {err.reason} (sshd MaxSessions below "
+                f"max_channels = {self.host.max_channels}?)",
             ) from None
         except LINK_ERRORS as err:
             self._link.drop()
-            raise HostUnreachable(
-                f"{what} on host {self.host.name}: connection lost: {err}"
+            raise HostUnreachable.of_command(
+                what, self.host.name, f"connection lost: {err}"
             ) from None
         finally:
             self._slots.release_when_closed(proc, slot)
@@ -131,8 +171,8 @@ class SshTransport:
         assert isinstance(out, bytes) and isinstance(err_b, bytes)
         rc = done.exit_status if done.exit_status is not None else 255
         if rc in TIMED_OUT_RCS and loop.time() - started >= limit:
-            raise CommandTimeout(
-                timeout_message(what, self.host.name, limit, "the remote command was stopped")
+            raise CommandTimeout.of_command(
+                what, self.host.name, no_answer(limit, "the remote command was stopped")
             )
         return CommandResult(
             rc, out.decode("utf-8", "replace"), err_b.decode("utf-8", "replace"), out
@@ -176,6 +216,14 @@ class SshTransport:
                     proc.stdin.write_eof()
                 proc.close()
             self._slots.release_when_closed(proc, slot)
+
+    async def _node_state(self) -> str | None:
+        """The container's state as the node answers `pct status` now (None: no answer)."""
+        try:
+            res = await self.run_host(pct_status(self.host.ctid), timeout=NODE_PROBE_S)
+        except TransportError:
+            return None
+        return parse_pct_status(res.stdout) if res.ok else f"unknown ({res.error_line()})"
 
     async def container_state(self) -> str:
         res = await self.run_host(pct_status(self.host.ctid))
