@@ -337,9 +337,10 @@ def test_each_filesystem_the_trainer_writes_to_is_measured_once_and_named(
         assert state["low_disk"] == state["low_disks"][0] and state["low_disk"]["since"]
         assert state["low_disk"]["needed_mib"] == 3.0
         # the supervisor's own words travel with the figures (status and watch show them)
-        assert {f"low: {e['text']}; {e['consequence']} unless space is freed" for e in state[
-            "low_disks"
-        ]} == lines
+        assert {
+            f"low: {e['text']}; {e['consequence']} unless space is freed"
+            for e in state["low_disks"]
+        } == lines
         (run / "done").touch()
         assert s.wait(30) == 0
         assert len(_phases(run, "low_disk")) == 2  # no line for RUN, nor a second per change
