@@ -20,7 +20,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "benchmarks" / "gpu.sh"
-STEPS = ["env", "drafter", "kernel-tests", "pipeline", "capture", "ce", "measure"]
+STEPS = ["doctor", "env", "drafter", "kernel-tests", "pipeline", "capture", "ce", "measure"]
 
 
 def _gpu_steps() -> ModuleType:
@@ -74,6 +74,15 @@ def test_smoke_run_records_every_step_with_exit_0(tmp_path: Path) -> None:
         assert recs[0]["kind"] == "start" and recs[0]["smoke"] is True, name
         assert recs[-1]["kind"] == "done" and recs[-1]["ok"] is True, (name, recs[-1])
     kinds = {name: [r["kind"] for r in recs] for name, recs in results.items()}
+    doctor = [(r["stage"], r["status"]) for r in results["doctor"] if r["kind"] == "stage"]
+    assert doctor == [
+        ("alloc", "ok"),
+        ("attention", "skipped"),
+        ("ce", "skipped"),
+        ("step", "ok"),
+        ("copy", "skipped"),
+        ("nccl", "skipped"),
+    ]
     facts = next(r for r in results["env"] if r["kind"] == "facts")
     assert facts["torch"] and facts["default_dtype"] == "torch.float32"
     rungs = [r for r in results["drafter"] if r["kind"] == "rung"]
