@@ -7,7 +7,7 @@ import shlex
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from dflashctl.config.inventory import GroupConfig
+from dflashctl.config.inventory import GroupConfig, HostConfig
 from dflashctl.doctor.cache import ensure_quick_checks
 from dflashctl.errors import ExitCode
 from dflashctl.errors import print_error as print_err
@@ -52,6 +52,7 @@ async def cmd_deploy(args: argparse.Namespace) -> int:
         release = build_release(Path(args.tree)) if args.tree else build_release()
         if not args.no_doctor:
             await ensure_quick_checks(t, host, release.id, config, print)
+        await _env_note(t, host)
         res = await deploy(
             t,
             host,
@@ -117,13 +118,37 @@ async def _deploy_group(args: argparse.Namespace, group: GroupConfig) -> int:
     return await with_group(group, go)
 
 
+async def _env_note(t: Transport, host: HostConfig) -> None:
+    """Say when the container's env (dflashctl setup) is older than the lock, or missing."""
+    from dflashctl.errors import UsageError
+    from dflashctl.releases.envsetup import env_note, env_spec
+
+    try:
+        note = await env_note(t, host, env_spec())
+    except UsageError:
+        return  # no checkout with a lock next to the trainer: nothing to compare with
+    if note:
+        print(f"{note}")
+
+
 async def _group_doctor(gc: GroupControl, release: str | None, config: Path | None) -> None:
-    """Every node's quick checks (at once); the first refusal names its node, check and fix."""
+    """Every node's quick checks (at once); the first refusal names its node, check and fix.
+    A node that cannot be reached is left to the command itself, which names it per node."""
     import asyncio
 
-    await asyncio.gather(
-        *(ensure_quick_checks(c.transport, c.host, release, config, print) for c in gc.controls)
+    from dflashctl.doctor.cache import DoctorRefused
+    from dflashctl.remote.transport import TransportError
+
+    got = await asyncio.gather(
+        *(ensure_quick_checks(c.transport, c.host, release, config, print) for c in gc.controls),
+        return_exceptions=True,
     )
+    refused = [g for g in got if isinstance(g, DoctorRefused)]
+    if refused:
+        raise DoctorRefused("\n".join(str(r) for r in refused))
+    for g in got:
+        if isinstance(g, BaseException) and not isinstance(g, TransportError):
+            raise g
 
 
 async def cmd_start(args: argparse.Namespace) -> int:
