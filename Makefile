@@ -12,10 +12,11 @@ PY := $(VENV)/bin/python
 # triton line swapped. `===` because `==2.13.0` also matches a local 2.13.0+cpu wheel (and
 # pip prefers it). A GPU that appears later gives a new stamp, so `make` replaces the CPU build.
 # tools/torch_build.py: want (cpu|cuda), have (the venv's build), check (driver vs wheel).
-TORCH_VERSION := 2.13.0
-TORCH_CPU := torch==$(TORCH_VERSION)
-TORCH_CUDA := torch===$(TORCH_VERSION)
-TRITON_CUDA := 3.7.1
+# The pins live in tools/torch_build.py (`dflashctl setup` runs the same rule in a container).
+TORCH_VERSION := $(shell $(PYTHON) tools/torch_build.py version)
+TORCH_CPU := $(shell $(PYTHON) tools/torch_build.py requirement cpu)
+TORCH_CUDA := $(shell $(PYTHON) tools/torch_build.py requirement cuda)
+TRITON_CUDA := $(shell $(PYTHON) tools/torch_build.py triton-cuda)
 TORCH_WANT := $(shell nvidia-smi -L 2>/dev/null | grep -q '^GPU ' && echo cuda || echo cpu)
 CUDA_CONSTRAINTS := $(VENV)/constraints-cuda.txt
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml requirements.lock 2>/dev/null | sha256sum | cut -c1-12)$(if $(filter cuda,$(TORCH_WANT)),-cuda,)
@@ -28,7 +29,7 @@ venv: $(STAMP)
 
 $(STAMP):
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	@sed 's/^triton==.*/triton==$(TRITON_CUDA)/' requirements.lock > $(CUDA_CONSTRAINTS)
+	@$(PYTHON) tools/torch_build.py constraints cuda requirements.lock > $(CUDA_CONSTRAINTS)
 	@have=$$($(PY) tools/torch_build.py have); \
 	if [ "$(TORCH_WANT)" = cuda ]; then \
 		if [ "$$have" != cuda ]; then \

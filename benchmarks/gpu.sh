@@ -5,6 +5,8 @@
 #   bash benchmarks/gpu.sh --smoke    # the same steps on the CPU at tiny sizes (CI, ~2 min)
 #
 # Steps, in order, each under its own `timeout` (seconds in brackets, GPU run):
+#   doctor [60]        python -m trainer.doctor on the pipeline step's config with the Qwen3-8B
+#                      drafter's attention shape: alloc, flex fwd+bwd, Triton CE, a drafter step
 #   env [20]           versions, device, memory, driver, allocator settings
 #   drafter [150]      drafter fwd+bwd at real widths (5 layers, H 4096, V 151,936, bf16 autocast,
 #                      compiled flex, Triton CE), query-row ladder up to the first OOM, then
@@ -14,13 +16,13 @@
 #                      resumed from its middle checkpoint: losses and drafter must be bit-equal
 #   capture [35]       target capture throughput at Qwen3-8B width, 4 random layers
 #   ce [40]            LM-head CE at training-size N: Triton vs chunked (dense at N = 8192)
-#   measure [300]      python -m trainer.measure on the pipeline step's config: every batching
+#   measure [250]      python -m trainer.measure on the pipeline step's config: every batching
 #                      strategy through the real trainer on cuda:0, two interleaved rounds,
 #                      the step-cost fit (issue 14); GPU_SH_MEASURE_STRATEGIES=sorted,packed,
 #                      packed@8192 picks them instead (packed@N: rows of N tokens)
-# Boxes: 770 s in all (12 min 50 s), over issue 16's 8 minutes because of measure (issue 14:
-# the table on CUDA within 15 minutes); GPU_SH_STEPS=env,drafter,kernel-tests,pipeline,capture,ce
-# is the 470 s run without it.
+# Boxes: 780 s in all (13 min), over issue 16's 8 minutes because of measure (issue 14:
+# the table on CUDA within 15 minutes); GPU_SH_STEPS=doctor,env,drafter,kernel-tests,pipeline,
+# capture,ce is the 530 s run without it (measure's box gave the doctor 50 s: issue 26).
 # A step that fails or runs out of time is recorded and the next one runs: nothing aborts.
 #
 # Output, written as it goes, into $OUT (default: a fresh temp dir, printed at the start):
@@ -49,7 +51,7 @@ smoke=0
 for arg in "$@"; do
     case "$arg" in
         --smoke) smoke=1 ;;
-        -h | --help) sed -n '2,43p' "$0"; exit 0 ;;
+        -h | --help) sed -n '2,45p' "$0"; exit 0 ;;
         *) echo "gpu.sh: unknown argument $arg (only --smoke)" >&2; exit 2 ;;
     esac
 done
@@ -128,13 +130,14 @@ mode=()
 ((smoke)) && mode=(--smoke)
 s() { if ((smoke)); then echo "$2"; else echo "$1"; fi; }  # s GPU_TIMEOUT SMOKE_TIMEOUT
 
+run_step doctor "$(s 60 60)" "${steps[@]}" doctor "${mode[@]}"
 run_step env "$(s 20 30)" "${steps[@]}" env "${mode[@]}"
 run_step drafter "$(s 150 40)" "${steps[@]}" drafter "${mode[@]}"
 run_step kernel-tests "$(s 100 40)" "${steps[@]}" kernel-tests "${mode[@]}"
 run_step pipeline "$(s 125 60)" "${steps[@]}" pipeline "${mode[@]}"
 run_step capture "$(s 35 30)" "${steps[@]}" capture "${mode[@]}"
 run_step ce "$(s 40 30)" "${steps[@]}" ce "${mode[@]}"
-run_step measure "$(s 300 180)" "${steps[@]}" measure "${mode[@]}"
+run_step measure "$(s 250 180)" "${steps[@]}" measure "${mode[@]}"
 
 echo "gpu.sh: done; records in $OUT (steps.jsonl, results.jsonl, gpu.log)"
 exit "$failed"

@@ -498,6 +498,48 @@ def step_kernel_tests(ctx: Ctx) -> dict[str, Any]:
     return {"passed": counts.get("tests", 0) - counts.get("skipped", 0)}
 
 
+# ------------------------------------------------------------------------------------- doctor
+def step_doctor(ctx: Ctx) -> dict[str, Any]:
+    """`python -m trainer.doctor` first: the device self-test on the pipeline step's config, with
+    the Qwen3-8B drafter's attention (32 heads, 8 KV heads, head_dim 128, block 16) on the GPU.
+    Each stage is one record; a failed stage fails this step (the others still run)."""
+    root = Path(tempfile.mkdtemp(prefix="gpu-doctor-"))
+    raw = pipeline_config(root, ctx.smoke, 2)
+    if not ctx.smoke:
+        raw = merge(
+            raw,
+            {
+                "model": {
+                    "drafter": {
+                        "num_attention_heads": 32,
+                        "num_key_value_heads": 8,
+                        "head_dim": 128,
+                    }
+                }
+            },
+        )
+    config = root / "run.toml"
+    config.write_text(dump_toml(raw))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DFLASH_")}
+    paths = [str(REPO), os.environ.get("PYTHONPATH", "")]
+    env.update(PYTHONUNBUFFERED="1", PYTHONPATH=os.pathsep.join(p for p in paths if p))
+    proc = subprocess.run(
+        [sys.executable, "-m", "trainer.doctor", "--config", str(config), "--json"],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=max(10.0, ctx.left()),
+    )
+    print(proc.stderr[-3000:], file=sys.stderr)
+    report = json.loads(proc.stdout)
+    for stage in report["stages"]:
+        ctx.rec("stage", **stage)
+    if proc.returncode != 0:
+        raise RuntimeError(f"trainer.doctor exited {proc.returncode}: {report['failed']}")
+    return {"doctor_ok": report["ok"], "stages": len(report["stages"])}
+
+
 # ----------------------------------------------------------------------------------- pipeline
 def pipeline_config(root: Path, smoke: bool, steps: int) -> dict[str, Any]:
     """configs/tiny-cpu.toml at absolute paths under `root`, checkpointing at steps/2, split
@@ -834,6 +876,7 @@ def step_measure(ctx: Ctx) -> dict[str, Any]:
 
 
 STEPS: dict[str, Callable[[Ctx], dict[str, Any]]] = {
+    "doctor": step_doctor,
     "env": step_env,
     "drafter": step_drafter,
     "kernel-tests": step_kernel_tests,

@@ -42,7 +42,8 @@ def _probe(*argv: str) -> tuple[int, list[str], str]:
 
 
 @pytest.mark.parametrize(
-    "module", ["trainer.eval", "trainer.data", "trainer.export", "trainer.buckets"]
+    "module",
+    ["trainer.eval", "trainer.data", "trainer.export", "trainer.buckets", "trainer.doctor"],
 )
 def test_help_loads_neither_torch_nor_transformers(module: str) -> None:
     code, heavy, _ = _probe(module, "--help")
@@ -110,3 +111,15 @@ def test_data_import_input_errors_come_before_the_heavy_imports(tmp_path: Path) 
         code, heavy, err = _probe("trainer.data", *argv)
         assert (code, heavy) == (2, []), (argv, err)
         assert message in err and err.count("\n") == 0, err
+
+
+def test_doctor_config_errors_come_before_the_heavy_imports(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.toml"
+    bad.write_text('[model]\ntarget_dir = "t"\nmask_token_id = "x"\n')
+    for argv, message in (
+        (["--config", str(tmp_path / "none.toml")], "none.toml: no such config file"),
+        (["--config", str(bad)], "model.mask_token_id"),
+    ):
+        code, heavy, err = _probe("trainer.doctor", *argv)
+        assert (code, heavy) == (2, []), (argv, err)
+        assert message in err and err.startswith("error: ") and err.count("\n") == 0, err

@@ -20,7 +20,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "benchmarks" / "gpu.sh"
-STEPS = ["env", "drafter", "kernel-tests", "pipeline", "capture", "ce", "measure"]
+STEPS = ["doctor", "env", "drafter", "kernel-tests", "pipeline", "capture", "ce", "measure"]
 
 
 def _gpu_steps() -> ModuleType:
@@ -74,6 +74,15 @@ def test_smoke_run_records_every_step_with_exit_0(tmp_path: Path) -> None:
         assert recs[0]["kind"] == "start" and recs[0]["smoke"] is True, name
         assert recs[-1]["kind"] == "done" and recs[-1]["ok"] is True, (name, recs[-1])
     kinds = {name: [r["kind"] for r in recs] for name, recs in results.items()}
+    doctor = [(r["stage"], r["status"]) for r in results["doctor"] if r["kind"] == "stage"]
+    assert doctor == [
+        ("alloc", "ok"),
+        ("attention", "skipped"),
+        ("ce", "skipped"),
+        ("step", "ok"),
+        ("copy", "skipped"),
+        ("nccl", "skipped"),
+    ]
     facts = next(r for r in results["env"] if r["kind"] == "facts")
     assert facts["torch"] and facts["default_dtype"] == "torch.float32"
     rungs = [r for r in results["drafter"] if r["kind"] == "rung"]
@@ -235,8 +244,8 @@ def test_the_gpu_sizes_are_valid_configs(tmp_path: Path) -> None:
 
 def test_the_gpu_boxes_sum_to_under_13_minutes_and_match_the_header() -> None:
     """The real run's time boxes (first argument of each `s GPU SMOKE`) stay under 780 s (the
-    six issue-16 steps under 480 s, measure's 300 s on top: issue 14's table on CUDA), and the
-    header's table and total state the same numbers, in the same order."""
+    six issue-16 steps under 480 s; the doctor first, issue 26, and measure on top: issue 14's
+    table on CUDA), and the header's table and total state the same numbers, in the same order."""
     import re
 
     text = SCRIPT.read_text()
@@ -244,7 +253,7 @@ def test_the_gpu_boxes_sum_to_under_13_minutes_and_match_the_header() -> None:
     assert [name for name, _ in boxes] == STEPS
     total = sum(int(t) for _, t in boxes)
     assert total <= 780
-    assert sum(int(t) for name, t in boxes if name != "measure") <= 480
+    assert sum(int(t) for name, t in boxes if name not in ("measure", "doctor")) <= 480
     header = re.findall(r"^#   ([a-z-]+) \[(\d+)\]", text, re.M)
     assert header == boxes
     assert f"# Boxes: {total} s in all" in text

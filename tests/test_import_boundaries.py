@@ -48,6 +48,7 @@ DFLASHCTL_LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("monitor", ("dflashctl.monitor",)),
     ("alerts", ("dflashctl.alerts",)),
     ("runs", ("dflashctl.runs",)),
+    ("doctor", ("dflashctl.doctor",)),
     ("releases", ("dflashctl.releases",)),
     ("gpus", ("dflashctl.gpus",)),
     ("remote", ("dflashctl.remote",)),

@@ -123,7 +123,8 @@ def test_makefile_installs_the_pinned_cuda_build_when_a_gpu_appears(tmp_path: Pa
     assert "pip uninstall -q -y torch triton" in out
     assert "pip install -q torch===2.13.0 triton==3.7.1" in out
     assert "tools/torch_build.py check || exit 1" in out
-    assert "s/^triton==.*/triton==3.7.1/" in out and "constraints-cuda.txt" in out
+    assert "tools/torch_build.py constraints cuda requirements.lock" in out
+    assert "constraints-cuda.txt" in out
     assert "-cuda\n" in out.splitlines(keepends=True)[-1]
 
 
@@ -134,3 +135,32 @@ def test_makefile_without_a_gpu_keeps_the_cpu_build() -> None:
     # up to date: nothing to do; a fresh venv: the recipe runs its CPU branch, CPU stamp
     assert all("-cuda" not in line for line in out.splitlines() if line.startswith("touch"))
     assert "Nothing to be done" in out or 'if [ "cpu" = cuda ]' in out
+
+
+def test_the_pins_have_one_home_and_the_cuda_constraints_swap_triton(tmp_path: Path) -> None:
+    """The Makefile's torch and triton come from tools/torch_build.py (dflashctl setup runs the
+    same file in the container): the recipe names exactly what the module says."""
+    out = make_n(fake_smi(tmp_path))
+    cuda = torch_build.requirement("cuda")
+    assert cuda == f"torch==={torch_build.TORCH_VERSION}"
+    assert f"pip install -q {cuda} triton=={torch_build.TRITON_CUDA}" in out
+    assert torch_build.requirement("cpu") == f"torch=={torch_build.TORCH_VERSION}"
+    lock = "numpy==2.3.4\ntriton==3.9.0\n"
+    assert torch_build.constraints(lock, "cpu") == lock
+    assert (
+        torch_build.constraints(lock, "cuda")
+        == f"numpy==2.3.4\ntriton=={torch_build.TRITON_CUDA}\n"
+    )
+    done = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "tools" / "torch_build.py"),
+            "constraints",
+            "cuda",
+            str(ROOT / "requirements.lock"),
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert f"triton=={torch_build.TRITON_CUDA}" in done.stdout.splitlines()

@@ -7,6 +7,14 @@ Used by the Makefile (stdlib only: it runs before torch is installed) and as a p
                                           #   is None) or "none" (torch not importable)
     python tools/torch_build.py check     # driver, its CUDA, torch and its CUDA, one line each;
                                           #   exit 1 with one line when they cannot work together
+    python tools/torch_build.py version   # the tested torch version (TORCH_VERSION)
+    python tools/torch_build.py triton-cuda        # the CUDA wheel's triton pin (TRITON_CUDA)
+    python tools/torch_build.py requirement cpu|cuda   # the pip requirement for that build
+    python tools/torch_build.py constraints cpu|cuda LOCK  # LOCK with the build's triton line
+
+The one place the torch build is decided: the Makefile reads its pins from here, and
+`dflashctl setup` ships this file into the container and runs the same `want`, `requirement`
+and `constraints` there.
 
 The CUDA build the Makefile installs is torch 2.13.0's default Linux wheel on PyPI, built for
 CUDA 13.0 (its metadata requires cuda-toolkit 13.0.3 and triton 3.7.1): a driver whose
@@ -21,7 +29,9 @@ import subprocess
 import sys
 from dataclasses import dataclass
 
-WHEEL_CUDA = (13, 0)  # CUDA of torch 2.13.0's PyPI wheel (Makefile: TORCH_WHEEL_CUDA)
+TORCH_VERSION = "2.13.0"  # the tested version, both builds
+TRITON_CUDA = "3.7.1"  # the triton torch 2.13.0's CUDA wheel requires (the lock pins the CPU one's)
+WHEEL_CUDA = (13, 0)  # CUDA of torch 2.13.0's PyPI wheel
 
 
 @dataclass(frozen=True)
@@ -108,8 +118,34 @@ def check(drv: Driver | None, torch_info: tuple[str, str | None] | None) -> tupl
     return 0, lines
 
 
+def requirement(build: str) -> str:
+    """`==` for the CPU build; `===` for CUDA, because `==X` also matches a local X+cpu wheel
+    (and pip prefers it)."""
+    return f"torch=={TORCH_VERSION}" if build == "cpu" else f"torch==={TORCH_VERSION}"
+
+
+def constraints(lock: str, build: str) -> str:
+    """The lock as pip constraints for `build`: the CUDA wheel needs its own triton."""
+    if build == "cpu":
+        return lock
+    return re.sub(r"(?m)^triton==.*$", f"triton=={TRITON_CUDA}", lock)
+
+
 def main(argv: list[str]) -> int:
     cmd = argv[0] if argv else "check"
+    if cmd == "version":
+        print(TORCH_VERSION)
+        return 0
+    if cmd == "triton-cuda":
+        print(TRITON_CUDA)
+        return 0
+    if cmd == "requirement" and len(argv) == 2 and argv[1] in ("cpu", "cuda"):
+        print(requirement(argv[1]))
+        return 0
+    if cmd == "constraints" and len(argv) == 3 and argv[1] in ("cpu", "cuda"):
+        with open(argv[2], encoding="utf-8") as fh:
+            sys.stdout.write(constraints(fh.read(), argv[1]))
+        return 0
     if cmd == "want":
         print("cuda" if driver() is not None else "cpu")
         return 0
@@ -120,7 +156,11 @@ def main(argv: list[str]) -> int:
         code, lines = check(driver(), installed_torch())
         print("\n".join(lines), file=sys.stderr if code else sys.stdout)
         return code
-    print(f"usage: {sys.argv[0]} want|have|check (got {cmd!r})", file=sys.stderr)
+    print(
+        f"usage: {sys.argv[0]} want|have|check|version|triton-cuda|requirement BUILD|"
+        f"constraints BUILD LOCK (got {' '.join(argv)!r})",
+        file=sys.stderr,
+    )
     return 2
 
 

@@ -7,7 +7,8 @@ import shlex
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from dflashctl.config.inventory import GroupConfig
+from dflashctl.config.inventory import GroupConfig, HostConfig
+from dflashctl.doctor.cache import ensure_quick_checks
 from dflashctl.errors import ExitCode
 from dflashctl.errors import print_error as print_err
 from dflashctl.remote.transport import Transport
@@ -42,8 +43,16 @@ async def cmd_deploy(args: argparse.Namespace) -> int:
     if args.no_memory_check and config is not None:
         print(f"{host.name}: memory checks skipped (--no-memory-check)")
 
+    if config is not None:  # a bad config is exit 2 before anything connects
+        from dflashctl.config.runconfig import validate_config
+
+        validate_config(config)
+
     async def go(t: Transport) -> int:
-        release = build_release(Path(args.tree)) if args.tree else None
+        release = build_release(Path(args.tree)) if args.tree else build_release()
+        if not args.no_doctor:
+            await ensure_quick_checks(t, host, release.id, config, print)
+        await _env_note(t, host)
         res = await deploy(
             t,
             host,
@@ -78,6 +87,8 @@ async def _deploy_group(args: argparse.Namespace, group: GroupConfig) -> int:
     release = build_release(Path(args.tree)) if args.tree else build_release()
 
     async def go(gc: GroupControl) -> int:
+        if not args.no_doctor:
+            await _group_doctor(gc, release.id, config)
         outcomes = await gc.deploy(
             config=config,
             release=release,
@@ -107,6 +118,39 @@ async def _deploy_group(args: argparse.Namespace, group: GroupConfig) -> int:
     return await with_group(group, go)
 
 
+async def _env_note(t: Transport, host: HostConfig) -> None:
+    """Say when the container's env (dflashctl setup) is older than the lock, or missing."""
+    from dflashctl.errors import UsageError
+    from dflashctl.releases.envsetup import env_note, env_spec
+
+    try:
+        note = await env_note(t, host, env_spec())
+    except UsageError:
+        return  # no checkout with a lock next to the trainer: nothing to compare with
+    if note:
+        print(f"{note}")
+
+
+async def _group_doctor(gc: GroupControl, release: str | None, config: Path | None) -> None:
+    """Every node's quick checks (at once); the first refusal names its node, check and fix.
+    A node that cannot be reached is left to the command itself, which names it per node."""
+    import asyncio
+
+    from dflashctl.doctor.cache import DoctorRefused
+    from dflashctl.remote.transport import TransportError
+
+    got = await asyncio.gather(
+        *(ensure_quick_checks(c.transport, c.host, release, config, print) for c in gc.controls),
+        return_exceptions=True,
+    )
+    refused = [g for g in got if isinstance(g, DoctorRefused)]
+    if refused:
+        raise DoctorRefused("\n".join(str(r) for r in refused))
+    for g in got:
+        if isinstance(g, BaseException) and not isinstance(g, TransportError):
+            raise g
+
+
 async def cmd_start(args: argparse.Namespace) -> int:
     from dflashctl.runs.control import RunControl
 
@@ -115,10 +159,13 @@ async def cmd_start(args: argparse.Namespace) -> int:
     if isinstance(target, GroupConfig):
         return await _start_group(args, target, resume)
     host = target
+    wait_s = wait_s_of(args, host)  # a bad value is exit 2 before anything connects
 
     async def go(t: Transport) -> int:
+        if not args.no_doctor:
+            await ensure_quick_checks(t, host, None, host.run_config, print)
         res = await RunControl(t, host).start(
-            fresh=args.fresh, resume=resume, wait_s=wait_s_of(args, host), progress=print
+            fresh=args.fresh, resume=resume, wait_s=wait_s, progress=print
         )
         for note in [*res.notes, res.supervisor_note()]:
             if note:
@@ -140,6 +187,8 @@ async def _start_group(args: argparse.Namespace, group: GroupConfig, resume: str
     wait_s = wait_s_of(args, group.nodes[0])
 
     async def go(gc: GroupControl) -> int:
+        if not args.no_doctor:
+            await _group_doctor(gc, None, group.nodes[0].run_config)
         res = await gc.start(fresh=args.fresh, resume=resume, wait_s=wait_s, progress=print)
         if not res.started:
             print(f"{group.name}: already running on every node (release {res.release})")
@@ -282,6 +331,15 @@ async def _restart_group(
     return await with_group(group, go)
 
 
+def _no_doctor(sp: argparse.ArgumentParser) -> None:
+    sp.add_argument(
+        "--no-doctor",
+        action="store_true",
+        help="skip the quick checks (GPU passthrough, driver, torch, limits) otherwise run once "
+        "per release and container",
+    )
+
+
 def register(sub: Subparsers) -> None:
     """Adds deploy, start, stop, restart."""
     add = command_adder(sub)
@@ -303,9 +361,11 @@ def register(sub: Subparsers) -> None:
         action="store_true",
         help="skip the memory estimate (GPU fit, checkpoints vs free disk) of the pushed config",
     )
+    _no_doctor(sp)
     sp = add("start", cmd_start, "start the trainer in tmux")
     sp.add_argument("--fresh", action="store_true", help="archive checkpoints, start from step 0")
     add_run_flags(sp)
+    _no_doctor(sp)
     sp = add("stop", cmd_stop, "SIGINT the trainer, wait for its checkpoint, end the session")
     sp.add_argument("--timeout", type=float, default=120.0, help="seconds to wait (default 120)")
     sp = add("restart", cmd_restart, "push config, deploy if changed, stop, start")

@@ -17,7 +17,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from dflashctl.cli import hosts, lifecycle, measure, status, watch
+from dflashctl.cli import doctor, hosts, lifecycle, measure, setup, status, watch
 from dflashctl.errors import run_main
 
 
@@ -33,7 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="inventory file (default ./hosts.toml, then ~/.config/dflashctl/hosts.toml)",
     )
     sub = p.add_subparsers(dest="command")
-    for family in (hosts, lifecycle, status, watch, measure):
+    for family in (hosts, lifecycle, status, watch, measure, doctor, setup):
         family.register(sub)
     sub.add_parser("tui", help="the live fleet TUI (default)").set_defaults(func=None)
     sub.add_parser("demo", help="the TUI against a local demo run").set_defaults(func=None)

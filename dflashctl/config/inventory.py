@@ -281,6 +281,7 @@ class HostConfig(_Strict):
     known_hosts: Path
     ctid: int
     workdir: Workdir = "/opt/dflash"
+    # unset in hosts.toml: WORKDIR/env/bin/python, the env `dflashctl setup` builds
     python: RemotePath = "/usr/bin/python3"
     session: Name = "dflash"
     run_config: Path | None = None
@@ -462,6 +463,9 @@ def _merge(path: Path, name: str, entry: HostEntry, defaults: HostSettings) -> H
     resolved: dict[str, Any] = {
         k: v for k, v in merged.items() if v is not None and k not in {"env", "known_hosts"}
     }
+    if merged["python"] is None:  # the env `dflashctl setup` builds
+        workdir = merged["workdir"] or HostConfig.model_fields["workdir"].default
+        resolved["python"] = f"{workdir}/env/bin/python"
     resolved.update(
         name=name,
         address=entry.address,

@@ -208,7 +208,8 @@ async def run_preflight(
     if res.rc in (126, 127) or ("No such file" in res.stderr and res.rc != 0):
         raise DeployError(
             f"{host.name}: {host.python} not found in container {host.ctid} "
-            f"(set `python` in hosts.toml): {res.error_line()}"
+            f"(dflashctl setup {host.name} builds one, or set `python` in hosts.toml): "
+            f"{res.error_line()}"
         )
     probe = parse_probe_output(res.stdout)
     if probe is None:

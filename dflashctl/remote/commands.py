@@ -18,7 +18,7 @@ from collections.abc import Mapping, Sequence
 
 from dflashctl.remote.files import line_count, read_file, tail_follow, tail_from, write_file_atomic
 from dflashctl.remote.layout import SUPERVISOR_SOURCE
-from dflashctl.remote.pct import parse_pct_status, pct_exec, pct_push, pct_status
+from dflashctl.remote.pct import parse_pct_status, pct_config, pct_exec, pct_push, pct_status
 from dflashctl.remote.tmux import (
     FALLBACK_TERM,
     HISTORY_LIMIT,
@@ -69,6 +69,7 @@ __all__ = [
     "node_guarded",
     "parse_pane_state",
     "parse_pct_status",
+    "pct_config",
     "pct_exec",
     "pct_push",
     "pct_status",

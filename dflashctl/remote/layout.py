@@ -53,6 +53,7 @@ DEPLOY_LOCK = ".deploy.lock"
 DEPLOY_LOCK_OWNER = f"{DEPLOY_LOCK}/owner"
 SWITCH_MARKER = ".deploy-switched"
 SECRETS = "secrets"
+DOCTOR = "doctor"  # doctor/<release>.ok: the quick checks passed for that release here
 # In a release: the in-container supervisor (a tree deployed before it has none).
 SUPERVISOR_SOURCE = "trainer/supervise.py"
 # In a release: the memory estimator deploy's memory check runs (`python -m trainer.memory`).
@@ -133,3 +134,10 @@ class RemoteLayout:
 
     def secret(self, name: str) -> str:
         return self.path(f"{SECRETS}/{name}")
+
+    @property
+    def current(self) -> str:
+        return self.path(CURRENT)
+
+    def doctor_stamp(self, release: str) -> str:
+        return self.path(f"{DOCTOR}/{release}.ok")

@@ -28,3 +28,8 @@ def parse_pct_status(stdout: str) -> str:
         if key.strip() == "status" and value.strip():
             return value.strip()
     return "unknown"
+
+
+def pct_config(ctid: int) -> list[str]:
+    """`pct config CTID`: the container's configuration as `key: value` lines."""
+    return ["pct", "config", str(int(ctid))]

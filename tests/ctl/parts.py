@@ -58,13 +58,20 @@ class Sshd:
 
 
 @contextlib.contextmanager
-def sshd(base: Path, *, host_key_type: str = "ed25519") -> Iterator[Sshd]:
+def sshd(
+    base: Path, *, host_key_type: str = "ed25519", node_proc: Path | None = None
+) -> Iterator[Sshd]:
     """OpenSSH sshd on 127.0.0.1:<free port>, root login by a temp key, pct shim on PATH.
 
     `host_key_type` is the node's only host key type (say "rsa", for a node that has no
-    ed25519 key).
+    ed25519 key). `node_proc`: the node's NVIDIA view, for sessions of this sshd only: sshd
+    runs in a mount namespace of its own where `node_proc/devices` is bound over
+    /proc/devices and /proc/driver/nvidia is `node_proc/nvidia` (absent: no kernel module),
+    so tests rewrite what "the node" reports between calls. `pct config` prints
+    `base/pve-lxc/CTID.conf` (`write_ct_conf`).
     """
     base.mkdir(parents=True, exist_ok=True)
+    (base / "pve-lxc").mkdir(exist_ok=True)
     shim_dir = base / "bin"
     shim_dir.mkdir(exist_ok=True)
     shutil.copy(SHIM, shim_dir / "pct")
@@ -104,8 +111,17 @@ def sshd(base: Path, *, host_key_type: str = "ed25519") -> Iterator[Sshd]:
         )
     )
     Path("/run/sshd").mkdir(parents=True, exist_ok=True)
+    argv = ["/usr/sbin/sshd", "-D", "-e", "-f", str(cfg)]
+    if node_proc is not None:
+        mounts = (
+            'mount --bind "$1/devices" /proc/devices && mount -t tmpfs tmpfs /proc/driver && '
+            'ln -s "$1/nvidia" /proc/driver/nvidia && shift && exec "$@"'
+        )
+        argv = ["unshare", "--mount", "--propagation", "private", "--"]
+        argv += ["sh", "-c", mounts, "node", str(node_proc), "/usr/sbin/sshd", "-D", "-e"]
+        argv += ["-f", str(cfg)]
     proc = subprocess.Popen(
-        ["/usr/sbin/sshd", "-D", "-e", "-f", str(cfg)],
+        argv,
         stdout=subprocess.DEVNULL,
         stderr=open(base / "sshd.log", "ab"),  # noqa: SIM115 - lives as long as sshd
     )
@@ -136,6 +152,21 @@ class Container:
     python: str
 
 
+def write_ct_conf(sd: Sshd, ctid: int, text: str) -> Path:
+    """The node's /etc/pve/lxc/CTID.conf as the pct shim serves it."""
+    path = sd.dir / "pve-lxc" / f"{ctid}.conf"
+    path.write_text(text)
+    return path
+
+
+def default_ct_conf(name: str) -> str:
+    """A privileged CT's config as PVE writes it, no devices passed through."""
+    return (
+        f"arch: amd64\ncores: 2\nhostname: {name}\nmemory: 4096\nostype: debian\n"
+        f"rootfs: local:{CTID}/vm-{CTID}-disk-0.raw,size=8G\nswap: 512\n"
+    )
+
+
 def _destroy(name: str) -> None:
     _run(["lxc-stop", "-n", name, "-k"], timeout=60)
     _run(["lxc-destroy", "-n", name, "-f"], timeout=60)
@@ -160,6 +191,7 @@ def lxc_container(
     host_network: bool = False,
     workdir: str = CONTAINER_WORKDIR,
     shared: tuple[Path, ...] = (),
+    extra_config: tuple[str, ...] = (),
 ) -> Iterator[Container]:
     """A running LXC container (template sshd, no network) with the venv visible inside.
 
@@ -167,7 +199,8 @@ def lxc_container(
     meet on 127.0.0.1); the template's sshd would then bind the host's port 22, so the
     container's init runs `sleep infinity` instead (nothing here uses the container's sshd).
     `workdir`: where the workdir is mounted inside; `shared`: host directories mounted
-    read-write at the same path inside (a store both nodes read)."""
+    read-write at the same path inside (a store both nodes read); `extra_config`: more LXC
+    config lines (device cgroup rules)."""
     reap_stale_containers()
     name = name or f"{NAME_PREFIX}{os.getpid()}"
     _destroy(name)
@@ -200,6 +233,7 @@ def lxc_container(
             f"lxc.mount.entry = {venv} {str(venv).lstrip('/')} none ro,bind,create=dir 0 0",
             f"lxc.mount.entry = {base} {str(base).lstrip('/')} none ro,bind,create=dir 0 0",
             f"lxc.mount.entry = {workdir_host} {workdir.lstrip('/')} none rw,bind,create=dir 0 0",
+            *extra_config,
         ]
         cfg_path.write_text("\n".join(lines) + "\n")
         r = _run(["lxc-start", "-n", name, "-d"], timeout=60)
@@ -229,6 +263,7 @@ def real_parts(base: Path | None = None) -> Iterator[Parts]:
     try:
         with lxc_container(root / "ct-workdir") as ct, sshd(root / "sshd") as sd:
             sd.map_file.write_text(f"{ct.ctid} {ct.name}\n")
+            write_ct_conf(sd, ct.ctid, default_ct_conf(ct.name))
             yield Parts(sd, ct)
     finally:
         if own:
@@ -380,6 +415,7 @@ def group_pair(
         pins = []
         for sd, ct in zip(sshds, cts, strict=True):
             sd.map_file.write_text(f"{ct.ctid} {ct.name}\n")
+            write_ct_conf(sd, ct.ctid, default_ct_conf(ct.name))
             pub = sd.host_pub.read_text().split()
             pins.append(f"[127.0.0.1]:{sd.port} {pub[0]} {pub[1]}\n")
         known.write_text("".join(pins))

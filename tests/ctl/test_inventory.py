@@ -154,3 +154,27 @@ def test_local_host_with_an_unusable_path_is_a_clear_error(tmp_path: Path) -> No
     assert local_host("demo", tmp_path / "wd", python="/usr/bin/python3").workdir.endswith("/wd")
     with pytest.raises(InventoryError, match=r"local host 'demo': workdir:"):
         local_host("demo", tmp_path / "my runs", python="/usr/bin/python3")
+
+
+def test_python_unset_is_the_env_setup_builds(tmp_path: Path) -> None:
+    """`python` is optional once `dflashctl setup` built WORKDIR/env (issue 26): unset, a host
+    runs WORKDIR/env/bin/python, under its own workdir or the default one."""
+    text = """
+[defaults]
+known_hosts = "kh"
+[hosts.a]
+address = "10.0.0.1"
+ctid = 200
+workdir = "/srv/run-a"
+[hosts.b]
+address = "10.0.0.2"
+ctid = 201
+[hosts.c]
+address = "10.0.0.3"
+ctid = 202
+python = "/opt/venv/bin/python"
+"""
+    inv = parse_inventory(text, tmp_path / "hosts.toml")
+    assert inv.get("a").python == "/srv/run-a/env/bin/python"
+    assert inv.get("b").python == "/opt/dflash/env/bin/python"
+    assert inv.get("c").python == "/opt/venv/bin/python"

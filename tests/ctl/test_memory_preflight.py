@@ -204,7 +204,9 @@ def test_disk_check_and_no_gpu_through_the_cli(
     needed = ckpt * (3 + 1)
     with P.container_tmpfs(real_parts, "/srv/small", "1536m") as small:
         inv = _inventory(real_parts, ssh_host, tmp_path, small)
-        argv = [*inv, "deploy", "ct", "--config", str(cfg), "--tree", str(tree)]
+        # --no-doctor: the seed's GPU config in this CPU container is on purpose here (the
+        # disk check is under test; doctor would refuse the missing GPUs first)
+        argv = [*inv, "deploy", "ct", "--config", str(cfg), "--tree", str(tree), "--no-doctor"]
         assert cli_main(argv) == 1
         out = capsys.readouterr()
         refusal = [ln for ln in out.err.splitlines() if "checkpoints need" in ln]
@@ -227,7 +229,8 @@ def test_disk_check_and_no_gpu_through_the_cli(
         assert "checkpoints" not in skipped
     with P.container_tmpfs(real_parts, "/srv/roomy", "400g") as roomy:
         inv = _inventory(real_parts, ssh_host, tmp_path, roomy)
-        assert cli_main([*inv, "deploy", "ct", "--config", str(cfg), "--tree", str(tree)]) == 0
+        deploy = [*inv, "deploy", "ct", "--config", str(cfg), "--tree", str(tree), "--no-doctor"]
+        assert cli_main(deploy) == 0
         fits = capsys.readouterr().out
         assert "ct: no GPU in the container: memory fit check skipped" in fits
         assert re.search(rf"ct: checkpoints fit: [\d,]+ MiB free under {roomy}/run, ", fits), fits

@@ -307,10 +307,11 @@ def test_stop_during_a_restart_backoff_stops_for_good(
     text = tiny_config(site.base, "run.toml").read_text()
     bad = site.base / "bad-device.toml"
     bad.write_text(text.replace('drafter_devices = ["cpu"]', 'drafter_devices = ["cuda:99"]'))
-    assert cli_main([*inv, "deploy", "ct", "--config", str(bad), "--fresh"]) == 0
+    # --no-doctor: the trainer's own refusal is under test (doctor refuses cuda:99 first)
+    assert cli_main([*inv, "deploy", "ct", "--config", str(bad), "--fresh", "--no-doctor"]) == 0
     capsys.readouterr()
     # the trainer died at once: a failed start, although the supervisor lives on to restart it
-    assert cli_main([*inv, "start", "ct", "--wait-s", "300"]) == 1
+    assert cli_main([*inv, "start", "ct", "--wait-s", "300", "--no-doctor"]) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1, err
     assert re.search(

@@ -190,6 +190,13 @@ class ModelConfig(BaseModel):
         description="query rows (anchors x block) per drafter micro-step; larger packets are "
         "split, gradients accumulating into one optimizer step; None: unbounded",
     )
+    attention: Literal["auto", "sdpa", "flex"] = Field(
+        default="auto",
+        description="the drafter's attention in training: auto = compiled flex_attention on "
+        "CUDA (tiles fitted to the device), SDPA elsewhere; flex that does not compile at the "
+        "first step falls back to SDPA with one WARNING line (flex on CPU has no backward, so "
+        "'flex' there always falls back)",
+    )
 
 
 class TopologyConfig(BaseModel):

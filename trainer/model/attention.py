@@ -6,6 +6,11 @@ tile by tile, and its BlockMask (built analytically from the anchors, trainer.mo
 never materialises a [Q, KV] mask. On CPU flex runs an unfused reference implementation:
 correct (the tests compare it with SDPA) but slow. On CUDA a dense mask never meets SDPA's
 enable_gqa (see `attend`).
+
+On CUDA the flex kernels get `kernel_options` fitted to the device's shared memory
+(`trainer.kernels.flex_options`). If flex still fails to compile (the first step's probe,
+`trainer.model.flex_probe`), `disable_flex` turns every later "auto" or "flex" into SDPA for the
+process, so the run goes on instead of crash-looping.
 """
 
 from __future__ import annotations
@@ -26,11 +31,27 @@ AttnBackend = Literal["auto", "sdpa", "flex"]
 # A dense bool mask, a flex BlockMask, or None (no mask: inference, block sees all context).
 AttnMask = object
 
+# Why flex is off for this process (None: it is not): set once by `disable_flex`.
+_flex_disabled: list[str] = []
+
+
+def disable_flex(reason: str) -> None:
+    """From now on "auto" and "flex" resolve to SDPA (flex did not compile on this device)."""
+    if not _flex_disabled:
+        _flex_disabled.append(reason)
+
+
+def flex_disabled() -> str | None:
+    return _flex_disabled[0] if _flex_disabled else None
+
 
 def resolve_backend(backend: str, device: torch.device) -> Literal["sdpa", "flex"]:
-    """ "auto" = flex on CUDA when this torch has it, SDPA otherwise."""
+    """ "auto" = flex on CUDA when this torch has it, SDPA otherwise; SDPA once flex is
+    disabled (`disable_flex`)."""
     if backend not in ("auto", "sdpa", "flex"):
         raise ValueError(f"attention backend must be auto, sdpa or flex, got {backend!r}")
+    if backend != "sdpa" and _flex_disabled:
+        return "sdpa"
     if backend == "auto":
         return "flex" if device.type == "cuda" and flex_available() else "sdpa"
     if backend == "flex" and not flex_available():
@@ -76,6 +97,29 @@ def mask_keys(mask: AttnMask) -> int | None:
     return mask.shape[-1] if isinstance(mask, Tensor) else None
 
 
+def flex_kernel_options(q: Tensor, v: Tensor) -> dict[str, int] | None:
+    """Tiles that fit q's device (CUDA, not ROCm); None elsewhere or when none fits (inductor
+    then picks; the first step's probe catches a failure)."""
+    if q.device.type != "cuda" or torch.version.hip is not None:
+        return None
+    index = q.device.index if q.device.index is not None else torch.cuda.current_device()
+    chosen = _cuda_flex_options(index, q.shape[-1], v.shape[-1], q.element_size())
+    return dict(chosen) if chosen is not None else None
+
+
+@functools.cache
+def _cuda_flex_options(index: int, qk_dim: int, v_dim: int, nbytes: int) -> dict[str, int] | None:
+    from trainer.kernels.devices import DeviceProps
+    from trainer.kernels.flex_options import NoFittingTiles, choose
+
+    props = DeviceProps.of(torch.cuda.get_device_properties(index))
+    try:
+        chosen = choose(props.arch, props.shared_memory_per_block_optin, qk_dim, v_dim, nbytes)
+    except NoFittingTiles:
+        return None
+    return chosen.kernel_options()
+
+
 @functools.cache
 def _flex_fn(device_type: str) -> Callable[..., Tensor]:
     from torch.nn.attention.flex_attention import flex_attention
@@ -113,4 +157,12 @@ def attend(
     with warnings.catch_warnings():
         # Eager flex on CPU warns that it is unfused; that path exists for tests only.
         warnings.filterwarnings("ignore", message=".*flex_attention.*")
-        return _flex_fn(q.device.type)(q, k, v, block_mask=mask, scale=scale, enable_gqa=gqa)
+        return _flex_fn(q.device.type)(
+            q,
+            k,
+            v,
+            block_mask=mask,
+            scale=scale,
+            enable_gqa=gqa,
+            kernel_options=flex_kernel_options(q, v),
+        )

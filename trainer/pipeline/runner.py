@@ -49,6 +49,7 @@ from trainer.config import ConfigError, TrainConfig, config_hash
 from trainer.errors import ExitCode
 from trainer.model.target import TargetModel
 from trainer.pipeline import assets, checkpoint, checkpoint_sync, distributed, topology
+from trainer.pipeline.attention_choice import choose_attention
 from trainer.pipeline.build import Parts, build_parts
 from trainer.pipeline.build import RunOptions as RunOptions
 from trainer.pipeline.channels import ReorderBuffer, Stopped
@@ -443,6 +444,7 @@ def train(r: Run, t: Training, feed: Feed) -> None:
     p, ckpt, ev, sig = t.p, t.ckpt, t.evaluator, r.signals
     distributed.bind_thread(p.drafter_device)  # this thread's CUDA work goes to its own GPU
     autocast = autocast_for(p.drafter_device)
+    choose_attention(p, r.reporter.warn)  # flex that does not compile: SDPA, said once
     # Line-buffered: a full disk shows at the write (one line, training goes on), not at close.
     metrics_log = (
         open(p.run_dir / "metrics.jsonl", "a", buffering=1)  # noqa: SIM115

@@ -105,6 +105,7 @@ def train_step(
             gamma=m.gamma,
             noise=m.noise,
             generator=p.gen,
+            attn_backend=m.attention,
             autocast=autocast,
             loss_transform=_poison if p.faults.nonfinite_at(step) else None,
             position_ids=pkt.position_ids,
