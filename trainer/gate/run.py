@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 from pathlib import Path
 
 import torch
@@ -86,6 +87,10 @@ def memorise(
     )
 
 
+def prompt_of(row: Row) -> list[int]:
+    return [t for t, m in zip(row.ids, row.loss_mask, strict=True) if not m]
+
+
 def same_decoding(a: Decoded, b: Decoded) -> bool:
     return all(
         x.tokens == y.tokens and x.accept_lengths == y.accept_lengths
@@ -107,6 +112,10 @@ def run_gate(
     report.figures.update(block_size=bsz, threshold=threshold, out=str(out))
     rows = sample_rows(cfg, target, args.sample, args.samples, args.response_tokens)
     report.figures["response_tokens"] = [len(r.ids) - r.loss_mask.count(0) for r in rows]
+    out.mkdir(parents=True, exist_ok=True)
+    prompts = out / "prompts.jsonl"  # the samples' prompts as token ids: trainer.eval reads it
+    prompts.write_text("".join(json.dumps({"input_ids": prompt_of(r)}) + "\n" for r in rows))
+    report.figures["prompts"] = str(prompts)
 
     with report.stage("capture") as entry:
         ids = torch.tensor(rows[0].ids, device=device)[None]
@@ -181,7 +190,7 @@ def served_stage(
     ) as session:
         turns = []
         for i, (row, mine) in enumerate(zip(rows, own.outputs, strict=True)):
-            prompt = [t for t, m in zip(row.ids, row.loss_mask, strict=True) if not m]
+            prompt = prompt_of(row)
             tokens, counters = session.client.measured(
                 prompt, max_tokens=len(row.ids) - len(prompt), stop_ids=[]
             )

@@ -106,6 +106,6 @@ def decode(target: TargetModel, drafter: DFlashDrafter, rows: Sequence[Row]) -> 
     """The project's speculative loop on each sample's prompt, for its response's length."""
     outputs = []
     for row in rows:
-        prompt = [t for t, m in zip(row.ids, row.loss_mask, strict=True) if not m]
+        prompt = [t for t, m in zip(row.ids, row.loss_mask, strict=True) if not m]  # leading 0s
         outputs.append(speculative_generate(target, drafter, prompt, len(row.ids) - len(prompt)))
     return Decoded(outputs)

@@ -115,16 +115,11 @@ def stop(process: subprocess.Popen[bytes], grace_s: float = STOP_GRACE_S) -> Non
     process.wait()
 
 
-@contextlib.contextmanager
-def served_engine(
-    argv: Sequence[str],
-    *,
-    port: int,
-    log: Path,
-    timeout_s: float,
-    env: Mapping[str, str] | None = None,
-) -> Iterator[RunningEngine]:
-    """Run `argv` (an engine listening on 127.0.0.1:`port`) until the block ends."""
+def start_engine(
+    argv: Sequence[str], *, port: int, log: Path, env: Mapping[str, str] | None = None
+) -> RunningEngine:
+    """Start `argv` (an engine that will listen on 127.0.0.1:`port`) in its own session, its
+    output to `log`; returns at once (`wait_healthy` waits for it)."""
     log.parent.mkdir(parents=True, exist_ok=True)
     with log.open("wb") as out:
         try:
@@ -138,9 +133,22 @@ def served_engine(
             )
         except OSError as err:
             raise EngineError(f"cannot start the engine ({argv[0]}): {err}") from None
-    engine = RunningEngine(list(argv), f"http://127.0.0.1:{port}", log, process)
+    return RunningEngine(list(argv), f"http://127.0.0.1:{port}", log, process)
+
+
+@contextlib.contextmanager
+def served_engine(
+    argv: Sequence[str],
+    *,
+    port: int,
+    log: Path,
+    timeout_s: float,
+    env: Mapping[str, str] | None = None,
+) -> Iterator[RunningEngine]:
+    """Run `argv` (an engine listening on 127.0.0.1:`port`) until the block ends."""
+    engine = start_engine(argv, port=port, log=log, env=env)
     try:
         wait_healthy(engine, timeout_s)
         yield engine
     finally:
-        stop(process)
+        stop(engine.process)

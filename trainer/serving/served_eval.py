@@ -30,7 +30,7 @@ from trainer.serving.compare import (
     served_turn_json,
 )
 from trainer.serving.errors import EngineError
-from trainer.serving.launch import free_port, served_engine, vllm_serve_argv
+from trainer.serving.launch import RunningEngine, free_port, served_engine, vllm_serve_argv
 
 ENGINES = ("vllm",)
 
@@ -59,6 +59,7 @@ class ServedSession:
     max_new_tokens: int
     stop_ids: list[int]
     turns: list[ServedTurn] = field(default_factory=list)
+    started: RunningEngine | None = None  # the engine this run started (None: --server)
 
     def turn(self, ids: Sequence[int], own: PromptResult) -> ServedTurn:
         tokens, counters = self.client.measured(
@@ -128,7 +129,7 @@ def open_session(
         EngineClient(engine.url) as client,
     ):
         yield ServedSession(
-            spec.name, client, client.version(), argv, log, max_new_tokens, stop_ids
+            spec.name, client, client.version(), argv, log, max_new_tokens, stop_ids, [], engine
         )
 
 
