@@ -35,7 +35,14 @@ from typing import Any
 import pytest
 
 from trainer.serving.errors import EngineError
-from trainer.serving.launch import RunningEngine, free_port, served_engine, vllm_serve_argv
+from trainer.serving.launch import (
+    RunningEngine,
+    free_port,
+    start_engine,
+    stop,
+    vllm_serve_argv,
+    wait_healthy,
+)
 
 SERVED_TARGET = {
     "vocab_size": 151_936,
@@ -148,10 +155,9 @@ def gate_run(tmp_path_factory: pytest.TempPathFactory, served_target_dir: Path) 
     return GateRun(config, work / "export", work / "prompts.jsonl", result)
 
 
-@contextlib.contextmanager
-def serving(python: Path, target: Path, drafter: Path, log: Path) -> Iterator[RunningEngine]:
-    """vLLM serving `target` with DFlash from the export `drafter` (block size from its
-    config.json), as the evaluation starts it; a start that fails skips (CI: fails)."""
+def start_serving(python: Path, target: Path, drafter: Path, log: Path) -> RunningEngine:
+    """Start vLLM serving `target` with DFlash from the export `drafter` (block size from its
+    config.json), as the evaluation starts it; returns at once (`wait_healthy`)."""
     block = json.loads((drafter / "config.json").read_text())["block_size"]
     port = free_port()
     argv = vllm_serve_argv(
@@ -163,14 +169,25 @@ def serving(python: Path, target: Path, drafter: Path, log: Path) -> Iterator[Ru
         dtype="float32",
         extra=ENGINE_ARGS,
     )
-    env = {**os.environ, **ENGINE_ENV}
+    return start_engine(argv, port=port, log=log, env={**os.environ, **ENGINE_ENV})
+
+
+@contextlib.contextmanager
+def serving(python: Path, target: Path, drafter: Path, log: Path) -> Iterator[RunningEngine]:
+    """`start_serving` until it answers /health (one budget), stopped when the block ends; a
+    start that fails skips the test (CI: fails it)."""
+    engine = start_serving(python, target, drafter, log)
     try:
-        with served_engine(argv, port=port, log=log, timeout_s=START_BUDGET_S, env=env) as engine:
-            yield engine
+        wait_healthy(engine, START_BUDGET_S)
     except EngineError as err:
+        stop(engine.process)
         from tests.conftest import require_part
 
         require_part(False, f"vLLM did not start: {err}")
+    try:
+        yield engine
+    finally:
+        stop(engine.process)
 
 
 @pytest.fixture(scope="session")

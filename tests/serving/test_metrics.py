@@ -51,7 +51,7 @@ def test_own_loop_counted_as_the_engine_counts() -> None:
 def test_a_difference_beyond_the_tolerance_is_named_per_position() -> None:
     own = [own_counters([4, 4, 4, 4], 4)]
     served = [served_turn(0, [1, 2], [1, 2], own_counters([1, 1, 1, 1], 4))]
-    verdict = compare("set", own, served, tolerance=0.01)
+    verdict = compare("set", own, served, tolerance=0.25)
     assert not verdict.agree and verdict.allowed_steps == 1
     assert verdict.differences == [
         "position 1 accepted 0 served vs 4 own",
@@ -59,6 +59,7 @@ def test_a_difference_beyond_the_tolerance_is_named_per_position() -> None:
         "position 3 accepted 0 served vs 4 own",
     ]
     within = [served_turn(0, [1, 2], [1, 2], own_counters([4, 4, 4, 3], 4))]
-    assert compare("set", own, within, tolerance=0.01).agree  # one step, one position: allowed
+    assert compare("set", own, within, tolerance=0.25).agree  # 1 of 4 steps at one position
+    assert compare("set", own, within).differences == ["position 3 accepted 3 served vs 4 own"]
     moved = [served_turn(0, [1, 2], [1, 3], own_counters([4, 4, 4, 4], 4))]
     assert compare("set", own, moved).differences == ["tokens differ in 1 of 1 turns"]

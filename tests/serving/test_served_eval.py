@@ -10,10 +10,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.conftest import REPO
 from tests.serving.engine import BLOCK_SIZE, GATE_RESPONSE_TOKENS, GateRun, python_env
 from trainer.serving.launch import RunningEngine
 
+# The session's engine and this module's start within the first test: one budget for it all.
+pytestmark = pytest.mark.timeout(1800)
 GSM8K = REPO / "tests" / "fixtures" / "eval-prompts" / "gsm8k_test.jsonl"
 
 
