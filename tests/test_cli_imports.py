@@ -42,7 +42,7 @@ def _probe(*argv: str) -> tuple[int, list[str], str]:
 
 
 @pytest.mark.parametrize(
-    "module", ["trainer.eval", "trainer.data", "trainer.export", "trainer.buckets"]
+    "module", ["trainer.eval", "trainer.gate", "trainer.data", "trainer.export", "trainer.buckets"]
 )
 def test_help_loads_neither_torch_nor_transformers(module: str) -> None:
     code, heavy, _ = _probe(module, "--help")
@@ -110,3 +110,13 @@ def test_data_import_input_errors_come_before_the_heavy_imports(tmp_path: Path) 
         code, heavy, err = _probe("trainer.data", *argv)
         assert (code, heavy) == (2, []), (argv, err)
         assert message in err and err.count("\n") == 0, err
+
+
+def test_gate_usage_errors_come_before_the_heavy_imports(tmp_path: Path) -> None:
+    missing = tmp_path / "run.toml"
+    code, heavy, said = _probe("trainer.gate", "--config", str(missing))
+    assert (code, heavy, said) == (2, [], f"error: --config {missing}: no such file")
+    missing.write_text("")
+    code, heavy, said = _probe("trainer.gate", "--config", str(missing), "--engine", "vllm")
+    assert (code, heavy) == (2, [])
+    assert said == "error: --engine needs exactly one of --server URL or --serve-cmd CMD"
