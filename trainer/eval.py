@@ -81,6 +81,7 @@ from trainer.serving.served_eval import (
     ServedSession,
     format_turn,
     open_session,
+    serve_cmd_problem,
 )
 from trainer.serving.served_eval import report as served_report
 
@@ -348,6 +349,8 @@ def check_engine_args(args: argparse.Namespace) -> None:
         raise PromptError("--engine needs exactly one of --server URL or --serve-cmd CMD")
     if args.server and args.serve_arg:
         raise PromptError("--serve-arg goes with --serve-cmd (a running --server has its own)")
+    if (problem := serve_cmd_problem(args.serve_cmd)) is not None:
+        raise PromptError(problem)
     if args.protocol != "exact":
         raise PromptError("--engine counts verify steps as the engine does: use --protocol exact")
     if not 0 <= args.tolerance < 1:

@@ -49,6 +49,10 @@ def base_argv(target: TargetModel, tmp_path: Path) -> list[str]:
             "--engine counts verify steps as the engine does: use --protocol exact",
         ),
         (
+            ["--engine", "vllm", "--serve-cmd", "vllm serve --x 'open"],
+            '--serve-cmd "vllm serve --x \'open": No closing quotation',
+        ),
+        (
             ["--engine", "vllm", "--server", "http://h:1", "--serve-arg=--enforce-eager"],
             "--serve-arg goes with --serve-cmd (a running --server has its own)",
         ),

@@ -27,7 +27,7 @@ from pathlib import Path
 
 from trainer.errors import ExitCode, TrainerError
 from trainer.gate.report import GateFailure, Report
-from trainer.serving.served_eval import ENGINES, EngineSpec
+from trainer.serving.served_eval import ENGINES, EngineSpec, serve_cmd_problem
 
 MAX_RESPONSE = 64
 
@@ -83,6 +83,8 @@ def check_args(args: argparse.Namespace) -> None:
         raise TrainerError("--server, --serve-cmd and --serve-arg need --engine vllm")
     if args.engine is not None and len(reach) != 1:
         raise TrainerError("--engine needs exactly one of --server URL or --serve-cmd CMD")
+    if (problem := serve_cmd_problem(args.serve_cmd)) is not None:
+        raise TrainerError(problem)
     if not args.config.is_file():
         raise TrainerError(f"--config {args.config}: no such file")
 

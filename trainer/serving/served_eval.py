@@ -35,6 +35,17 @@ from trainer.serving.launch import RunningEngine, free_port, served_engine, vllm
 ENGINES = ("vllm",)
 
 
+def serve_cmd_problem(serve_cmd: str | None) -> str | None:
+    """Why `--serve-cmd` cannot be a command line (None when it can)."""
+    if serve_cmd is None:
+        return None
+    try:
+        words = shlex.split(serve_cmd)
+    except ValueError as err:
+        return f"--serve-cmd {serve_cmd!r}: {err}"
+    return None if words else "--serve-cmd is empty"
+
+
 @dataclass(frozen=True)
 class EngineSpec:
     """How to reach the engine: a URL, or a command to start it with (`serve_cmd`)."""
