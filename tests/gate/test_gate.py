@@ -55,6 +55,7 @@ def test_the_gate_passes_on_the_tiny_config(tiny_config: Path, tmp_path: Path) -
     result = json.loads((tmp_path / "gate.json").read_text())
     assert result["passed"] and result["failure"] is None
     assert [s["stage"] for s in result["stages"]] == [
+        "setup",
         "capture",
         "masks",
         "train",
@@ -88,6 +89,7 @@ def test_a_broken_mask_rule_fails_at_masks(
         "gate FAILED at stage masks: the training forward differs from the decoding forward" in err
     )
     assert [(s["stage"], s["ok"]) for s in result["stages"]] == [
+        ("setup", True),
         ("capture", True),
         ("masks", False),
     ]

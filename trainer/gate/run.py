@@ -101,21 +101,26 @@ def same_decoding(a: Decoded, b: Decoded) -> bool:
 def run_gate(
     args: argparse.Namespace, out: Path, engine: EngineSpec | None, report: Report
 ) -> None:
-    cfg = TrainConfig.load(args.config)
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    target_dir = assets.ensure_target(cfg)
-    hf = assets.target_hf_config(target_dir)
-    dcfg: DrafterConfig = assets.drafter_config(cfg, hf, assets.layer_ids_for(cfg, hf))
-    target = TargetModel.load(target_dir, dcfg.target_layer_ids, device=device)
-    bsz = dcfg.block_size
-    threshold = round(PASS_SHARE * bsz, 3)
-    report.figures.update(block_size=bsz, threshold=threshold, out=str(out))
-    rows = sample_rows(cfg, target, args.sample, args.samples, args.response_tokens)
-    report.figures["response_tokens"] = [len(r.ids) - r.loss_mask.count(0) for r in rows]
-    out.mkdir(parents=True, exist_ok=True)
-    prompts = out / "prompts.jsonl"  # the samples' prompts as token ids: trainer.eval reads it
-    prompts.write_text("".join(json.dumps({"input_ids": prompt_of(r)}) + "\n" for r in rows))
-    report.figures["prompts"] = str(prompts)
+    with report.stage("setup") as entry:
+        cfg = TrainConfig.load(args.config)
+        device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        target_dir = assets.ensure_target(cfg)
+        hf = assets.target_hf_config(target_dir)
+        dcfg: DrafterConfig = assets.drafter_config(cfg, hf, assets.layer_ids_for(cfg, hf))
+        target = TargetModel.load(target_dir, dcfg.target_layer_ids, device=device)
+        bsz = dcfg.block_size
+        threshold = round(PASS_SHARE * bsz, 3)
+        report.figures.update(block_size=bsz, threshold=threshold, out=str(out))
+        rows = sample_rows(cfg, target, args.sample, args.samples, args.response_tokens)
+        report.figures["response_tokens"] = [len(r.ids) - r.loss_mask.count(0) for r in rows]
+        out.mkdir(parents=True, exist_ok=True)
+        prompts = out / "prompts.jsonl"  # the samples' prompts as token ids: trainer.eval reads it
+        prompts.write_text("".join(json.dumps({"input_ids": prompt_of(r)}) + "\n" for r in rows))
+        report.figures["prompts"] = str(prompts)
+        entry["detail"] = (
+            f"target {target_dir}, {len(rows)} sample(s) of {report.figures['response_tokens']} "
+            f"target tokens, block {bsz}"
+        )
 
     with report.stage("capture") as entry:
         ids = torch.tensor(rows[0].ids, device=device)[None]
