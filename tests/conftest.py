@@ -159,3 +159,18 @@ def qwen3_tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from tests.fixtures.qwen3 import unpack_qwen3_tokenizer
 
     return unpack_qwen3_tokenizer(tmp_path_factory.mktemp("qwen3-tokenizer"))
+
+
+# vLLM's CPU build as a real serving engine, one server per session (tests/serving/engine.py).
+from tests.serving.engine import (  # noqa: E402
+    gate_run as gate_run,
+)
+from tests.serving.engine import (  # noqa: E402
+    served_target_dir as served_target_dir,
+)
+from tests.serving.engine import (  # noqa: E402
+    vllm_python as vllm_python,
+)
+from tests.serving.engine import (  # noqa: E402
+    vllm_server as vllm_server,
+)

@@ -43,7 +43,14 @@ def _probe(*argv: str) -> tuple[int, list[str], str]:
 
 @pytest.mark.parametrize(
     "module",
-    ["trainer.eval", "trainer.data", "trainer.export", "trainer.buckets", "trainer.doctor"],
+    [
+        "trainer.eval",
+        "trainer.gate",
+        "trainer.data",
+        "trainer.export",
+        "trainer.buckets",
+        "trainer.doctor",
+    ],
 )
 def test_help_loads_neither_torch_nor_transformers(module: str) -> None:
     code, heavy, _ = _probe(module, "--help")
@@ -123,3 +130,13 @@ def test_doctor_config_errors_come_before_the_heavy_imports(tmp_path: Path) -> N
         code, heavy, err = _probe("trainer.doctor", *argv)
         assert (code, heavy) == (2, []), (argv, err)
         assert message in err and err.startswith("error: ") and err.count("\n") == 0, err
+
+
+def test_gate_usage_errors_come_before_the_heavy_imports(tmp_path: Path) -> None:
+    missing = tmp_path / "run.toml"
+    code, heavy, said = _probe("trainer.gate", "--config", str(missing))
+    assert (code, heavy, said) == (2, [], f"error: --config {missing}: no such file")
+    missing.write_text("")
+    code, heavy, said = _probe("trainer.gate", "--config", str(missing), "--engine", "vllm")
+    assert (code, heavy) == (2, [])
+    assert said == "error: --engine needs exactly one of --server URL or --serve-cmd CMD"

@@ -4,6 +4,7 @@
         [--max-new-tokens N] [--tokenizer DIR] [--template-kwargs JSON] [--raw-text]
         [--question-suffix TEXT|zlab]
         [--eos-id ID ...] [--ignore-eos] [--protocol exact|zlab] [--device cpu|cuda] [--json OUT]
+        [--engine vllm (--server URL | --serve-cmd CMD [--serve-arg ARG ...]) [--tolerance F]]
 
 Prompt files are JSONL prompt sets in the forms people have: MT-Bench `question.jsonl` as it is
 (multi-turn: the model's own answer to turn 1 joins the conversation before turn 2), gsm8k
@@ -22,7 +23,17 @@ tokens committed per verify step (accepted drafts + the bonus token; max = block
 prompt set and over all sets; tau is the mean of per-turn taus (z-lab's averaging), pooled is
 total committed / total verify steps. `--protocol zlab` counts verify steps as z-lab's
 benchmark does (one more when the committed tokens land exactly on the limit); every figure
-printed names its protocol. Ctrl-C (or SIGTERM) stops it cleanly: the summary and `--json` of
+printed names its protocol.
+
+`--engine vllm` also measures the drafter where it is served: every turn goes, as the same token
+ids, to a vLLM engine (`--server URL`, one already running with this drafter; or `--serve-cmd
+'vllm serve'`, started for the run with this export and stopped after it, its exact command line
+and version written to the JSON), greedy, stopping at the same ids, and the engine's own
+speculative-decoding counters are read around each request. Its tau and per-position acceptance
+(protocol exact) are printed beside the project's loop; both must commit identical tokens and
+agree within `--tolerance` (share of verify steps whose acceptance may differ; see
+`trainer.serving.compare`), else exit 1 naming what differs. An engine that goes away mid-run is
+one line naming its URL; the turns done so far are reported, marked partial. Ctrl-C (or SIGTERM) stops it cleanly: the summary and `--json` of
 the turns done so far, marked partial. Exit status: 0 all outputs match greedy, 1 a mismatch (a
 bug), 2 a usage or input error, 130 interrupted.
 """
@@ -62,6 +73,17 @@ from trainer.eval_results import (
 from trainer.model.errors import TargetError
 from trainer.model.export_files import read_export_json
 from trainer.model.protocols import PROTOCOLS, Protocol
+from trainer.serving.compare import DEFAULT_TOLERANCE
+from trainer.serving.errors import EngineError
+from trainer.serving.served_eval import (
+    ENGINES,
+    EngineSpec,
+    ServedSession,
+    format_turn,
+    open_session,
+    serve_cmd_problem,
+)
+from trainer.serving.served_eval import report as served_report
 
 if TYPE_CHECKING:  # torch and transformers load only once the inputs are known to be good
     from trainer.model.drafter import DFlashDrafter
@@ -83,10 +105,12 @@ def evaluate(
     check_greedy: bool = True,
     protocol: Protocol = "exact",
     on_result: Callable[[PromptResult], None] | None = None,
+    on_turn: Callable[[list[int], PromptResult], None] | None = None,
 ) -> tuple[list[PromptResult], list[EvalSummary]]:
     """Run speculative decoding (and greedy, for the equality check) on every turn.
 
-    `on_result` sees each turn's result as soon as it is measured (progress on long sets).
+    `on_result` sees each turn's result as soon as it is measured (progress on long sets);
+    `on_turn` then gets the turn's prompt ids with it (the served evaluation sends them on).
     Returns the per-turn results and one summary per prompt set followed by the overall one.
     """
     from trainer.model.speculative import greedy_generate, speculative_generate
@@ -120,10 +144,13 @@ def evaluate(
                         spec_seconds=spec.seconds,
                         greedy_seconds=greedy.seconds if greedy else 0.0,
                         tokens=spec.tokens,
+                        accept_lengths=spec.accept_lengths,
                     )
                 )
                 if on_result is not None:
                     on_result(results[-1])
+                if on_turn is not None:
+                    on_turn(ids, results[-1])
                 return spec.tokens
 
             run_turns(prompt, renderer, where, generate)
@@ -239,6 +266,36 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--no-greedy-check", action="store_true", help="skip the greedy reference run")
     p.add_argument("--json", type=Path, default=None, help="also write results as JSON here")
+    served = p.add_argument_group("served evaluation (the same turns in a serving engine)")
+    served.add_argument(
+        "--engine", choices=ENGINES, default=None, help="also decode every turn in this engine"
+    )
+    served.add_argument("--server", default=None, metavar="URL", help="an engine already running")
+    served.add_argument(
+        "--serve-cmd",
+        default=None,
+        metavar="CMD",
+        help="start the engine with this command (e.g. 'vllm serve'); the target, 127.0.0.1, "
+        "a free port, --speculative-config for this export and --dtype are appended",
+    )
+    served.add_argument(
+        "--serve-arg",
+        action="append",
+        default=[],
+        metavar="ARG",
+        help="one more engine argument, appended last (repeatable; --serve-arg=--enforce-eager)",
+    )
+    served.add_argument(
+        "--serve-timeout", type=float, default=600.0, help="seconds for the engine to come up"
+    )
+    served.add_argument("--serve-log", type=Path, default=None, help="the started engine's log")
+    served.add_argument(
+        "--tolerance",
+        type=float,
+        default=DEFAULT_TOLERANCE,
+        help="share of verify steps whose acceptance may differ between the loops "
+        f"(default {DEFAULT_TOLERANCE})",
+    )
     return p
 
 
@@ -264,6 +321,7 @@ def check_inputs(args: argparse.Namespace) -> Checked:
     second (transformers alone takes 10-40 s to import)."""
     if args.max_new_tokens < 1:
         raise PromptError("--max-new-tokens must be >= 1")
+    check_engine_args(args)
     template_kwargs = parse_template_kwargs(args.template_kwargs)
     read_export_json(args.drafter)
     vocab = target_vocab_size(args.target)
@@ -278,6 +336,25 @@ def check_inputs(args: argparse.Namespace) -> Checked:
         for path in args.prompts
     ]
     return Checked(sets, template_kwargs, vocab)
+
+
+def check_engine_args(args: argparse.Namespace) -> None:
+    """The served evaluation's flags: an engine, and exactly one way to reach it."""
+    reach = [flag for flag, v in (("--server", args.server), ("--serve-cmd", args.serve_cmd)) if v]
+    if args.engine is None:
+        if reach or args.serve_arg:
+            raise PromptError(f"{(reach or ['--serve-arg'])[0]} needs --engine vllm")
+        return
+    if len(reach) != 1:
+        raise PromptError("--engine needs exactly one of --server URL or --serve-cmd CMD")
+    if args.server and args.serve_arg:
+        raise PromptError("--serve-arg goes with --serve-cmd (a running --server has its own)")
+    if (problem := serve_cmd_problem(args.serve_cmd)) is not None:
+        raise PromptError(problem)
+    if args.protocol != "exact":
+        raise PromptError("--engine counts verify steps as the engine does: use --protocol exact")
+    if not 0 <= args.tolerance < 1:
+        raise PromptError(f"--tolerance {args.tolerance}: a share of verify steps, in [0, 1)")
 
 
 def prepare_inputs(args: argparse.Namespace, checked: Checked) -> Inputs:
@@ -325,6 +402,7 @@ class _Progress:
     stop_ids: list[int] = field(default_factory=list)
     block_size: int = 0
     results: list[PromptResult] = field(default_factory=list)
+    served: ServedSession | None = None
 
     def add(self, result: PromptResult) -> None:
         self.results.append(result)
@@ -339,6 +417,11 @@ def main(argv: list[str] | None = None) -> int:
         checked = check_inputs(args)  # no torch, no transformers yet
         done.sets = checked.prompt_sets
         _run(args, checked, done)
+    except EngineError as err:  # the engine would not start, refused, or went away mid-run
+        print(f"error: {err}", file=sys.stderr)
+        if done.results:
+            _report(args, done, partial=True)
+        return ExitCode.FAILED
     except TrainerError as err:  # PromptError, ExportError, TargetError: one line
         print(f"error: {err}", file=sys.stderr)
         return ExitCode.USAGE
@@ -381,17 +464,47 @@ def _run(args: argparse.Namespace, checked: Checked, done: _Progress) -> None:
         f"{s.name}: {', '.join(f'{n} {k}' for k, n in s.forms.items())}" for s in inputs.prompt_sets
     )
     print(f"prompts {forms}; stop at {_stop_names(inputs.stop_ids, inputs.renderer.tokenizer)}")
-    evaluate(
-        target,
-        drafter,
-        inputs.prompt_sets,
-        inputs.renderer,
-        max_new_tokens=args.max_new_tokens,
-        eos_id=inputs.stop_ids,
-        check_greedy=not args.no_greedy_check,
-        protocol=args.protocol,
-        on_result=done.add,
+
+    def run(on_turn: Callable[[list[int], PromptResult], None] | None = None) -> None:
+        evaluate(
+            target,
+            drafter,
+            inputs.prompt_sets,
+            inputs.renderer,
+            max_new_tokens=args.max_new_tokens,
+            eos_id=inputs.stop_ids,
+            check_greedy=not args.no_greedy_check,
+            protocol=args.protocol,
+            on_result=done.add,
+            on_turn=on_turn,
+        )
+
+    if args.engine is None:
+        run()
+        return
+    spec = EngineSpec(
+        args.engine,
+        args.server,
+        args.serve_cmd,
+        tuple(args.serve_arg),
+        args.serve_timeout,
+        args.serve_log,
     )
+    with open_session(
+        spec,
+        target=args.target,
+        drafter=args.drafter,
+        block_size=drafter_cfg.block_size,
+        dtype=str(target.dtype).removeprefix("torch."),
+        max_new_tokens=args.max_new_tokens,
+        stop_ids=inputs.stop_ids,
+    ) as session:
+        done.served = session
+
+        def served_turn(ids: list[int], own: PromptResult) -> None:
+            print(format_turn(own, session.turn(ids, own), session.engine), flush=True)
+
+        run(served_turn)
 
 
 def _report(args: argparse.Namespace, done: _Progress, *, partial: bool) -> int:
@@ -400,11 +513,22 @@ def _report(args: argparse.Namespace, done: _Progress, *, partial: bool) -> int:
     summaries = summarize_sets(done.results, sets, args.protocol, done.block_size)
     for s in summaries:
         print(format_summary(s) + ("  [partial]" if partial else ""))
+    problem = None
+    payload = results_json(args.protocol, done.stop_ids, done.results, summaries)
+    if done.served is not None:
+        lines, served, problem = served_report(
+            done.served, done.results, sets, done.block_size, args.tolerance
+        )
+        for line in lines:
+            print(line + ("  [partial]" if partial else ""))
+        payload.update(served)
     if args.json is not None:
-        payload = results_json(args.protocol, done.stop_ids, done.results, summaries)
         payload["partial"] = partial
         payload["turns_planned"] = sum(turns for _, turns in sets)
         args.json.write_text(json.dumps(payload, indent=2) + "\n")
+    if problem is not None:
+        print(f"error: {problem}", file=sys.stderr)
+        return ExitCode.FAILED
     overall = summaries[-1]
     if overall.matches != overall.prompts:
         print(

@@ -24,6 +24,7 @@ class PromptResult:
     spec_seconds: float
     greedy_seconds: float
     tokens: list[int] = field(default_factory=list)
+    accept_lengths: list[int] = field(default_factory=list)  # per verify step: accepted + 1
 
 
 @dataclass(frozen=True)

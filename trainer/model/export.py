@@ -31,6 +31,7 @@ from safetensors.torch import load_file, save_file
 
 from trainer.config.validation import dotted, one_line
 from trainer.model.drafter import DFlashDrafter, DrafterConfig
+from trainer.model.engine_fields import engine_fields, nest
 from trainer.model.errors import ExportError as ExportError
 from trainer.model.export_files import CONFIG as CONFIG
 from trainer.model.export_files import WEIGHTS as WEIGHTS
@@ -42,37 +43,19 @@ TRAINING_DTYPE = torch.bfloat16
 
 
 def drafter_config_json(cfg: DrafterConfig, dtype: torch.dtype) -> dict[str, Any]:
-    """The z-lab/SpecForge `config.json` for `cfg`."""
-    return {
-        "architectures": ["DFlashDraftModel"],
-        "model_type": "qwen3",
-        "hidden_size": cfg.hidden_size,
-        "intermediate_size": cfg.intermediate_size,
-        "num_hidden_layers": cfg.num_layers,
-        "num_attention_heads": cfg.num_attention_heads,
-        "num_key_value_heads": cfg.num_key_value_heads,
-        "head_dim": cfg.head_dim,
-        "vocab_size": cfg.vocab_size,
-        "rms_norm_eps": cfg.rms_norm_eps,
-        "rope_theta": cfg.rope_theta,
-        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
-        "max_position_embeddings": cfg.max_position_embeddings,
-        "hidden_act": "silu",
-        "attention_bias": False,
-        "tie_word_embeddings": False,
-        "initializer_range": cfg.initializer_range,
-        # `dtype` is the current key; `torch_dtype` for loaders older than transformers 4.56.
-        "dtype": str(dtype).removeprefix("torch."),
-        "torch_dtype": str(dtype).removeprefix("torch."),
-        "auto_map": dict(AUTO_MAP),
-        "block_size": cfg.block_size,
-        "num_target_layers": cfg.num_target_layers,
-        "layer_types": ["full_attention"] * cfg.num_layers,
-        "dflash_config": {
-            "mask_token_id": cfg.mask_token_id,
-            "target_layer_ids": list(cfg.target_layer_ids),
-        },
-    }
+    """The z-lab/SpecForge `config.json` for `cfg`: every key a serving engine reads, with the
+    value training used (`engine_fields`), plus what transformers' AutoModel needs."""
+    data = nest(engine_fields(cfg))
+    data.update(
+        {
+            "initializer_range": cfg.initializer_range,
+            # `dtype` is the current key; `torch_dtype` for loaders older than transformers 4.56.
+            "dtype": str(dtype).removeprefix("torch."),
+            "torch_dtype": str(dtype).removeprefix("torch."),
+            "auto_map": dict(AUTO_MAP),
+        }
+    )
+    return data
 
 
 def config_from_json(data: dict[str, Any], source: str = CONFIG) -> DrafterConfig:

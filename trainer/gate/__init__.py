@@ -1,0 +1,1 @@
+"""The one-sample overfit gate: `python -m trainer.gate --config RUN.toml` (see `cli`)."""

@@ -1,0 +1,3 @@
+from trainer.gate.cli import main
+
+raise SystemExit(main())
