@@ -1,9 +1,11 @@
 """Kernels for the drafter's loss: fused LM-head + cross-entropy with torch fallbacks.
 
-`lm_head_cross_entropy` is the only entry point callers need; see `trainer.kernels.lm_head_ce`.
+`lm_head_cross_entropy` is the entry point of the hard-label CE (`trainer.kernels.lm_head_ce`);
+`lm_head_soft_cross_entropy` that of logit distillation (`trainer.kernels.distill`).
 """
 
 from trainer.kernels.common import BackendUnavailableError, KernelInputError, LMHeadCE
+from trainer.kernels.distill import lm_head_soft_cross_entropy
 from trainer.kernels.lm_head_ce import lm_head_cross_entropy, select_backend
 
 __all__ = [
@@ -11,5 +13,6 @@ __all__ = [
     "KernelInputError",
     "LMHeadCE",
     "lm_head_cross_entropy",
+    "lm_head_soft_cross_entropy",
     "select_backend",
 ]
