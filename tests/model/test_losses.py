@@ -9,7 +9,6 @@ from dataclasses import fields
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from tests.model.helpers import make_batch, make_drafter
@@ -149,8 +148,8 @@ def test_dpace_weights_by_hand() -> None:
     0.5: q~ = (1 + exp(-CE)) / 2, C over the supervised slots, w = suffix sums, 0 at slot 3."""
     ce = torch.tensor([[0.0, math.log(2), 7.0, math.log(4), 1e-9]])
     valid = torch.tensor([[True, True, False, True, True]])
-    q = [1.0, 0.75, None, 0.625, 1.0]  # (1 + exp(-CE)) / 2
-    c1 = q[0]
+    # q~ = (1 + exp(-CE)) / 2 = 1, 0.75, (slot 3 skipped), 0.625, 1 (to 1e-9)
+    c1 = 1.0
     c2 = c1 * 0.75
     c4 = c2 * 0.625
     c5 = c4 * 1.0
