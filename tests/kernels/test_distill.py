@@ -9,7 +9,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.kernels.helpers import assert_close_report, make_case
-from trainer.kernels import KernelInputError, lm_head_cross_entropy, lm_head_soft_cross_entropy
+from trainer.kernels import (
+    KernelInputError,
+    lm_head_cross_entropy,
+    lm_head_distill_cross_entropy,
+    lm_head_soft_cross_entropy,
+)
 from trainer.kernels.peak_memory import cpu_peak_bytes
 
 
@@ -48,6 +53,37 @@ def test_chunked_soft_ce_matches_dense(
     (g_ref,) = torch.autograd.grad((ref * upstream).sum(), student)
     # q - p cancels where both distributions are sharp: fp32 roundoff ~1e-5 either way
     assert_close_report(g_got, g_ref, atol=1e-4, rtol=1e-4, what="grad_student")
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    n=st.integers(1, 30),
+    v=st.integers(2, 500),
+    chunk=st.integers(1, 200),
+    seed=st.integers(0, 2**16),
+    g_soft=st.sampled_from([0.0, 0.3, 1.0]),
+    g_hard=st.sampled_from([0.0, 0.7, 1.0]),
+)
+def test_the_same_pass_gives_the_hard_ce_argmax_and_mixed_gradients(
+    n: int, v: int, chunk: int, seed: int, g_soft: float, g_hard: float
+) -> None:
+    """hard and correct equal the dense CE and argmax; the gradient of any mix
+    g_soft * soft + g_hard * hard (one of them absent from the graph, or both) is the dense
+    one's."""
+    student, teacher, weight = _case(n, 24, v, seed, 3.0)
+    labels = torch.randint(0, v, (n,), generator=torch.Generator().manual_seed(seed))
+    got = lm_head_distill_cross_entropy(student, teacher, weight, labels, chunk_size=chunk)
+    logits = (student @ weight.t()).float()
+    hard = torch.nn.functional.cross_entropy(logits, labels, reduction="none")
+    assert_close_report(got.hard, hard, atol=1e-4, rtol=1e-5, what="hard CE")
+    assert torch.equal(got.correct, logits.argmax(-1) == labels)
+    if g_soft == g_hard == 0.0:
+        return
+    mix = (g_soft * got.soft if g_soft else 0) + (g_hard * got.hard if g_hard else 0)
+    ref = g_soft * _dense_soft_ce(student, teacher, weight) + g_hard * hard
+    (g_got,) = torch.autograd.grad(torch.as_tensor(mix).sum(), student)
+    (g_ref,) = torch.autograd.grad(ref.sum(), student)
+    assert_close_report(g_got, g_ref, atol=1e-4, rtol=1e-4, what="grad of the mix")
 
 
 def test_a_one_hot_teacher_is_the_hard_label_ce() -> None:

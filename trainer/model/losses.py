@@ -17,19 +17,19 @@ over every micro-step and rank (one global normalisation, whatever the loss).
   p_target is the target's own next-token distribution at position a+k-1 (its last, post-norm
   hidden state through the shared LM head): ModelOpt's `dflash_self_logit_distillation` at
   lambda = 1. The weights are the loss type's (D-PACE's confidences stay the hard-label CE's,
-  as in ModelOpt). Computed chunk-wise (`trainer.kernels.lm_head_soft_cross_entropy`).
+  as in ModelOpt). Computed chunk-wise, with the hard CE in the same pass
+  (`trainer.kernels.lm_head_distill_cross_entropy`).
 """
 
 from __future__ import annotations
 
-import contextlib
 from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
 from trainer.config import LossConfig
-from trainer.kernels import lm_head_cross_entropy, lm_head_soft_cross_entropy
+from trainer.kernels import lm_head_cross_entropy, lm_head_distill_cross_entropy
 from trainer.kernels.common import Backend
 
 CE = LossConfig()
@@ -98,25 +98,26 @@ def slot_losses(
         blocks: (idx [M], valid [R, N, K]): the slots' flat indices into the blocks' valid
             slots, for D-PACE's per-block products.
         teacher: [M, D] the target's last hidden state teaching each slot (kd_weight > 0).
-        ce_backend: the hard-label CE's backend.
+        ce_backend: the hard-label CE's backend when nothing is distilled (distillation runs
+            the chunked torch pass of `lm_head_distill_cross_entropy`).
     """
     lam = loss.kd_weight
-    if lam > 0 and teacher is None:
-        raise ValueError("kd_weight > 0 needs the target's last hidden state (teacher)")
-    # KD only: the hard CE feeds the weights and metrics, never the gradient
-    grad = torch.no_grad() if lam == 1 else contextlib.nullcontext()
-    with grad:
+    if lam == 0:
         ce = lm_head_cross_entropy(hidden, head, labels, backend=ce_backend)
+        hard, per_slot, correct = ce.loss, ce.loss, ce.correct
+    else:
+        if teacher is None:
+            raise ValueError("kd_weight > 0 needs the target's last hidden state (teacher)")
+        # one pass gives the soft CE, the hard CE and the argmax (the student's logits once)
+        out = lm_head_distill_cross_entropy(hidden, teacher.to(head.dtype), head, labels)
+        hard, correct = out.hard, out.correct
+        # kd_weight 1: the hard CE feeds D-PACE's weights and the metrics, not the gradient
+        per_slot = out.soft if lam == 1 else (1 - lam) * out.hard + lam * out.soft
     if loss.type == "dpace":
         idx, valid = blocks
         dense = torch.zeros(valid.numel(), dtype=torch.float32, device=valid.device)
-        dense = dense.index_copy(0, idx, ce.loss.detach()).view_as(valid)
+        dense = dense.index_copy(0, idx, hard.detach()).view_as(valid)
         weight = dpace_weights(dense, valid, loss.dpace_alpha).flatten().index_select(0, idx)
     else:
         weight = block_weights
-    per_slot = ce.loss
-    if lam > 0:
-        assert teacher is not None
-        kd = lm_head_soft_cross_entropy(hidden, teacher.to(head.dtype), head)
-        per_slot = kd if lam == 1 else (1 - lam) * ce.loss + lam * kd
-    return SlotLosses(per_slot, weight, ce.correct)
+    return SlotLosses(per_slot, weight, correct)
