@@ -134,6 +134,12 @@ def test_distillation_peak_is_a_fraction_of_one_logits_matrix_like_the_ce() -> N
         )
     )
     dense = _peak(lambda: _dense_soft_ce(student, teacher, weight))
+    # the default widths (here the CE's width cap binds, not its byte budget): same bound
+    kd_default = _peak(lambda: lm_head_soft_cross_entropy(student, teacher, weight))
+    ce_default = _peak(
+        lambda: lm_head_cross_entropy(student, weight, labels, backend="chunked").loss
+    )
+    assert kd_default <= 1.1 * ce_default, (kd_default, ce_default)
     assert dense >= 2 * logits_bytes, f"dense peak {dense} should hold several [N, V] matrices"
     assert kd < logits_bytes / 4, f"chunked KD peak {kd} vs one logits matrix {logits_bytes}"
     # two tiles (student's and teacher's) where the CE keeps one: at most ~2x the CE's peak

@@ -14,8 +14,8 @@ whenever max_t grows), so H(p, q) = lse_s - sum_v p(v) s_v comes out of one pass
 recomputes both chunks of logits from the saved hidden states and log-sum-exps and accumulates
 grad_student += (q (g_soft + g_hard) - p g_soft - onehot g_hard) @ W_c in fp32: two logits
 matmuls forward, three backward, where the CE alone takes one and two. At most two [N, chunk]
-fp32 tiles are alive at a time (the student's and the teacher's), so the default chunk is sized
-to half the CE's tile budget.
+fp32 tiles are alive at a time (the student's and the teacher's), so the default chunk is half
+the CE's default width (`distill_chunk_size`): the same bytes as the CE's one tile.
 """
 
 from __future__ import annotations
@@ -25,10 +25,16 @@ from typing import NamedTuple, Protocol
 import torch
 from torch.autograd.function import once_differentiable
 
-from trainer.kernels.chunked import DEFAULT_CHUNK_BYTES, default_chunk_size
+from trainer.kernels.chunked import default_chunk_size
 from trainer.kernels.common import KernelInputError, add_chunk_grad
 
 _PREFIX = "lm_head_soft_cross_entropy"
+
+
+def distill_chunk_size(n_rows: int, vocab: int) -> int:
+    """Half the chunked CE's default width (at least 256): two tiles, the CE's one tile's bytes,
+    whether the CE's byte budget or its width cap sets that width."""
+    return max(256, default_chunk_size(n_rows, vocab) // 2)
 
 
 class DistillCE(NamedTuple):
@@ -185,7 +191,7 @@ def lm_head_distill_cross_entropy(
             the positions whose next token the student predicts; never differentiated.
         weight: [V, D], the shared LM head; must not require grad (it is the target's, frozen).
         labels: [N] class ids in [0, V) (no ignored rows: pass the scored rows only).
-        chunk_size: vocabulary chunk width (None: two fp32 tiles within the CE's budget).
+        chunk_size: vocabulary chunk width (None: `distill_chunk_size`).
 
     Returns:
         DistillCE(soft, hard, correct); `soft` and `hard` differentiable w.r.t. `student` only.
@@ -218,7 +224,7 @@ def lm_head_distill_cross_entropy(
                 f"{_PREFIX}: {int(bad.sum())} label(s) outside [0, {vocab}), "
                 f"e.g. {int(labels[bad][0])}"
             )
-    width = chunk_size or default_chunk_size(student.shape[0], vocab, DEFAULT_CHUNK_BYTES // 2)
+    width = chunk_size or distill_chunk_size(student.shape[0], vocab)
     # torch's Function.apply is unannotated; the types are forward's.
     soft, hard, correct = ChunkedDistillCE.apply(student, teacher.detach(), weight, labels, width)  # type: ignore[no-untyped-call]
     return DistillCE(soft, hard, correct)
