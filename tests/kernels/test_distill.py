@@ -106,6 +106,8 @@ def test_the_teacher_gets_no_gradient_and_a_trainable_head_is_refused() -> None:
         lm_head_soft_cross_entropy(student, teacher, weight.clone().requires_grad_(True))
     with pytest.raises(KernelInputError, match=r"both be \[N, D\]"):
         lm_head_soft_cross_entropy(student, teacher[:3], weight)
+    with pytest.raises(KernelInputError, match=r"1 label\(s\) outside \[0, 20\), e.g. 20"):
+        lm_head_distill_cross_entropy(student, teacher, weight, torch.tensor([0, 1, 20, 3]))
 
 
 def test_no_rows_give_an_empty_loss_that_backprops() -> None:

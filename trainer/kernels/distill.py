@@ -217,13 +217,13 @@ def lm_head_distill_cross_entropy(
         no = torch.zeros(0, dtype=torch.bool, device=student.device)
         return DistillCE(empty, empty, no)
     vocab = weight.shape[0]
-    if labels.device.type == "cpu":
-        bad = (labels < 0) | (labels >= vocab)
-        if bool(bad.any()):
-            raise KernelInputError(
-                f"{_PREFIX}: {int(bad.sum())} label(s) outside [0, {vocab}), "
-                f"e.g. {int(labels[bad][0])}"
-            )
+    bad = (labels < 0) | (labels >= vocab)
+    if labels.device.type != "cpu":  # checked on the device, no host sync (as the CE does)
+        torch._assert_async(~bad.any(), f"{_PREFIX}: label(s) outside [0, {vocab})")
+    elif bool(bad.any()):
+        raise KernelInputError(
+            f"{_PREFIX}: {int(bad.sum())} label(s) outside [0, {vocab}), e.g. {int(labels[bad][0])}"
+        )
     width = chunk_size or distill_chunk_size(student.shape[0], vocab)
     # torch's Function.apply is unannotated; the types are forward's.
     soft, hard, correct = ChunkedDistillCE.apply(student, teacher.detach(), weight, labels, width)  # type: ignore[no-untyped-call]
