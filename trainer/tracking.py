@@ -225,15 +225,24 @@ class MultiTracker:
 
 
 class TensorBoardTracker:
-    """Event files under ``RUN/tb/`` through ``torch.utils.tensorboard.SummaryWriter``."""
+    """Event files under ``RUN/tb/`` through ``torch.utils.tensorboard.SummaryWriter``;
+    ``notes`` (what the run is, e.g. its loss) are written once as text ``run/<key>``."""
 
-    def __init__(self, log_dir: Path, resume_step: int | None = None) -> None:
+    def __init__(
+        self,
+        log_dir: Path,
+        resume_step: int | None = None,
+        notes: Mapping[str, str] | None = None,
+    ) -> None:
         from torch.utils.tensorboard import SummaryWriter  # heavy: only when enabled
 
         self.log_dir = log_dir
         # purge_step: a run resumed from step S re-trains the steps after S; TensorBoard then
         # drops the first attempt's points from S on, so each step shows once (the resumed one).
         self._writer = SummaryWriter(log_dir=str(log_dir), purge_step=resume_step)
+        for key, text in (notes or {}).items():
+            self._writer.add_text(f"run/{key}", text, global_step=resume_step or 0)
+        self._writer.flush()
 
     def log_scalars(self, step: int, scalars: Mapping[str, float]) -> None:
         for tag, value in scalars.items():
@@ -384,8 +393,12 @@ def open_trackers(
     env: Mapping[str, str] | None = None,
     wandb_init_timeout: float = 30.0,
     resume_step: int | None = None,
+    notes: Mapping[str, str] | None = None,
 ) -> MultiTracker:
     """The trackers ``cfg.backends`` names, each guarded; a backend that cannot start warns once.
+
+    ``notes``: one-word facts about the run (``{"loss": "dpace(alpha:0.5)"}``), as TensorBoard
+    text ``run/<key>`` and top-level W&B config keys (beside ``config``).
 
     ``secrets_dir`` defaults to ``secrets/`` next to the run directory (dflashctl runs the trainer
     in WORKDIR with ``--run-dir run``; ``dflashctl secret HOST wandb`` writes WORKDIR/secrets/).
@@ -400,7 +413,7 @@ def open_trackers(
         if backend == "tensorboard":
             trackers += _open(
                 "tensorboard",
-                lambda: TensorBoardTracker(run_dir / TB_DIR, resume_step),
+                lambda: TensorBoardTracker(run_dir / TB_DIR, resume_step, notes),
                 warn,
                 None,
             )
@@ -420,7 +433,7 @@ def open_trackers(
                     mode=mode,
                     key=key,
                     name=name,
-                    config=config,
+                    config={**(config or {}), **(notes or {})} or None,
                     warn=warn,
                     init_timeout=wandb_init_timeout,
                 ),

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import numpy as np
@@ -283,6 +284,34 @@ def test_seed_config_needs_the_budget_and_the_largest_budget_is_the_boundary() -
     # The shipped config's own budget is the one that fits, with a margin under the boundary.
     assert cfg.model.max_query_rows is not None and cfg.model.max_query_rows < largest
     assert est.drafter_peak(cfg.model.max_query_rows)[0] < 0.95 * available
+
+
+def test_distillation_packets_carry_one_more_hidden_state() -> None:
+    """With kd_weight the packets (drafter and target side) hold the target's last hidden
+    state beside the F captured layers: their feature bytes grow by exactly (F + 1) / F."""
+    from trainer.config.overlay import merge
+
+    raw = tomllib.loads(SEED_CONFIG.read_text())
+    target = read_target_shape(QWEN3_8B)
+    ests = []
+    for loss in ({}, {"type": "dpace", "kd_weight": 0.5}):
+        cfg = TrainConfig.from_dict(merge(raw, {"model": {"loss": loss}}))
+        ests.append(
+            Estimator(
+                cfg, target, drafter_shape(cfg, target), batch_shapes(cfg), precision_for(cfg)
+            )
+        )
+    ce, kd = ests
+    f, h, b = ce.drafter.features, ce.drafter.hidden, ce.precision.features
+    shape = ce.plan(None).worst
+    extra = kd.packet_bytes(shape) - ce.packet_bytes(shape)
+    assert (
+        extra == shape.packet_tokens * h * b
+        and extra * f == ce.packet_bytes(shape) - shape.packet_tokens * 3 * 8
+    )
+    assert kd.target_device()["captured_features"] * f == ce.target_device()[
+        "captured_features"
+    ] * (f + 1)
 
 
 def test_the_estimate_imports_no_torch() -> None:

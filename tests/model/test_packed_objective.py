@@ -15,6 +15,7 @@ import pytest
 import torch
 from torch import Tensor
 
+from trainer.config import LossConfig
 from trainer.kernels.common import Backend
 from trainer.model.objective import StepResult, block_labels, document_eligible, draw_anchors
 from trainer.model.split_step import bounded_objective_backward
@@ -82,12 +83,21 @@ def _step(
     noise: float = 0.0,
     num_anchors: int = ALL,
     unpack: bool | None = None,
+    objective: LossConfig | None = None,
 ) -> tuple[StepResult, dict[str, Tensor]]:
     """One drafter step on `batch` (padded, or packed with position ids) from a fresh drafter:
-    its sums and gradients. `unpack` as `bounded_objective_backward`'s (None: by backend)."""
+    its sums and gradients. `unpack` as `bounded_objective_backward`'s (None: by backend);
+    `objective`: `[model.loss]` (distillation: the last hidden state captured with the rest)."""
     ids, loss, attn = batch[:3]
     pos = batch[3] if len(batch) > 3 else None
-    feats = target.capture(ids, attn) if pos is None else target.capture(ids, position_ids=pos)
+    objective = objective or LossConfig()
+    final = objective.distills
+    if pos is None:
+        feats = target.capture(ids, attn, final=final)
+    else:
+        feats = target.capture(ids, position_ids=pos, final=final)
+    width = target.feature_size
+    feats, teacher = (feats[..., :width], feats[..., width:]) if final else (feats, None)
     drafter = make_drafter(target, block_size=BLOCK)
     res = bounded_objective_backward(
         drafter,
@@ -102,6 +112,8 @@ def _step(
         ce_backend=ce_backend,
         position_ids=pos,
         unpack=unpack,
+        loss=objective,
+        teacher=teacher,
     )
     return res, _grads(drafter)
 
@@ -137,6 +149,26 @@ def test_packed_step_equals_the_padded_step_on_the_same_documents(
     _assert_same(got, ref)
     _assert_same_grads(grads, ref_grads)
     torch.testing.assert_close(got.loss_sum / got.weight_sum, ref.loss_sum / ref.weight_sum)
+
+
+@pytest.mark.parametrize("unpack", [True, False])
+@pytest.mark.parametrize("max_query_rows", [None, 2])
+def test_packed_dpace_and_distillation_equal_the_padded_step(
+    target: TargetModel, max_query_rows: int | None, unpack: bool
+) -> None:
+    """With D-PACE weights and logit distillation, packed rows (documents unpacked into rows
+    of their own, or kept packed as the flex path keeps them) give the padded step's sums and
+    gradients: each slot's teacher is its own document's position a+k-1 either way."""
+    docs = documents()
+    objective = LossConfig(type="dpace", kd_weight=0.5)
+    ref, ref_grads = _step(target, padded(docs), objective=objective)
+    got, grads = _step(
+        target, packed(docs), max_query_rows=max_query_rows, unpack=unpack, objective=objective
+    )
+    _assert_same(got, ref)
+    _assert_same_grads(grads, ref_grads)
+    plain, _ = _step(target, padded(docs))
+    assert not torch.allclose(plain.loss_sum, ref.loss_sum)  # the loss is not the CE's
 
 
 def test_without_document_boundaries_the_step_differs(target: TargetModel) -> None:

@@ -240,3 +240,51 @@ def test_a_non_utf8_config_names_the_file_and_byte_offset(tmp_path: Path) -> Non
     assert str(info.value) == (
         f"{path}: not UTF-8 text at byte {offset} (line {line}): invalid continuation byte 0xe9"
     )
+
+
+def test_model_loss_defaults_labels_and_one_line_errors(tmp_path: Path) -> None:
+    """[model.loss]: decayed CE by default; D-PACE's alpha defaults to the paper's 0.5; every
+    misuse is one line naming the key."""
+    cfg = TrainConfig.load(_write(tmp_path, MINIMAL))
+    assert (cfg.model.loss.type, cfg.model.loss.kd_weight, cfg.model.loss.label()) == (
+        "ce",
+        0,
+        "ce",
+    )
+    loss = "[model.loss]\n"
+    dpace = TrainConfig.load(
+        _write(tmp_path, MINIMAL + loss + 'type = "dpace"\nkd_weight = 0.25\n')
+    )
+    assert dpace.model.loss.dpace_alpha == 0.5 and dpace.model.loss.distills
+    assert dpace.model.loss.label() == "dpace(alpha:0.5)+kd(0.25)"
+    again = TrainConfig.from_dict(tomllib.loads(dpace.to_toml()))  # the checkpoint's copy
+    assert again.model.loss == dpace.model.loss
+    for extra, expected in [
+        ('type = "kl"', "model.loss.type: Input should be 'ce' or 'dpace'"),
+        ('type = "dpace"\nalpha = 0', "model.loss.alpha: Input should be greater than 0"),
+        ('type = "dpace"\nalpha = 1.5', "model.loss.alpha: Input should be less than or equal"),
+        ("alpha = 0.3", "model.loss: Value error, alpha applies to type 'dpace' only"),
+        ("kd_weight = 2.0", "model.loss.kd_weight: Input should be less than or equal to 1"),
+        ("kd = 0.5", "model.loss.kd: unknown key (typo?)"),
+    ]:
+        with pytest.raises(ConfigError) as info:
+            TrainConfig.load(_write(tmp_path, MINIMAL + loss + extra + "\n"))
+        assert str(info.value).startswith(f"{tmp_path / 'run.toml'}: {expected}"), str(info.value)
+
+
+def test_changing_the_loss_is_resume_critical_by_name() -> None:
+    """A checkpoint trained one loss is not continued under another: each key is named."""
+    base = tomllib.loads(TINY.read_text())
+    old = TrainConfig.from_dict(base)
+
+    def with_loss(**loss: object) -> TrainConfig:
+        return TrainConfig.from_dict(base | {"model": base["model"] | {"loss": loss}})
+
+    assert resume_critical_changes(old, with_loss()) == []  # the default, spelled out
+    assert resume_critical_changes(old, with_loss(type="ce")) == []
+    assert resume_critical_changes(old, with_loss(type="dpace")) == ["model.loss.type"]
+    assert resume_critical_changes(old, with_loss(kd_weight=0.5)) == ["model.loss.kd_weight"]
+    dpace = with_loss(type="dpace")
+    assert resume_critical_changes(dpace, with_loss(type="dpace", alpha=0.3)) == [
+        "model.loss.alpha"
+    ]

@@ -167,7 +167,12 @@ def test_tensorboard_event_files_read_back_with_tensorboards_reader(tmp_path: Pa
     run = tmp_path / "run"
     run.mkdir()
     warnings: list[str] = []
-    tracker = open_trackers(TrackingConfig(backends=["tensorboard"]), run, warn=warnings.append)
+    tracker = open_trackers(
+        TrackingConfig(backends=["tensorboard"]),
+        run,
+        warn=warnings.append,
+        notes={"loss": "ce+kd(0.5)"},
+    )
     assert tracker.names == ["tensorboard"]
     events = _events(range(0, 60, 3))
     for ev in events:
@@ -177,6 +182,10 @@ def test_tensorboard_event_files_read_back_with_tensorboards_reader(tmp_path: Pa
     got = _tb_read(run / "tb")
     _assert_same(got, _expected(events), rel=1e-6)  # TensorBoard stores float32
     assert len(got["train/loss"]) == 20 and len(got["eval/tau"]) == 10
+    acc = EventAccumulator(str(run / "tb"), size_guidance={"tensors": 0})
+    acc.Reload()  # which loss ran: one text summary
+    (note,) = acc.Tensors("run/loss/text_summary")
+    assert note.tensor_proto.string_val[0].decode() == "ce+kd(0.5)"
 
 
 def test_a_resumed_run_replaces_the_re_trained_steps_in_tensorboard(tmp_path: Path) -> None:
@@ -207,6 +216,7 @@ def test_wandb_offline_run_reads_back_with_wandbs_reader(tmp_path: Path) -> None
         run,
         name="tiny",
         config={"seed": 3},
+        notes={"loss": "dpace(alpha:0.5)"},
         warn=warnings.append,
     )
     assert tracker.names == ["wandb"]
@@ -221,6 +231,8 @@ def test_wandb_offline_run_reads_back_with_wandbs_reader(tmp_path: Path) -> None
     head = next(r["run"] for r in wandb_records(files[0]) if r["type"] == "run")
     assert head["run_id"] == (run / WANDB_ID_FILE).read_text().strip()
     assert head["project"] == "proj"
+    config = head["config"]["update"]  # the run config, and which loss ran, beside it
+    assert config["seed"] == 3 and config["loss"] == "dpace(alpha:0.5)"
 
 
 def test_resumed_run_continues_the_same_wandb_run(tmp_path: Path) -> None:

@@ -43,6 +43,7 @@ __all__ = [
     "RESUME_CRITICAL_KEYS",
     "ConfigError",
     "EvalConfig",
+    "LossConfig",
     "TrackingConfig",
     "TrainConfig",
     "config_hash",
@@ -171,6 +172,58 @@ class DrafterShape(BaseModel):
     )
 
 
+# The training losses (trainer.model.losses), named once.
+LossType = Literal["ce", "dpace"]
+DPACE_ALPHA = 0.5  # D-PACE's smoothing alpha when [model.loss] does not set one (the paper's)
+
+
+class LossConfig(BaseModel):
+    """``[model.loss]``: what the drafter minimises (resume-critical: a checkpoint trained one
+    loss is not continued under another). The held-out evaluation's loss is always ``ce``."""
+
+    model_config = _SECTION
+
+    type: LossType = Field(
+        default="ce",
+        description='"ce": CE weighted exp(-(k-1)/gamma) per slot; "dpace": D-PACE weights '
+        "(arXiv 2605.18810) from the drafter's own detached confidences, instead of the decay",
+    )
+    alpha: float | None = Field(
+        default=None,
+        gt=0,
+        le=1,
+        description=f"D-PACE smoothing alpha in (0, 1] (type 'dpace' only); None: {DPACE_ALPHA}",
+    )
+    kd_weight: float = Field(
+        default=0.0,
+        ge=0,
+        le=1,
+        description="share of logit distillation from the target's own distribution: each "
+        "slot's loss is (1 - kd_weight) CE + kd_weight soft-label CE; 0: off, 1: KD only",
+    )
+
+    @model_validator(mode="after")
+    def _alpha_is_dpace(self) -> Self:
+        if self.alpha is not None and self.type != "dpace":
+            raise ValueError(f"alpha applies to type 'dpace' only (type is {self.type!r})")
+        return self
+
+    @property
+    def dpace_alpha(self) -> float:
+        return DPACE_ALPHA if self.alpha is None else self.alpha
+
+    @property
+    def distills(self) -> bool:
+        """Whether the target's last hidden state is captured (kd_weight > 0)."""
+        return self.kd_weight > 0
+
+    def label(self) -> str:
+        """One token naming the loss (status line, checkpoints, trackers): ``ce``,
+        ``dpace(alpha:0.5)``, ``ce+kd(0.3)``."""
+        text = "ce" if self.type == "ce" else f"dpace(alpha:{self.dpace_alpha:g})"
+        return text + (f"+kd({self.kd_weight:g})" if self.distills else "")
+
+
 class ModelConfig(BaseModel):
     model_config = _SECTION
 
@@ -197,6 +250,7 @@ class ModelConfig(BaseModel):
         "first step falls back to SDPA with one WARNING line (flex on CPU has no backward, so "
         "'flex' there always falls back)",
     )
+    loss: LossConfig = Field(default_factory=LossConfig)
 
 
 class TopologyConfig(BaseModel):
@@ -444,6 +498,7 @@ RESUME_CRITICAL_KEYS: tuple[str, ...] = (
     "model.drafter",
     "model.target_layer_ids",
     "model.mask_token_id",
+    "model.loss",  # what the optimizer state was minimising
     "optimizer.grad_accum",
     "eval.holdout_rows",  # which rows train
 )

@@ -75,10 +75,16 @@ class Estimator:
     _fixed: dict[str, int] | None = None
 
     @property
+    def _captured(self) -> int:
+        """Hidden-size-wide features per token a packet carries: the captured layers, and the
+        target's last hidden state when the run distills (`[model.loss] kd_weight`)."""
+        return self.drafter.features + int(self.cfg.model.loss.distills)
+
+    @property
     def _packet_token_bytes(self) -> int:
-        """Features [R, S, F*H] in the target dtype, plus ids, attention and loss masks (and
-        packed rows' position ids), per packet token."""
-        feat = self.drafter.features * self.drafter.hidden * self.precision.features
+        """Features [R, S, F*H] in the target dtype (one more H with distillation), plus ids,
+        attention and loss masks (and packed rows' position ids), per packet token."""
+        feat = self._captured * self.drafter.hidden * self.precision.features
         per_token = 4 if self.shapes.row_length is not None else 3
         return feat + per_token * 8
 
@@ -210,7 +216,7 @@ class Estimator:
         """A target device's items: `costs.target_peak` and the packets waiting there."""
         tokens = int(self._table.packet_tokens.max())
         items = target_peak(
-            self.target, tokens, self.drafter.features, dtype_bytes=self.precision.features
+            self.target, tokens, self._captured, dtype_bytes=self.precision.features
         )
         items["waiting_packets"] = self.cfg.topology.hidden_depth * items["captured_features"]
         return items

@@ -3,9 +3,10 @@
 Per row: sample up to `num_anchors` anchors among supervised positions (`masks.sample_anchors`),
 build blocks [x_a, mask, ..., mask] at positions a..a+B-1, run the drafter once with the DFlash
 mask, and score slot k (1..B-1) against token a+k — the SAME absolute position, which is where
-trainers have shipped off-by-one drafters. Slot weights are exp(-(k-1)/gamma) times validity
-(label inside the row and supervised). The LM head + CE goes through the fused kernel on the
-valid rows only, so the [rows x vocab] logits never exist.
+trainers have shipped off-by-one drafters. Only valid slots (label inside the row and
+supervised) are scored; their losses and weights are `[model.loss]`'s (`trainer.model.losses`:
+the decayed CE by default, D-PACE, logit distillation). The LM head + CE goes through the fused
+kernel on the valid rows only, so the [rows x vocab] logits never exist.
 
 Everything returned is a sum, not a mean: the pipeline adds sums over micro-batches and data-
 parallel ranks and divides once by the global weight sum (exact token-weighted mean).
@@ -27,11 +28,13 @@ from typing import cast
 import torch
 from torch import Tensor
 
-from trainer.kernels import lm_head_cross_entropy
+from trainer.config import LossConfig
 from trainer.kernels.common import Backend
 from trainer.model.attention import build_mask
 from trainer.model.documents import ContextRows
 from trainer.model.drafter import DFlashDrafter, default_gamma
+from trainer.model.losses import CE, slot_losses, teacher_rows
+from trainer.model.losses import slot_weights as slot_weights
 from trainer.model.masks import Anchors, sample_anchors
 from trainer.model.masks import document_eligible as document_eligible
 
@@ -56,12 +59,6 @@ class StepResult:
 
 # The packed draw's name before it joined `masks.sample_anchors` (split_step and tests).
 draw_anchors = sample_anchors
-
-
-def slot_weights(block_size: int, gamma: float, device: torch.device | None = None) -> Tensor:
-    """exp(-(k-1)/gamma) for slots k = 1..B-1 (slot 0 is the anchor and never scored)."""
-    k = torch.arange(1, block_size, dtype=torch.float32, device=device)
-    return torch.exp(-(k - 1) / gamma)
 
 
 def block_labels(
@@ -116,8 +113,10 @@ def dflash_objective(
     position_ids: Tensor | None = None,
     host_masks: tuple[Tensor, Tensor, Tensor | None] | None = None,
     context_rows: ContextRows | None = None,
+    loss: LossConfig = CE,
+    teacher: Tensor | None = None,
 ) -> StepResult:
-    """Weighted CE sums and teacher-forced metrics for one micro-batch.
+    """Weighted loss sums and teacher-forced metrics for one micro-batch.
 
     Args:
         drafter: bound to the target (`bind_target`); its `lm_head` weight is the CE head.
@@ -139,6 +138,10 @@ def dflash_objective(
         context_rows: the rows are unpacked documents of packed rows and `hidden` is those
             packed rows' features (`trainer.model.documents`): the drafter projects the
             context there and gathers each row's through `context_rows.index`.
+        loss: `[model.loss]` (`trainer.model.losses`); `gamma` is read by type "ce" only.
+        teacher: [R, S, H] the target's last (post-norm) hidden states of the same rows as
+            `input_ids` (needed when `loss.kd_weight` > 0): slot k of anchor a learns the
+            target's distribution at a+k-1.
     """
     cfg = drafter.config
     bsz = cfg.block_size
@@ -193,17 +196,29 @@ def dflash_objective(
     rows = idx + idx // (bsz - 1) + 1  # slot k of block (r, n) is row (r*N + n)*B + k of out
     head = drafter.lm_head.weight
     hidden_sel = out.reshape(-1, out.shape[-1]).index_select(0, rows)
-    ce = lm_head_cross_entropy(
-        hidden_sel.to(head.dtype), head, labels.flatten().index_select(0, idx), backend=ce_backend
+    teacher_sel = None
+    if loss.distills:
+        if teacher is None:
+            raise ValueError("kd_weight > 0 needs the target's last hidden state (teacher)")
+        at = teacher_rows(positions, input_ids.shape[1], idx, bsz)
+        teacher_sel = teacher.reshape(-1, teacher.shape[-1]).index_select(0, at.to(teacher.device))
+    scored = slot_losses(
+        hidden_sel.to(head.dtype),
+        head,
+        labels.flatten().index_select(0, idx),
+        loss=loss,
+        block_weights=slot_weights(bsz, gamma, device).index_select(0, idx % (bsz - 1)),
+        blocks=(idx, valid),
+        teacher=None if teacher_sel is None else teacher_sel.to(device),
+        ce_backend=ce_backend,
     )
-    w_slot = slot_weights(bsz, gamma, device).index_select(0, idx % (bsz - 1))
-    correct = torch.zeros_like(flat).scatter(0, idx, ce.correct).view_as(valid)
+    correct = torch.zeros_like(flat).scatter(0, idx, scored.correct).view_as(valid)
     block_streak = streaks(correct, valid)  # 0 for a block without a valid slot
     has_pred = valid.any(-1)
     return StepResult(
-        loss_sum=(ce.loss * w_slot).sum(),
-        weight_sum=w_slot.sum(),
-        n_correct=ce.correct.sum(),
+        loss_sum=(scored.loss * scored.weight).sum(),
+        weight_sum=scored.weight.sum(),
+        n_correct=scored.correct.sum(),
         n_pred=valid.sum(),
         streak_sum=block_streak.sum(),
         n_blocks=has_pred.sum(),

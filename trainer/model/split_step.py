@@ -23,10 +23,12 @@ from dataclasses import fields
 import torch
 from torch import Tensor
 
+from trainer.config import LossConfig
 from trainer.kernels.common import Backend
 from trainer.model.attention import resolve_backend
 from trainer.model.documents import ContextRows, unpack_documents
 from trainer.model.drafter import DFlashDrafter
+from trainer.model.losses import CE
 from trainer.model.masks import Anchors
 from trainer.model.objective import StepResult, _noise_like, dflash_objective, draw_anchors
 
@@ -92,6 +94,8 @@ def bounded_objective_backward(
     unpack: bool | None = None,
     anchors: Anchors | None = None,
     host_masks: tuple[Tensor, Tensor, Tensor | None] | None = None,
+    loss: LossConfig = CE,
+    teacher: Tensor | None = None,
 ) -> StepResult:
     """Forward+backward of one packet in pieces of at most `max_query_rows` query rows.
 
@@ -110,6 +114,9 @@ def bounded_objective_backward(
     generator, so nothing here reads the masks back from the device); None = drawn here.
     `host_masks`: (loss_mask, attention_mask, position_ids) on the host, so each piece's valid
     slots are known there too (`dflash_objective`); not used for unpacked documents.
+    `loss`, `teacher`: `dflash_objective`'s (`teacher`: [R, S, H] of the packet's rows; laid
+    out with the documents when they are unpacked; never noised). D-PACE's weights are per
+    block and a piece holds whole blocks, so the split stays exact.
     """
     ctx = autocast if autocast is not None else contextlib.nullcontext()
     bsz = drafter.config.block_size
@@ -128,6 +135,7 @@ def bounded_objective_backward(
             input_ids, loss_mask, attention_mask = u.input_ids, u.loss_mask, u.attention_mask
             context_rows = ContextRows(u.index, position_ids, u.groups)
             anchors, position_ids, host_masks = u.anchors, None, None
+            teacher = None if teacher is None else u.take(teacher)
         pieces = split_pieces(anchors, bsz, max_query_rows)
     total: StepResult | None = None
     for rows, cols in pieces:
@@ -151,10 +159,12 @@ def bounded_objective_backward(
                 position_ids=None if position_ids is None else position_ids[rows],
                 host_masks=_rows(host_masks, rows),
                 context_rows=piece_rows,
+                loss=loss,
+                teacher=None if teacher is None else teacher[rows],
             )
-        loss = res.loss_sum if loss_transform is None else loss_transform(res.loss_sum)
-        torch.autograd.backward(loss.float())
-        res.loss_sum = loss
+        piece = res.loss_sum if loss_transform is None else loss_transform(res.loss_sum)
+        torch.autograd.backward(piece.float())
+        res.loss_sum = piece
         total = _detached(res) if total is None else _add(total, res)
     assert total is not None
     return total

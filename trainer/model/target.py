@@ -5,7 +5,8 @@ is the OUTPUT of decoder layer `i` (0-based), which is HF `output_hidden_states[
 (entry 0 is the embedding output; the last entry is post-final-norm in recent transformers,
 so it is never used here). Capture stops after the deepest requested layer by raising a
 private exception from its forward hook: the remaining layers, the final norm and the LM head
-never run.
+never run — unless the last hidden state is asked for too (`capture(final=True)`, logit
+distillation), which runs every layer and the final norm, never the LM head.
 """
 
 from __future__ import annotations
@@ -154,10 +155,14 @@ class LayerCapture:
         attention_mask: Tensor | None = None,
         *,
         position_ids: Tensor | None = None,
+        final: bool = False,
     ) -> Tensor:
         """Hidden states of the capture layers, concatenated in `layer_ids` order.
 
         Runs only layers 0..max(layer_ids); the rest of the model and the LM head never run.
+        With `final`, every layer and the final norm run, and the decoder's last hidden state
+        (post-norm: what the LM head reads, so `lm_head` of it is the target's logits) is
+        appended as one more hidden_size-wide feature.
 
         Packed rows (`position_ids` [B, T], restarting at 0 at each document, the padding tail
         counted as one more document; `trainer.pipeline.collate.collate_packed`): each document
@@ -174,7 +179,7 @@ class LayerCapture:
         of a packed micro-batch) and the tails' features are zeros.
 
         Returns:
-            Tensor[B, T, len(layer_ids) * hidden_size] in the target dtype.
+            Tensor[B, T, (len(layer_ids) + final) * hidden_size] in the target dtype.
         """
         if position_ids is not None and self.document_attention and attention_mask is not None:
             if position_ids.shape != input_ids.shape or attention_mask.shape != input_ids.shape:
@@ -186,14 +191,16 @@ class LayerCapture:
             real = attention_mask.bool().flatten()
             if not bool(real.all()) and bool(real.any()):
                 flat_ids, flat_pos = input_ids.flatten()[real], position_ids.flatten()[real]
-                feats = self.capture(flat_ids[None], position_ids=flat_pos[None])[0]
+                feats = self.capture(flat_ids[None], position_ids=flat_pos[None], final=final)
+                feats = feats[0]
                 out = feats.new_zeros(real.numel(), feats.shape[-1])
                 out[real] = feats
                 return out.view(*input_ids.shape, feats.shape[-1])
-        with self._capturing(stop_early=True) as captured:
+        with self._capturing(stop_early=not final) as captured:
+            result: Any = None
             with suppress(_StopForward):
                 if position_ids is None:
-                    self.decoder(
+                    result = self.decoder(
                         input_ids=input_ids, attention_mask=attention_mask, use_cache=False
                     )
                 else:
@@ -203,14 +210,17 @@ class LayerCapture:
                             f"{tuple(input_ids.shape)}"
                         )
                     if self.document_attention:
-                        self._documents_forward(input_ids, position_ids)
+                        result = self._documents_forward(input_ids, position_ids)
                     else:
-                        self.decoder(
+                        result = self.decoder(
                             input_ids=input_ids, position_ids=position_ids, use_cache=False
                         )
-            return self._concat(captured)
+            feats = self._concat(captured)
+            if not final:
+                return feats
+            return torch.cat([feats, result.last_hidden_state], dim=-1)
 
-    def _documents_forward(self, input_ids: Tensor, position_ids: Tensor) -> None:
+    def _documents_forward(self, input_ids: Tensor, position_ids: Tensor) -> Any:
         """The decoder on packed rows with `target_attention`'s grouped per-document attention:
         the layout is computed once here, the masks are skipped (a prepared mask mapping of
         None, which every decoder takes as is) and the attention implementation is switched
@@ -225,8 +235,7 @@ class LayerCapture:
         except ModuleNotFoundError as err:
             if err.name not in ("trainer", "trainer.model"):
                 raise
-            self.decoder(input_ids=input_ids, position_ids=position_ids, use_cache=False)
-            return
+            return self.decoder(input_ids=input_ids, position_ids=position_ids, use_cache=False)
         groups = self.document_groups or target_attention.DEFAULT_MAX_GROUPS
         layout = target_attention.document_layout(position_ids, max_groups=groups)
         layout = target_attention.layout_to(layout, input_ids.device)
@@ -234,7 +243,7 @@ class LayerCapture:
         before = config._attn_implementation
         config._attn_implementation = target_attention.ATTENTION_NAME
         try:
-            self.decoder(
+            return self.decoder(
                 input_ids=input_ids,
                 attention_mask={"full_attention": None},
                 position_ids=position_ids,

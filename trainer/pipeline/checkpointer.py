@@ -175,6 +175,7 @@ class Checkpointer:
             "topology": {"world_size": p.world.size, "local_world_size": p.world.local_size},
             "config": p.cfg.model_dump(mode="json"),
             "config_hash": config_hash(p.cfg),
+            "loss": p.cfg.model.loss.label(),  # which loss ran (the config's [model.loss])
             "drafter_config": p.dcfg.model_dump(mode="json"),
             "drafter": p.drafter.state_dict(),
             "optimizer": p.opt.state_dict(),

@@ -127,6 +127,7 @@ class Monitor:
             waits=waits,
             tau=self.last_tau(),
             bucket_losses=b.take_bucket_losses(nb) if nb > 1 else None,
+            loss_type=self.p.cfg.model.loss.label(),
         )
         self.reporter.line(line)
         self.tracker.track(line)

@@ -98,7 +98,7 @@ def check_compatible(config: Path, p: Parts, path: Path, state: dict[str, Any]) 
     if changed:
         raise assets.UserError(
             f"{config}: cannot resume from {path}: changed {', '.join(changed)} "
-            "(data order or model shape); use --fresh to archive the checkpoints and restart"
+            f"({_why(changed, old, p.cfg)}); use --fresh to archive the checkpoints and restart"
         )
     if state["world_size"] != p.world.size:
         raise assets.UserError(
@@ -132,6 +132,17 @@ def check_compatible(config: Path, p: Parts, path: Path, state: dict[str, Any]) 
             f"({step * p.accum}): the checkpoint is inconsistent; use --resume with another"
         )
     return seq
+
+
+def _why(changed: list[str], old: TrainConfig, new: TrainConfig) -> str:
+    """What the changed resume-critical keys break: the loss (named both ways) and/or the
+    data order or model shape."""
+    loss = [k for k in changed if k == "model.loss" or k.startswith("model.loss.")]
+    why = ["data order or model shape"] if len(loss) < len(changed) else []
+    if loss:
+        was, now = old.model.loss.label(), new.model.loss.label()
+        why.append(f"the checkpoint trained loss {was}, this config {now}")
+    return "; ".join(why)
 
 
 def _set_aside(

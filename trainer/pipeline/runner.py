@@ -359,6 +359,7 @@ def setup(r: Run) -> Training:
             r.opts.run_dir,
             config=r.cfg.model_dump(mode="json"),
             resume_step=start_step or None,
+            notes={"loss": r.cfg.model.loss.label()},
             warn=r.reporter.warn,
         )
     monitor = Monitor(
@@ -408,7 +409,7 @@ def start_stages(r: Run, t: Training) -> tuple[Queues, threading.Thread]:
             out=queues.hs,
             start_seq=t.start_micro,
             end_seq=t.end_micro,
-            width=p.dcfg.num_features * p.dcfg.hidden_size,
+            width=(p.dcfg.num_features + int(p.cfg.model.loss.distills)) * p.dcfg.hidden_size,
             dtype=p.target_dtype,
             device=p.drafter_device,
             stop=r.sup.stop,
@@ -434,6 +435,7 @@ def start_stages(r: Run, t: Training) -> tuple[Queues, threading.Thread]:
             clock=m.tgt_clocks[i],
             done=m.tgt_done,
             faults=p.faults,
+            final=p.cfg.model.loss.distills,
         )
         r.sup.spawn(f"target[{dev}#{i}]", body)
     return queues, r.sup.spawn("drafter", lambda: train(r, t, queues.feed))

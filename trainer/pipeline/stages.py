@@ -167,14 +167,18 @@ class Counter:
             self.value += n
 
 
-def capture_batch(target: TargetModel, host: HostBatch, device: torch.device) -> Tensor:
+def capture_batch(
+    target: TargetModel, host: HostBatch, device: torch.device, final: bool = False
+) -> Tensor:
     """`host`'s hidden features from `target`: its ids, attention mask and position ids copied
-    to `device` without blocking (on CUDA the caller's current stream orders them), captured."""
+    to `device` without blocking (on CUDA the caller's current stream orders them), captured.
+    `final` (logit distillation): the target's last hidden state rides as one more feature
+    (`TargetModel.capture`); the drafter step splits it off (`step.split_teacher`)."""
     ids = host.input_ids.to(device, non_blocking=True)
     attn = host.attention_mask.to(device, non_blocking=True)
     pos = host.position_ids
     pos = None if pos is None else pos.to(device, non_blocking=True)
-    return target.capture(ids, attn, position_ids=pos)
+    return target.capture(ids, attn, position_ids=pos, final=final)
 
 
 def target_body(
@@ -189,8 +193,10 @@ def target_body(
     clock: WaitClock,
     done: Counter,
     faults: FaultPlan,
+    final: bool = False,
 ) -> Callable[[], None]:
-    """A target worker: claim the next sequence number, take its bucket's next batch, capture.
+    """A target worker: claim the next sequence number, take its bucket's next batch, capture
+    (`final`: with the last hidden state, `capture_batch`).
 
     The packet's features stay on the target's device (on CUDA: captured on this worker's
     own stream, with an event the drafter's copy waits on; no host sync here)."""
@@ -205,7 +211,7 @@ def target_body(
             host = get(queues[bucket], stop, clock)  # FIFO per bucket: this is seq or a peer's
             faults.tick("target")
             with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-                hidden = capture_batch(target, host, dev)
+                hidden = capture_batch(target, host, dev, final)
             ready = None
             if stream is not None:
                 ready = _event()

@@ -24,6 +24,7 @@ from trainer.events import (
     BOTTLENECK_KEY,
     BUCKET_LOSS_KEY,
     GNORM_KEY,
+    LOSS_TYPE_KEY,
     TAU_KEY,
     StatusEvent,
     format_bucket_losses,
@@ -232,9 +233,10 @@ def status_line(
     waits: dict[str, float] | None,
     tau: float | None = None,
     bucket_losses: list[float | None] | None = None,
+    loss_type: str | None = None,
 ) -> str:
-    """The status line. ``tau`` (the last eval's) and ``loss_b`` follow ``gnorm``, in the order
-    events' fast path expects; ``nonfinite`` (rare) comes last."""
+    """The status line. ``tau`` (the last eval's), ``loss_b`` and ``loss_type`` (which loss
+    ``loss=`` is: `LossConfig.label()`) follow ``gnorm``; ``nonfinite`` (rare) comes last."""
     extra: dict[str, str] = {}
     if waits is not None:
         extra = {k: f"{v:.1f}%" for k, v in waits.items()}
@@ -245,6 +247,8 @@ def status_line(
         extra[TAU_KEY] = f"{tau:.3f}"
     if bucket_losses is not None:
         extra[BUCKET_LOSS_KEY] = format_bucket_losses(bucket_losses)
+    if loss_type is not None:
+        extra[LOSS_TYPE_KEY] = loss_type
     if board.nonfinite:
         extra["nonfinite"] = str(board.nonfinite)
     return format_status_line(

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import torch
+from torch import Tensor
 
 from trainer.model.masks import sample_anchors
 from trainer.model.split_step import bounded_objective_backward
@@ -57,6 +58,19 @@ class StepResult:
         return self.totals.loss_sum / weight if weight > 0 else None
 
 
+def split_teacher(hidden: Tensor, width: int, distills: bool) -> tuple[Tensor, Tensor | None]:
+    """A packet's features and, when the run distills, the target's last hidden state that
+    rides after them (`stages.capture_batch(final=True)`): views, no copy."""
+    if not distills:
+        return hidden, None
+    if hidden.shape[-1] <= width:
+        raise ValueError(
+            f"features of width {hidden.shape[-1]} carry no last hidden state after the "
+            f"{width} captured ones (kd_weight > 0)"
+        )
+    return hidden[..., :width], hidden[..., width:]
+
+
 def _poison(loss: torch.Tensor) -> torch.Tensor:
     """DFLASH_FAULT's non-finite step: a NaN loss (and NaN gradients) for every piece."""
     return loss * float("nan")
@@ -93,13 +107,15 @@ def train_step(
         anchors = sample_anchors(
             host.loss_mask, host.attention_mask, m.num_anchors, p.gen, host.position_ids
         )
+        width = p.dcfg.num_features * p.dcfg.hidden_size
+        features, teacher = split_teacher(pkt.hidden, width, m.loss.distills)
         # forward+backward in pieces of <= m.max_query_rows query rows (None: one)
         res = bounded_objective_backward(
             p.drafter,
             pkt.input_ids,
             pkt.loss_mask,
             pkt.attention_mask,
-            pkt.hidden,
+            features,
             max_query_rows=m.max_query_rows,
             num_anchors=m.num_anchors,
             gamma=m.gamma,
@@ -111,13 +127,15 @@ def train_step(
             position_ids=pkt.position_ids,
             anchors=anchors,
             host_masks=(host.loss_mask, host.attention_mask, host.position_ids),
+            loss=m.loss,
+            teacher=teacher,
         )
         sums += torch.stack([getattr(res, k).detach().to(torch.float64) for k in METRIC_KEYS])
         if nb > 1:  # this rank's batch of seq comes from one length bucket
             i = 2 * p.plan.batch(seq).bucket
             pair = torch.stack([res.loss_sum.detach(), res.weight_sum.detach()])
             bucket_sums[i : i + 2] += pair.to(torch.float64)
-        del pkt, res
+        del pkt, res, features, teacher
     mine = StepContribution(sums, bucket_sums, flags(), feed.depth())
     grads = distributed.sum_gradients(p.params, p.world)  # unscaled: W is not known yet
     raw_norm = (

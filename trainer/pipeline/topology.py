@@ -212,7 +212,7 @@ def _capture_all(
         host = collate_batch(store, seq, plans[d].batch(seq), pin)
         faults.tick("target")
         with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-            hidden = capture_batch(target, host, device)
+            hidden = capture_batch(target, host, device, cfg.model.loss.distills)
             if len(in_flight) >= cfg.topology.hidden_depth:
                 _sent(in_flight.popleft()[0], pin)
             in_flight.append((links.send(hidden, rank.layout.drafter_process(d)), hidden))
