@@ -62,7 +62,8 @@ def main(argv: list[str] | None = None) -> int:
     args.run_dir.mkdir(parents=True, exist_ok=True)
     _STACKS.append(open(args.run_dir / "console.log", "a"))  # noqa: SIM115 (kept open for faulthandler)
     faulthandler.register(signal.SIGUSR1, file=_STACKS[-1], all_threads=True)
-    from trainer.pipeline.runner import RunOptions, run
+    from trainer.pipeline.build import RunOptions
+    from trainer.pipeline.runner import run
 
     return run(RunOptions(args.config, args.run_dir, args.resume, args.fresh))
 

@@ -167,7 +167,8 @@ async def _measure_outcome(
     calibration: Path | None,
 ) -> int:
     """Print the newest measure's result (and fetch its calibration), or raise what it is."""
-    from dflashctl.runs.measure import MeasureError, MeasureRunning, how_far, iso_utc, outcome_error
+    from dflashctl.runs.measure import MeasureError, MeasureRunning, how_far, outcome_error
+    from dflashctl.runs.snapshot import iso_utc
 
     host = mc.host.name
     if (st.state == "none" or st.measure_id is None) and args.id:

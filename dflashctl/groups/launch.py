@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 from dflashctl.config.inventory import GroupConfig, HostConfig
 from dflashctl.errors import UsageError
-from dflashctl.remote.run import TORCHRUN_MODULE as TORCHRUN_MODULE
+from dflashctl.remote.run import TORCHRUN_MODULE
 
 RDZV_BACKEND = "static"
 # The trainer's own arguments, relative to the workdir (tmux starts the pane there); the same as

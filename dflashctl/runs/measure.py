@@ -68,8 +68,7 @@ from dflashctl.remote.transport import (
 from dflashctl.runs.control import RunControl
 from dflashctl.runs.follow import Backoff
 from dflashctl.runs.service import LIVE_STATES
-from dflashctl.runs.snapshot import iso_utc as iso_utc
-from dflashctl.runs.snapshot import measure_started, split_sections
+from dflashctl.runs.snapshot import iso_utc, measure_started, split_sections
 from trainer.events import sanitize_for_terminal
 
 CLOCKS = ("wall", "cpu")

@@ -199,8 +199,8 @@ async def test_two_cpu_drafter_ranks_start_step_and_stop_under_torchrun(
 
 def test_group_launches_and_the_host_start_share_the_trainer_args() -> None:
     """`launch.TRAINER_ARGS` and the host argv's program part stay one thing."""
-    from dflashctl.groups.launch import TORCHRUN_MODULE as GROUP_TORCHRUN
     from dflashctl.groups.launch import TRAINER_ARGS
+    from dflashctl.remote.run import TORCHRUN_MODULE as GROUP_TORCHRUN
 
     assert GROUP_TORCHRUN == TORCHRUN_MODULE
     assert tuple(host_trainer_argv("py", False, nproc=3)[8:14]) == TRAINER_ARGS

@@ -13,9 +13,8 @@ from trainer.errors import ExitCode, TrainerError
 from trainer.eval_prompts import PromptError
 from trainer.kernels.common import BackendUnavailableError, KernelInputError
 from trainer.memory.shapes import MemoryEstimateError
-from trainer.model.export import ExportError
+from trainer.model.errors import ExportError, TargetError
 from trainer.model.mask_token import MaskTokenError
-from trainer.model.target import TargetError
 
 
 @pytest.mark.parametrize(

@@ -15,7 +15,8 @@ import torch
 from safetensors.torch import load_file
 
 from tests.model.helpers import MASK_ID, make_batch, make_drafter
-from trainer.model.export import ExportError, export_drafter, load_drafter
+from trainer.model.errors import ExportError
+from trainer.model.export import export_drafter, load_drafter
 from trainer.model.remote_code import PIECES, modeling_source
 from trainer.model.speculative import speculative_generate
 from trainer.model.target import TargetModel

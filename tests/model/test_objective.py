@@ -11,8 +11,9 @@ import torch.nn.functional as F
 from tests.model.helpers import MASK_ID, make_batch, make_drafter
 from trainer.model.attention import build_mask
 from trainer.model.drafter import default_gamma
+from trainer.model.losses import slot_weights
 from trainer.model.masks import Anchors, sample_anchors
-from trainer.model.objective import block_labels, dflash_objective, slot_weights, streaks
+from trainer.model.objective import block_labels, dflash_objective, streaks
 from trainer.model.target import TargetModel
 
 

@@ -12,14 +12,9 @@ from tests.model.helpers import make_batch, make_drafter
 from trainer.kernels import lm_head_cross_entropy
 from trainer.model.attention import build_mask
 from trainer.model.drafter import DFlashDrafter, default_gamma
+from trainer.model.losses import slot_weights
 from trainer.model.masks import Anchors, sample_anchors
-from trainer.model.objective import (
-    StepResult,
-    block_labels,
-    dflash_objective,
-    slot_weights,
-    streaks,
-)
+from trainer.model.objective import StepResult, block_labels, dflash_objective, streaks
 from trainer.model.target import TargetModel
 
 

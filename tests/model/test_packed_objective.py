@@ -17,7 +17,8 @@ from torch import Tensor
 
 from trainer.config import LossConfig
 from trainer.kernels.common import Backend
-from trainer.model.objective import StepResult, block_labels, document_eligible, draw_anchors
+from trainer.model.masks import document_eligible
+from trainer.model.objective import StepResult, block_labels, draw_anchors
 from trainer.model.split_step import bounded_objective_backward
 from trainer.model.target import TargetModel
 

@@ -12,7 +12,8 @@ import torch
 from torch import Tensor
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
-from trainer.model.target import TargetError, TargetModel
+from trainer.model.errors import TargetError
+from trainer.model.target import TargetModel
 
 DOCS = [[5, 1, 9], [12, 3], [1, 7, 2, 4]]  # document lengths per row (row 1 has a 1-token doc)
 # Lengths on both sides of the 16-slot widths, repeated lengths, 1-token documents, and padding

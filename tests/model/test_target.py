@@ -10,12 +10,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from trainer.model.errors import TargetError
 from trainer.model.speculative import greedy_generate
-from trainer.model.target import (
-    TargetError,
-    TargetModel,
-    default_target_layer_ids,
-)
+from trainer.model.target import TargetModel, default_target_layer_ids
 from trainer.model.tiny import build_tiny_target
 
 

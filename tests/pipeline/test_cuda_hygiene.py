@@ -22,8 +22,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import trainer.pipeline.runner as runner_mod
 import trainer.pipeline.stages as stages_mod
+from trainer.pipeline.build import RunOptions
 from trainer.pipeline.channels import ReorderBuffer, Stopped, WaitClock
-from trainer.pipeline.runner import RunOptions, run
+from trainer.pipeline.runner import run
 from trainer.pipeline.stages import Packet, Stager
 from trainer.pipeline.step import train_step as real_train_step
 

@@ -16,11 +16,11 @@ from hypothesis import strategies as st
 from trainer.config import STRATEGIES, ConfigError, TrainConfig, resume_critical_changes
 from trainer.data.store import TokenStore
 from trainer.events import EvalEvent, parse_line
+from trainer.events.checkpoint_layout import REQUIRED_KEYS
 from trainer.model.fit import Row, teacher_forced_streaks, walk_accept_lengths
 from trainer.model.target import TargetModel
 from trainer.pipeline import assets
 from trainer.pipeline.checkpoint import (
-    REQUIRED_KEYS,
     best_checkpoint,
     list_checkpoints,
     load_checkpoint,

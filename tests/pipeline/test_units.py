@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from trainer.config.schedule import lr_at, warmup_steps_for
+from trainer.events.checkpoint_layout import REQUIRED_KEYS
 from trainer.pipeline.channels import ReorderBuffer, Stopped, WaitClock, get, put
 from trainer.pipeline.checkpoint import (
-    REQUIRED_KEYS,
     CheckpointError,
     CheckpointWriteError,
     archive_checkpoints,

@@ -32,10 +32,8 @@ from safetensors.torch import load_file, save_file
 from trainer.config.validation import dotted, one_line
 from trainer.model.drafter import DFlashDrafter, DrafterConfig
 from trainer.model.engine_fields import engine_fields, nest
-from trainer.model.errors import ExportError as ExportError
-from trainer.model.export_files import CONFIG as CONFIG
-from trainer.model.export_files import WEIGHTS as WEIGHTS
-from trainer.model.export_files import bf16_dir, read_export_json
+from trainer.model.errors import ExportError
+from trainer.model.export_files import CONFIG, WEIGHTS, bf16_dir, read_export_json
 from trainer.model.remote_code import AUTO_MAP, MODELING_FILE, write_modeling_file
 from trainer.model.target import TargetModel
 

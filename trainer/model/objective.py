@@ -33,10 +33,8 @@ from trainer.kernels.common import Backend
 from trainer.model.attention import build_mask
 from trainer.model.documents import ContextRows
 from trainer.model.drafter import DFlashDrafter, default_gamma
-from trainer.model.losses import CE, slot_losses, teacher_rows
-from trainer.model.losses import slot_weights as slot_weights
+from trainer.model.losses import CE, slot_losses, slot_weights, teacher_rows
 from trainer.model.masks import Anchors, sample_anchors
-from trainer.model.masks import document_eligible as document_eligible
 
 
 @dataclass

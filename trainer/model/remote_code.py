@@ -40,7 +40,17 @@ PIECES: tuple[tuple[ModuleType, tuple[str, ...]], ...] = (
     (errors, ("ExitCode", "TrainerError")),  # TargetError's base
     (model_errors, ("TargetError",)),
     (layers, ("RMSNorm", "SwiGLU", "Rotary", "apply_rotary")),
-    (attention, ("AttnMask", "_flex_fn", "attend", "mask_keys")),
+    (
+        attention,
+        (
+            "AttnMask",
+            "flex_kernel_options",
+            "_cuda_flex_options",
+            "_flex_fn",
+            "attend",
+            "mask_keys",
+        ),
+    ),
     (documents, ("ContextRows",)),  # the drafter's training-only packed-context argument
     (
         drafter,

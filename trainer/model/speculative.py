@@ -30,8 +30,7 @@ import torch
 from torch import Tensor
 
 from trainer.model.drafter import DFlashDrafter, DrafterCache
-from trainer.model.protocols import PROTOCOLS as PROTOCOLS
-from trainer.model.protocols import Protocol as Protocol
+from trainer.model.protocols import PROTOCOLS, Protocol
 from trainer.model.target import TargetModel
 
 

@@ -21,7 +21,7 @@ import torch
 from torch import Tensor, nn
 from transformers import DynamicCache, PreTrainedModel
 
-from trainer.model.errors import TargetError as TargetError
+from trainer.model.errors import TargetError
 from trainer.model.target_load import load_causal_lm
 
 

@@ -37,8 +37,7 @@ import torch
 
 from trainer.errors import TrainerError
 from trainer.events import CheckpointFailed, checkpoint_failed_message
-from trainer.events.checkpoint_layout import CHECKPOINT_VERSION as CHECKPOINT_VERSION
-from trainer.events.checkpoint_layout import REQUIRED_KEYS as REQUIRED_KEYS
+from trainer.events.checkpoint_layout import CHECKPOINT_VERSION, REQUIRED_KEYS
 
 _NAME = re.compile(r"step-(\d{8,})\.pt")
 REJECTED = "rejected"

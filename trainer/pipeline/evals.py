@@ -76,7 +76,7 @@ def real_tau(p: Parts, target: TargetModel) -> RealTau:
     from trainer.eval import default_stop_ids, load_tokenizer, target_vocab_size
     from trainer.eval import evaluate as real_evaluate
     from trainer.eval_prompts import PromptError, Renderer, read_prompt_set
-    from trainer.model.target import TargetError
+    from trainer.model.errors import TargetError
 
     ev = p.cfg.eval
     assert ev.prompts is not None

@@ -42,8 +42,9 @@ from trainer.kernels.common import Backend
 from trainer.model.attention import build_mask
 from trainer.model.drafter import DFlashDrafter, default_gamma
 from trainer.model.fit import walk_accept_lengths
+from trainer.model.losses import slot_weights
 from trainer.model.masks import Anchors
-from trainer.model.objective import block_labels, slot_weights, streaks
+from trainer.model.objective import block_labels, streaks
 from trainer.model.split_step import split_pieces
 from trainer.model.target import TargetModel
 from trainer.pipeline.collate import collate

@@ -50,8 +50,7 @@ from trainer.errors import ExitCode
 from trainer.model.target import TargetModel
 from trainer.pipeline import assets, checkpoint, checkpoint_sync, distributed, topology
 from trainer.pipeline.attention_choice import choose_attention
-from trainer.pipeline.build import Parts, build_parts
-from trainer.pipeline.build import RunOptions as RunOptions
+from trainer.pipeline.build import Parts, RunOptions, build_parts
 from trainer.pipeline.channels import ReorderBuffer, Stopped
 from trainer.pipeline.checkpointer import Checkpointer, NonFiniteState, RngState
 from trainer.pipeline.evals import EvalReports, build_evaluator, quiet_hf, record_holdout
