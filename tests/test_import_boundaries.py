@@ -47,6 +47,7 @@ DFLASHCTL_LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("fleet", ("dflashctl.fleet",)),
     ("monitor", ("dflashctl.monitor",)),
     ("alerts", ("dflashctl.alerts",)),
+    ("jobs", ("dflashctl.jobs",)),
     ("runs", ("dflashctl.runs",)),
     ("doctor", ("dflashctl.doctor",)),
     ("releases", ("dflashctl.releases",)),

@@ -63,6 +63,16 @@ STATUS_SCRIPT = (
     f'"{MEASURE_ROOT}/$mid/{MEASURE_PROGRESS}" 2>/dev/null\n'
     '  echo "${m}now"; date -u +%s\n'
     "fi\n"
+    # the newest `dflashctl eval` that left a summary (trainer.events.served), and what it
+    # evaluated: the TUI shows served tau beside the in-training one
+    f"sid=$(ls -1 {L.EVAL_ROOT} 2>/dev/null | grep -E '{MEASURE_ID_PATTERN}' | sort -r | "
+    f'while read -r d; do [ -f "{L.EVAL_ROOT}/$d/{L.JOB_SUMMARY}" ] && {{ echo "$d"; break; }}; '
+    "done)\n"
+    'if [ -n "$sid" ]; then echo "${m}served_id"; echo "$sid"; echo "${m}served_now"; '
+    "date -u +%s\n"
+    f'  echo "${{m}}served"; cat "{L.EVAL_ROOT}/$sid/{L.JOB_SUMMARY}" 2>/dev/null; echo\n'
+    f'  echo "${{m}}served_info"; cat "{L.EVAL_ROOT}/$sid/{L.JOB_INFO}" 2>/dev/null; echo\n'
+    "fi\n"
     "exit 0\n"
 )
 
