@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
 from dflashctl.config.inventory import HostConfig
@@ -136,13 +136,15 @@ class JobControl:
     async def start(
         self,
         command_for: CommandFor,
-        info: Mapping[str, object],
+        info: Callable[[], Mapping[str, object]],
         files: Mapping[str, bytes] | None = None,
+        ready: Callable[[], Awaitable[None]] | None = None,
     ) -> JobStarted:
-        """Start a job in its own tmux session: `command_for(id)` is its argv, `info` goes to
-        its info.json, `files` (relative name -> bytes) are written into its directory first.
-        Refused (JobBusy) while anything else uses the devices, and for a host with nothing
-        deployed or a release that cannot run this kind."""
+        """Start a job in its own tmux session: `command_for(id)` is its argv, `info()` goes
+        to its info.json, `files` (relative name -> bytes) are written into its directory
+        first. Refused (JobBusy) while anything else uses the devices, and for a host with
+        nothing deployed or a release that cannot run this kind; then `ready()` checks (and
+        resolves) what the job needs there, before anything is written."""
         name = self.host.name
         st = await self.check_free()
         if st.release is None:
@@ -152,7 +154,9 @@ class JobControl:
                 f"{name}: release {st.release} has no {self.kind.source} (deployed before "
                 f"`dflashctl {self.kind.name}` existed); deploy a newer tree"
             )
-        record = {**info, "release": st.release, "session": self.session}
+        if ready is not None:
+            await ready()
+        record = {**info(), "release": st.release, "session": self.session}
         prep = await self._run(
             prepare_argv(self.host.workdir, self.kind), input=json.dumps(record).encode()
         )

@@ -279,16 +279,23 @@ class EvalJob:
     async def start(self, req: EvalRequest) -> JobStarted:
         req.check()
         files = read_prompts(req.prompts)
-        plan = await self.plan(req)
-        info = {
-            "request": req.to_json_dict(),
-            "target": plan.target,
-            "checkpoint": plan.checkpoint,
-            "step": plan.step,
-            "drafter": plan.drafter or None,
-        }
+        plans: list[EvalPlan] = []
+
+        async def ready() -> None:
+            plans.append(await self.plan(req))
+
+        def info() -> dict[str, object]:
+            plan = plans[0]
+            return {
+                "request": req.to_json_dict(),
+                "target": plan.target,
+                "checkpoint": plan.checkpoint,
+                "step": plan.step,
+                "drafter": plan.drafter or None,
+            }
 
         def command(job_id: str) -> list[str]:
+            plan = plans[0]
             d = self.layout.path(EVAL.dir(job_id))
             pushed = [f"{d}/{name}" for name in files]
             drafter = plan.drafter or f"{d}/{JOB_EXPORT}"
@@ -297,7 +304,7 @@ class EvalJob:
             )
             return eval_argv(self.host.python, self.layout, job_id, req, resolved)
 
-        return await self.jobs.start(command, info, files)
+        return await self.jobs.start(command, info, files, ready)
 
     async def summary(self, st: JobState) -> ServedSummary:
         """The finished (or failed) eval's summary.json."""

@@ -144,17 +144,19 @@ class GateJob:
 
     async def start(self, req: GateRequest) -> JobStarted:
         req.check()
-        config = await self.jobs.transport.run(["test", "-f", self.layout.config])
-        if not config.ok:
-            raise JobError(
-                f"{self.host.name}: no {self.layout.config}; deploy with --config PATH or set "
-                "run_config in hosts.toml"
-            )
+
+        async def ready() -> None:
+            config = await self.jobs.transport.run(["test", "-f", self.layout.config])
+            if not config.ok:
+                raise JobError(
+                    f"{self.host.name}: no {self.layout.config}; deploy with --config PATH or "
+                    "set run_config in hosts.toml"
+                )
 
         def command(job_id: str) -> list[str]:
             return gate_argv(self.host.python, self.layout, job_id, req)
 
-        return await self.jobs.start(command, {"request": req.to_json_dict()})
+        return await self.jobs.start(command, lambda: {"request": req.to_json_dict()}, None, ready)
 
     async def outcome(self, st: JobState) -> GateOutcome:
         """The verdict of a gate that ended; JobError (or JobRefused) for one that ended
