@@ -17,6 +17,7 @@ import json
 import os
 import re
 import shutil
+import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -37,6 +38,7 @@ from tests.serving.engine import GATE_RESPONSE_TOKENS, GateRun
 from trainer.serving.launch import RunningEngine, free_port
 
 pytestmark = pytest.mark.timeout(1800)  # the session's engine may start within this module
+GSM8K = Path(__file__).resolve().parents[1] / "fixtures" / "eval-prompts" / "gsm8k_test.jsonl"
 
 
 @pytest.fixture(scope="module")
@@ -174,3 +176,98 @@ def test_dflashctl_eval_in_the_container_against_the_served_engine(
     # the last eval with a summary is still the one status shows
     rc, text, _ = cli([*inv, "status", "ct"], capsys)
     assert "  served: vllm 0.32.0 tau=" in text and "(DIFFER: " in text
+
+
+def _engine_processes(marker: str) -> list[str]:
+    """This machine's processes whose command line holds `marker` (a job's directory)."""
+    return [ln for ln in P.node_processes(re.escape(marker)) if "pgrep" not in ln]
+
+
+@pytest.mark.parts
+@pytest.mark.slow
+async def test_eval_exports_a_checkpoint_and_serves_it_with_an_engine_it_starts(
+    vllm_python: Path, served_target_dir: Path, tmp_path: Path
+) -> None:
+    """On a LocalTransport host (dflashctl demo's kind: this machine is the container): a real
+    two-step training on the served target writes its checkpoints; `--checkpoint latest` is
+    resolved to the newest step file, exported by trainer.export into the job, and served by a
+    vLLM the job starts (`--serve-cmd`); both loops agree. A second eval stopped while its
+    engine starts leaves no engine behind (--stop is Ctrl-C: trainer.eval stops what it
+    started)."""
+    import asyncio
+    import tomllib
+
+    from dflashctl.config.inventory import local_host
+    from dflashctl.jobs.evals import EvalJob, EvalRequest
+    from dflashctl.releases.deploy import deploy
+    from dflashctl.releases.release import build_release
+    from dflashctl.remote import LocalTransport
+    from tests.serving.engine import ENGINE_ARGS, ENGINE_ENV, gate_config, serve_cmd
+    from trainer.config.overlay import dump_toml, merge
+
+    require_part(shutil.which("tmux") is not None, "tmux not installed")
+    sock = tmp_path / "tmux"
+    sock.mkdir()
+    transport = LocalTransport(env={"TMUX_TMPDIR": str(sock)})
+    host = local_host("loc", tmp_path / "wd", python=sys.executable, session="t")
+    host = host.model_copy(update={"env": {**host.env, "OMP_NUM_THREADS": "1", **ENGINE_ENV}})
+    tree = P.frozen_tree(tmp_path / "tree")
+    await deploy(transport, host, release=build_release(tree), min_free_bytes=0, import_check=False)
+    raw = tomllib.loads(gate_config(tmp_path, served_target_dir).read_text())
+    run = Path(host.run_dir)
+    run.mkdir(parents=True, exist_ok=True)
+    (run / "config.toml").write_text(
+        dump_toml(merge(raw, {"schedule": {"max_steps": 2}, "status": {"interval_s": 1}}))
+    )
+    try:
+        ctl = RunControl(transport, host)
+        await ctl.start(wait_s=0)
+        end = asyncio.get_running_loop().time() + 900
+        while not (status := await ctl.status()).finished:
+            assert status.state in {"running", "stopped"}, status
+            assert asyncio.get_running_loop().time() < end, "the training did not finish"
+            await asyncio.sleep(2)
+        req = EvalRequest(
+            prompts=(GSM8K,),
+            checkpoint="latest",
+            serve_cmd=" ".join(serve_cmd(vllm_python)),
+            serve_args=ENGINE_ARGS,
+            max_new_tokens=16,
+            device="cpu",
+        )
+        job = EvalJob(transport, host)
+        started = await job.start(req)
+        assert started.argv[:2] == ["sh", "-c"] and "trainer.export" in started.argv[2]
+        lines: list[str] = []
+        st = await job.jobs.follow(lines.append, lines.append, job_id=started.job_id, poll_s=5)
+        assert st.state == "finished", lines
+        assert st.info["step"] == 2 and st.info["checkpoint"].endswith("step-00000002.pt")
+        summary = await job.summary(st)
+        assert summary.agree and summary.served is not None, summary
+        assert summary.served.tau == summary.own.tau and summary.turns == 2
+        doc = await job.jobs.read_json(st, "result.json")
+        engine = doc["engine"]
+        assert isinstance(engine, dict) and engine["argv"] and engine["version"] == "0.32.0"
+        assert f"{started.directory}/export" in engine["command"]  # it served the export
+        assert (Path(started.directory) / "export" / "config.json").is_file()
+        assert (Path(started.directory) / "engine.log").is_file()
+
+        # stopped while its engine starts: Ctrl-C, and trainer.eval stops the engine
+        second = await job.start(req)
+        log = Path(second.directory) / "engine.log"
+        end = asyncio.get_running_loop().time() + 600
+        while not (log.is_file() and _engine_processes(f"{second.directory}/export")):
+            assert (await job.jobs.state(job_id=second.job_id)).running, "ended before its engine"
+            assert asyncio.get_running_loop().time() < end, "no engine process appeared"
+            await asyncio.sleep(1)
+        stopped = await job.jobs.stop(grace_s=120)
+        assert stopped is not None and stopped.job_id == second.job_id
+        after = await job.jobs.state(job_id=second.job_id)
+        assert after.state == "cancelled", after
+        end = asyncio.get_running_loop().time() + 60
+        while left := _engine_processes(f"{second.directory}/export"):
+            assert asyncio.get_running_loop().time() < end, f"an engine outlived its eval: {left}"
+            await asyncio.sleep(1)
+    finally:
+        await transport.run(["tmux", "-L", "dflash", "kill-server"])
+        await transport.close()
