@@ -48,6 +48,7 @@ DFLASHCTL_LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("monitor", ("dflashctl.monitor",)),
     ("alerts", ("dflashctl.alerts",)),
     ("jobs", ("dflashctl.jobs",)),
+    ("compare", ("dflashctl.compare",)),
     ("runs", ("dflashctl.runs",)),
     ("doctor", ("dflashctl.doctor",)),
     ("releases", ("dflashctl.releases",)),

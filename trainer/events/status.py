@@ -10,7 +10,8 @@
 (one physical line). The trainer's extras (`trainer.pipeline.status.status_line`): the stage
 waits, the bottleneck, ``gnorm`` once a step has run, then after the first evaluation ``tau=``
 (the last held-out simulated tau) and ``loss_b=[l0,l1,...]`` (mean loss per length bucket over
-the interval, ``---`` for a bucket without a batch). The parser reads any extras, in any order.
+the interval, ``---`` for a bucket without a batch), and once a step has run ``tokens=`` (real
+tokens trained so far, all ranks: what `dflashctl compare` aligns runs by). The parser reads any extras, in any order.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ __all__ = [
     "GNORM_KEY",
     "STAGE_WAIT_KEYS",
     "TAU_KEY",
+    "TOKENS_KEY",
     "TRAINER_EXTRA_KEYS",
     "StatusEvent",
     "format_bucket_losses",
@@ -57,6 +59,7 @@ BOTTLENECK_KEY = "bottleneck"  # "prefetch" | "target" | "drafter" | "---"
 GNORM_KEY = "gnorm"  # the last step's gradient norm, once a step has run
 TAU_KEY = "tau"  # the last evaluation's simulated tau, once one has run
 BUCKET_LOSS_KEY = "loss_b"  # mean loss per length bucket over the interval: [l0,l1,...]
+TOKENS_KEY = "tokens"  # real (non-pad) tokens trained so far, all ranks (runs align by it)
 # The extras every trainer status line starts with once the stages run, in print order.
 TRAINER_EXTRA_KEYS = (*STAGE_WAIT_KEYS, BOTTLENECK_KEY)
 

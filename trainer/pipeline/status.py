@@ -25,6 +25,7 @@ from trainer.events import (
     BUCKET_LOSS_KEY,
     GNORM_KEY,
     TAU_KEY,
+    TOKENS_KEY,
     StatusEvent,
     format_bucket_losses,
     format_checkpoint_line,
@@ -245,6 +246,8 @@ def status_line(
         extra[TAU_KEY] = f"{tau:.3f}"
     if bucket_losses is not None:
         extra[BUCKET_LOSS_KEY] = format_bucket_losses(bucket_losses)
+    if board.step > 0:
+        extra[TOKENS_KEY] = str(board.real_tokens)
     if board.nonfinite:
         extra["nonfinite"] = str(board.nonfinite)
     return format_status_line(
