@@ -403,3 +403,24 @@ def test_eval_info_and_summary_show_what_was_evaluated(tmp_path: Path) -> None:
     assert got.since == "2026-12-01 17:02:11 UTC"
     assert parse_served({"served_id": JID, "served": "{not json"}) is None
     assert parse_served({"served_id": "x", "served": summary.model_dump_json()}) is None
+
+
+def test_the_gate_setting_is_per_host_or_from_defaults_and_checked(tmp_path: Path) -> None:
+    from dflashctl.config.inventory import InventoryError, parse_inventory
+
+    text = (
+        '[defaults]\ngate = "before-start"\n'
+        '[hosts.a]\naddress = "n1"\nctid = 200\n'
+        '[hosts.b]\naddress = "n2"\nctid = 201\ngate = "off"\n'
+    )
+    inv = parse_inventory(text, tmp_path / "hosts.toml")
+    assert (inv.get("a").gate, inv.get("b").gate) == ("before-start", "off")
+    assert (
+        parse_inventory('[hosts.c]\naddress = "n"\nctid = 202\n', tmp_path / "h").get("c").gate
+        == "off"
+    )
+    with pytest.raises(InventoryError) as bad:
+        parse_inventory('[hosts.c]\naddress = "n"\nctid = 202\ngate = "always"\n', tmp_path / "h")
+    assert str(bad.value).startswith(f"{tmp_path / 'h'}: host 'c': gate: ") and "\n" not in str(
+        bad.value
+    )
