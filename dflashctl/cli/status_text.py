@@ -49,6 +49,13 @@ def format_run_status(st: RunStatus) -> str:
         lines.append(f"  note: {st.switch_note}")
     if st.measure is not None:
         lines.append(measure_line(st.host, st.measure))
+    if st.job is not None:
+        j = st.job
+        ago = f" ({format_age(j.age_s)} ago)" if j.age_s is not None else ""
+        lines.append(
+            f"  {j.kind}: {j.id} running since {j.since}{ago} in tmux session {j.session!r}: "
+            f"{j.progress or 'no output yet'} (`dflashctl {j.kind} {st.host} --result`)"
+        )
     detail, ck_error = st.run_state.stop_detail, st.run_state.checkpoint_error
     if st.state != "running" and isinstance(detail, str) and detail:
         lines.append(f"  stop: {detail}")

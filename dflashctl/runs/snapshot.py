@@ -83,6 +83,18 @@ class RunningMeasure:
 
 
 @dataclass(frozen=True)
+class RunningJob:
+    """A `dflashctl eval` or `gate` running on a host, as status reads it (none: None)."""
+
+    kind: str  # "eval" | "gate"
+    id: str
+    session: str  # its tmux session (the host's session + `-eval` / `-gate`)
+    since: str
+    age_s: float | None = None
+    progress: str | None = None  # its last output line (made safe to print)
+
+
+@dataclass(frozen=True)
 class ServedEval:
     """The newest `dflashctl eval` on a host that left a summary (status `served`): the
     engine's acceptance beside the project's loop on what it evaluated."""
@@ -133,6 +145,7 @@ class RunStatus:
     release_has_supervisor: bool = False  # `current` ships trainer/supervise.py
     measure: RunningMeasure | None = None  # a `dflashctl measure` running there now
     served: ServedEval | None = None  # the newest `dflashctl eval` with a summary
+    job: RunningJob | None = None  # a `dflashctl eval` or `gate` running there now
     # the newest checkpoint the trainer could not write (none written since), and why
     checkpoint_failed: CheckpointFailed | None = None
     # a run file that could not be written (a full disk) and where the truth was read instead
@@ -412,6 +425,28 @@ def parse_running_measure(sections: dict[str, str], session: str) -> RunningMeas
     )
 
 
+JOB_KINDS = ("eval", "gate")
+
+
+def parse_running_job(sections: dict[str, str], session: str) -> RunningJob | None:
+    """The status script's job sections (already sanitised) -> the eval or gate job running
+    now (the script reports one only while its pane is alive and it has no exit status)."""
+    kind, _, jid = sections.get("job", "").strip().partition(" ")
+    started = measure_started(jid) if re.match(MEASURE_ID_PATTERN, jid) else None
+    if kind not in JOB_KINDS or started is None:
+        return None
+    now = sections.get("job_now", "").strip()
+    lines = [ln.strip() for ln in sections.get("job_progress", "").splitlines() if ln.strip()]
+    return RunningJob(
+        kind=kind,
+        id=jid,
+        session=f"{session}-{kind}",
+        since=iso_utc(started),
+        age_s=max(0.0, int(now) - started) if now.isdigit() else None,
+        progress=lines[-1] if lines else None,
+    )
+
+
 def parse_served(sections: dict[str, str]) -> ServedEval | None:
     """The status script's served sections (already sanitised) -> the newest eval with a
     summary; None without one, or with a summary this dflashctl cannot read."""
@@ -530,6 +565,7 @@ def parse_status(
         release_has_supervisor=s.get("supervisable", "").strip() == "yes",
         measure=parse_running_measure(s, session),
         served=parse_served(s),
+        job=parse_running_job(s, session),
         checkpoint_failed=checkpoint_failure(run_state, [*this_run, *pane_events], last_ckpt),
         stale_note=stale_note(stale) if sup is not None and stale is not None else None,
     )

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 
+from dflashctl.cli.status_text import format_run_status
 from dflashctl.config.inventory import HostConfig, local_host
 from dflashctl.errors import UsageError
 from dflashctl.jobs.control import JobControl, output_tail
@@ -34,6 +35,8 @@ from dflashctl.remote.jobs import EVAL, GATE, chain, status_argv
 from dflashctl.remote.layout import RemoteLayout
 from dflashctl.remote.run import MARK
 from dflashctl.runs.control import RunControl
+from dflashctl.runs.measure import MeasureBusy, MeasureControl, MeasureRequest
+from dflashctl.runs.service import JobInProgress
 from tests.conftest import require_part
 from tests.ctl import parts as P
 from trainer.config.overlay import dump_toml, merge
@@ -346,14 +349,32 @@ async def test_jobs_refuse_each_other_and_training_and_stop_on_ctrl_c(local: Loc
     evals = JobControl(local.transport, local.host, EVAL)
     with pytest.raises(JobBusy, match=rf"^loc: gate {started.job_id} is already running"):
         await evals.check_free()
+    # the other way round: no training start or restart, no measure, while it runs; status
+    # shows it (read in its one round trip)
+    ctl = RunControl(local.transport, local.host)
+    status = await ctl.status()
+    assert status.job is not None and (status.job.kind, status.job.id) == ("gate", started.job_id)
+    assert f"  gate: {started.job_id} running since " in format_run_status(status)
+    with pytest.raises(JobInProgress) as refused:
+        await ctl.start(wait_s=5)
+    assert str(refused.value) == (
+        f"loc: gate {started.job_id} is running there (since {status.job.since}, tmux session "
+        "'t-gate'): a training run would share its devices; `dflashctl gate loc --result` shows "
+        "how far it is, `dflashctl gate loc --stop` ends it"
+    )
+    assert not (local.workdir / "run" / ".release").exists()  # nothing started
+    with pytest.raises(JobInProgress, match=r": a restarted run would share its devices"):
+        await ctl.restart(release=build_release(local.workdir / "current"))
+    with pytest.raises(MeasureBusy, match=rf"^loc: gate {started.job_id} is running there"):
+        await MeasureControl(local.transport, local.host).start(MeasureRequest(steps=1))
     stopped = await gate.jobs.stop(grace_s=60)
     assert stopped is not None and stopped.job_id == started.job_id
+    assert (await ctl.status()).job is None
     after = await gate.jobs.state()
     assert after.state == "cancelled" and after.cancelled_at, after
     assert "was stopped" in str(outcome_error(after, after.output))
     assert await gate.jobs.stop() is None
     # while the run trains: refused before anything starts
-    ctl = RunControl(local.transport, local.host)
     await ctl.start(wait_s=120)
     try:
         with pytest.raises(JobBusy) as busy:
