@@ -445,3 +445,50 @@ def test_the_gate_setting_is_per_host_or_from_defaults_and_checked(tmp_path: Pat
     assert str(bad.value).startswith(f"{tmp_path / 'h'}: host 'c': gate: ") and "\n" not in str(
         bad.value
     )
+
+
+def test_a_group_gates_evaluates_and_compares_on_node_0(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Node 0 is the one asked (here: a port nobody listens on, so the one line is that it is
+    unreachable, exit 3); bad flags are refused before any host is asked."""
+    from dflashctl.cli.main import main as cli_main
+    from dflashctl.errors import ExitCode
+
+    port = P.free_port()
+    known = tmp_path / "known_hosts"
+    known.write_text("")
+    nodes = "".join(
+        f'[hosts.n{i}]\naddress = "127.0.0.1"\nport = {port}\nctid = {200 + i}\n'
+        f'node_address = "127.0.0.{i + 1}"\nconnect_timeout = 2\n'
+        for i in range(2)
+    )
+    inv_path = tmp_path / "hosts.toml"
+    inv_path.write_text(
+        f'[defaults]\nknown_hosts = "{known}"\nuse_agent = false\n{nodes}'
+        '[groups.g]\nhosts = ["n0", "n1"]\n'
+    )
+    inv_path.chmod(0o600)
+    inv = ["--hosts", str(inv_path)]
+
+    def run(*args: str) -> tuple[int, str, str]:
+        capsys.readouterr()
+        rc = cli_main([*inv, *args])
+        got = capsys.readouterr()
+        return rc, got.out, got.err
+
+    rc, out, err = run("gate", "g", "--result")
+    assert rc == ExitCode.UNREACHABLE and not out, err
+    lines = err.splitlines()
+    assert lines[0] == "dflashctl: g: gating on node 0 (n0); its release and config are the group's"
+    assert len(lines) == 2 and "n0" in lines[1]
+    rc, out, err = run("eval", "g", "--remote-prompts", "/p.jsonl", "--server", "http://x:1")
+    assert rc == ExitCode.UNREACHABLE and err.startswith("dflashctl: g: evaluating on node 0 (n0)")
+    rc, out, err = run("eval", "g", "--server", "http://x:1")
+    assert rc == ExitCode.USAGE and "--prompts FILE (local) or --remote-prompts PATH" in err
+    rc, out, err = run("gate", "g", "--samples", "0")
+    assert rc == ExitCode.USAGE and "gate: --samples 0: must be >= 1" in err
+    rc, out, err = run("gate", "g", "--id", "20261201T170211Z")
+    assert rc == ExitCode.USAGE and "--id ID goes with --result" in err
+    rc, out, err = run("compare", "g", "g~1")
+    assert rc == ExitCode.UNREACHABLE and "n0" in err and err.count("\n") == 1, err
