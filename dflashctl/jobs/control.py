@@ -101,37 +101,8 @@ class JobControl:
         return parse_job_status(self.host.name, self.kind, self.host.workdir, res.stdout)
 
     async def check_free(self) -> JobState:
-        """This kind's newest job, once nothing else would share the devices: JobBusy while a
-        training run is live, a measure runs, or a job of any kind runs on the host."""
-        name = self.host.name
-        run = await RunControl(self.transport, self.host).reader.status_for(self.kind.name)
-        if run.state in LIVE_STATES:
-            step = f", step {run.step}" if run.step is not None else ""
-            raise JobBusy(
-                f"{name}: a training run is {run.state} in tmux session {self.host.session!r} "
-                f"(release {run.run_release or '?'}{step}): {self.kind.name} would share its "
-                f"devices; `dflashctl stop {name}` first"
-            )
-        if run.measure is not None:
-            raise JobBusy(
-                f"{name}: measure {run.measure.id} is running there (since {run.measure.since}): "
-                f"{self.kind.name} would share its devices; `dflashctl measure {name} --stop` "
-                "ends it"
-            )
-        mine: JobState | None = None
-        for kind in KINDS:
-            other = JobControl(self.transport, self.host, kind)
-            st = await other.state()
-            if st.running:
-                raise JobBusy(
-                    f"{name}: {st.name} is already running ({st.since()}, tmux session "
-                    f"{other.session!r}): `dflashctl {kind.name} {name} --result` shows how far "
-                    f"it is, `--stop` ends it"
-                )
-            if kind == self.kind:
-                mine = st
-        assert mine is not None
-        return mine
+        """This kind's newest job, once nothing else would share the devices (`check_free`)."""
+        return await check_free(self.transport, self.host, self.kind)
 
     async def start(
         self,
@@ -270,6 +241,40 @@ class JobControl:
             if not res.ok and "can't find session" not in res.stderr:
                 raise JobError(f"{self.host.name}: tmux kill-session: {res.error_line()}")
         return st
+
+
+async def check_free(transport: Transport, host: HostConfig, kind: JobKind) -> JobState:
+    """This kind's newest job, once nothing else would share the devices: JobBusy while a
+    training run is live, a measure runs, or a job of any kind runs on the host."""
+    name = host.name
+    run = await RunControl(transport, host).reader.status_for(kind.name)
+    if run.state in LIVE_STATES:
+        step = f", step {run.step}" if run.step is not None else ""
+        raise JobBusy(
+            f"{name}: a training run is {run.state} in tmux session {host.session!r} "
+            f"(release {run.run_release or '?'}{step}): {kind.name} would share its "
+            f"devices; `dflashctl stop {name}` first"
+        )
+    if run.measure is not None:
+        raise JobBusy(
+            f"{name}: measure {run.measure.id} is running there (since {run.measure.since}): "
+            f"{kind.name} would share its devices; `dflashctl measure {name} --stop` "
+            "ends it"
+        )
+    mine: JobState | None = None
+    for each in KINDS:
+        other = JobControl(transport, host, each)
+        st = await other.state()
+        if st.running:
+            raise JobBusy(
+                f"{name}: {st.name} is already running ({st.since()}, tmux session "
+                f"{other.session!r}): `dflashctl {each.name} {name} --result` shows how far "
+                f"it is, `--stop` ends it"
+            )
+        if each == kind:
+            mine = st
+    assert mine is not None
+    return mine
 
 
 def output_tail(lines: Sequence[str], count: int = 3) -> str:
