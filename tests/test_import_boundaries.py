@@ -47,6 +47,8 @@ DFLASHCTL_LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("fleet", ("dflashctl.fleet",)),
     ("monitor", ("dflashctl.monitor",)),
     ("alerts", ("dflashctl.alerts",)),
+    ("jobs", ("dflashctl.jobs",)),
+    ("compare", ("dflashctl.compare",)),
     ("runs", ("dflashctl.runs",)),
     ("doctor", ("dflashctl.doctor",)),
     ("releases", ("dflashctl.releases",)),

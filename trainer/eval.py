@@ -4,6 +4,7 @@
         [--max-new-tokens N] [--tokenizer DIR] [--template-kwargs JSON] [--raw-text]
         [--question-suffix TEXT|zlab]
         [--eos-id ID ...] [--ignore-eos] [--protocol exact|zlab] [--device cpu|cuda] [--json OUT]
+        [--summary-json OUT]
         [--engine vllm (--server URL | --serve-cmd CMD [--serve-arg ARG ...]) [--tolerance F]]
 
 Prompt files are JSONL prompt sets in the forms people have: MT-Bench `question.jsonl` as it is
@@ -70,6 +71,7 @@ from trainer.eval_results import (
     summarize,
     summarize_sets,
 )
+from trainer.events.served import served_summary
 from trainer.model.errors import TargetError
 from trainer.model.export_files import read_export_json
 from trainer.model.protocols import PROTOCOLS, Protocol
@@ -266,6 +268,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--no-greedy-check", action="store_true", help="skip the greedy reference run")
     p.add_argument("--json", type=Path, default=None, help="also write results as JSON here")
+    p.add_argument(
+        "--summary-json",
+        type=Path,
+        default=None,
+        metavar="OUT",
+        help="also write the small summary monitors read (trainer.events.served)",
+    )
     served = p.add_argument_group("served evaluation (the same turns in a serving engine)")
     served.add_argument(
         "--engine", choices=ENGINES, default=None, help="also decode every turn in this engine"
@@ -526,6 +535,9 @@ def _report(args: argparse.Namespace, done: _Progress, *, partial: bool) -> int:
         payload["partial"] = partial
         payload["turns_planned"] = sum(turns for _, turns in sets)
         args.json.write_text(json.dumps(payload, indent=2) + "\n")
+    if args.summary_json is not None:  # after --json: a monitor that sees it finds both
+        summary = served_summary(payload, partial=partial)
+        args.summary_json.write_text(summary.model_dump_json(indent=1) + "\n")
     if problem is not None:
         print(f"error: {problem}", file=sys.stderr)
         return ExitCode.FAILED

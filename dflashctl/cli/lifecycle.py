@@ -151,6 +151,22 @@ async def _group_doctor(gc: GroupControl, release: str | None, config: Path | No
             raise g
 
 
+async def _gate_before_start(t: Transport, host: HostConfig) -> None:
+    """`gate = "before-start"`: the one-sample overfit gate on what start is about to run,
+    unless it passed on this release and config already; a failure refuses the start with the
+    gate's line. Skipped while the run is live (start is then a no-op)."""
+    if host.gate != "before-start":
+        return
+    from dflashctl.jobs.gate import GateJob
+    from dflashctl.runs.control import RunControl
+    from dflashctl.runs.service import LIVE_STATES
+
+    run = await RunControl(t, host).reader.status_for("start")
+    if run.state in LIVE_STATES:
+        return
+    await GateJob(t, host).ensure(print, lambda line: print(f"{host.name}: gate: {line}"))
+
+
 async def cmd_start(args: argparse.Namespace) -> int:
     from dflashctl.runs.control import RunControl
 
@@ -164,6 +180,8 @@ async def cmd_start(args: argparse.Namespace) -> int:
     async def go(t: Transport) -> int:
         if not args.no_doctor:
             await ensure_quick_checks(t, host, None, host.run_config, print)
+        if not args.no_gate:
+            await _gate_before_start(t, host)
         res = await RunControl(t, host).start(
             fresh=args.fresh, resume=resume, wait_s=wait_s, progress=print
         )
@@ -189,6 +207,8 @@ async def _start_group(args: argparse.Namespace, group: GroupConfig, resume: str
     async def go(gc: GroupControl) -> int:
         if not args.no_doctor:
             await _group_doctor(gc, None, group.nodes[0].run_config)
+        if not args.no_gate:  # node 0's setting; its release and config are the group's
+            await _gate_before_start(gc.controls[0].transport, group.nodes[0])
         res = await gc.start(fresh=args.fresh, resume=resume, wait_s=wait_s, progress=print)
         if not res.started:
             print(f"{group.name}: already running on every node (release {res.release})")
@@ -366,6 +386,12 @@ def register(sub: Subparsers) -> None:
     sp.add_argument("--fresh", action="store_true", help="archive checkpoints, start from step 0")
     add_run_flags(sp)
     _no_doctor(sp)
+    sp.add_argument(
+        "--no-gate",
+        action="store_true",
+        help='skip the overfit gate that gate = "before-start" in hosts.toml runs (once per '
+        "release and config)",
+    )
     sp = add("stop", cmd_stop, "SIGINT the trainer, wait for its checkpoint, end the session")
     sp.add_argument("--timeout", type=float, default=120.0, help="seconds to wait (default 120)")
     sp = add("restart", cmd_restart, "push config, deploy if changed, stop, start")

@@ -13,6 +13,7 @@ from dflashctl.humanize import format_age
 from dflashctl.runs.snapshot import (
     RunningMeasure,
     RunStatus,
+    ServedEval,
     eval_summary,
     iso_time,
     restart_reason,
@@ -48,6 +49,13 @@ def format_run_status(st: RunStatus) -> str:
         lines.append(f"  note: {st.switch_note}")
     if st.measure is not None:
         lines.append(measure_line(st.host, st.measure))
+    if st.job is not None:
+        j = st.job
+        ago = f" ({format_age(j.age_s)} ago)" if j.age_s is not None else ""
+        lines.append(
+            f"  {j.kind}: {j.id} running since {j.since}{ago} in tmux session {j.session!r}: "
+            f"{j.progress or 'no output yet'} (`dflashctl {j.kind} {st.host} --result`)"
+        )
     detail, ck_error = st.run_state.stop_detail, st.run_state.checkpoint_error
     if st.state != "running" and isinstance(detail, str) and detail:
         lines.append(f"  stop: {detail}")
@@ -68,6 +76,8 @@ def format_run_status(st: RunStatus) -> str:
     evaluated = eval_summary(st.run_state)
     if evaluated:
         lines.append(f"  {evaluated}")
+    if st.served is not None:
+        lines.append(served_line(st.host, st.served))
     if st.last_error:
         lines.append(f"  error: {st.last_error}")
     lines += supervisor_lines(st)
@@ -82,6 +92,22 @@ def measure_line(host: str, m: RunningMeasure) -> str:
     return (
         f"  measure: {m.id} running since {m.since}{ago} in tmux session {m.session!r}: "
         f"{m.progress or 'no timing run has finished yet'} (`dflashctl measure {host} --result`)"
+    )
+
+
+def served_line(host: str, v: ServedEval) -> str:
+    """`served: vllm 0.32.0 tau=3.410, own loop 3.410 (agree) on step 400 (eval ID, 2h ago)`."""
+    s = v.summary
+    where = f"step {v.step}" if v.step is not None else (v.checkpoint or "an export")
+    ago = f", {format_age(v.age_s)} ago" if v.age_s is not None else ""
+    if s.served is None:
+        head = f"own loop tau={s.own.tau:.3f} (no engine)"
+    else:
+        verdict = "agree" if s.agree else "DIFFER: " + "; ".join(s.differences)
+        head = f"{s.engine} tau={s.served.tau:.3f}, own loop {s.own.tau:.3f} ({verdict})"
+    partial = " [partial]" if s.partial else ""
+    return (
+        f"  served: {head}{partial} on {where} (eval {v.id}{ago}; `dflashctl eval {host} --result`)"
     )
 
 

@@ -239,6 +239,8 @@ class HostSettings(_Strict):
     stall_timeout_s: float | None = Field(default=None, gt=0, le=MAX_POLICY_S)
     startup_timeout_s: float | None = Field(default=None, gt=0, le=MAX_POLICY_S)
     no_restart_exit_codes: list[ExitCode] | None = None
+    # "before-start": start runs `python -m trainer.gate` first (once per release and config)
+    gate: Literal["off", "before-start"] | None = None
 
     @field_validator("env")
     @classmethod
@@ -305,6 +307,7 @@ class HostConfig(_Strict):
     # None: the larger of 1800 s and stall_timeout_s (the supervisor's own default)
     startup_timeout_s: float | None = Field(default=None, gt=0, le=MAX_POLICY_S)
     no_restart_exit_codes: list[ExitCode] = Field(default_factory=lambda: [2])
+    gate: Literal["off", "before-start"] = "off"
     inventory: Path | None = None  # the file this host came from (for messages)
 
     @property

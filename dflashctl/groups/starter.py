@@ -18,8 +18,10 @@ from dflashctl.runs.control import RunControl
 from dflashctl.runs.service import (
     DEFAULT_START_WAIT_S,
     ControlError,
+    JobInProgress,
     MeasureInProgress,
     StartFailed,
+    job_refusal,
     measure_refusal,
 )
 from dflashctl.runs.snapshot import RunStatus
@@ -119,11 +121,15 @@ class GroupStarter:
         return sts[0].release or "", sts[0].deployed_config_hash
 
     def refuse_measuring(self, sts: Sequence[RunStatus], doing: str) -> None:
-        """MeasureInProgress naming the first node where a measure runs (`not DOING: ...`)."""
+        """MeasureInProgress (JobInProgress) naming the first node where a measure (an eval or a
+        gate) runs (`not DOING: ...`)."""
         for st in sts:
             if st.measure is not None:
                 err = measure_refusal(st.measure, st.host, "the group's run")
                 raise MeasureInProgress(f"group {self.name!r}: not {doing}: {err}")
+            if st.job is not None:
+                busy = job_refusal(st.job, st.host, "the group's run")
+                raise JobInProgress(f"group {self.name!r}: not {doing}: {busy}")
 
     async def _node_procs(self) -> list[int]:
         """Ranks per node: the entries of topology.drafter_devices in its deployed config."""

@@ -32,7 +32,13 @@ from dflashctl.alerts.gpu_events import GpuEventKind, gpu_events
 from dflashctl.gpus.nvidia_smi import GpuHealth, GpuSample
 from dflashctl.gpus.xid_log import Xid, xid_wall_time
 from dflashctl.humanize import format_age
-from dflashctl.runs.snapshot import RunningMeasure, restart_reason, restart_time, run_finished
+from dflashctl.runs.snapshot import (
+    RunningMeasure,
+    ServedEval,
+    restart_reason,
+    restart_time,
+    run_finished,
+)
 from trainer.events import (
     BUCKET_LOSS_KEY,
     CheckpointEvent,
@@ -142,6 +148,9 @@ class RunState:
     measure: RunningMeasure | None = None
     """The `dflashctl measure` running on the host (status `measure`): set while a poll reports
     it, gone with the first reachable poll that does not; kept through unreachable polls."""
+    served: ServedEval | None = None
+    """The newest `dflashctl eval` with a summary (status `served`): served tau beside the
+    in-training tau in the eval pane; kept through unreachable polls."""
 
 
 def _push(hist: tuple[T, ...], value: T, limit: int = HISTORY) -> tuple[T, ...]:
@@ -233,6 +242,8 @@ class StatusView(Protocol):
     def pane_tail(self) -> Sequence[str]: ...
     @property
     def measure(self) -> RunningMeasure | None: ...
+    @property
+    def served(self) -> ServedEval | None: ...
 
 
 def as_run_state(raw: contract.RunState | Mapping[str, object] | None) -> contract.RunState:
@@ -256,10 +267,10 @@ def apply_status(state: RunState, status: StatusView) -> RunState:
     run = status.state
     restarts: tuple[dict[str, Any], ...]
     pane_tail = tuple(status.pane_tail or ())
-    measure = status.measure
+    measure, served = status.measure, status.served
     if run == "unreachable":  # what we knew stays shown: the link is down, not the run
         restarts, supervisor, pane_tail = state.restarts, state.supervisor, state.pane_tail
-        measure = state.measure
+        measure, served = state.measure, state.served
     else:
         restarts = tuple(dict(r) for r in status.restarts or () if isinstance(r, Mapping))
         sup = status.supervisor
@@ -277,6 +288,7 @@ def apply_status(state: RunState, status: StatusView) -> RunState:
         supervisor=supervisor,
         pane_tail=pane_tail,
         measure=measure,
+        served=served,
     )
 
 

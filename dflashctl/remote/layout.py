@@ -27,7 +27,14 @@
         cancelled             `measure --stop` was asked (its UTC time)
         exit-status           trainer.measure's exit status (by a rename, once it exited)
 
-A measure runs in the tmux session SESSION-measure (`measure_session`), never the run's.
+      eval/<id>/ gate/<id>/   one detached job each (`dflashctl eval`, `dflashctl gate`; <id> as
+                              a measure's): info.json, config.toml, key (`<release> <config
+                              sha256>`), output.log (stdout and stderr), result.json, summary.json
+                              (eval: the served summary the TUI shows), prompts/ (eval: the pushed
+                              prompt sets), out/ (gate: its export), cancelled, exit-status
+
+A measure runs in the tmux session SESSION-measure (`measure_session`), never the run's; a job
+in SESSION-eval or SESSION-gate (`dflashctl.remote.jobs`).
 
 Scripts `cd "$1"` (the workdir) and use the relative names (the module constants); services
 use a `RemoteLayout(workdir)` for absolute paths. Pure: no I/O.
@@ -80,6 +87,26 @@ MEASURE_TMP = "tmp"  # its TMPDIR: the timing runs' directories (final checkpoin
 # disk, not the container's root filesystem; trainer.measure removes them, also when stopped
 # In a release: it can measure (`python -m trainer.measure`).
 MEASURE_SOURCE = "trainer/measure/__main__.py"
+
+
+# Detached jobs (`dflashctl.remote.jobs`): one directory per job under its kind's root.
+EVAL_ROOT = "eval"
+GATE_ROOT = "gate"
+JOB_INFO = "info.json"  # what was asked (argv, release, key), written at its start
+JOB_CONFIG = "config.toml"  # run/config.toml as it was when the job started
+JOB_KEY = "key"  # `<release> <sha256 of run/config.toml>`: the gate's cache key
+JOB_OUTPUT = "output.log"  # the job's stdout and stderr, one stream (followed)
+JOB_RESULT = "result.json"  # the job's --json
+JOB_SUMMARY = "summary.json"  # eval: trainer.eval --summary-json (trainer.events.served)
+JOB_PROMPTS = "prompts"  # eval: the prompt sets pushed from the operator's machine
+JOB_OUT = "out"  # gate: its --out (export, prompts.jsonl)
+JOB_EXPORT = "export"  # eval --checkpoint: the checkpoint's export
+JOB_CANCELLED = "cancelled"  # `--stop` was asked (its UTC time)
+JOB_EXIT = "exit-status"  # the job's exit status (by a rename, once it exited)
+# In a release: trainer.eval with --summary-json (trainer/events/served.py came with it), and
+# the gate.
+EVAL_SOURCE = "trainer/events/served.py"
+GATE_SOURCE = "trainer/gate/__main__.py"
 
 
 def measure_session(session: str) -> str:

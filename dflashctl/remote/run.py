@@ -63,6 +63,26 @@ STATUS_SCRIPT = (
     f'"{MEASURE_ROOT}/$mid/{MEASURE_PROGRESS}" 2>/dev/null\n'
     '  echo "${m}now"; date -u +%s\n'
     "fi\n"
+    # an eval or gate job running now (the newest of its kind, no exit status, its session's
+    # pane alive): start, restart and measure refuse while one uses the devices
+    f"for k in {L.EVAL_ROOT} {L.GATE_ROOT}; do\n"
+    f"  jid=$(ls -1 \"$k\" 2>/dev/null | grep -E '{MEASURE_ID_PATTERN}' | tail -n 1)\n"
+    f'  [ -n "$jid" ] && [ ! -f "$k/$jid/{L.JOB_EXIT}" ] || continue\n'
+    '  case "$(settled_pane "$2-$k")" in 0\\|*)\n'
+    '    echo "${m}job"; echo "$k $jid"; echo "${m}job_now"; date -u +%s\n'
+    f'    echo "${{m}}job_progress"; tail -n 3 "$k/$jid/{L.JOB_OUTPUT}" 2>/dev/null; break;;\n'
+    "  esac\n"
+    "done\n"
+    # the newest `dflashctl eval` that left a summary (trainer.events.served), and what it
+    # evaluated: the TUI shows served tau beside the in-training one
+    f"sid=$(ls -1 {L.EVAL_ROOT} 2>/dev/null | grep -E '{MEASURE_ID_PATTERN}' | sort -r | "
+    f'while read -r d; do [ -f "{L.EVAL_ROOT}/$d/{L.JOB_SUMMARY}" ] && {{ echo "$d"; break; }}; '
+    "done)\n"
+    'if [ -n "$sid" ]; then echo "${m}served_id"; echo "$sid"; echo "${m}served_now"; '
+    "date -u +%s\n"
+    f'  echo "${{m}}served"; cat "{L.EVAL_ROOT}/$sid/{L.JOB_SUMMARY}" 2>/dev/null; echo\n'
+    f'  echo "${{m}}served_info"; cat "{L.EVAL_ROOT}/$sid/{L.JOB_INFO}" 2>/dev/null; echo\n'
+    "fi\n"
     "exit 0\n"
 )
 

@@ -31,6 +31,7 @@ from dflashctl.runs.service import (
     RunService,
     StartResult,
     StopResult,
+    job_refusal,
     measure_refusal,
 )
 from dflashctl.runs.snapshot import RunStatus
@@ -151,6 +152,8 @@ class RunControl:
         before = await self.status(setup_errors=True)
         if before.measure is not None:  # refused before the deploy and the stop, not after
             raise measure_refusal(before.measure, self.host.name, "a restarted run")
+        if before.job is not None:
+            raise job_refusal(before.job, self.host.name, "a restarted run")
         old_text = await self.deployed_config()
         diff = ""
         new_hash = config_hash_of_text(old_text) if old_text else None

@@ -442,6 +442,11 @@ class MeasureControl:
                 f"(release {run.run_release or '?'}{step}): a measure would share its devices; "
                 f"`dflashctl stop {name}` first"
             )
+        if run.job is not None:
+            raise MeasureBusy(
+                f"{name}: {run.job.kind} {run.job.id} is running there (since {run.job.since}): a "
+                f"measure would share its devices; `dflashctl {run.job.kind} {name} --stop` ends it"
+            )
         st = await self.state()
         if st.running:
             raise MeasureBusy(

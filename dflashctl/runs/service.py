@@ -18,7 +18,7 @@ from dflashctl.releases.release import Release
 from dflashctl.remote.commands import SUPERVISOR_MODULE
 from dflashctl.remote.layout import SUPERVISOR_SOURCE as SUPERVISOR_FILE
 from dflashctl.runs.follow import FollowEvent
-from dflashctl.runs.snapshot import RunningMeasure, RunStatus
+from dflashctl.runs.snapshot import RunningJob, RunningMeasure, RunStatus
 from trainer.events import CheckpointEvent
 
 if TYPE_CHECKING:
@@ -47,6 +47,10 @@ class StartFailed(ControlError):
 
 class MeasureInProgress(ControlError):
     """A start refused while `dflashctl measure` runs on the host (both would use its devices)."""
+
+
+class JobInProgress(ControlError):
+    """A start refused while `dflashctl eval` or `gate` runs on the host (its devices)."""
 
 
 @dataclass(frozen=True)
@@ -187,6 +191,15 @@ def measure_refusal(
         f"{name}: measure {m.id} is running there (since {m.since}, tmux session "
         f"{m.session!r}): {what} would share its devices; `dflashctl measure {name} --result` "
         f"shows how far it is, `dflashctl measure {name} --stop` ends it"
+    )
+
+
+def job_refusal(j: RunningJob, name: str, what: str = "a training run") -> JobInProgress:
+    """Why `what` does not start on host `name` while job `j` (an eval or a gate) runs there."""
+    return JobInProgress(
+        f"{name}: {j.kind} {j.id} is running there (since {j.since}, tmux session "
+        f"{j.session!r}): {what} would share its devices; `dflashctl {j.kind} {name} --result` "
+        f"shows how far it is, `dflashctl {j.kind} {name} --stop` ends it"
     )
 
 

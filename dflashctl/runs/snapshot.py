@@ -8,6 +8,8 @@ command: `dflashctl.runs.control.RunControl` fetches the text and calls these.
 
 from __future__ import annotations
 
+import contextlib
+import json
 import re
 import signal
 from collections.abc import Callable
@@ -39,6 +41,7 @@ from trainer.events import (
     sanitize_for_terminal,
 )
 from trainer.events.run_state import RunState, parse_run_state, read_json_object
+from trainer.events.served import ServedSummary, parse_served_summary
 
 SUPERVISOR_KEYS = (
     "state",
@@ -80,6 +83,41 @@ class RunningMeasure:
 
 
 @dataclass(frozen=True)
+class RunningJob:
+    """A `dflashctl eval` or `gate` running on a host, as status reads it (none: None)."""
+
+    kind: str  # "eval" | "gate"
+    id: str
+    session: str  # its tmux session (the host's session + `-eval` / `-gate`)
+    since: str
+    age_s: float | None = None
+    progress: str | None = None  # its last output line (made safe to print)
+
+
+@dataclass(frozen=True)
+class ServedEval:
+    """The newest `dflashctl eval` on a host that left a summary (status `served`): the
+    engine's acceptance beside the project's loop on what it evaluated."""
+
+    id: str  # the eval job's id (its UTC start)
+    since: str  # `2026-12-01 17:02:11 UTC`
+    summary: ServedSummary
+    checkpoint: str | None = None  # the checkpoint it exported, as resolved in the container
+    step: int | None = None  # that checkpoint's step
+    age_s: float | None = None  # seconds since it started, by the host's clock
+
+    def to_json_dict(self) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "since": self.since,
+            "checkpoint": self.checkpoint,
+            "step": self.step,
+            "age_s": self.age_s,
+            "summary": self.summary.model_dump(mode="json"),
+        }
+
+
+@dataclass(frozen=True)
 class RunStatus:
     host: str
     state: str  # running | restarting | stalled | stopped | crashed | gave-up | unreachable
@@ -106,6 +144,8 @@ class RunStatus:
     supervisor_error: str | None = None  # supervisor.json exists but cannot be read
     release_has_supervisor: bool = False  # `current` ships trainer/supervise.py
     measure: RunningMeasure | None = None  # a `dflashctl measure` running there now
+    served: ServedEval | None = None  # the newest `dflashctl eval` with a summary
+    job: RunningJob | None = None  # a `dflashctl eval` or `gate` running there now
     # the newest checkpoint the trainer could not write (none written since), and why
     checkpoint_failed: CheckpointFailed | None = None
     # a run file that could not be written (a full disk) and where the truth was read instead
@@ -131,6 +171,7 @@ class RunStatus:
         d["step"] = self.step
         d["finished"] = self.finished
         d["eval"] = eval_view(self.run_state)
+        d["served"] = self.served.to_json_dict() if self.served else None
         d["best"] = best_view(self.run_state)
         return d
 
@@ -384,6 +425,55 @@ def parse_running_measure(sections: dict[str, str], session: str) -> RunningMeas
     )
 
 
+JOB_KINDS = ("eval", "gate")
+
+
+def parse_running_job(sections: dict[str, str], session: str) -> RunningJob | None:
+    """The status script's job sections (already sanitised) -> the eval or gate job running
+    now (the script reports one only while its pane is alive and it has no exit status)."""
+    kind, _, jid = sections.get("job", "").strip().partition(" ")
+    started = measure_started(jid) if re.match(MEASURE_ID_PATTERN, jid) else None
+    if kind not in JOB_KINDS or started is None:
+        return None
+    now = sections.get("job_now", "").strip()
+    lines = [ln.strip() for ln in sections.get("job_progress", "").splitlines() if ln.strip()]
+    return RunningJob(
+        kind=kind,
+        id=jid,
+        session=f"{session}-{kind}",
+        since=iso_utc(started),
+        age_s=max(0.0, int(now) - started) if now.isdigit() else None,
+        progress=lines[-1] if lines else None,
+    )
+
+
+def parse_served(sections: dict[str, str]) -> ServedEval | None:
+    """The status script's served sections (already sanitised) -> the newest eval with a
+    summary; None without one, or with a summary this dflashctl cannot read."""
+    sid = sections.get("served_id", "").strip()
+    started = measure_started(sid) if re.match(MEASURE_ID_PATTERN, sid) else None
+    if started is None:
+        return None
+    summary, _ = parse_served_summary(sections.get("served", ""))
+    if summary is None:
+        return None
+    info: dict[str, Any] = {}
+    with contextlib.suppress(json.JSONDecodeError):
+        loaded = json.loads(sections.get("served_info", "") or "{}")
+        info = loaded if isinstance(loaded, dict) else {}
+    step = info.get("step")
+    checkpoint = info.get("checkpoint") or info.get("drafter")
+    now = sections.get("served_now", "").strip()
+    return ServedEval(
+        id=sid,
+        since=iso_utc(started),
+        summary=summary,
+        checkpoint=checkpoint if isinstance(checkpoint, str) else None,
+        step=step if isinstance(step, int) and not isinstance(step, bool) else None,
+        age_s=max(0.0, int(now) - started) if now.isdigit() else None,
+    )
+
+
 def parse_status(
     host: str,
     stdout: str,
@@ -474,6 +564,8 @@ def parse_status(
         supervisor_error=sup_error,
         release_has_supervisor=s.get("supervisable", "").strip() == "yes",
         measure=parse_running_measure(s, session),
+        served=parse_served(s),
+        job=parse_running_job(s, session),
         checkpoint_failed=checkpoint_failure(run_state, [*this_run, *pane_events], last_ckpt),
         stale_note=stale_note(stale) if sup is not None and stale is not None else None,
     )

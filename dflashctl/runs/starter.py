@@ -39,6 +39,7 @@ from dflashctl.runs.service import (
     ControlError,
     StartFailed,
     StartResult,
+    job_refusal,
     measure_refusal,
 )
 from dflashctl.runs.snapshot import (
@@ -135,6 +136,8 @@ class RunStarter:
             return StartResult(self.host.name, False, st.run_release or "", None, argv)
         if st.measure is not None:  # read in the same round trip as the run's status
             raise measure_refusal(st.measure, self.host.name)
+        if st.job is not None:  # an eval or a gate: the same round trip
+            raise job_refusal(st.job, self.host.name)
         if st.release is None:
             raise ControlError(
                 f"{self.host.name}: nothing deployed; run `dflashctl deploy {self.host.name}`"

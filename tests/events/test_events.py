@@ -390,7 +390,11 @@ def test_trainer_status_lines_parse_exactly() -> None:
         reference = _reference_parse(line)
         assert reference is not None
         assert got.model_dump_json() == reference.model_dump_json()
-        assert list(got.extra) == [*events.TRAINER_EXTRA_KEYS, *(["gnorm"] if gnorm else [])]
+        assert list(got.extra) == [
+            *events.TRAINER_EXTRA_KEYS,
+            *(["gnorm"] if gnorm else []),
+            events.TOKENS_KEY,  # step 12 has run: the tokens trained so far
+        ]
 
 
 _sgr = st.lists(st.integers(0, 255), max_size=3).map(

@@ -20,7 +20,7 @@ from dflashctl.releases.deploy import DeployResult
 from dflashctl.releases.preflight import Preflight
 from dflashctl.runs.follow import FollowEvent, LogFollower
 from dflashctl.runs.service import RunService
-from dflashctl.runs.snapshot import RunningMeasure
+from dflashctl.runs.snapshot import RunningMeasure, ServedEval
 from trainer.events import (
     BUCKET_LOSS_KEY,
     TAU_KEY,
@@ -163,6 +163,7 @@ class Status:
     restarts: list[dict[str, Any]] = field(default_factory=list)
     pane_tail: list[str] = field(default_factory=list)
     measure: RunningMeasure | None = None
+    served: ServedEval | None = None
 
 
 @dataclass

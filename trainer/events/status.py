@@ -10,9 +10,10 @@
 (one physical line). The trainer's extras (`trainer.pipeline.status.status_line`): the stage
 waits, the bottleneck, ``gnorm`` once a step has run, then after the first evaluation ``tau=``
 (the last held-out simulated tau) and ``loss_b=[l0,l1,...]`` (mean loss per length bucket over
-the interval, ``---`` for a bucket without a batch), and ``loss_type=`` (which loss ``loss=`` is:
-``LossConfig.label()``, e.g. ``ce``, ``dpace(alpha:0.5)+kd(0.3)``). The parser reads any extras,
-in any order.
+the interval, ``---`` for a bucket without a batch), ``loss_type=`` (which loss ``loss=`` is:
+``LossConfig.label()``, e.g. ``ce``, ``dpace(alpha:0.5)+kd(0.3)``) and, once a step has run,
+``tokens=`` (real tokens trained so far, all ranks: what `dflashctl compare` aligns runs by). The
+parser reads any extras, in any order.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ __all__ = [
     "LOSS_TYPE_KEY",
     "STAGE_WAIT_KEYS",
     "TAU_KEY",
+    "TOKENS_KEY",
     "TRAINER_EXTRA_KEYS",
     "StatusEvent",
     "format_bucket_losses",
@@ -61,6 +63,7 @@ GNORM_KEY = "gnorm"  # the last step's gradient norm, once a step has run
 TAU_KEY = "tau"  # the last evaluation's simulated tau, once one has run
 BUCKET_LOSS_KEY = "loss_b"  # mean loss per length bucket over the interval: [l0,l1,...]
 LOSS_TYPE_KEY = "loss_type"  # which loss the run trains ([model.loss]'s label)
+TOKENS_KEY = "tokens"  # real (non-pad) tokens trained so far, all ranks (runs align by it)
 # The extras every trainer status line starts with once the stages run, in print order.
 TRAINER_EXTRA_KEYS = (*STAGE_WAIT_KEYS, BOTTLENECK_KEY)
 

@@ -159,7 +159,7 @@ class EvalReports:
         """The Eval line (main rank) and its figures in run-state.json."""
         if res is None:
             return
-        ev = self.evaluator.event(step, res)
+        ev = self.evaluator.event(step, res, self.p.plan.real_tokens_before(step * self.p.accum))
         if ev.tau is not None:
             self.last_tau = ev.tau  # status lines carry it from now on
         line = format_eval_line(ev)

@@ -36,7 +36,7 @@ from torch import Tensor
 
 from trainer.config import EvalConfig
 from trainer.data.store import TokenStore
-from trainer.events import EvalEvent
+from trainer.events import TOKENS_KEY, EvalEvent
 from trainer.kernels import lm_head_cross_entropy
 from trainer.kernels.common import Backend
 from trainer.model.attention import build_mask
@@ -351,8 +351,12 @@ class InTraining:
         wall = time.monotonic() - self.started
         return self.spent / wall if wall > 0 and self.spent > 0 else None
 
-    def event(self, step: int, res: EvalResult) -> EvalEvent:
+    def event(self, step: int, res: EvalResult, tokens: int | None = None) -> EvalEvent:
+        """The Eval line's event; `tokens` (real tokens trained by `step`, all ranks) becomes
+        its `tokens=` extra, as on status lines."""
         extra = {"rows": str(res.rows), "blocks": str(res.blocks), "eval_s": f"{res.seconds:.2f}"}
+        if tokens is not None:
+            extra[TOKENS_KEY] = str(tokens)
         if res.greedy_match is not None:
             extra["greedy_match"] = f"{res.greedy_match[0]}/{res.greedy_match[1]}"
         share = self.share()

@@ -26,6 +26,7 @@ from trainer.events import (
     GNORM_KEY,
     LOSS_TYPE_KEY,
     TAU_KEY,
+    TOKENS_KEY,
     StatusEvent,
     format_bucket_losses,
     format_checkpoint_line,
@@ -249,6 +250,8 @@ def status_line(
         extra[BUCKET_LOSS_KEY] = format_bucket_losses(bucket_losses)
     if loss_type is not None:
         extra[LOSS_TYPE_KEY] = loss_type
+    if board.step > 0:
+        extra[TOKENS_KEY] = str(board.real_tokens)
     if board.nonfinite:
         extra["nonfinite"] = str(board.nonfinite)
     return format_status_line(

@@ -27,6 +27,7 @@ from dflashctl.monitor.state import (
 from dflashctl.tui.group_rows import node_step, since_text
 from dflashctl.tui.view import AppView
 from dflashctl.tui.widgets.charts import BLOCKS, bar, curve, spark
+from dflashctl.tui.widgets.served import served_text
 from trainer.events import BOTTLENECK_KEY, STAGE_WAIT_KEYS, format_eta
 
 DASH = "—"
@@ -302,12 +303,18 @@ def metrics_text(state: RunState, width: int, *, loss: bool = True) -> Text:
 
 def eval_text(state: RunState, now: float, width: int) -> Text:
     """Held-out evaluation at a glance: the last simulated tau and its history with the best
-    marked, acc@k per drafted position as a bar row, the last eval's step and age, the best
-    checkpoint. From `Eval:` lines and run-state.json (`monitor.last_eval`, `best_checkpoint`)."""
+    marked, the served evaluation's tau beside it (the newest `dflashctl eval`), acc@k per
+    drafted position as a bar row, the last eval's step and age, the best checkpoint. From
+    `Eval:` lines and run-state.json (`monitor.last_eval`, `best_checkpoint`) and status
+    `served`."""
     out = Text()
     newest = last_eval(state)
+    served = served_text(state.served)
     if newest is None:
         out.append("no evaluation yet ([eval] every_steps / every_minutes)", style="dim")
+        if served is not None:
+            out.append("\n")
+            out.append_text(served)
         return out
     best = best_checkpoint(state)
     _kv(out, "tau", fmt(newest.tau, ".3f"), "bold cyan")
@@ -321,6 +328,9 @@ def eval_text(state: RunState, now: float, width: int) -> Text:
         out.append("  ")
         _kv(out, "loss", f"{newest.loss:.3f}", "")
     out.append("\n")
+    if served is not None:  # the engine's tau beside the in-training one
+        out.append_text(served)
+        out.append("\n")
     history = tau_history(state)
     spark_w = max(8, width - 6)
     if history:
