@@ -17,6 +17,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import pytest_timeout
+
+from tests import budget
 
 IN_CI = os.environ.get("CI", "").lower() in {"1", "true", "yes"}
 
@@ -61,6 +64,24 @@ def _build_triton_language_for_the_interpreter() -> None:
 
 
 _build_triton_language_for_the_interpreter()
+
+
+@pytest.hookimpl(hookwrapper=True, tryfirst=True)
+def pytest_runtest_protocol(item: pytest.Item) -> Iterator[None]:
+    """Each test starts without a budget; the timer hook below gives it one."""
+    budget.begin(None)
+    yield
+    budget.begin(None)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_timeout_set_timer(item: pytest.Item, settings: pytest_timeout.Settings) -> bool:
+    """pytest-timeout's timer, started with the test's timeout scaled by how loaded the machine
+    is now (`tests.budget.contention`): one overall budget per test, which the waits in
+    tests.budget share (docs/design.md). A quiet machine keeps the timeouts as written."""
+    seconds = budget.scaled(settings.timeout, budget.contention())
+    budget.begin(seconds)
+    return bool(pytest_timeout.pytest_timeout_set_timer(item, settings._replace(timeout=seconds)))
 
 
 def require_part(available: bool, reason: str) -> None:
