@@ -121,18 +121,28 @@ def small_fs(tmp_path: Path) -> Iterator[Path]:
 REPO = Path(__file__).resolve().parents[1]
 
 
+DEMO_STOP_S = 90.0
+"""What a headless demo needs after its --duration to stop its run (demo.STOP_TIMEOUT_S) and
+print its last lines."""
+
+
 def run_headless_demo(
-    demo_dir: Path, session: str, duration: int
+    demo_dir: Path, session: str, *until: str
 ) -> subprocess.CompletedProcess[str]:
     """`dflashctl demo --headless` in `demo_dir` on tmux session `session` (killed afterwards,
-    whatever happened): the real trainer under real tmux, as `make demo` runs it without a tty."""
+    whatever happened): the real trainer under real tmux, as `make demo` runs it without a tty.
+    It stops on `until` (the run's progress: `--evals N`, `--until-step N`), its --duration
+    being what is left of the test's budget, so a loaded machine shows the same run, later."""
     require_part(shutil.which("tmux") is not None, "tmux is not installed")
     require_part(importlib.util.find_spec("torch") is not None, "torch (the train extra) missing")
-    argv = [sys.executable, "-m", "dflashctl.demo", "--dir", str(demo_dir)]
-    argv += ["--session", session, "--headless", "--duration", str(duration)]
+    overall = budget.left()
+    argv = [sys.executable, "-m", "dflashctl.demo", "--dir", str(demo_dir), "--session", session]
+    argv += ["--headless", "--duration", f"{max(overall - DEMO_STOP_S, 1.0):.0f}", *until]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     try:
-        return subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=280)
+        return subprocess.run(
+            argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=overall
+        )
     finally:
         subprocess.run(
             ["tmux", "-L", "dflash", "kill-session", "-t", f"={session}"],

@@ -18,6 +18,7 @@ from dflashctl.demo import (
     REPO_CONFIG,
     WRITTEN,
     demo_host,
+    parse_args,
     prepare,
 )
 from dflashctl.remote import LocalTransport
@@ -91,6 +92,18 @@ def test_an_earlier_demos_config_without_eval_is_moved_aside_and_an_edit_without
     assert "[eval]" not in made.path.read_text()
 
 
+def test_headless_stop_conditions_take_whole_numbers_from_1(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    args = parse_args(["--headless", "--evals", "4", "--until-step", "1"])
+    assert (args.evals, args.until_step) == (4, 1)
+    for flag in ("--evals", "--until-step"):
+        with pytest.raises(SystemExit) as exc:
+            parse_args(["--headless", flag, "0"])
+        assert exc.value.code == 2
+        assert f"{flag} 0: expected a whole number >= 1" in capsys.readouterr().err
+
+
 @pytest.mark.parts
 @pytest.mark.slow
 @pytest.mark.timeout(300)
@@ -98,7 +111,7 @@ def test_a_headless_demo_shows_tau_climbing_a_best_checkpoint_and_status_reports
     tmp_path: Path,
 ) -> None:
     demo_dir, session = tmp_path / "demo", f"dflash-demo-eval-{os.getpid()}"
-    done = run_headless_demo(demo_dir, session, 40)
+    done = run_headless_demo(demo_dir, session, "--evals", "4")  # steps 0, 200, 400, 600
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     lines = done.stdout.strip().splitlines()
     events = [parse_line(ln) for ln in lines]

@@ -112,7 +112,7 @@ def test_demo_tui_live_edit_and_one_key_restart(tmp_path: Path) -> None:
 @pytest.mark.timeout(300)
 def test_headless_demo_prints_the_last_status_line_and_stops(tmp_path: Path) -> None:
     session = f"dflash-demo-headless-{os.getpid()}"
-    done = run_headless_demo(tmp_path / "demo", session, 20)
+    done = run_headless_demo(tmp_path / "demo", session, "--until-step", "1")
     assert done.returncode == 0, done.stderr
     last = parse_line(done.stdout.strip().splitlines()[-1])
     assert isinstance(last, StatusEvent) and last.step > 0 and last.ktok_s
