@@ -15,6 +15,7 @@ Outside pytest (benchmarks reuse tests/ctl/parts.py) every wait gets `DEFAULT_S`
 from __future__ import annotations
 
 import asyncio
+import inspect
 import os
 import subprocess
 import time
@@ -84,6 +85,14 @@ class BudgetSpent(AssertionError):
     """A condition did not come true within the test's overall budget."""
 
 
+def described(predicate: Callable[[], object]) -> str:
+    """A predicate's own source line (a lambda's), to name it in a failure."""
+    try:
+        return inspect.getsource(predicate).strip()
+    except (OSError, TypeError):
+        return repr(predicate)
+
+
 def _spent(what: str, started: float, detail: Callable[[], str] | None) -> BudgetSpent:
     extra = f"; {detail()}" if detail is not None else ""
     return BudgetSpent(
@@ -93,13 +102,14 @@ def _spent(what: str, started: float, detail: Callable[[], str] | None) -> Budge
 
 def until(
     predicate: Callable[[], T],
-    what: str,
+    what: str | None = None,
     *,
     every: float = 0.05,
     detail: Callable[[], str] | None = None,
 ) -> T:
     """Poll `predicate` until it returns something truthy (returned) or the budget is spent
-    (BudgetSpent naming `what`, with `detail()` when given)."""
+    (BudgetSpent naming `what`, else the predicate's source, with `detail()` when given)."""
+    what = what or described(predicate)
     started = time.monotonic()
     end = started + left()
     while True:
@@ -113,7 +123,7 @@ def until(
 
 async def until_async(
     predicate: Callable[[], T],
-    what: str,
+    what: str | None = None,
     *,
     every: float = 0.05,
     pause: Callable[[float], Awaitable[Any]] = asyncio.sleep,
@@ -121,6 +131,7 @@ async def until_async(
 ) -> T:
     """`until` for async tests: `pause` between looks (a Textual pilot's `pause`, so the app
     runs meanwhile)."""
+    what = what or described(predicate)
     started = time.monotonic()
     end = started + left()
     while True:

@@ -123,7 +123,7 @@ async def test_the_follower_reads_the_node_kernel_log_and_toasts_each_new_xid(
         return app.states["gpu-node"].xids
 
     async with app.run_test(size=(120, 40)) as pilot:
-        await _until(pilot, lambda: len(xids()) == 3, 15)
+        await _until(pilot, lambda: len(xids()) == 3)
         assert all(s.history for s in xids()) and not any("Xid" in t for _, t in app.toasts)
         await pilot.press("enter")
         await _until(pilot, lambda: isinstance(app.screen, HostScreen) and app.screen.painted)
