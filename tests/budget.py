@@ -85,8 +85,11 @@ class BudgetSpent(AssertionError):
     """A condition did not come true within the test's overall budget."""
 
 
-def described(predicate: Callable[[], object]) -> str:
-    """A predicate's own source line (a lambda's), to name it in a failure."""
+def described(predicate: Callable[..., object]) -> str:
+    """A predicate's name, or a lambda's own source line, to name it in a failure."""
+    name = getattr(predicate, "__name__", "<lambda>")
+    if name != "<lambda>":
+        return name
     try:
         return inspect.getsource(predicate).strip()
     except (OSError, TypeError):
@@ -101,7 +104,7 @@ def _spent(what: str, started: float, detail: Callable[[], str] | None) -> Budge
 
 
 def until(
-    predicate: Callable[[], T],
+    predicate: Callable[[], T | None],
     what: str | None = None,
     *,
     every: float = 0.05,
@@ -122,7 +125,7 @@ def until(
 
 
 async def until_async(
-    predicate: Callable[[], T],
+    predicate: Callable[[], T | None],
     what: str | None = None,
     *,
     every: float = 0.05,
@@ -141,6 +144,26 @@ async def until_async(
         if time.monotonic() >= end:
             raise _spent(what, started, detail)
         await pause(every)
+
+
+async def until_awaited(
+    predicate: Callable[[], Awaitable[T | None]],
+    what: str | None = None,
+    *,
+    every: float = 0.1,
+    detail: Callable[[], str] | None = None,
+) -> T:
+    """`until_async` for a predicate that must be awaited (a status call over a transport)."""
+    what = what or getattr(predicate, "__name__", None) or described(predicate)
+    started = time.monotonic()
+    end = started + left()
+    while True:
+        got = await predicate()
+        if got:
+            return got
+        if time.monotonic() >= end:
+            raise _spent(what, started, detail)
+        await asyncio.sleep(every)
 
 
 def wait(proc: subprocess.Popen[Any], what: str) -> int:
