@@ -69,7 +69,7 @@ def test_a_restart_onto_a_disk_without_room_for_a_checkpoint_is_not_made(
     )  # fmt: skip
     s = Sup(argv, small_fs.parent / "out")
     sups.append(s)
-    assert s.wait(30) == 1
+    assert s.wait() == 1
     starts = (small_fs / "starts").read_text().count("start")
     state = _sup_state(run)
     if restarted:
@@ -97,10 +97,10 @@ def test_low_disk_while_training_is_one_line_per_change_and_the_trainer_keeps_ru
     )  # fmt: skip
     s = Sup(argv, small_fs.parent / "out")
     sups.append(s)
-    _until(lambda: (small_fs / "starts").exists(), 30, "the child's checkpoint")
-    _until(lambda: _sup_state(run).get("state") == "running", 30, "the supervisor")
+    _until(lambda: (small_fs / "starts").exists(), "the child's checkpoint")
+    _until(lambda: _sup_state(run).get("state") == "running", "the supervisor")
     filler.write_bytes(b"\0" * (_free(small_fs) - MIB // 2))  # 0.5 MiB left, 1 MiB needed
-    _until(lambda: len(_phases(run, "low_disk")) == 1, 30, "the low_disk line")
+    _until(lambda: len(_phases(run, "low_disk")) == 1, "the low_disk line")
     (line,) = _phases(run, "low_disk")
     assert line.detail.startswith("low: 0.") and ", checkpoint needs 1.0 on " in line.detail
     first = _sup_state(run)["low_disk"]
@@ -110,16 +110,15 @@ def test_low_disk_while_training_is_one_line_per_change_and_the_trainer_keeps_ru
         fh.write(b"\0" * (MIB // 4))
     _until(
         lambda: (_sup_state(run).get("low_disk") or {}).get("free_mib", 9) < first["free_mib"],
-        30,
         "a later check",
     )
     assert _sup_state(run)["low_disk"]["since"] == first["since"]
     assert len(_phases(run, "low_disk")) == 1
     assert _sup_state(run)["state"] == "running"  # not stopped for it
     filler.unlink()
-    _until(lambda: _sup_state(run).get("low_disk", 0) is None, 30, "the low_disk entry to clear")
+    _until(lambda: _sup_state(run).get("low_disk", 0) is None, "the low_disk entry to clear")
     (run / "done").touch()
-    assert s.wait(30) == 0
+    assert s.wait() == 0
     details = [p.detail for p in _phases(run, "low_disk")]
     assert len(details) == 2 and details[1].startswith("ok again: ")
     assert _sup_state(run)["state"] == "finished"
@@ -204,16 +203,16 @@ def test_low_disk_counts_what_the_configs_retention_keeps(
         child += ["--config", str(cfg)]  # the child ignores it; the supervisor reads it
     s = Sup(_sup_argv(run, "--disk-check-s", "0.1", child=child), small_fs.parent / "out")
     sups.append(s)
-    _until(lambda: (small_fs / "starts").exists(), 30, "the child's checkpoint")
-    _until(lambda: _sup_state(run).get("state") == "running", 30, "the supervisor")
+    _until(lambda: (small_fs / "starts").exists(), "the child's checkpoint")
+    _until(lambda: _sup_state(run).get("state") == "running", "the supervisor")
     filler.write_bytes(b"\0" * (_free(small_fs) - 3 * MIB // 2))
     if not with_config:
         time.sleep(1)  # ten checks
         assert _phases(run, "low_disk") == [] and _sup_state(run)["low_disk"] is None
         (run / "done").touch()
-        assert s.wait(30) == 0
+        assert s.wait() == 0
         return
-    _until(lambda: len(_phases(run, "low_disk")) == 1, 30, "the low_disk line")
+    _until(lambda: len(_phases(run, "low_disk")) == 1, "the low_disk line")
     (line,) = _phases(run, "low_disk")
     assert (
         line.detail.startswith("low: 1.")
@@ -226,7 +225,7 @@ def test_low_disk_counts_what_the_configs_retention_keeps(
     low = _sup_state(run)["low_disk"]
     assert (low["needed_mib"], low["checkpoint_mib"], low["checkpoints"]) == (2.0, 1.0, 3)
     (run / "done").touch()
-    assert s.wait(30) == 0
+    assert s.wait() == 0
     assert _sup_state(run)["state"] == "finished"
 
 
@@ -243,7 +242,7 @@ def test_a_crash_on_a_disk_low_for_retention_but_with_room_for_one_checkpoint_is
     argv = _sup_argv(run, "--max-restarts", "1", "--backoff-s", "0.05", child=child)
     s = Sup(argv, small_fs.parent / "out")
     sups.append(s)
-    assert s.wait(30) == 1
+    assert s.wait() == 1
     state = _sup_state(run)
     assert (small_fs / "starts").read_text().count("start") == 2
     assert state["state"] == "gave-up" and [r["reason"] for r in state["restarts"]] == ["exit 1"]
