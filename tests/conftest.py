@@ -74,7 +74,7 @@ def pytest_runtest_protocol(item: pytest.Item) -> Iterator[None]:
     budget.begin(None)
 
 
-@pytest.hookimpl(tryfirst=True)
+@pytest.hookimpl(tryfirst=True, optionalhook=True)  # optional: `-p no:timeout` still runs
 def pytest_timeout_set_timer(item: pytest.Item, settings: pytest_timeout.Settings) -> bool:
     """pytest-timeout's timer, started with the test's timeout scaled by how loaded the machine
     is now (`tests.budget.contention`): one overall budget per test, which the waits in

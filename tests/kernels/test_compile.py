@@ -14,6 +14,8 @@ from types import ModuleType
 
 import pytest
 
+from tests import budget
+
 H200_SHARED_LIMIT = 227 * 1024  # bytes of shared memory one block may use on sm_90
 
 
@@ -29,7 +31,7 @@ def test_bf16_kernels_compile_for_sm90_with_tensor_cores_and_pipelining(
         capture_output=True,
         text=True,
         env=env,
-        timeout=110,
+        timeout=budget.left(),
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     reports = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
