@@ -5,6 +5,12 @@
 #
 #   bash benchmarks/under_load.sh 2 .venv/bin/python -m pytest tests/test_gpu_script.py
 #   HOG_NICE=-5 bash benchmarks/under_load.sh 2 CMD...   # hogs ahead of CMD (needs root)
+#   HOG_SETSID=1 bash benchmarks/under_load.sh 2 CMD...  # each hog in a session of its own
+#
+# With the kernel's autogroup scheduling (/proc/sys/kernel/sched_autogroup_enabled) CPU time is
+# shared between sessions first: hogs in CMD's session (the default) slow CMD and its children,
+# but not what runs in a session of its own, such as a tmux server's panes (the demo's trainer);
+# HOG_SETSID=1 hogs slow those, and CMD's session only as one session among several.
 #
 # Exit status: the command's.
 set -uo pipefail
@@ -24,10 +30,10 @@ stop_hogs() {
 }
 trap stop_hogs EXIT
 trap 'stop_hogs; exit 130' INT TERM
-# each hog in a session of its own: with the kernel's autogroup scheduling, hogs sharing one
-# session share one CPU share between them, and would load the machine far less than N
+own=()
+[[ -n "${HOG_SETSID:-}" ]] && own=(setsid)
 for ((i = 0; i < hogs; i++)); do
-    setsid nice -n "${HOG_NICE:-0}" python3 -c 'while True: pass' &
+    "${own[@]}" nice -n "${HOG_NICE:-0}" python3 -c 'while True: pass' &
     pids+=($!)
 done
 "$@"
