@@ -11,7 +11,9 @@ fresh.
 
 `--headless --duration S` runs without the TUI, prints the status and Eval lines as they come,
 stops gracefully and prints the last Eval line and then the last status line (exit 0), or says
-why there was no status line (exit 1).
+why there was no status line (exit 1). `--evals N` or `--until-step N` stop it on what the run
+did instead (the N-th Eval line, a status line at step N or past it), `--duration` still
+bounding it: a slow or loaded machine then shows the same run, only later.
 
 SIGINT (Ctrl-C) or SIGTERM (`timeout`, `kill`) stops the demo run as `q` does in the TUI: a
 headless demo ends its follow early (same stop, same last lines), a TUI closes (the run is
@@ -262,34 +264,49 @@ async def bring_up(demo: HostHandle, session: str, *, fresh: bool, say: Say) -> 
     return status.log_lines
 
 
+@dataclass(frozen=True)
+class StopAt:
+    """What ends a headless demo before its duration: the `evals`-th Eval line, or the first
+    status line at step `step` or past it (None: not that)."""
+
+    evals: int | None = None
+    step: int | None = None
+
+
 async def headless(
     control: RunService,
     duration: float,
     say: Say,
     from_line: int | None,
     signals: StopSignals,
+    stop_at: StopAt = StopAt(),
 ) -> int:
-    """Follow the status and Eval lines after `from_line` (None: from now) for `duration` s, or
-    until one of `signals` comes, stop gracefully, print the last Eval line (when the run
-    evaluated) and then the last status line. `bring_up` gives the line the run started at, so
-    a line the run wrote while the start waited for it (its first evaluation, at step 0) is not
-    skipped."""
+    """Follow the status and Eval lines after `from_line` (None: from now) for `duration` s,
+    until `stop_at` or until one of `signals` comes, stop gracefully, print the last Eval line
+    (when the run evaluated) and then the last status line. `bring_up` gives the line the run
+    started at, so a line the run wrote while the start waited for it (its first evaluation, at
+    step 0) is not skipped."""
     if from_line is None:
         from_line = (await control.status()).log_lines
     last: str | None = None
     last_eval: str | None = None
+    evals = 0
 
     async def watch() -> None:
-        nonlocal last, last_eval
+        nonlocal last, last_eval, evals
         async with contextlib.aclosing(lines_of(control.follow(from_line=from_line))) as lines:
             async for line in lines:
                 event = parse_line(line)
                 if isinstance(event, StatusEvent):
                     last = line
                     say(line)
+                    if stop_at.step is not None and event.step >= stop_at.step:
+                        return
                 elif isinstance(event, EvalEvent):
-                    last_eval = line
+                    last_eval, evals = line, evals + 1
                     say(line)
+                    if stop_at.evals is not None and evals >= stop_at.evals:
+                        return
 
     async def watch_for_duration() -> None:
         with contextlib.suppress(TimeoutError):
@@ -329,8 +346,22 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--fresh", action="store_true", help="start from step 0 (checkpoints archived)")
     p.add_argument("--headless", action="store_true", help="no TUI: follow, stop, print last line")
     p.add_argument("--duration", type=float, default=60.0, help="headless seconds (default 60)")
+    p.add_argument(
+        "--evals", type=int, default=None, metavar="N", help="headless: stop after N Eval lines"
+    )
+    p.add_argument(
+        "--until-step",
+        type=int,
+        default=None,
+        metavar="N",
+        help="headless: stop at the first status line at step N or past it",
+    )
     p.add_argument("--keep", action="store_true", help="leave the run going when the TUI exits")
-    return p.parse_args(list(argv))
+    args = p.parse_args(list(argv))
+    for flag, value in (("--evals", args.evals), ("--until-step", args.until_step)):
+        if value is not None and value < 1:
+            p.error(f"{flag} {value}: expected a whole number >= 1")
+    return args
 
 
 async def _run(args: argparse.Namespace, demo: HostHandle, config: DemoConfig) -> int:
@@ -361,7 +392,8 @@ async def _drive(
         await stop_run(demo.control, say, signals.why())
         return ExitCode.OK
     if args.headless:
-        return await headless(demo.control, args.duration, say, started_at, signals)
+        stop_at = StopAt(evals=args.evals, step=args.until_step)
+        return await headless(demo.control, args.duration, say, started_at, signals, stop_at)
     return await run_tui(args, demo, signals)
 
 

@@ -13,11 +13,13 @@ import os
 import shutil
 import subprocess
 import sys
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import pytest_timeout
+
+from tests import budget
 
 IN_CI = os.environ.get("CI", "").lower() in {"1", "true", "yes"}
 
@@ -62,6 +64,24 @@ def _build_triton_language_for_the_interpreter() -> None:
 
 
 _build_triton_language_for_the_interpreter()
+
+
+@pytest.hookimpl(hookwrapper=True, tryfirst=True)
+def pytest_runtest_protocol(item: pytest.Item) -> Iterator[None]:
+    """Each test starts without a budget; the timer hook below gives it one."""
+    budget.begin(None)
+    yield
+    budget.begin(None)
+
+
+@pytest.hookimpl(tryfirst=True, optionalhook=True)  # optional: `-p no:timeout` still runs
+def pytest_timeout_set_timer(item: pytest.Item, settings: pytest_timeout.Settings) -> bool:
+    """pytest-timeout's timer, started with the test's timeout scaled by how loaded the machine
+    is now (`tests.budget.contention`): one overall budget per test, which the waits in
+    tests.budget share (docs/design.md). A quiet machine keeps the timeouts as written."""
+    seconds = budget.scaled(settings.timeout, budget.contention())
+    budget.begin(seconds)
+    return bool(pytest_timeout.pytest_timeout_set_timer(item, settings._replace(timeout=seconds)))
 
 
 def require_part(available: bool, reason: str) -> None:
@@ -127,24 +147,26 @@ def demo_processes(demo_dir: Path) -> list[str]:
     return found
 
 
-def wait_until(done: Callable[[], bool], deadline: float) -> bool:
-    """Poll `done` until it holds or the one overall `deadline` (time.monotonic) passes."""
-    while not done():
-        if time.monotonic() > deadline:
-            return done()
-        time.sleep(0.2)
-    return True
+DEMO_STOP_S = 90.0
+"""What a headless demo needs after its --duration to stop its run (demo.STOP_TIMEOUT_S) and
+print its last lines."""
 
 
 def run_headless_demo(
-    demo_dir: Path, session: str, duration: int
+    demo_dir: Path, session: str, *until: str
 ) -> subprocess.CompletedProcess[str]:
     """`dflashctl demo --headless` in `demo_dir` on tmux session `session` (killed afterwards,
-    whatever happened): the real trainer under real tmux, as `make demo` runs it without a tty."""
-    argv = headless_demo_argv(demo_dir, session, duration)
+    whatever happened): the real trainer under real tmux, as `make demo` runs it without a tty.
+    It stops on `until` (the run's progress: `--evals N`, `--until-step N`), its --duration
+    being what is left of the test's budget, so a loaded machine shows the same run, later."""
+    overall = budget.left()
+    argv = headless_demo_argv(demo_dir, session, round(max(overall - DEMO_STOP_S, 1.0)))
+    argv += until
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     try:
-        return subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=280)
+        return subprocess.run(
+            argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=overall
+        )
     finally:
         subprocess.run(
             ["tmux", "-L", "dflash", "kill-session", "-t", f"={session}"],

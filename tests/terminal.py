@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import shlex
 import subprocess
-import time
 from collections.abc import Callable
 from pathlib import Path
+
+from tests import budget
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -53,15 +54,15 @@ class Terminal:
     def keys(self, *keys: str) -> None:
         self.tmux("send-keys", "-t", "=tui:", *keys)
 
-    def wait(self, what: str, predicate: Callable[[str], bool], timeout: float) -> str:
-        deadline = time.monotonic() + timeout
-        text = ""
-        while time.monotonic() < deadline:
-            text = self.screen()
-            if predicate(text):
-                return text
-            time.sleep(0.5)
-        raise AssertionError(f"timed out waiting for {what}; screen:\n{text}")
+    def wait(self, what: str, predicate: Callable[[str], bool]) -> str:
+        """The screen once `predicate` holds for it, within the test's one budget."""
+        seen = [""]
+
+        def shows() -> str | None:
+            seen[0] = self.screen()
+            return seen[0] if predicate(seen[0]) else None
+
+        return budget.until(shows, what, every=0.5, detail=lambda: f"screen:\n{seen[0]}")
 
     def kill(self) -> None:
         self.tmux("kill-server")

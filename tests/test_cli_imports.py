@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from tests import budget
+
 ROOT = Path(__file__).resolve().parents[1]
 HEAVY = ("torch", "transformers")
 HARNESS = """
@@ -34,7 +36,7 @@ def _probe(*argv: str) -> tuple[int, list[str], str]:
         cwd=ROOT,
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=budget.left(),
     )
     *said, report = done.stderr.strip().splitlines()
     result = json.loads(report)

@@ -30,6 +30,7 @@ from pathlib import Path
 import pytest
 
 import dflashctl
+from tests import budget
 
 REPO = Path(__file__).resolve().parents[1]
 PACKAGES = ("trainer", "dflashctl")  # the tree whose module graph must have no cycle
@@ -435,7 +436,7 @@ def _run(code: str, blocked: tuple[str, ...] = TRAINING_STACK) -> subprocess.Com
         capture_output=True,
         text=True,
         cwd=REPO,
-        timeout=120,
+        timeout=budget.left(),
     )
 
 

@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from tests import budget
 from trainer.bucketing.compare import default_pool_size, pair_keys, repeat_share
 from trainer.buckets import format_plan_table, main
 from trainer.config import Strategy
@@ -198,7 +199,7 @@ def test_module_entry_point_runs_without_torch(tmp_path: Path) -> None:
         cwd=ROOT,
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=budget.left(),
         check=False,
     )
     assert proc.returncode == 0, proc.stderr

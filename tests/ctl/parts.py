@@ -1,6 +1,8 @@
 """Real parts for dflashctl tests and benchmarks: OpenSSH sshd, an LXC container, the pct shim.
 
-Plain context managers (no pytest) so benchmarks reuse exactly what the tests run against.
+Plain context managers (no pytest) so benchmarks reuse exactly what the tests run against. Waits
+end on their condition or with the running test's budget (tests/budget.py; outside pytest,
+budget.DEFAULT_S), never at a per-step deadline.
 The "Proxmox node" is this machine reached through a loopback sshd whose sessions find the
 `pct` shim first on PATH; the "CT" is a real LXC container with no network, the repo's venv
 and its base interpreter bind-mounted read-only, and a writable workdir bind-mounted from a
@@ -17,10 +19,11 @@ import socket
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+
+from tests import budget
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
@@ -125,16 +128,16 @@ def sshd(
         stdout=subprocess.DEVNULL,
         stderr=open(base / "sshd.log", "ab"),  # noqa: SIM115 - lives as long as sshd
     )
+
+    def listening() -> bool:
+        if proc.poll() is not None:
+            raise RuntimeError(f"sshd exited: {(base / 'sshd.log').read_text()[-500:]}")
+        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 1.0):
+            return True
+        return False
+
     try:
-        deadline = time.monotonic() + 10
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"sshd exited: {(base / 'sshd.log').read_text()[-500:]}")
-            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 0.2):
-                break
-            if time.monotonic() > deadline:
-                raise RuntimeError("sshd did not listen within 10 s")
-            time.sleep(0.05)
+        budget.until(listening, f"sshd listening on 127.0.0.1:{port}")
         yield Sshd(port, client_key, host_key.with_name(host_key.name + ".pub"), base, map_file)
     finally:
         proc.terminate()
@@ -168,8 +171,10 @@ def default_ct_conf(name: str) -> str:
 
 
 def _destroy(name: str) -> None:
-    _run(["lxc-stop", "-n", name, "-k"], timeout=60)
-    _run(["lxc-destroy", "-n", name, "-f"], timeout=60)
+    """Clean-up: no deadline of its own (a spent budget must not leave the container behind);
+    pytest-timeout still bounds the test."""
+    _run(["lxc-stop", "-n", name, "-k"])
+    _run(["lxc-destroy", "-n", name, "-f"])
 
 
 def reap_stale_containers() -> None:
@@ -204,7 +209,7 @@ def lxc_container(
     reap_stale_containers()
     name = name or f"{NAME_PREFIX}{os.getpid()}"
     _destroy(name)
-    r = _run(["lxc-create", "-n", name, "-t", "sshd"], timeout=120)
+    r = _run(["lxc-create", "-n", name, "-t", "sshd"], timeout=budget.left())
     if r.returncode:
         raise RuntimeError(f"lxc-create failed: {(r.stderr or r.stdout).strip()[-300:]}")
     try:
@@ -236,14 +241,14 @@ def lxc_container(
             *extra_config,
         ]
         cfg_path.write_text("\n".join(lines) + "\n")
-        r = _run(["lxc-start", "-n", name, "-d"], timeout=60)
+        r = _run(["lxc-start", "-n", name, "-d"], timeout=budget.left())
         if r.returncode:
             raise RuntimeError(f"lxc-start failed: {(r.stderr or r.stdout).strip()[-300:]}")
-        deadline = time.monotonic() + 20
-        while _run(["lxc-attach", "-n", name, "--", "/bin/true"]).returncode != 0:
-            if time.monotonic() > deadline:
-                raise RuntimeError("container did not become attachable")
-            time.sleep(0.1)
+        budget.until(
+            lambda: _run(["lxc-attach", "-n", name, "--", "/bin/true"]).returncode == 0,
+            f"container {name} attachable",
+            every=0.1,
+        )
         yield Container(name, CTID, workdir_host, str(venv / "bin" / "python"))
     finally:
         _destroy(name)
@@ -346,14 +351,18 @@ def frozen_tree(dest: Path) -> Path:
     checkout must not race the test, and HEAD is what every commit keeps green."""
     dest.mkdir(parents=True)
     archive = subprocess.run(
-        ["git", "-C", str(REPO), "archive", "HEAD", "trainer"], capture_output=True, timeout=60
+        ["git", "-C", str(REPO), "archive", "HEAD", "trainer"],
+        capture_output=True,
+        timeout=budget.left(),
     )
     if archive.returncode != 0:  # not a git checkout: the files as they are
         shutil.copytree(
             REPO / "trainer", dest / "trainer", ignore=shutil.ignore_patterns("__pycache__")
         )
         return dest
-    subprocess.run(["tar", "-x", "-C", str(dest)], input=archive.stdout, check=True, timeout=60)
+    subprocess.run(
+        ["tar", "-x", "-C", str(dest)], input=archive.stdout, check=True, timeout=budget.left()
+    )
     return dest
 
 
@@ -370,7 +379,7 @@ def build_tiny_assets(config: Path, tree: Path) -> None:
         env=tree_env(tree),
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=budget.left(),
     )
     if built.returncode != 0:
         raise RuntimeError(f"building the tiny assets failed: {built.stderr[-3000:]}")

@@ -51,11 +51,11 @@ def test_attach_shows_the_run_and_detaches_leaving_it_running(
             {"TERM": "xterm-dflash-unknown"},  # no terminfo: attach falls back
         )
         screen = term.wait(
-            "attach to show the session or exit", lambda t: marker in t or "exit=" in t, 25
+            "attach to show the session or exit", lambda t: marker in t or "exit=" in t
         )
         assert marker in screen and "exit=" not in screen, screen  # e.g. tmux refused the $TERM
         term.keys("C-b", "d")  # tmux's detach key, typed into the attached client
-        screen = term.wait("ssh to return after the detach", lambda t: "exit=" in t, 30)
+        screen = term.wait("ssh to return after the detach", lambda t: "exit=" in t)
         assert "[detached (from session" in screen and "exit=0" in screen
     finally:
         term.kill()

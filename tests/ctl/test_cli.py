@@ -13,6 +13,7 @@ from dflashctl.config.inventory import load_inventory
 from dflashctl.errors import DflashctlError, ExitCode, UsageError, run_main
 from dflashctl.remote.commands import with_known_term
 from dflashctl.remote.connect import attach_argv
+from tests import budget
 
 
 def write_inv(tmp: Path, body: str) -> str:
@@ -148,7 +149,7 @@ def test_status_into_a_closed_pipe_exits_quietly(tmp_path: Path) -> None:
             stdout=write,
             stderr=subprocess.PIPE,
             text=True,
-            timeout=60,
+            timeout=budget.left(),
             cwd=Path(__file__).resolve().parents[2],
         )
     finally:

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import shlex
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
@@ -12,6 +12,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from dflashctl.remote import commands as C
+from tests import budget
 
 
 def test_pct_exec_puts_double_dash_before_container_argv() -> None:
@@ -140,12 +141,12 @@ def test_parse_pane_state() -> None:
 
 
 def test_guard_kills_helper_when_stdin_closes() -> None:
-    proc = subprocess.Popen(
-        C.guarded(["sleep", "30"]), stdin=subprocess.PIPE, stdout=subprocess.PIPE
+    proc = subprocess.Popen(  # an hour: longer than any test budget
+        C.guarded(["sleep", "3600"]), stdin=subprocess.PIPE, stdout=subprocess.PIPE
     )
     assert proc.stdin is not None
     proc.stdin.close()
-    assert proc.wait(timeout=10) != 0  # the sleep was killed, not waited out
+    assert budget.wait(proc, "the guarded sleep") != 0  # the sleep was killed, not waited out
 
 
 def test_node_guard_ends_the_whole_command_group_when_stdin_closes(tmp_path: Path) -> None:
@@ -158,13 +159,14 @@ def test_node_guard_ends_the_whole_command_group_when_stdin_closes(tmp_path: Pat
     )
     assert proc.stdin is not None
     proc.stdin.close()
-    assert proc.wait(timeout=10) != 0
-    for _ in range(50):  # the group got its TERM; give the sleep a moment to be reaped
-        left = subprocess.run(["pgrep", "-f", "sleep 7781"], capture_output=True, text=True)
-        if not left.stdout:
-            break
-        time.sleep(0.1)
-    assert left.stdout == ""
+    assert budget.wait(proc, "the node-guarded command") != 0
+    budget.until(  # the group got its TERM; give the sleep a moment to be reaped
+        lambda: (
+            not subprocess.run(["pgrep", "-f", "sleep 7781"], capture_output=True, text=True).stdout
+        ),
+        "the group's sleep 7781 gone",
+        every=0.1,
+    )
 
 
 def test_write_file_atomic_writes_stdin_with_mode(tmp_path: Path) -> None:
@@ -194,14 +196,15 @@ def test_no_abandoned_command_outlives_its_guard_under_load(tmp_path: Path, form
             assert proc.stdin is not None
             proc.stdin.close()
         for proc in procs:
-            proc.wait(timeout=20)
-    left = ""
-    for _ in range(50):
-        left = subprocess.run(
+            budget.wait(proc, "an abandoned command's guard")
+
+    def survivors() -> str:
+        return subprocess.run(
             ["pgrep", "-f", f"sleep {tag}"], capture_output=True, text=True
         ).stdout
-        if not left:
-            break
-        time.sleep(0.1)
+
+    with contextlib.suppress(budget.BudgetSpent):
+        budget.until(lambda: not survivors(), every=0.1)
+    left = survivors()
     subprocess.run(["pkill", "-f", f"sleep {tag}"], check=False)
     assert left == "", f"{len(left.split())} abandoned commands left running"

@@ -11,7 +11,6 @@ import os
 import signal
 import subprocess
 import threading
-import time
 import tomllib
 from pathlib import Path
 
@@ -23,12 +22,14 @@ from dflashctl.demo import (
     REPO_CONFIG,
     WRITTEN,
     demo_host,
+    parse_args,
     prepare,
 )
 from dflashctl.remote import LocalTransport
 from dflashctl.runs.control import RunControl
 from dflashctl.runs.snapshot import RunStatus
-from tests.conftest import demo_processes, headless_demo_argv, run_headless_demo, wait_until
+from tests import budget
+from tests.conftest import demo_processes, headless_demo_argv, run_headless_demo
 from trainer.config import TrainConfig
 from trainer.events import EvalEvent, StatusEvent, parse_line
 
@@ -96,6 +97,18 @@ def test_an_earlier_demos_config_without_eval_is_moved_aside_and_an_edit_without
     assert "[eval]" not in made.path.read_text()
 
 
+def test_headless_stop_conditions_take_whole_numbers_from_1(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    args = parse_args(["--headless", "--evals", "4", "--until-step", "1"])
+    assert (args.evals, args.until_step) == (4, 1)
+    for flag in ("--evals", "--until-step"):
+        with pytest.raises(SystemExit) as exc:
+            parse_args(["--headless", flag, "0"])
+        assert exc.value.code == 2
+        assert f"{flag} 0: expected a whole number >= 1" in capsys.readouterr().err
+
+
 @pytest.mark.parts
 @pytest.mark.slow
 @pytest.mark.timeout(300)
@@ -103,7 +116,7 @@ def test_a_headless_demo_shows_tau_climbing_a_best_checkpoint_and_status_reports
     tmp_path: Path,
 ) -> None:
     demo_dir, session = tmp_path / "demo", f"dflash-demo-eval-{os.getpid()}"
-    done = run_headless_demo(demo_dir, session, 40)
+    done = run_headless_demo(demo_dir, session, "--evals", "4")  # steps 0, 200, 400, 600
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     lines = done.stdout.strip().splitlines()
     events = [parse_line(ln) for ln in lines]
@@ -178,7 +191,6 @@ def test_a_signal_stops_the_headless_demo_and_its_training(
         argv = ["tmux", "-L", "dflash", *args]
         return subprocess.run(argv, env=env, capture_output=True, text=True, check=False)
 
-    deadline = time.monotonic() + 360  # one budget for the whole run, start to cleanup
     argv = headless_demo_argv(demo_dir, session, 3600)  # only the signal can end it in time
     if ignored:  # as sh starts a background job without job control
         argv = ["sh", "-c", 'trap "" INT; exec "$@"', "background-job", *argv]
@@ -202,13 +214,14 @@ def test_a_signal_stops_the_headless_demo_and_its_training(
                 isinstance(parse_line(ln), StatusEvent) for ln in lines
             )
 
-        assert wait_until(training, deadline) and proc.poll() is None, lines
+        budget.until(training, "a first status line", detail=lambda: str(lines[-5:]))
+        assert proc.poll() is None, lines
         proc.send_signal(sig)
         try:
-            proc.wait(max(1.0, deadline - time.monotonic()))
+            proc.wait(budget.left())
         except subprocess.TimeoutExpired:
             pytest.fail(f"the demo was still running after {sig.name}: {lines[-5:]}")
-        reader.join(max(1.0, deadline - time.monotonic()))
+        reader.join(budget.left())
 
         stderr = (tmp_path / "stderr").read_text()
         assert proc.returncode == 128 + sig, (proc.returncode, lines[-5:], stderr[-2000:])
@@ -220,7 +233,11 @@ def test_a_signal_stops_the_headless_demo_and_its_training(
             alive = tmux("has-session", "-t", f"={session}").returncode == 0
             return not alive and not demo_processes(demo_dir)
 
-        assert wait_until(all_gone, deadline), (tmux("ls").stdout, demo_processes(demo_dir))
+        budget.until(
+            all_gone,
+            "the demo's session and processes to end",
+            detail=lambda: f"{tmux('ls').stdout} {demo_processes(demo_dir)}",
+        )
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import re
 import shutil
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -19,6 +18,7 @@ import pytest
 
 from dflashctl.cli.main import main as cli_main
 from dflashctl.config.runconfig import config_hash_of_file
+from tests import budget
 from tests.conftest import require_part
 from tests.ctl import parts as P
 
@@ -38,16 +38,19 @@ def wait_status(
     inv: list[str],
     capsys: pytest.CaptureFixture[str],
     pred: Callable[[dict[str, Any]], bool],
-    timeout: float,
 ) -> dict[str, Any]:
-    end = time.monotonic() + timeout
-    while True:
+    """`status --json` until `pred` holds (within the test's one budget)."""
+    seen: list[dict[str, Any]] = []
+
+    def holds() -> dict[str, Any] | None:
         st = status_json(inv, capsys)
-        if pred(st):
-            return st
+        seen[:] = [st]
         assert st["state"] in {"running", "stopped"}, f"trainer died: {st}"
-        assert time.monotonic() < end, f"condition not reached within {timeout}s: {st}"
-        time.sleep(2)
+        return st if pred(st) else None
+
+    return budget.until(
+        holds, budget.described(pred), every=2, detail=lambda: f"last status: {seen}"
+    )
 
 
 def test_operator_loop_end_to_end(
@@ -108,7 +111,7 @@ def test_operator_loop_end_to_end(
     assert cli_main([*inv, "start", "ct"]) == 0
 
     first_hash = config_hash_of_file(cfg)
-    st = wait_status(inv, capsys, lambda s: (s["step"] or 0) > 0, timeout=180)
+    st = wait_status(inv, capsys, lambda s: (s["step"] or 0) > 0)
     assert st["state"] == "running" and st["config_hash"] == first_hash
 
     text, old_lr, new_lr = P.halve_lr(cfg.read_text())
@@ -116,15 +119,16 @@ def test_operator_loop_end_to_end(
     new_hash = config_hash_of_file(cfg)
     assert new_hash != first_hash
     capsys.readouterr()
-    assert cli_main([*inv, "restart", "ct", "--timeout", "90", "--tree", str(tree)]) == 0
+    stop_s = f"{budget.left():.0f}"  # the graceful stop's wait: whatever the budget has left
+    assert cli_main([*inv, "restart", "ct", "--timeout", stop_s, "--tree", str(tree)]) == 0
     out = capsys.readouterr().out
     assert f"-{old_lr}" in out and f"+{new_lr}" in out  # the diff was shown
     st = wait_status(
-        inv, capsys, lambda s: s["config_hash"] == new_hash and s["state"] == "running", timeout=120
+        inv, capsys, lambda s: s["config_hash"] == new_hash and s["state"] == "running"
     )
 
     capsys.readouterr()
-    assert cli_main([*inv, "stop", "ct", "--timeout", "90"]) == 0
+    assert cli_main([*inv, "stop", "ct", "--timeout", f"{budget.left():.0f}"]) == 0
     out = capsys.readouterr().out
     assert "checkpoint step" in out
     ckpts = list((clean_workdir / "run" / "checkpoints").glob("step-*.pt"))
@@ -248,12 +252,13 @@ def test_a_deploy_killed_during_preflight_leaves_a_lock_the_next_one_takes_over(
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
+
+    def locked() -> bool:
+        assert client.poll() is None, "the deploy finished before it could be killed"
+        return (lock / "owner").is_file() and bool((lock / "owner").read_text().strip())
+
     try:
-        end = time.monotonic() + 60
-        while not ((lock / "owner").is_file() and (lock / "owner").read_text().strip()):
-            assert client.poll() is None, "the deploy finished before it could be killed"
-            assert time.monotonic() < end, "the deploy never took its lock"
-            time.sleep(0.02)
+        budget.until(locked, "the deploy took its lock", every=0.02)
         client.send_signal(signal.SIGKILL)  # the preflight (importing torch) is under way
     finally:
         client.wait()
@@ -321,7 +326,11 @@ def test_a_deploy_killed_right_after_sending_never_switches_current_unsaid(
     finally:
         client.wait()
     assert client.returncode == -signal.SIGKILL, "the deploy ended before it was killed"
-    time.sleep(2)  # whatever the node was doing for the dead client finishes
+    budget.until(  # whatever the node was doing for the dead client finishes
+        lambda: not P.node_processes(f"lxc-attach -n {real_parts.container.name} "),
+        "the node's commands for the killed client to end",
+        every=0.2,
+    )
     switched = (clean_workdir / "current").is_symlink()
     capsys.readouterr()
     assert cli_main([*inv, "status", "ct"]) == 0

@@ -24,6 +24,7 @@ from dflashctl.remote.commands import BASE_ENV
 from dflashctl.remote.ssh import SshTransport, pin_host_key
 from dflashctl.runs.control import RunControl
 from dflashctl.runs.follow import FollowEvent, Line, LogRestarted, Lost, lines_of
+from tests import budget
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -213,9 +214,11 @@ async def test_follow_resumes_from_a_given_line(server: Server, tmp_path: Path) 
     got = [await anext(stream) for _ in range(5)]
     await stream.aclose()
     await transport.close()
-    await asyncio.sleep(0.2)
     assert got == [f"line {i}" for i in range(15, 20)]
-    assert server.pve.closed == ["tail"]  # closing the stream ended the remote helper
+    # closing the stream ended the remote helper
+    await budget.until_async(
+        lambda: server.pve.closed == ["tail"], detail=lambda: str(server.pve.closed)
+    )
 
 
 async def test_slow_peer_times_out_and_the_remote_command_is_closed(
@@ -230,10 +233,11 @@ async def test_slow_peer_times_out_and_the_remote_command_is_closed(
     ):
         await transport.run(["slow"], timeout=0.5)
     assert 0 < server.pve.bounds[-1] <= 0.5  # the node bounds it to what is left of 0.5 s
-    await asyncio.sleep(0.2)
-    assert server.pve.closed == ["slow"]
+    await budget.until_async(
+        lambda: server.pve.closed == ["slow"], detail=lambda: str(server.pve.closed)
+    )
     # the connection is still usable afterwards
-    res = await transport.run(["argv-echo", "ok"], timeout=5)
+    res = await transport.run(["argv-echo", "ok"], timeout=budget.left())
     assert json.loads(res.stdout) == ["ok"]
     await transport.close()
 
@@ -256,7 +260,7 @@ async def test_hostile_values_arrive_as_exactly_one_argv(server: Server, tmp_pat
         "",
         "=d",
     ]
-    res = await transport.run(["argv-echo", *hostile], timeout=5)
+    res = await transport.run(["argv-echo", *hostile], timeout=budget.left())
     await transport.close()
     assert json.loads(res.stdout) == hostile
     # and the environment is explicit: nothing but BASE_ENV crosses into the container
@@ -269,10 +273,10 @@ async def test_unknown_and_changed_host_keys_are_hard_failures(
 ) -> None:
     host = host_for(tmp_path, server)
     with pytest.raises(HostKeyError, match=r"no pinned host key .* run `dflashctl trust fake`"):
-        await SshTransport(host).run(["argv-echo"], timeout=5)
+        await SshTransport(host).run(["argv-echo"], timeout=budget.left())
     pin_host_key(host, asyncssh.generate_private_key("ssh-ed25519").convert_to_public())
     with pytest.raises(HostKeyError, match=r"CHANGED") as info:
-        await SshTransport(host).run(["argv-echo"], timeout=5)
+        await SshTransport(host).run(["argv-echo"], timeout=budget.left())
     assert isinstance(info.value, HostUnreachable)  # exit code 3 in the CLI
     assert server.pve.commands == []  # no command ever reached the impostor
 
@@ -334,7 +338,7 @@ async def test_encrypted_identity_file_is_a_clear_error(server: Server, tmp_path
     host = host_for(tmp_path, server).model_copy(update={"identity_file": enc})
     pin_host_key(host, server.host_key.convert_to_public())
     with pytest.raises(TransportError, match=r"cannot use identity_file .*ssh-agent"):
-        await SshTransport(host).run(["argv-echo"], timeout=5)
+        await SshTransport(host).run(["argv-echo"], timeout=budget.left())
 
 
 async def test_trust_answer_no_pins_nothing(
@@ -392,7 +396,7 @@ async def test_logs_follow_says_on_stderr_when_it_reconnects(
     assert proc.stdout is not None and proc.stderr is not None
     got: list[str] = []
     try:
-        async with asyncio.timeout(40):
+        async with asyncio.timeout(budget.left()):
             while len(got) < 20:
                 got.append((await proc.stdout.readline()).decode().rstrip("\n"))
     finally:

@@ -28,6 +28,7 @@ from dflashctl.runs.follow import (
     describe_failure,
     link_retryable,
 )
+from tests import budget
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -164,15 +165,16 @@ async def test_gives_up_after_max_attempts_naming_the_host() -> None:
 
 async def test_reconnect_now_cuts_a_backoff_wait_short() -> None:
     log = ScriptedLog(["a", "b"], fail=[HostUnreachable("h: down")])
-    follower = LogFollower(_source(log), delay=Backoff(initial=30.0).delay)
+    # a backoff longer than any test budget: only a cut-short wait reconnects within it
+    follower = LogFollower(_source(log), delay=Backoff(initial=3600.0, maximum=3600.0).delay)
     events = follower.events()
     assert await anext(events) == Connected(0)
-    assert await anext(events) == Lost("h: down", 30.0)
+    assert await anext(events) == Lost("h: down", 3600.0)
     waiting = asyncio.ensure_future(anext(events))
     await asyncio.sleep(0.05)
-    assert not waiting.done()  # in the 30 s wait
+    assert not waiting.done()  # in the hour's wait
     follower.reconnect_now()
-    async with asyncio.timeout(2):
+    async with asyncio.timeout(budget.left()):
         assert await waiting == Connected(0)
         assert await anext(events) == Line("a", 0)
     await events.aclose()
@@ -187,7 +189,7 @@ async def test_reconnect_now_drops_a_live_connection_and_follows_on_from_the_pos
     await asyncio.sleep(0.05)
     log.lines.append("c")
     follower.reconnect_now()
-    async with asyncio.timeout(2):
+    async with asyncio.timeout(budget.left()):
         assert await pending == Connected(2)
         assert await anext(events) == Line("c", 2)
     assert log.tails == [0, 2] and log.closed == 1  # the dropped connection's tail was closed
@@ -207,7 +209,7 @@ async def test_a_line_count_seen_by_a_poll_restarts_only_when_below_the_mark() -
     pending = asyncio.ensure_future(anext(events))
     await asyncio.sleep(0.01)
     assert follower.saw_line_count(1, mark)  # shorter than what had been read: started over
-    async with asyncio.timeout(2):
+    async with asyncio.timeout(budget.left()):
         assert await pending == LogRestarted()
         assert [await anext(events) for _ in range(2)] == [Connected(0), Line("new 0", 0)]
     # a count taken before that restart says nothing about the new log

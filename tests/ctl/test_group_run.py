@@ -21,7 +21,6 @@ import os
 import re
 import subprocess
 import sys
-import time
 import tomllib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -32,6 +31,7 @@ import pytest
 
 from dflashctl.cli.main import main as cli_main
 from dflashctl.config.runconfig import config_hash_of_file
+from tests import budget
 from tests.conftest import require_part
 from tests.ctl import parts as P
 from trainer.config.overlay import dump_toml, merge
@@ -111,19 +111,21 @@ def wait_group(
     pair: Pair,
     capsys: pytest.CaptureFixture[str],
     pred: Callable[[dict[str, Any]], bool],
-    timeout: float,
     *,
     allow_failed: bool = False,
 ) -> dict[str, Any]:
-    end = time.monotonic() + timeout
-    while True:
-        st = group_status(pair, capsys)
-        if pred(st):
-            return st
+    """The group's `status --json` until `pred` holds, within the test's one budget."""
+    seen: list[dict[str, Any]] = []
+
+    def holds() -> dict[str, Any] | None:
+        seen[:] = [group_status(pair, capsys)]
         if not allow_failed:
-            assert st["state"] != "failed", f"the group failed: {st}"
-        assert time.monotonic() < end, f"not reached within {timeout} s: {st}"
-        time.sleep(1)
+            assert seen[0]["state"] != "failed", f"the group failed: {seen[0]}"
+        return seen[0] if pred(seen[0]) else None
+
+    return budget.until(
+        holds, budget.described(pred), every=1, detail=lambda: f"last status: {seen}"
+    )
 
 
 def node_steps(st: dict[str, Any]) -> list[int | None]:
@@ -145,7 +147,7 @@ def single_host_losses(raw: dict[str, Any], tmp: Path, tree: Path) -> list[float
     argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
     argv += ["-m", "trainer", "--config", str(cfg), "--run-dir", str(tmp / "single-run")]
     out = subprocess.run(
-        argv, cwd=tree, env=P.tree_env(tree), capture_output=True, text=True, timeout=300
+        argv, cwd=tree, env=P.tree_env(tree), capture_output=True, text=True, timeout=budget.left()
     )
     assert out.returncode == 0, out.stderr[-3000:]
     rows = metrics(tmp / "single-run")
@@ -158,7 +160,7 @@ def pane_pid(ct: P.Container) -> int:
         ["lxc-attach", "-n", ct.name, "--", *tmux],
         capture_output=True,
         text=True,
-        timeout=30,
+        timeout=budget.left(),
     )
     assert r.returncode == 0 and r.stdout.strip().isdigit(), r.stderr
     return int(r.stdout.strip())
@@ -208,7 +210,6 @@ def test_a_group_steps_stops_resumes_and_fails_as_one(
         pair,
         capsys,
         lambda s: s["state"] == "running" and all((x or 0) > 0 for x in node_steps(s)),
-        timeout=180,
     )
     # each node's own step (its first local rank records it at every status interval): both
     # train; that they are the same step is checked once they stopped (below)
@@ -217,13 +218,10 @@ def test_a_group_steps_stops_resumes_and_fails_as_one(
     assert len({n["release"] for n in st["nodes"]}) == 1
 
     # the loss sequence over the first K steps is the single-host run's
-    end = time.monotonic() + 120
-    while len(metrics(ws0 / "run")) < K:
-        assert time.monotonic() < end, "node 0 wrote fewer than K metrics rows"
-        time.sleep(1)
+    budget.until(lambda: len(metrics(ws0 / "run")) >= K, "node 0's first K metrics rows", every=1)
     assert [r["loss"] for r in metrics(ws0 / "run")[:K]] == reference
 
-    rc, out = cli(pair, capsys, "stop", "g", "--timeout", "120")
+    rc, out = cli(pair, capsys, "stop", "g", "--timeout", f"{budget.left():.0f}")
     assert rc == 0, out
     m = re.search(r"^n0: node 0: stopped \(\w+\); checkpoint step (\d+)", out, re.M)
     assert m, out
@@ -242,13 +240,14 @@ def test_a_group_steps_stops_resumes_and_fails_as_one(
     assert rc == 0 and "attaching to node 0 (n0)" in out and SESSION in out, out
 
     before = len(metrics(ws0 / "run"))
-    rc, out = cli(pair, capsys, "restart", "g", "--timeout", "120", "--tree", str(pair.tree))
+    rc, out = cli(
+        pair, capsys, "restart", "g", "--timeout", f"{budget.left():.0f}", "--tree", str(pair.tree)
+    )
     assert rc == 0, out
     st = wait_group(
         pair,
         capsys,
         lambda s: s["state"] == "running" and all((x or 0) > step for x in node_steps(s)),
-        timeout=180,
     )
     resumed = [r["step"] for r in metrics(ws0 / "run")[before:]]
     assert resumed[:2] == [step + 1, step + 2], resumed  # the next step, not step 0 or 1
@@ -259,19 +258,18 @@ def test_a_group_steps_stops_resumes_and_fails_as_one(
         ["lxc-attach", "-n", pair.containers[1].name, "--", "pgrep", "-P", str(torchrun)],
         capture_output=True,
         text=True,
-        timeout=30,
+        timeout=budget.left(),
     ).stdout.split()
     assert len(kids) == 1, kids
     subprocess.run(
         ["lxc-attach", "-n", pair.containers[1].name, "--", "kill", "-KILL", kids[0]],
         check=True,
-        timeout=30,
+        timeout=budget.left(),
     )
     st = wait_group(
         pair,
         capsys,
         lambda s: s["state"] == "failed" and all(n["state"] != "running" for n in s["nodes"]),
-        timeout=120,
         allow_failed=True,
     )
     assert st["failed"] == {"host": "n1", "node_rank": 1, "rank": 1}, st

@@ -22,6 +22,7 @@ from dflashctl.groups.launch import (
 )
 from dflashctl.remote.commands import clean_env, pct_exec, shell_join, tmux_new_session
 from dflashctl.remote.run import trainer_argv
+from tests import budget
 
 PY = "/opt/venv/bin/python"
 
@@ -262,7 +263,7 @@ def test_two_nodes_launched_as_built_form_one_world_in_inventory_order(tmp_path:
         )
     try:
         for p in procs:
-            p.wait(timeout=150)
+            budget.wait(p, "a launched node's probe")
     finally:
         for p in procs:
             if p.poll() is None:

@@ -16,6 +16,7 @@ from dflashctl.remote import probe as P
 from dflashctl.remote import release as R
 from dflashctl.remote import run as U
 from dflashctl.remote.layout import RemoteLayout
+from tests import budget
 
 
 def test_the_layout_names_every_path_once_under_the_workdir() -> None:
@@ -103,7 +104,7 @@ def test_release_builders_are_exact_argv() -> None:
 
 
 def _sh(argv: list[str]) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(argv, capture_output=True, text=True, timeout=30)
+    return subprocess.run(argv, capture_output=True, text=True, timeout=budget.left())
 
 
 def test_lock_take_over_and_break_run_for_real(tmp_path: Path) -> None:
@@ -136,7 +137,7 @@ def test_the_start_wait_finds_ready_in_status_log_lines_after_the_mark(tmp_path:
     env = {"PATH": f"{bin_dir}:/usr/bin:/bin"}
     for mark, want in ((0, "ready"), (2, "waiting")):
         argv = U.start_wait_argv(str(wd), "s", mark, 0.4)
-        out = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=30)
+        out = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=budget.left())
         assert out.stdout.strip().splitlines()[-1] == want
     (wd / L.STATUS_LOG).write_text("Checkpoint saved: step=3 path=x\n")
     out = subprocess.run(
@@ -157,7 +158,7 @@ def test_the_status_script_reads_the_layout(tmp_path: Path) -> None:
         capture_output=True,
         text=True,
         env={"PATH": "/usr/bin:/bin", "TMUX_TMPDIR": str(tmp_path)},
-        timeout=30,
+        timeout=budget.left(),
     ).stdout
     from dflashctl.runs.snapshot import split_sections
 
@@ -188,7 +189,7 @@ def test_memory_probe_runs_against_the_layout(tmp_path: Path) -> None:
     source.parent.mkdir(parents=True)
     source.write_text("import sys; print('{}'); sys.exit(3)\n")
     argv = P.memory_argv(sys.executable, str(wd), "id", None)
-    res = subprocess.run(argv, input="[x]", capture_output=True, text=True, timeout=60)
+    res = subprocess.run(argv, input="[x]", capture_output=True, text=True, timeout=budget.left())
     got = json.loads(res.stdout)
     assert got["rc"] == 3 and got["report"] == {} and "absent" not in got
     assert Path(got["tmp"]).parent == wd / L.RUN_DIR and not Path(got["tmp"]).exists()

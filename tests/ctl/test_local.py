@@ -25,6 +25,7 @@ from dflashctl.remote.commands import PaneState, parse_pane_state, tmux_settled_
 from dflashctl.runs.control import RunControl
 from dflashctl.runs.follow import lines_of
 from dflashctl.runs.service import ControlError, StartFailed
+from tests import budget
 from tests.conftest import require_part
 from tests.ctl.parts import bump_buckets, halve_lr
 
@@ -158,12 +159,9 @@ async def test_preflight_failure_is_reported_and_nothing_sent(local: Local, tmp_
     )
 
 
-async def wait_for(pred: Callable[[], Awaitable[bool]], timeout: float = 30.0) -> None:
-    loop = asyncio.get_running_loop()
-    end = loop.time() + timeout
-    while not await pred():
-        assert loop.time() < end, "condition not reached"
-        await asyncio.sleep(0.1)
+async def wait_for(pred: Callable[[], Awaitable[bool]]) -> None:
+    """Until `pred()` holds, within the test's one budget."""
+    await budget.until_awaited(pred)
 
 
 async def test_start_status_follow_stop_restart(ctl: RunControl, tmp_path: Path) -> None:
@@ -198,7 +196,7 @@ async def test_start_status_follow_stop_restart(ctl: RunControl, tmp_path: Path)
     assert got[:2] == ["Starting pipeline...", "Pipeline running. Monitoring..."]
     assert got[2].startswith("[0m] step=1 ") and got[4].startswith("[0m] step=3 ")
 
-    stopped = await ctl.stop(timeout=20)
+    stopped = await ctl.stop(timeout=budget.left())
     assert stopped.was_running and stopped.outcome in {"exited", "checkpointed"}
     assert stopped.checkpoint is not None and stopped.checkpoint.step >= 3
     assert Path(host.workdir, stopped.checkpoint.path).is_file()
@@ -238,9 +236,12 @@ async def test_follow_interrupt_kills_the_tail(ctl: RunControl) -> None:
         got.append(line)
         break
     assert got == ["two"]
-    await asyncio.sleep(0.3)
-    out = await ctl.transport.run(["pgrep", "-f", f"tail -n +2 -F {log}"])
-    assert out.stdout.strip() == ""
+
+    async def tail_gone() -> bool:
+        out = await ctl.transport.run(["pgrep", "-f", f"tail -n +2 -F {log}"])
+        return out.stdout.strip() == ""
+
+    await wait_for(tail_gone)
 
 
 async def test_secret_goes_through_stdin_into_a_0600_file(ctl: RunControl) -> None:
@@ -326,10 +327,10 @@ async def test_one_resume_rule_for_deploy_and_restart_against_the_checkpoint(
     await deploy(ctl.transport, ctl.host, config=b, fresh=True, **kw)  # meant for a fresh start
     assert (run / "config.toml").read_text() == b.read_text()
     # back to A: it matches the checkpoint, so it resumes (the deployed B is not the reference)
-    res = await ctl.restart(config=a, release=rel, stop_timeout=20)
+    res = await ctl.restart(config=a, release=rel, stop_timeout=budget.left())
     assert res.start.started and res.start.ready
     assert (run / "config.toml").read_text() == a.read_text()
-    await ctl.stop(timeout=20)
+    await ctl.stop(timeout=budget.left())
 
 
 async def test_checkpoint_config_skips_an_unreadable_newest_checkpoint(
@@ -395,7 +396,7 @@ async def test_restart_pushes_config_redeploys_and_resumes(ctl: RunControl, tmp_
     await wait_for(stepping)
     text, old_lr, new_lr = halve_lr(TINY.read_text())
     cfg.write_text(text)
-    res = await ctl.restart(config=cfg, release=rel, stop_timeout=20)
+    res = await ctl.restart(config=cfg, release=rel, stop_timeout=budget.left())
     assert f"-{old_lr}" in res.config_diff and f"+{new_lr}" in res.config_diff
     assert res.deploy.transferred_bytes == 0 and res.stop.checkpoint is not None
     assert res.start.started and res.old_config_hash != res.new_config_hash
@@ -412,7 +413,7 @@ async def test_restart_pushes_config_redeploys_and_resumes(ctl: RunControl, tmp_
         return st.run_state.last_step == resumed_from
 
     await wait_for(resumed)  # the stand-in resumed from the checkpoint the stop left
-    await ctl.stop(timeout=20)
+    await ctl.stop(timeout=budget.left())
 
 
 async def test_failed_preflight_releases_only_our_own_lock(local: Local, tmp_path: Path) -> None:
@@ -469,12 +470,8 @@ async def test_stop_does_not_report_an_old_checkpoint_as_its_own(
     assert res.ok
     # Signal only once the handler is installed: under load, python's start-up can outlast
     # the stop's SIGINT, and an un-ignored SIGINT makes this a different test.
-    for _ in range(600):
-        if ready.exists():
-            break
-        await asyncio.sleep(0.05)
-    assert ready.exists(), "the SIGINT-ignoring stand-in never started"
-    stop = await ctl.stop(timeout=1.0)
+    await budget.until_async(ready.exists, "the SIGINT-ignoring stand-in started")
+    stop = await ctl.stop(timeout=1.0)  # the feature: SIGINT is ignored, so it times out
     assert stop.was_running and stop.outcome == "timeout" and stop.checkpoint is None
     assert (
         stop.summary()
@@ -530,12 +527,12 @@ async def test_exit_status_of_a_pane_tmux_failed_to_reap(ctl: RunControl) -> Non
     for _ in range(60):  # about 1 instant exit in 6 to 20 hit the race here
         started = await ctl.starter.new_session(["sh", "-c", "exit 3"], {})
         assert started.ok, started.stderr
+
+        async def exited() -> bool:  # under load the pane's sh may not have exited yet
+            return (await ctl.status()).state != "running"
+
+        await wait_for(exited)
         st = await ctl.status()
-        for _ in range(100):  # under load the pane's sh may not have exited yet
-            if st.state != "running":
-                break
-            await asyncio.sleep(0.05)
-            st = await ctl.status()
         assert (st.state, st.exit_status) == ("crashed", 3)
         stop = await ctl.stop()
         assert (stop.outcome, stop.exit_status) == ("dead", 3)  # and the session is gone
@@ -557,7 +554,12 @@ async def test_settled_pane_query_on_real_tmux(ctl: RunControl) -> None:
     assert alive is not None and not alive.dead and alive.pid is not None
     await transport.run(["tmux", "-L", "dflash", "kill-server"])
     assert (await ctl.starter.new_session(["sh", "-c", "sleep 0.3; exit 5"], {})).ok
-    await asyncio.sleep(0.6)
+
+    async def pane_dead() -> bool:
+        state = await query()
+        return state is not None and state.dead
+
+    await wait_for(pane_dead)
     dead = await query()
     assert dead is not None and dead.dead and dead.exit_status == 5
 
@@ -588,11 +590,10 @@ async def test_a_lock_left_by_a_killed_deploy_is_taken_over(local: Local, tmp_pa
         cwd=Path(__file__).resolve().parents[2],
     )
     try:
-        for _ in range(600):
-            if (lock / "owner").is_file() and (lock / "owner").read_text().strip():
-                break
-            await asyncio.sleep(0.05)
-        assert (lock / "owner").is_file(), "the client never took the lock"
+        await budget.until_async(
+            lambda: (lock / "owner").is_file() and (lock / "owner").read_text().strip(),
+            "the client took the deploy lock",
+        )
         client.send_signal(signal.SIGKILL)  # during its (importing) preflight
     finally:
         client.wait()
@@ -670,7 +671,7 @@ async def test_a_switch_nobody_reported_is_reported_by_the_next_command(
     started = await ctl.start()
     assert started.notes == [st.switch_note]  # start says it once, then it is acknowledged
     assert (await ctl.status()).switch_note is None
-    await ctl.stop(timeout=20)
+    await ctl.stop(timeout=budget.left())
 
 
 HOSTILE_LOG = (
@@ -720,7 +721,7 @@ async def test_status_shows_only_the_current_runs_errors(ctl: RunControl, tmp_pa
     await ctl.start()
     st = await ctl.status()
     assert st.state == "running" and st.last_error is None
-    await ctl.stop(timeout=20)
+    await ctl.stop(timeout=budget.left())
 
 
 async def test_corrupted_run_state_is_reported_not_taken_as_a_config_change(
@@ -797,4 +798,4 @@ async def test_start_passes_resume_and_reports_readiness(ctl: RunControl, tmp_pa
         ["tmux", "-L", "dflash", "display-message", "-p", "-t", "=t:", "#{pane_start_command}"]
     )
     assert "--resume run/checkpoints/step-00000004.pt" in res.stdout
-    await ctl.stop(timeout=20)
+    await ctl.stop(timeout=budget.left())

@@ -18,6 +18,7 @@ import sys
 import tomllib
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -31,6 +32,7 @@ from dflashctl.remote.commands import SUPERVISOR_MODULE
 from dflashctl.remote.run import TORCHRUN_MODULE, host_trainer_argv, trainer_argv
 from dflashctl.runs.control import RunControl
 from dflashctl.runs.starter import TORCHRUN_SHUTDOWN_TIMEOUT_S
+from tests import budget
 from tests.conftest import require_part
 from tests.ctl import parts as P
 from trainer.config.overlay import dump_toml, merge
@@ -146,7 +148,7 @@ async def test_two_cpu_drafter_ranks_start_step_and_stop_under_torchrun(
         ctl.transport, ctl.host, release=rel, config=cfg, min_free_bytes=0, import_check=False
     )
 
-    started = await ctl.start(wait_s=300)
+    started = await ctl.start(wait_s=budget.left())
     assert started.started and started.ready, started
     argv = started.argv
     assert argv[:3] == [sys.executable, "-m", SUPERVISOR_MODULE], argv
@@ -154,20 +156,22 @@ async def test_two_cpu_drafter_ranks_start_step_and_stop_under_torchrun(
     assert argv[at:] == host_trainer_argv(sys.executable, False, "auto", 2)
 
     run = Path(ctl.host.run_dir)
-    loop = asyncio.get_running_loop()
-    end = loop.time() + 300
     first: int | None = None
-    while True:
+    state: dict[str, Any] = {}
+
+    async def two_steps_on_2_ranks() -> bool:
+        nonlocal first, state
         st = await ctl.status()
         assert st.state == "running", (st.state, st.last_error, st.pane_tail)
         state = json.loads((run / "run-state.json").read_text())
         step = st.step  # the status lines' step (run-state.json is not rewritten per step)
         if state.get("world_size") == 2 and step is not None:
             first = step if first is None else first
-            if step >= first + 2:
-                break
-        assert loop.time() < end, f"no two steps on 2 ranks within 300 s: {state}"
-        await asyncio.sleep(0.5)
+            return step >= first + 2
+        return False
+
+    await budget.until_awaited(two_steps_on_2_ranks, every=0.5, detail=lambda: str(state))
+    assert first is not None
     rank0 = state["pid"]
     assert isinstance(rank0, int) and alive(rank0)
     # torchrun's grace before it SIGKILLs the ranks after a stop: raised for the checkpoint
@@ -177,7 +181,7 @@ async def test_two_cpu_drafter_ranks_start_step_and_stop_under_torchrun(
     # rank 0's parent is torchrun, the supervisor's child: its record names that parent
     assert state["parent_pid"] != state["pid"] and alive(state["parent_pid"])
 
-    stopped = await ctl.stop(timeout=180)
+    stopped = await ctl.stop(timeout=budget.left())
     assert stopped.was_running and stopped.outcome in {"exited", "checkpointed"}, stopped
     assert stopped.checkpoint is not None and stopped.checkpoint.step >= first + 2, stopped
     assert Path(ctl.host.workdir, stopped.checkpoint.path).is_file()
@@ -190,11 +194,8 @@ async def test_two_cpu_drafter_ranks_start_step_and_stop_under_torchrun(
     final = json.loads((run / "run-state.json").read_text())
     assert (final["stop_signal"], final["signals"], final["exit_status"]) == ("SIGINT", 1, 0)
     assert final["last_checkpoint"] == stopped.checkpoint.path, final
-    for _ in range(100):  # the ranks exited with torchrun (killed session or not)
-        if not alive(rank0):
-            break
-        await asyncio.sleep(0.1)
-    assert not alive(rank0), "rank 0 outlived the stop"
+    # the ranks exited with torchrun (killed session or not)
+    await budget.until_async(lambda: not alive(rank0), "rank 0 to exit after the stop")
 
 
 def test_group_launches_and_the_host_start_share_the_trainer_args() -> None:

@@ -54,6 +54,7 @@ from dflashctl.runs.measure import (
 )
 from dflashctl.runs.service import MeasureInProgress
 from dflashctl.runs.snapshot import iso_utc, measure_started
+from tests import budget
 from tests.conftest import require_part
 from tests.ctl import parts as P
 
@@ -331,7 +332,7 @@ async def test_refused_while_training_runs_and_for_what_cannot_run(
         assert said.endswith("a measure would share its devices; `dflashctl stop loc` first")
         assert not (wd / "measure").exists()  # nothing was started
     finally:
-        await ctl.stop(timeout=20)
+        await ctl.stop(timeout=budget.left())
     (wd / "run" / "config.toml").unlink()
     with pytest.raises(MeasureError, match=r"^loc: no .*run/config\.toml; deploy with --config"):
         await mc.start(MeasureRequest(steps=2))
@@ -442,7 +443,7 @@ async def test_start_restart_and_a_groups_start_are_refused_while_a_measure_runs
     try:
         assert res.started
     finally:
-        await ctl.stop(timeout=20)
+        await ctl.stop(timeout=budget.left())
 
 
 # --- the CLI over real sshd + pct + LXC + tmux, the real trainer.measure ----------------------
@@ -531,10 +532,9 @@ def test_measure_over_ssh_follows_detaches_refuses_and_prints_the_table(
     assert json.loads(out)[0]["measure"]["session"] == "dflash-test-measure", out
     rc, out, err = cli([*inv, "measure", "ct", "--result"], capsys)
     assert rc == ExitCode.FAILED and "is still running (since " in err and not out, err
-    end = time.monotonic() + 600
     while rc != 0:
         assert "is still running" in err, err
-        assert time.monotonic() < end, "the detached measure did not finish"
+        assert budget.left() > 3, "the detached measure did not finish within the test's budget"
         time.sleep(3)
         rc, out, err = cli([*inv, "measure", "ct", "--result"], capsys)
     rows = [ln.split()[0] for ln in out.splitlines()[2:4]]
@@ -563,7 +563,7 @@ def test_measure_over_ssh_follows_detaches_refuses_and_prints_the_table(
             ],
             capture_output=True,
             text=True,
-            timeout=30,
+            timeout=budget.left(),
             check=False,
         )
         return [ln for ln in got.stdout.splitlines() if " -m trainer --config " in ln]
@@ -576,14 +576,15 @@ def test_measure_over_ssh_follows_detaches_refuses_and_prints_the_table(
         stderr=subprocess.PIPE,
         text=True,
     )
+
+    def timing() -> list[str]:
+        assert client.poll() is None, client.communicate()
+        return trainers()
+
     try:
-        end = time.monotonic() + 120
-        while not trainers():
-            assert client.poll() is None, client.communicate()
-            assert time.monotonic() < end, "the measure never started a timing run"
-            time.sleep(0.5)
+        budget.until(timing, "the measure to start a timing run", every=0.5)
         client.send_signal(signal.SIGINT)
-        _, client_err = client.communicate(timeout=30)
+        _, client_err = client.communicate(timeout=budget.left())
     finally:
         if client.poll() is None:
             client.kill()
@@ -596,25 +597,29 @@ def test_measure_over_ssh_follows_detaches_refuses_and_prints_the_table(
     assert rc == ExitCode.FAILED and "is still running" in err, err
     rc, out, err = cli([*inv, "measure", "ct", "--stop"], capsys)
     assert rc == 0 and re.match(r"ct: measure \d{8}T\d{6}Z stopped after \d", out), out
-    end = time.monotonic() + 30
-    while trainers():
-        assert time.monotonic() < end, f"a timing run outlived its measure: {trainers()}"
-        time.sleep(0.5)
+    budget.until(
+        lambda: not trainers(),
+        "the timing runs to end with their measure",
+        every=0.5,
+        detail=lambda: str(trainers()),
+    )
     rc, out, err = cli([*inv, "measure", "ct", "--result"], capsys)
     assert rc == ExitCode.FAILED and "was stopped (" in err and "before it finished" in err, err
     last = sorted((clean_workdir / "measure").iterdir())[-1]
-    end = time.monotonic() + 30
-    while list((last / "tmp").glob("dflash-measure-*")):  # the timing runs' dirs, removed
-        assert time.monotonic() < end, (
-            (last / "progress.log").read_text(),
-            subprocess.run(
+    budget.until(  # the timing runs' dirs, removed
+        lambda: not list((last / "tmp").glob("dflash-measure-*")),
+        "the timing runs' temp dirs removed",
+        every=0.5,
+        detail=lambda: (
+            (last / "progress.log").read_text()
+            + subprocess.run(
                 ["lxc-attach", "-n", real_parts.container.name, "--", "ps", "axjf"],
                 capture_output=True,
                 text=True,
                 check=False,
-            ).stdout,
-        )
-        time.sleep(0.5)
+            ).stdout
+        ),
+    )
     assert cli([*inv, "measure", "ct", "--stop"], capsys)[1] == "ct: no measure is running\n"
 
 
@@ -624,7 +629,7 @@ def test_measure_help_says_a_group_measures_on_node_0() -> None:
         cwd=REPO,
         capture_output=True,
         text=True,
-        timeout=60,
+        timeout=budget.left(),
         check=False,
     )
     assert proc.returncode == 0 and "on node 0" in " ".join(proc.stdout.split())

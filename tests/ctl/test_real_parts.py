@@ -5,7 +5,6 @@ The trainer here is the stand-in (fast, torch-free); test_e2e.py runs the real o
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import subprocess
@@ -20,6 +19,7 @@ from dflashctl.releases.release import Release
 from dflashctl.remote.ssh import SshTransport
 from dflashctl.runs.control import RunControl
 from dflashctl.runs.follow import lines_of
+from tests import budget
 from tests.ctl import parts as P
 
 TINY = Path(__file__).resolve().parents[2] / "configs" / "tiny-cpu.toml"
@@ -128,11 +128,11 @@ async def test_run_control_over_ssh_pct_and_tmux(
         )
         assert listing.split() == [ssh_host.session, "250"]
 
-        for _ in range(100):
-            st = await ctl.status()
-            if (st.step or 0) >= 3:
-                break
-            await asyncio.sleep(0.2)
+        async def at_step_3() -> bool:
+            return ((await ctl.status()).step or 0) >= 3
+
+        await budget.until_awaited(at_step_3, every=0.2)
+        st = await ctl.status()
         assert st.state == "running" and st.step is not None and st.step >= 3
         assert st.run_release == standin_release.id
 
@@ -142,12 +142,16 @@ async def test_run_control_over_ssh_pct_and_tmux(
             if len(got) == 4:
                 break
         assert got[0] == "Starting pipeline..." and got[3].startswith("[0m] step=2 ")
-        await asyncio.sleep(0.5)
-        # closing the stream killed the helper inside the container
-        procs = in_container(real_parts, "ps", "-eo", "comm").split()
-        assert "ps" in procs and "tail" not in procs
 
-        stop = await ctl.stop(timeout=30)
+        # closing the stream killed the helper inside the container
+        def tail_gone() -> list[str] | None:
+            procs = in_container(real_parts, "ps", "-eo", "comm").split()
+            return None if "tail" in procs else procs
+
+        # (async: closing the stream ends its helper on this event loop)
+        assert "ps" in await budget.until_async(tail_gone, every=0.2)
+
+        stop = await ctl.stop(timeout=budget.left())
         assert stop.checkpoint is not None and stop.checkpoint.step >= 3
         assert (clean_workdir / stop.checkpoint.path).is_file()
         assert (await ctl.status()).state == "stopped"

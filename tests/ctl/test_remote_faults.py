@@ -25,6 +25,7 @@ from dflashctl.remote.ssh import SshTransport
 from dflashctl.runs.control import RunControl
 from dflashctl.runs.follow import Connected, FollowEvent, Line, lines_of
 from dflashctl.runs.snapshot import RunStatus
+from tests import budget
 from tests.ctl import parts as P
 
 pytestmark = [pytest.mark.parts, pytest.mark.timeout(180)]
@@ -40,12 +41,9 @@ def in_container(parts: P.Parts, *argv: str) -> str:
 
 
 async def settle(probe: Callable[[], object], what: str) -> None:
-    """Wait (bounded) until `probe()` is empty: a killed process takes a moment to be reaped."""
-    for _ in range(50):
-        if not probe():
-            return
-        await asyncio.sleep(0.1)
-    raise AssertionError(f"{what}: {probe()}")
+    """Wait (within the test's budget) until `probe()` is empty: a killed process takes a moment
+    to be reaped."""
+    await budget.until_async(lambda: not probe(), what, every=0.1, detail=lambda: str(probe()))
 
 
 def inventory_with(parts: P.Parts, d: Path, *extra: str) -> Path:
@@ -232,7 +230,7 @@ async def test_timed_out_commands_never_use_up_the_sessions_of_the_live_log_stre
             f.writelines(f"line {i}\n" for i in range(len(got), n))
         while len(got) < n:
             arrived.clear()
-            await asyncio.wait_for(arrived.wait(), 30)
+            await asyncio.wait_for(arrived.wait(), budget.left())
 
     follower = asyncio.create_task(follow())
     try:
@@ -295,7 +293,7 @@ async def test_start_passes_env_values_with_tmux_and_shell_syntax_verbatim(
         assert not (clean_workdir / "pwned").exists() and "pwned" not in in_container(
             real_parts, "ls", "/tmp"
         )
-        await ctl.stop(timeout=30)
+        await ctl.stop(timeout=budget.left())
     finally:
         await transport.close()
 

@@ -12,6 +12,7 @@ from dflashctl.config.inventory import local_host
 from dflashctl.remote import LocalTransport
 from dflashctl.runs.control import RunControl
 from dflashctl.runs.service import RunService
+from tests import budget
 
 PROTOCOL_METHODS = (
     "status",
@@ -60,7 +61,7 @@ async def test_tail_log_is_one_stream_from_a_line_and_counts_lines(tmp_path: Pat
         await asyncio.sleep(0.3)
         with log.open("a") as fh:
             fh.write("d\npartial")
-        await asyncio.wait_for(task, 10)
+        await asyncio.wait_for(task, budget.left())
         assert got[0].startswith("b") and "\x1b" not in got[0]  # sanitised where it enters
         assert [got[1], got[2]] == ["c", "d"]
     finally:

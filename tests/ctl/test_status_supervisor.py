@@ -25,6 +25,7 @@ from dflashctl.cli.status_text import format_run_status, low_disk_lines, supervi
 from dflashctl.remote.commands import supervised
 from dflashctl.remote.run import MARK, STATUS_SCRIPT
 from dflashctl.runs.snapshot import parse_status, split_sections
+from tests import budget
 from trainer.config.policy import Policy
 
 RESTART = {
@@ -179,11 +180,8 @@ CHILD = (
 )
 
 
-def _until(cond: Callable[[], bool], what: str, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
+def _until(cond: Callable[[], bool], what: str) -> None:
+    budget.until(cond, what)
 
 
 def _file(path: Path) -> dict[str, Any]:
@@ -235,7 +233,7 @@ def test_low_disk_as_the_real_supervisor_writes_it_reaches_status_text_and_json(
         assert got.to_json_dict()["supervisor"]["low_disk"] is None
         assert "disk:" not in format_run_status(got)
         (run / "done").touch()
-        assert proc.wait(30) == 0
+        assert budget.wait(proc, "the supervisor to exit") == 0
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
@@ -367,7 +365,7 @@ def test_the_status_script_reads_the_newest_measure_without_an_exit_status(
             capture_output=True,
             text=True,
             env={"PATH": f"{bin_dir}:/usr/bin:/bin"},
-            timeout=30,
+            timeout=budget.left(),
             check=True,
         )
         return split_sections(got.stdout)

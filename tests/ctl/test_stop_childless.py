@@ -27,6 +27,7 @@ from dflashctl.remote.layout import RemoteLayout
 from dflashctl.remote.tmux import tmux_new_session
 from dflashctl.runs.control import RunControl
 from dflashctl.runs.stopper import kill_if_childless
+from tests import budget
 from tests.conftest import require_part
 from trainer.events.lifecycle import format_checkpoint_line
 
@@ -67,13 +68,13 @@ def gone(pid: int) -> bool:
     return stat.rsplit(")", 1)[1].split()[0] == "Z"
 
 
-def wait_until(cond: Callable[[], bool], seconds: float) -> bool:
-    end = time.monotonic() + seconds
-    while time.monotonic() < end:
-        if cond():
-            return True
-        time.sleep(0.05)
-    return bool(cond())
+def wait_until(cond: Callable[[], bool]) -> bool:
+    """Whether `cond` came true within the test's one budget."""
+    try:
+        budget.until(cond)
+    except budget.BudgetSpent:
+        return bool(cond())
+    return True
 
 
 def end_processes(pids: list[int]) -> None:
@@ -115,16 +116,16 @@ async def test_a_node_stop_kills_the_torchrun_its_ranks_left(
         tmux_new_session(ctl.host.session, fake, cwd=ctl.host.workdir, env={})
     )
     assert started.ok, started.error_line()
-    assert wait_until(pids_file.exists, 30), "the stand-in torchrun did not start its rank"
+    assert wait_until(pids_file.exists), "the stand-in torchrun did not start its rank"
     torchrun, rank = (int(x) for x in pids_file.read_text().split())
     try:
         assert (await ctl.status()).state == "running"
-        stopped = await ctl.stopper.stop_node(60.0, settle_s=1.0)
+        stopped = await ctl.stopper.stop_node(budget.left(), settle_s=1.0)
         # the rank checkpointed and exited; torchrun did not exit by itself within settle_s
         assert stopped.was_running and stopped.outcome == "checkpointed", stopped
         assert stopped.checkpoint is not None and stopped.checkpoint.step == 7, stopped
         assert gone(rank)
-        assert wait_until(lambda: gone(torchrun), 10), "torchrun outlived its ranks' stop"
+        assert wait_until(lambda: gone(torchrun)), "torchrun outlived its ranks' stop"
         assert (await ctl.status()).state == "stopped"  # the session is gone too
     finally:
         end_processes([rank, torchrun])
@@ -135,7 +136,7 @@ def _parent_with_child(tmp_path: Path) -> tuple[subprocess.Popen[str], int]:
     pids_file = tmp_path / "pids"
     child = "import time\nwhile True: time.sleep(0.05)"
     parent = subprocess.Popen([sys.executable, "-c", TORCHRUN, str(pids_file), child], text=True)
-    assert wait_until(pids_file.exists, 30), "the parent did not start its child"
+    assert wait_until(pids_file.exists), "the parent did not start its child"
     return parent, int(pids_file.read_text().split()[1])
 
 
@@ -145,16 +146,20 @@ def test_the_kill_spares_a_parent_with_a_live_child_and_ends_a_childless_one(
 ) -> None:
     parent, child = _parent_with_child(tmp_path)
     try:
-        spared = subprocess.run(kill_if_childless(parent.pid), capture_output=True, timeout=30)
+        spared = subprocess.run(
+            kill_if_childless(parent.pid), capture_output=True, timeout=budget.left()
+        )
         assert spared.returncode != 0  # pgrep found the rank: nothing killed
         time.sleep(0.3)
         assert parent.poll() is None and not gone(child)
         os.kill(child, signal.SIGKILL)  # the rank goes; its parent reaps it and stays
-        assert wait_until(lambda: gone(child) and not Path(f"/proc/{child}").exists(), 10)
+        assert wait_until(lambda: gone(child) and not Path(f"/proc/{child}").exists())
         assert parent.poll() is None
-        killed = subprocess.run(kill_if_childless(parent.pid), capture_output=True, timeout=30)
+        killed = subprocess.run(
+            kill_if_childless(parent.pid), capture_output=True, timeout=budget.left()
+        )
         assert killed.returncode == 0, killed
-        assert parent.wait(timeout=10) == -signal.SIGKILL
+        assert budget.wait(parent, "the childless parent killed") == -signal.SIGKILL
     finally:
         end_processes([child])
         if parent.poll() is None:

@@ -22,6 +22,7 @@ from typing import Any
 import pytest
 
 from dflashctl.cli.main import main as cli_main
+from tests import budget
 from tests.conftest import require_part
 from tests.ctl import parts as P
 from tests.ctl.test_notify import SECRET, Receiver
@@ -72,16 +73,16 @@ class Site:
         inv: list[str],
         capsys: pytest.CaptureFixture[str],
         pred: Callable[[dict[str, Any]], bool],
-        timeout: float,
         what: str,
     ) -> dict[str, Any]:
-        end = time.monotonic() + timeout
-        while True:
-            st = self.status(inv, capsys)
-            if pred(st):
-                return st
-            assert time.monotonic() < end, f"{what}: not reached within {timeout:g} s: {st}"
-            time.sleep(1)
+        """`status --json` until `pred` holds, within the test's one budget."""
+        seen: list[dict[str, Any]] = []
+
+        def holds() -> dict[str, Any] | None:
+            seen[:] = [self.status(inv, capsys)]
+            return seen[0] if pred(seen[0]) else None
+
+        return budget.until(holds, what, every=1, detail=lambda: f"last status: {seen}")
 
     def in_container(self, *argv: str) -> subprocess.CompletedProcess[str]:
         name = self.parts.container.name
@@ -150,9 +151,7 @@ def test_a_killed_trainer_is_restarted_from_its_checkpoint_and_status_lists_it(
     assert cli_main([*inv, "start", "ct", "--wait-s", "300"]) == 0
     out = capsys.readouterr().out
     assert "-m trainer.supervise --restart=on-failure --max-restarts=2" in out
-    st = site.wait(
-        inv, capsys, lambda s: s["last_checkpoint"] is not None, 300, "a first checkpoint"
-    )
+    st = site.wait(inv, capsys, lambda s: s["last_checkpoint"] is not None, "a first checkpoint")
     assert st["state"] == "running" and st["restarts"] == []
     assert st["supervisor"]["state"] == "running" and st["supervisor"]["gave_up"] is False
     ckpt = st["last_checkpoint"]["step"]
@@ -164,7 +163,6 @@ def test_a_killed_trainer_is_restarted_from_its_checkpoint_and_status_lists_it(
         inv,
         capsys,
         lambda s: bool(s["restarts"]) and s["restarts"][0]["resumed_step"] is not None,
-        120,
         "a restart that resumed",
     )
     restart = st["restarts"][0]
@@ -176,7 +174,6 @@ def test_a_killed_trainer_is_restarted_from_its_checkpoint_and_status_lists_it(
         inv,
         capsys,
         lambda s: s["state"] == "running" and (s["step"] or 0) > restart["resumed_step"],
-        180,
         "a step past the checkpoint",
     )
     assert len(st["restarts"]) == 1  # one kill, one restart
@@ -198,11 +195,11 @@ def test_a_killed_trainer_is_restarted_from_its_checkpoint_and_status_lists_it(
             assert got["state"] == "unreachable" and "no answer within 2 s" in got["message"]
             assert got["restarts"] == [] and got["supervisor"] is None
             time.sleep(2)
-    st = site.wait(inv, capsys, lambda s: (s["step"] or 0) > before, 120, "steps after the outage")
+    st = site.wait(inv, capsys, lambda s: (s["step"] or 0) > before, "steps after the outage")
     assert st["state"] == "running" and len(st["restarts"]) == 1
 
     capsys.readouterr()
-    assert cli_main([*inv, "stop", "ct", "--timeout", "120"]) == 0
+    assert cli_main([*inv, "stop", "ct", "--timeout", f"{budget.left():.0f}"]) == 0
     assert "checkpoint step" in capsys.readouterr().out
     st = site.status(inv, capsys)
     assert st["state"] == "stopped" and site.supervisor_file()["state"] == "stopped"
@@ -230,7 +227,7 @@ def test_a_sigstopped_trainer_is_stalled_its_stacks_logged_and_it_is_restarted(
             and (rs.get("last_step") or 0) > 0
         )
 
-    st = site.wait(inv, capsys, trained_past_a_checkpoint, 300, "a first checkpoint")
+    st = site.wait(inv, capsys, trained_past_a_checkpoint, "a first checkpoint")
     assert st["state"] == "running" and st["restarts"] == []
     pid = st["supervisor"]["trainer_pid"]
     try:
@@ -249,7 +246,6 @@ def stalled_and_restarted(
         inv,
         capsys,
         lambda s: bool(s["restarts"]) and s["restarts"][0]["resumed_step"] is not None,
-        180,
         "the stall's restart",
     )
     (restart,) = st["restarts"]
@@ -267,14 +263,13 @@ def stalled_and_restarted(
         inv,
         capsys,
         lambda s: s["state"] == "running" and (s["step"] or 0) > restart["resumed_step"],
-        180,
         "a step after the resume",
     )
     capsys.readouterr()
     assert cli_main([*inv, "status", "ct"]) == 0
     text = capsys.readouterr().out
     assert re.search(r"restart 1: stalled 10 s, resumed from step \d+ \(\d+s ago\)", text), text
-    assert cli_main([*inv, "stop", "ct", "--timeout", "120"]) == 0
+    assert cli_main([*inv, "stop", "ct", "--timeout", f"{budget.left():.0f}"]) == 0
     st = site.status(inv, capsys)
     sup = site.supervisor_file()
     assert st["state"] == "stopped" and sup["state"] == "stopped" and len(sup["restarts"]) == 1
@@ -285,7 +280,7 @@ def test_a_finished_run_is_not_restarted(site: Site, capsys: pytest.CaptureFixtu
     cfg = tiny_config(site.base, "short.toml", "max_steps = 3")
     assert cli_main([*inv, "deploy", "ct", "--config", str(cfg), "--fresh"]) == 0
     assert cli_main([*inv, "start", "ct", "--fresh", "--wait-s", "300"]) == 0
-    st = site.wait(inv, capsys, lambda s: s["state"] != "running", 300, "the end of the plan")
+    st = site.wait(inv, capsys, lambda s: s["state"] != "running", "the end of the plan")
     assert st["state"] == "stopped" and st["finished"] and st["exit_status"] == 0, st
     assert st["restarts"] == [] and st["supervisor"]["state"] == "finished"
     time.sleep(2)  # a restart would have begun by now (backoff 0.5 s)
@@ -298,10 +293,11 @@ def test_stop_during_a_restart_backoff_stops_for_good(
     site: Site, capsys: pytest.CaptureFixture[str]
 ) -> None:
     # a device that does not exist: exit 2 at every start, made restartable here by the
-    # inventory (no_restart_exit_codes = [3]); a long backoff keeps the supervisor waiting
+    # inventory (no_restart_exit_codes = [3]); a backoff longer than any test budget keeps the
+    # supervisor waiting however slowly the steps below run (the stop cuts it short)
     inv = site.inventory(
         "restartable-config-error",
-        policy=POLICY.replace("restart_backoff_s = 0.5", "restart_backoff_s = 120")
+        policy=POLICY.replace("restart_backoff_s = 0.5", "restart_backoff_s = 7200")
         + "no_restart_exit_codes = [3]\n",
     )
     text = tiny_config(site.base, "run.toml").read_text()
@@ -317,19 +313,23 @@ def test_stop_during_a_restart_backoff_stops_for_good(
     assert re.search(
         r"^dflashctl: ct: the trainer exited with status 2 \(refused: a user error\) \d+ s after "
         r"it was started: topology: device .cuda:99. requested.*; its supervisor restarts it "
-        r"\(restart 1 of 2, in 120 s\): `dflashctl stop ct` ends it$",
+        r"\(restart 1 of 2, in 7200 s\): `dflashctl stop ct` ends it$",
         err[0],
     ), err[0]
     st = site.status(inv, capsys)
     assert st["state"] == "restarting" and st["supervisor"]["state"] == "restarting"
     assert [r["reason"] for r in st["restarts"]] == ["exit 2"]
     capsys.readouterr()
-    assert cli_main([*inv, "stop", "ct", "--timeout", "60"]) == 0
+    assert cli_main([*inv, "stop", "ct", "--timeout", f"{budget.left():.0f}"]) == 0
     assert (
         "stopped (exited); it was in a restart backoff: nothing unsaved" in capsys.readouterr().out
     )
-    time.sleep(2)
-    st = site.status(inv, capsys)
+    st = site.wait(
+        inv,
+        capsys,
+        lambda s: s["state"] == "stopped" and site.supervisor_file()["state"] == "stopped",
+        "the session and its supervisor to end",
+    )
     assert st["state"] == "stopped" and st["exit_status"] is None  # session ended
     sup = site.supervisor_file()
     assert sup["state"] == "stopped" and sup["attempt"] == 1 and len(sup["restarts"]) == 1
@@ -358,18 +358,20 @@ def test_a_crash_loop_is_restarted_max_restarts_times_then_gave_up(
         )
         try:
             out, err = Lines(watch.stdout), Lines(watch.stderr)
-            err.wait_for(r"watching ct every 1 s .*notifying 1 target", 30)
+            err.wait_for(r"watching ct every 1 s .*notifying 1 target")
             time.sleep(2.5)  # polls of the stopped host: the watch knows it before the start
             cli_main([*inv, "start", "ct", "--fresh", "--wait-s", "0"])
-            st = site.wait(inv, capsys, lambda s: s["state"] == "gave-up", 400, "gave up")
-            out.wait_for(r" ct gave-up: ", 30)
-            end = time.monotonic() + 120  # the burst window (90 s) from the first restart
-            while not rx.received:
-                assert time.monotonic() < end and watch.poll() is None, (out.lines, err.lines)
-                time.sleep(0.2)
+            st = site.wait(inv, capsys, lambda s: s["state"] == "gave-up", "gave up")
+            out.wait_for(r" ct gave-up: ")
+
+            def notified() -> bool:  # at the end of the burst window (90 s) from the first restart
+                assert watch.poll() is None, (out.lines, err.lines)
+                return bool(rx.received)
+
+            budget.until(notified, "the gave-up notification", every=0.2)
             time.sleep(5)  # five more polls of the gave-up host: nothing is repeated
             watch.send_signal(signal.SIGTERM)
-            assert watch.wait(30) == 0, err.lines
+            assert budget.wait(watch, "the watch to exit after SIGTERM") == 0, err.lines
         finally:
             if watch.poll() is None:
                 watch.kill()
@@ -420,7 +422,7 @@ def test_a_stop_whose_checkpoint_is_not_written_fails_and_says_what_was_lost(
     rare.write_text(re.sub(r"(?m)^every_steps = \d+", "every_steps = 100000", text))
     assert cli_main([*inv, "deploy", "ct", "--config", str(rare)]) == 0
     assert cli_main([*inv, "start", "ct", "--fresh", "--wait-s", "300"]) == 0
-    site.wait(inv, capsys, lambda s: (s["step"] or 0) >= 3, 300, "three steps")
+    site.wait(inv, capsys, lambda s: (s["step"] or 0) >= 3, "three steps")
     ckpts = f"{P.CONTAINER_WORKDIR}/run/checkpoints"
     with P.container_tmpfs(site.parts, ckpts, "64k"):
         P.attach(site.parts, 'dd if=/dev/zero of="$1/fill" bs=4k 2>/dev/null; true', ckpts)
@@ -459,7 +461,7 @@ def test_status_stays_true_when_the_run_directory_is_completely_full(
         with P.container_tmpfs(site.parts, run, "48m"):
             P.attach(site.parts, 'cp /tmp/dflt-run-config.toml "$1/config.toml"', run)
             assert cli_main([*inv, "start", "ct", "--fresh", "--wait-s", "300"]) == 0
-            site.wait(inv, capsys, lambda s: (s["step"] or 0) >= 3, 300, "three steps")
+            site.wait(inv, capsys, lambda s: (s["step"] or 0) >= 3, "three steps")
             # to the last byte: tmpfs hands out pages, so status.log's last one is topped up too
             fill = (
                 'dd if=/dev/zero of="$1/fill" bs=16k 2>/dev/null; '
@@ -467,7 +469,7 @@ def test_status_stays_true_when_the_run_directory_is_completely_full(
                 "true"
             )
             P.attach(site.parts, fill, run)
-            st = site.wait(inv, capsys, lambda s: s["state"] != "running", 300, "the run to end")
+            st = site.wait(inv, capsys, lambda s: s["state"] != "running", "the run to end")
             pane = _pane_lines(site)
             log = P.attach(site.parts, 'cat "$1/status.log"', run).splitlines()
             pane_step, log_step = _last_step(pane), _last_step(log)

@@ -38,6 +38,7 @@ from dflashctl.config.inventory import HostConfig, load_inventory, local_host
 from dflashctl.remote.connect import make_transport
 from dflashctl.remote.transport import LocalTransport
 from dflashctl.runs.control import RunControl
+from tests import budget
 from tests.conftest import require_part
 from tests.ctl import parts as P
 from tests.ctl.test_notify import SECRET, Receiver
@@ -89,14 +90,15 @@ def stop_sshd(sd: P.Sshd) -> None:
     for child in children:
         with contextlib.suppress(ProcessLookupError):
             os.kill(int(child), signal.SIGKILL)
-    end = time.monotonic() + 10
-    while True:
+
+    def refused() -> bool:
         try:
-            socket.create_connection(("127.0.0.1", sd.port), 0.2).close()
+            socket.create_connection(("127.0.0.1", sd.port), 1.0).close()
         except OSError:
-            return
-        assert time.monotonic() < end, "sshd still accepts connections"
-        time.sleep(0.05)
+            return True
+        return False
+
+    budget.until(refused, f"sshd on port {sd.port} to refuse connections")
 
 
 def start_sshd(sd: P.Sshd) -> subprocess.Popen[bytes]:
@@ -106,14 +108,16 @@ def start_sshd(sd: P.Sshd) -> subprocess.Popen[bytes]:
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
-    end = time.monotonic() + 10
-    while True:
-        with contextlib.suppress(OSError):
-            socket.create_connection(("127.0.0.1", sd.port), 0.2).close()
-            return proc
+
+    def listening() -> bool:
         assert proc.poll() is None, "sshd did not start again"
-        assert time.monotonic() < end, "sshd did not listen again within 10 s"
-        time.sleep(0.05)
+        with contextlib.suppress(OSError):
+            socket.create_connection(("127.0.0.1", sd.port), 1.0).close()
+            return True
+        return False
+
+    budget.until(listening, f"sshd listening again on port {sd.port}")
+    return proc
 
 
 class Lines:
@@ -131,13 +135,14 @@ class Lines:
                 self.lines.append(line.rstrip("\n"))
                 self._cond.notify_all()
 
-    def wait_for(self, pattern: str, timeout: float) -> str:
+    def wait_for(self, pattern: str) -> str:
+        """The first line matching `pattern`, waited for within the test's budget."""
         rx = re.compile(pattern)
         with self._cond:
             ok = self._cond.wait_for(
-                lambda: any(rx.search(ln) for ln in self.lines), timeout=timeout
+                lambda: any(rx.search(ln) for ln in self.lines), timeout=budget.left()
             )
-            assert ok, f"no line matching {pattern!r} within {timeout} s: {self.lines}"
+            assert ok, f"no line matching {pattern!r} within the test's budget: {self.lines}"
             return next(ln for ln in self.lines if rx.search(ln))
 
 
@@ -146,11 +151,8 @@ def last_step(run_dir: Path) -> int:
     return int(steps[-1]) if steps else 0
 
 
-def wait_until(pred, timeout: float, what: str) -> None:  # type: ignore[no-untyped-def]
-    end = time.monotonic() + timeout
-    while not pred():
-        assert time.monotonic() < end, f"{what} not within {timeout} s"
-        time.sleep(0.2)
+def wait_until(pred, what: str) -> None:  # type: ignore[no-untyped-def]
+    budget.until(pred, what, every=0.2)
 
 
 @pytest.mark.slow
@@ -192,7 +194,7 @@ def test_watch_process_reports_an_outage_and_the_finish_once_each_in_order(
         assert cli_main([*args, "deploy", "ct", "--tree", str(tree)]) == 0
         assert cli_main([*args, "start", "ct", "--wait-s", "180"]) == 0
         run_dir = clean_workdir / "run"
-        wait_until(lambda: last_step(run_dir) > 0, 120, "a first step")
+        wait_until(lambda: last_step(run_dir) > 0, "a first step")
 
         exe = Path(sys.executable).with_name("dflashctl")
         watch = subprocess.Popen(
@@ -204,24 +206,24 @@ def test_watch_process_reports_an_outage_and_the_finish_once_each_in_order(
         out, err = Lines(watch.stdout), Lines(watch.stderr)
         restarted: subprocess.Popen[bytes] | None = None
         try:
-            err.wait_for(r"watching ct every 1 s .*notifying 1 target", 30)
+            err.wait_for(r"watching ct every 1 s .*notifying 1 target")
             time.sleep(2.5)  # a few reachable polls: the watch knows the run as running
             assert watch.poll() is None and out.lines == [], out.lines
             stop_sshd(sd)
             step_down = last_step(run_dir)
-            out.wait_for(r" ct unreachable: unreachable since ", 60)
-            wait_until(lambda: len(rx.received) >= 1, 30, "the unreachable notification")
+            out.wait_for(r" ct unreachable: unreachable since ")
+            wait_until(lambda: len(rx.received) >= 1, "the unreachable notification")
             restarted = start_sshd(sd)
-            out.wait_for(r" ct recovered \(unreachable\): reachable again after ", 60)
+            out.wait_for(r" ct recovered \(unreachable\): reachable again after ")
             capsys.readouterr()
             assert cli_main([*args, "status", "ct", "--json"]) == 0
             st = json.loads(capsys.readouterr().out)[0]
             assert st["state"] in {"running", "stopped"} and st["step"] > step_down, st
-            out.wait_for(r" ct finished: at step \d+", 240)
-            wait_until(lambda: len(rx.received) >= 3, 30, "three notifications")
+            out.wait_for(r" ct finished: at step \d+")
+            wait_until(lambda: len(rx.received) >= 3, "three notifications")
             watch.send_signal(signal.SIGTERM)
-            assert watch.wait(30) == 0
-            err.wait_for(r"stopped; all 3 notification\(s\) handed over were processed", 5)
+            assert budget.wait(watch, "the watch to exit after SIGTERM") == 0
+            err.wait_for(r"stopped; all 3 notification\(s\) handed over were processed")
         finally:
             if watch.poll() is None:
                 watch.kill()
@@ -279,12 +281,12 @@ async def test_a_receiver_that_is_down_does_not_stop_the_watch(
     lines: list[str] = []
     stop = asyncio.Event()
 
-    async def seen(pattern: str, timeout: float) -> None:
-        end = time.monotonic() + timeout
-        while not any(re.search(pattern, ln) for ln in lines):
+    async def seen(pattern: str) -> None:
+        def there() -> bool:
             assert not task.done(), f"the watch ended: {task}"
-            assert time.monotonic() < end, f"no {pattern!r} within {timeout} s: {lines}"
-            await asyncio.sleep(0.1)
+            return any(re.search(pattern, ln) for ln in lines)
+
+        await budget.until_async(there, f"a line matching {pattern!r}", every=0.1)
 
     with caplog.at_level(logging.WARNING, logger="dflashctl.alerts.notify"):
         task = asyncio.create_task(
@@ -297,11 +299,11 @@ async def test_a_receiver_that_is_down_does_not_stop_the_watch(
                 emit=lines.append,
             )
         )
-        await seen(r" gone unreachable: ", 30)
-        end = time.monotonic() + 30
-        while "after 2 attempts; dropped: dflash gone: unreachable" not in caplog.text:
-            assert time.monotonic() < end, caplog.text
-            await asyncio.sleep(0.1)
+        await seen(r" gone unreachable: ")
+        await budget.until_async(
+            lambda: "after 2 attempts; dropped: dflash gone: unreachable" in caplog.text,
+            detail=lambda: caplog.text,
+        )
         rx = Receiver()
         rx.server.server_close()
         rx.server = ThreadingHTTPServer(("127.0.0.1", rx_port), rx.server.RequestHandlerClass)
@@ -316,14 +318,11 @@ async def test_a_receiver_that_is_down_does_not_stop_the_watch(
                 assert res.ok, res.stderr
             finally:
                 await t.close()
-            await seen(r" ct crashed: exit 1", 60)
-            end = time.monotonic() + 30
-            while not rx.received:
-                assert time.monotonic() < end, "the crash notification never arrived"
-                await asyncio.sleep(0.1)
+            await seen(r" ct crashed: exit 1")
+            await budget.until_async(lambda: rx.received, "the crash notification")
             assert not task.done()
             stop.set()
-            outcome = await asyncio.wait_for(task, 30)
+            outcome = await asyncio.wait_for(task, budget.left())
     assert [r["title"] for r in rx.received] == ["dflash ct: crashed"]
     assert outcome.abandoned == 0 and outcome.queued == 2
     assert [re.sub(r"^\S+ (\S+ \S+).*", r"\1", ln) for ln in lines] == [
@@ -415,12 +414,14 @@ async def test_stop_abandons_what_the_drain_bound_cannot_send(tmp_path: Path) ->
             emit=lines.append,
         )
     )
-    end = time.monotonic() + 30
-    while not lines:
-        assert time.monotonic() < end and not task.done(), (lines, task)
-        await asyncio.sleep(0.1)
+
+    def emitted() -> list[str]:
+        assert not task.done(), task
+        return lines
+
+    await budget.until_async(emitted, "a line from the watch")
     stop.set()  # the burst window's event is handed over now, or by the stop's flush
-    outcome = await asyncio.wait_for(task, 20)
+    outcome = await asyncio.wait_for(task, budget.left())
     assert " gone unreachable: " in lines[0]
     assert (outcome.queued, outcome.abandoned) == (1, 1)
     assert outcome.summary(0.5) == (

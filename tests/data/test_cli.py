@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from tests import budget
 from tests.data.conftest import write_jsonl
 from trainer.data.cli import main
 from trainer.data.store import TokenStore
@@ -153,7 +154,7 @@ def test_sigterm_mid_write_leaves_no_store_and_no_temp(tmp_path: Path) -> None:
             time.sleep(0.05)
         assert temp is not None, proc.communicate()
         os.kill(proc.pid, signal.SIGTERM)
-        _, err = proc.communicate(timeout=30)
+        _, err = proc.communicate(timeout=budget.left())
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -13,6 +13,7 @@ import sys
 import termios
 from pathlib import Path
 
+from tests import budget
 from tests.data.conftest import write_jsonl
 
 REPO = Path(__file__).resolve().parents[2]
@@ -69,7 +70,7 @@ def test_a_terminal_gets_a_progress_bar_and_a_summary(
             break
         chunks.append(data)
     os.close(master)
-    out, _ = proc.communicate(timeout=120)
+    out, _ = proc.communicate(timeout=budget.left())
     screen = b"".join(chunks).decode(errors="replace")
     assert proc.returncode == 0, screen
     plain = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", screen)
@@ -87,7 +88,7 @@ def test_no_bar_when_stderr_is_not_a_terminal(tmp_path: Path, qwen_tokenizer_dir
         env=_env(),
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=budget.left(),
     )
     assert done.returncode == 0, done.stderr
     assert SUMMARY.fullmatch(done.stderr.strip()), done.stderr

@@ -16,6 +16,7 @@ from types import ModuleType
 
 import pytest
 
+from tests import budget
 from trainer.kernels.devices import SHARED_MEMORY_OPTIN
 
 ARCHS = (90, 100, 120)
@@ -29,7 +30,7 @@ def _compile_check(*args: str) -> subprocess.CompletedProcess[str]:
         capture_output=True,
         text=True,
         env=env,
-        timeout=230,
+        timeout=budget.left(),
     )
 
 

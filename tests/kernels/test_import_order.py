@@ -15,6 +15,7 @@ from types import ModuleType
 
 import pytest
 
+from tests import budget
 from tests.kernels.conftest import CUDA_RUN
 
 REPO = Path(__file__).resolve().parents[2]
@@ -48,7 +49,7 @@ def _python(code: str) -> subprocess.CompletedProcess[str]:
         env={**env, "OMP_NUM_THREADS": "1"},
         capture_output=True,
         text=True,
-        timeout=200,
+        timeout=budget.left(),
         check=False,
     )
 

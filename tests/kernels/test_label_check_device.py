@@ -10,6 +10,7 @@ import sys
 import pytest
 import torch
 
+from tests import budget
 from trainer.kernels import KernelInputError
 from trainer.kernels.lm_head_ce import _check_label_range
 
@@ -45,7 +46,11 @@ print("not reached")
 def test_a_bad_cuda_label_fails_the_next_synchronisation() -> None:
     """In a child process: a device-side assert leaves its CUDA context unusable."""
     out = subprocess.run(
-        [sys.executable, "-c", CHILD], capture_output=True, text=True, timeout=120, check=False
+        [sys.executable, "-c", CHILD],
+        capture_output=True,
+        text=True,
+        timeout=budget.left(),
+        check=False,
     )
     assert out.returncode != 0 and "good labels ok" in out.stdout, out
     assert "not reached" not in out.stdout

@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 
+from tests import budget
 from trainer.bucketing.timecost import FEATURES, StepCostModel
 from trainer.config import STRATEGIES
 from trainer.config.overlay import dump_toml, merge
@@ -47,10 +48,17 @@ def env() -> dict[str, str]:
     return out
 
 
-def measure_cli(*args: str, timeout: float = 900) -> subprocess.CompletedProcess[str]:
+def measure_cli(*args: str) -> subprocess.CompletedProcess[str]:
+    """`python -m trainer.measure ARGS`, waited for within the test's one budget."""
     argv = [sys.executable, "-m", "trainer.measure", *args]
     return subprocess.run(
-        argv, cwd=REPO, env=env(), capture_output=True, text=True, timeout=timeout, check=False
+        argv,
+        cwd=REPO,
+        env=env(),
+        capture_output=True,
+        text=True,
+        timeout=budget.left(),
+        check=False,
     )
 
 
@@ -114,7 +122,7 @@ def test_an_out_dir_that_cannot_be_written_is_refused_before_any_run(tmp_path: P
     blocker.write_text("")
     proc = measure_cli(
         "--config", str(TINY), "--strategies", "sorted", "--steps", "3",
-        "--out", str(blocker / "out"), timeout=300,
+        "--out", str(blocker / "out"),
     )  # fmt: skip
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.startswith(f"error: --out: {blocker / 'out'}: ")
@@ -235,7 +243,7 @@ def test_bad_flags_are_one_line_naming_the_flag(
     small_config: Path, args: list[str], needle: str
 ) -> None:
     base = ["--config", str(small_config), "--strategies", "sorted", "--steps", "3"]
-    proc = measure_cli(*base, *args, timeout=300)
+    proc = measure_cli(*base, *args)
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.startswith(needle) and proc.stderr.count("\n") == 1, proc.stderr
 
@@ -244,7 +252,7 @@ def test_a_bad_config_key_is_named(tmp_path: Path) -> None:
     raw = merge(tomllib.loads(TINY.read_text()), {"batching": {"strategy": "shuffled"}})
     path = tmp_path / "bad.toml"
     path.write_text(dump_toml(raw))
-    proc = measure_cli("--config", str(path), "--steps", "3", timeout=300)
+    proc = measure_cli("--config", str(path), "--steps", "3")
     assert proc.returncode == 2
     assert "batching.strategy" in proc.stderr and proc.stderr.count("\n") == 1
 
@@ -260,14 +268,15 @@ def test_sigterm_stops_it_and_removes_the_timing_runs(small_config: Path, tmp_pa
         argv, cwd=REPO, env={**env(), "TMPDIR": str(tmp)}, stderr=subprocess.PIPE, text=True
     )
     try:
-        end = time.monotonic() + 300
-        while not list(tmp.glob("dflash-measure-*/run-*")):
+
+        def timing_run() -> bool:
             assert proc.poll() is None, proc.communicate()
-            assert time.monotonic() < end, "no timing run started"
-            time.sleep(0.2)
+            return bool(list(tmp.glob("dflash-measure-*/run-*")))
+
+        budget.until(timing_run, "a timing run to start", every=0.2)
         time.sleep(1)  # the trainer is under way
         proc.send_signal(signal.SIGTERM)
-        _, err = proc.communicate(timeout=60)
+        _, err = proc.communicate(timeout=budget.left())
     finally:
         if proc.poll() is None:
             proc.kill()

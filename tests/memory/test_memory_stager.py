@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 
 from dflashctl.config.runconfig import drafter_device_count
+from tests import budget
 from trainer.config import TrainConfig
 from trainer.memory.batches import batch_shapes
 from trainer.memory.estimate import Estimator, precision_for, report
@@ -85,7 +86,7 @@ def test_the_m_n_example_config_fits_96_gb_and_launches_drafters_plus_targets() 
         capture_output=True,
         text=True,
         cwd=ROOT,
-        timeout=240,
+        timeout=budget.left(),
     )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr
     rep = json.loads(proc.stdout)

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 from transformers import PreTrainedTokenizerBase
 
+from tests import budget
 from tests.model.conftest import QWEN3_EOS, QWEN3_VOCAB
 from tests.model.helpers import make_drafter
 from trainer import eval as eval_cli
@@ -478,7 +479,7 @@ def test_ctrl_c_reports_the_turns_done_marked_partial(target: TargetModel, tmp_p
         assert line, proc.communicate()[1]
         before.append(line)
     proc.send_signal(signal.SIGINT)
-    rest, err = proc.communicate(timeout=120)
+    rest, err = proc.communicate(timeout=budget.left())
     lines = [*before, *rest.splitlines(keepends=True)]
     done = [x for x in lines if x.startswith("prompt ")]
     assert proc.returncode == 130, err

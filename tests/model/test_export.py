@@ -14,6 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from tests import budget
 from tests.model.helpers import MASK_ID, make_batch, make_drafter
 from trainer.model.errors import ExportError
 from trainer.model.export import export_drafter, load_drafter
@@ -195,7 +196,7 @@ def test_automodel_with_remote_code_returns_the_drafter_from_the_export_alone(
         env=env,
         capture_output=True,
         text=True,
-        timeout=240,
+        timeout=budget.left(),
         check=False,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 
+from tests import budget
 from trainer.config.overlay import dump_toml, merge
 
 REPO = Path(__file__).resolve().parents[2]
@@ -79,12 +80,12 @@ def run_rank_script(script: Path, *args: str) -> subprocess.CompletedProcess[str
         env=cli_env(),
         capture_output=True,
         text=True,
-        timeout=100,
+        timeout=budget.left(),
     )
 
 
 def run_ranks(
-    config: Path, run_dir: Path, nproc: int, *, timeout: float = 240, **env: str
+    config: Path, run_dir: Path, nproc: int, **env: str
 ) -> subprocess.CompletedProcess[str]:
     """The trainer as `nproc` CPU processes under torchrun (standalone rendezvous)."""
     return subprocess.run(
@@ -93,7 +94,7 @@ def run_ranks(
         env=ranks_env(**env),
         capture_output=True,
         text=True,
-        timeout=timeout,
+        timeout=budget.left(),
     )
 
 
@@ -111,7 +112,7 @@ def start_ranks(config: Path, run_dir: Path, nproc: int, **env: str) -> subproce
 
 def run_two_ranks(config: Path, run_dir: Path) -> subprocess.CompletedProcess[str]:
     """The trainer as two CPU ranks under torchrun (standalone rendezvous), as a node runs it."""
-    return run_ranks(config, run_dir, 2, timeout=200)
+    return run_ranks(config, run_dir, 2)
 
 
 def write_config(path: Path, base: dict[str, Any], **over: Any) -> Path:
@@ -139,15 +140,15 @@ def run_cli() -> RunCli:
         run_dir: Path,
         *args: str,
         env: dict[str, str] | None = None,
-        timeout: float = 120,
     ) -> subprocess.CompletedProcess[str]:
+        """The trainer CLI, waited for within the test's one budget."""
         return subprocess.run(
             trainer_argv(config, run_dir, *args),
             cwd=REPO,
             env=env or cli_env(),
             capture_output=True,
             text=True,
-            timeout=timeout,
+            timeout=budget.left(),
         )
 
     return run

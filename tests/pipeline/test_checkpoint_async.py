@@ -37,7 +37,7 @@ def test_a_slow_write_does_not_stop_the_drafter_and_resumes_exactly(
         checkpoint={"every_steps": 8, "keep_last": 3},
         status={"interval_s": 0.2, "rate_window_s": 5.0},
     )
-    out = run_cli(cfg, run_dir, env=cli_env(DFLASH_STAGE_DELAY="checkpoint:3"), timeout=300)
+    out = run_cli(cfg, run_dir, env=cli_env(DFLASH_STAGE_DELAY="checkpoint:3"))
     assert out.returncode == 0, out.stderr[-3000:]
     lines = (run_dir / "status.log").read_text().splitlines()
     events = [parse_line(x) for x in lines]
@@ -59,7 +59,7 @@ def test_a_slow_write_does_not_stop_the_drafter_and_resumes_exactly(
 
     # The oldest kept was copied while the drafter went on: resuming it repeats the rest exactly.
     mid = sorted(saved)[-3]
-    again = run_cli(cfg, run_dir, "--resume", str(mid), timeout=300)
+    again = run_cli(cfg, run_dir, "--resume", str(mid))
     assert again.returncode == 0, again.stderr[-3000:]
     redo = _losses(run_dir)
     assert [redo[s] for s in range(mid + 1, end + 1)] == [whole[s] for s in range(mid + 1, end + 1)]

@@ -13,6 +13,7 @@ from datetime import timedelta
 import pytest
 from torch._C._distributed_c10d import TCPStore
 
+from tests import budget
 from trainer.errors import TrainerError
 from trainer.pipeline.checkpoint_sync import (
     FAILED_KEY,
@@ -33,7 +34,7 @@ def _closed_port() -> int:
 @pytest.fixture
 def server(monkeypatch: pytest.MonkeyPatch) -> Iterator[TCPStore]:
     """torchrun's part: a store server, and the rank's environment pointing at it."""
-    store = TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=10))
+    store = TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=budget.left()))
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     monkeypatch.setenv("MASTER_PORT", str(store.port))
     yield store
@@ -72,7 +73,7 @@ def test_an_unreachable_store_is_one_line_naming_the_address_within_the_timeout(
 
 
 def test_the_client_reaches_the_launch_store(server: TCPStore) -> None:
-    client = launch_store(timedelta(seconds=5))
+    client = launch_store(timedelta(seconds=budget.left()))
     client.set("k", "v")
     assert server.get("k") == b"v"
 

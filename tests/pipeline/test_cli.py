@@ -5,13 +5,13 @@ from __future__ import annotations
 import json
 import signal
 import subprocess
-import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 
+from tests import budget
 from trainer.events import (
     CheckpointEvent,
     ErrorEvent,
@@ -130,14 +130,15 @@ def test_sigterm_leaves_a_loadable_checkpoint(tmp_path: Path, tiny_assets: dict[
     )
     try:
         log = run_dir / "status.log"
-        deadline = time.monotonic() + 90
-        while time.monotonic() < deadline:
+
+        def at_step_5() -> bool:
+            assert proc.poll() is None, proc.communicate()
             events = [parse_line(x) for x in log.read_text().splitlines()] if log.exists() else []
-            if any(isinstance(e, StatusEvent) and e.step >= 5 for e in events):
-                break
-            time.sleep(0.2)
+            return any(isinstance(e, StatusEvent) and e.step >= 5 for e in events)
+
+        budget.until(at_step_5, "the trainer at step 5", every=0.2)
         proc.send_signal(signal.SIGTERM)
-        _, err = proc.communicate(timeout=60)
+        _, err = proc.communicate(timeout=budget.left())
     finally:
         proc.kill()
     assert proc.returncode == 0, err[-3000:]
@@ -160,7 +161,7 @@ def test_failure_in_any_stage_stops_everything_with_traceback(
 ) -> None:
     """An exception in any stage exits 1 promptly (no hang), traceback on stderr, ERROR line."""
     cfg = write_config(tmp_path / "run.toml", tiny_assets)
-    out = run_cli(cfg, tmp_path / "run", env=cli_env(DFLASH_FAULT=f"{stage}:3"), timeout=60)
+    out = run_cli(cfg, tmp_path / "run", env=cli_env(DFLASH_FAULT=f"{stage}:3"))
     assert out.returncode == 1, out.stderr[-3000:]
     assert "Traceback (most recent call last)" in out.stderr
     assert "InjectedFault" in out.stderr
@@ -190,7 +191,7 @@ def test_nonfinite_losses_are_skipped_then_stop_the_run(
 ) -> None:
     """NaN losses skip the update (weights stay finite); N in a row stop with a clear error."""
     cfg = write_config(tmp_path / "run.toml", tiny_assets, optimizer={"max_nonfinite": 3})
-    out = run_cli(cfg, tmp_path / "run", env=cli_env(DFLASH_NONFINITE="4:2,9:100"), timeout=60)
+    out = run_cli(cfg, tmp_path / "run", env=cli_env(DFLASH_NONFINITE="4:2,9:100"))
     assert out.returncode == 1, out.stderr[-3000:]
     losses = _losses(tmp_path / "run")
     assert [s for s, v in losses.items() if v != v] == [5, 6, 10, 11]  # NaN != NaN; 12 raised

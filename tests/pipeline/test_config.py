@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from tests import budget
 from trainer.config import ConfigError, TrainConfig, config_hash, resume_critical_changes
 
 REPO = Path(__file__).resolve().parents[2]
@@ -164,7 +165,7 @@ def test_shared_modules_import_without_torch() -> None:
         capture_output=True,
         text=True,
         cwd=REPO,
-        timeout=60,
+        timeout=budget.left(),
     )
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "ok"

@@ -14,6 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from tests import budget
 from trainer.model.export import read_drafter_config
 
 from .conftest import REPO, RunCli, cli_env, write_config
@@ -28,7 +29,7 @@ def _export(*args: str) -> subprocess.CompletedProcess[str]:
         env=cli_env(),
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=budget.left(),
     )
 
 

@@ -11,7 +11,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +18,7 @@ import pytest
 import torch
 
 from dflashctl.groups.state import NodeReport, group_state
+from tests import budget
 from trainer.events import ErrorEvent, StatusEvent, parse_line
 from trainer.events.run_state import parse_run_state
 from trainer.pipeline.checkpoint import list_checkpoints, load_checkpoint
@@ -63,11 +63,12 @@ def _start_nodes(
     return procs
 
 
-def _finish(procs: list[subprocess.Popen[str]], timeout: float = 200) -> list[tuple[int, str]]:
+def _finish(procs: list[subprocess.Popen[str]]) -> list[tuple[int, str]]:
+    """Each process's exit status and output tail, waited for within the test's budget."""
     out = []
     for p in procs:
         try:
-            stdout, stderr = p.communicate(timeout=timeout)
+            stdout, stderr = p.communicate(timeout=budget.left())
         except subprocess.TimeoutExpired:
             p.kill()
             stdout, stderr = p.communicate()
@@ -117,10 +118,12 @@ def test_two_nodes_equal_one_node_and_resume_from_node_0_alone(
 
     nodes = [tmp_path / "node0", tmp_path / "node1"]
     procs = _start_nodes(config, nodes, _free_port())
-    deadline = time.monotonic() + 150
-    while _status_step(nodes[0]) < 6 and time.monotonic() < deadline:
+
+    def at_step_6() -> bool:
         assert all(p.poll() is None for p in procs), _finish(procs)
-        time.sleep(0.05)
+        return _status_step(nodes[0]) >= 6
+
+    budget.until(at_step_6, "node 0 at step 6")
     # dflashctl's group stop: SIGINT to each node's trainer (pid from its own run-state)
     pids = [_state(d)["pid"] for d in nodes]
     for pid in pids:
@@ -166,7 +169,9 @@ def test_two_nodes_equal_one_node_and_resume_from_node_0_alone(
     env = cli_env()
     env.pop("WORLD_SIZE", None)
     argv = [sys.executable, "-m", "trainer", "--config", str(config), "--run-dir", str(nodes[0])]
-    single = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    single = subprocess.run(
+        argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=budget.left()
+    )
     assert single.returncode == 2, single.stdout[-2000:]
     assert "cannot resume: changed world_size 2 -> 1" in single.stdout
 
@@ -271,7 +276,7 @@ def test_the_resume_state_reaches_every_rank_bit_for_bit(tmp_path: Path) -> None
         env=cli_env(),
         capture_output=True,
         text=True,
-        timeout=100,
+        timeout=budget.left(),
     )
     assert out.returncode == 0, out.stderr[-3000:]
     sent, got = (torch.load(tmp_path / f"s.{r}", weights_only=False) for r in (0, 1))

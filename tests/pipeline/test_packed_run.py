@@ -48,7 +48,7 @@ def test_a_packed_run_trains_and_resumes_bit_for_bit(
         schedule={"max_steps": 40},
         checkpoint={"every_steps": 20},
     )
-    a = run_cli(whole, tmp_path / "a", timeout=180)
+    a = run_cli(whole, tmp_path / "a")
     assert a.returncode == 0, a.stderr[-3000:]
     events = _events(tmp_path / "a")
     assert not [e for e in events if isinstance(e, RawLine | ErrorEvent)]
@@ -58,7 +58,7 @@ def test_a_packed_run_trains_and_resumes_bit_for_bit(
     assert sorted(la) == list(range(1, 41)) and all(np.isfinite(list(la.values())))
 
     mid = tmp_path / "a" / "checkpoints" / "step-00000020.pt"
-    b = run_cli(whole, tmp_path / "b", "--resume", str(mid), timeout=180)
+    b = run_cli(whole, tmp_path / "b", "--resume", str(mid))
     assert b.returncode == 0, b.stderr[-3000:]
     lb = _losses(tmp_path / "b")
     assert sorted(lb) == list(range(21, 41))
@@ -106,7 +106,7 @@ def test_the_demo_config_switched_to_packed_validates_and_steps(
         eval={"every_steps": 4},
         status={"interval_s": 0.5},
     )
-    out = run_cli(run, tmp_path / "run", timeout=180)
+    out = run_cli(run, tmp_path / "run")
     assert out.returncode == 0, out.stderr[-3000:]
     losses = _losses(tmp_path / "run")
     assert sorted(losses) == list(range(1, 9))

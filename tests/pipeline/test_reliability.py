@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 import torch
 
+from tests import budget
 from tests.conftest import tmpfs
 from trainer.events import CheckpointEvent, ErrorEvent, PhaseEvent, StatusEvent, parse_line
 from trainer.pipeline.checkpoint import list_checkpoints, load_checkpoint
@@ -272,13 +273,13 @@ def _start(cfg: Path, run_dir: Path, **env: str) -> subprocess.Popen[str]:
 
 def _wait_for_step(proc: subprocess.Popen[str], run_dir: Path, step: int) -> None:
     log = run_dir / "status.log"
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline and proc.poll() is None:
+
+    def reached() -> bool:
+        assert proc.poll() is None, f"trainer exited ({proc.poll()}) before step {step}"
         events = [parse_line(x) for x in log.read_text().splitlines()] if log.exists() else []
-        if any(isinstance(e, StatusEvent) and e.step >= step for e in events):
-            return
-        time.sleep(0.1)
-    raise AssertionError(f"trainer did not reach step {step} (rc {proc.poll()})")
+        return any(isinstance(e, StatusEvent) and e.step >= step for e in events)
+
+    budget.until(reached, f"the trainer at step {step}", every=0.1)
 
 
 def _last_metric_step(run_dir: Path) -> int:
@@ -298,19 +299,20 @@ def test_two_sigints_half_a_second_apart_end_stopped_with_a_checkpoint(
     try:
         _wait_for_step(proc, run_dir, 5)
         (run_dir / "run-state.json").write_text('{"state": "running", "pid": ')  # torn write
-        deadline = time.monotonic() + 60  # the trainer heals it within a status interval
-        while time.monotonic() < deadline:
+
+        def healed_by_trainer() -> bool:  # the trainer heals it within a status interval
             with contextlib.suppress(ValueError):
-                if _run_state(run_dir).get("pid") == proc.pid:
-                    break
-            time.sleep(0.05)
+                return bool(_run_state(run_dir).get("pid") == proc.pid)
+            return False
+
+        budget.until(healed_by_trainer, "run-state.json rewritten by the trainer")
         healed = _run_state(run_dir)
         assert healed["state"] == "running" and len(healed["config_hash"]) == 12
         proc.send_signal(signal.SIGINT)
         time.sleep(0.5)
         if proc.poll() is None:
             proc.send_signal(signal.SIGINT)
-        _, err = proc.communicate(timeout=60)
+        _, err = proc.communicate(timeout=budget.left())
     finally:
         proc.kill()
     assert proc.returncode == 0, err[-3000:]
@@ -322,17 +324,14 @@ def test_two_sigints_half_a_second_apart_end_stopped_with_a_checkpoint(
     last = _last_metric_step(run_dir)
     assert state["last_step"] == last and _steps(run_dir)[-1] == last
     assert state["last_checkpoint"] == str(run_dir / "checkpoints" / f"step-{last:08d}.pt")
-    kept = f"checkpoint step-{last:08d}.pt holds step {last}"
-    assert state["stop_detail"] in (
-        f"SIGINT: finished step {last} and stopped; {kept}",  # the second one came too late
-        *[  # the second one came before the stop was recorded
-            f"SIGINT: finished step {last} and stopped; {kept}; SIGINT {dt / 10:.1f} s later "
-            "came after that checkpoint and changed nothing"
-            for dt in range(3, 30)
-        ],
-    ) or re.fullmatch(
-        rf"second signal SIGINT \d\.\d s after SIGINT: .*; {kept}", state["stop_detail"]
-    )
+    kept = rf"checkpoint step-{last:08d}\.pt holds step {last}"
+    assert re.fullmatch(
+        rf"SIGINT: finished step {last} and stopped; {kept}"  # the second one came too late
+        # or before the stop was recorded: at least 0.3 s later (a loaded machine: any later)
+        rf"(; SIGINT (0\.[3-9]|[1-9]\d*\.\d) s later came after that checkpoint and changed "
+        rf"nothing)?|second signal SIGINT \d+\.\d s after SIGINT: .*; {kept}",
+        state["stop_detail"],
+    ), state["stop_detail"]
     assert any(
         m.startswith(f"{run_dir / 'run-state.json'}: not JSON") and m.endswith("rewritten whole")
         for m in _errors(run_dir)
@@ -355,7 +354,7 @@ def test_two_sigints_at_once_keep_the_last_step_and_say_so(
         os.kill(proc.pid, signal.SIGINT)
         time.sleep(0.05)
         os.kill(proc.pid, signal.SIGINT)
-        _, err = proc.communicate(timeout=60)
+        _, err = proc.communicate(timeout=budget.left())
     finally:
         proc.kill()
     assert proc.returncode == 0, err[-3000:]
@@ -365,9 +364,9 @@ def test_two_sigints_at_once_keep_the_last_step_and_say_so(
     assert state["signals"] == 2 and state["lost_steps"] == 0 and state["last_step"] == last
     kept = rf"checkpoint step-{last:08d}\.pt holds step {last}"
     assert re.fullmatch(
-        rf"second signal SIGINT 0\.\d s after SIGINT: stopped at once after step {last}; {kept}"
+        rf"second signal SIGINT \d+\.\d s after SIGINT: stopped at once after step {last}; {kept}"
         # (rarely, the step in flight completes and checkpoints between the two signals)
-        rf"|SIGINT: finished step {last} and stopped; {kept}; SIGINT 0\.\d s later came after "
+        rf"|SIGINT: finished step {last} and stopped; {kept}; SIGINT \d+\.\d s later came after "
         "that checkpoint and changed nothing",
         state["stop_detail"],
     ), state["stop_detail"]
@@ -397,7 +396,7 @@ def test_signals_after_the_stop_is_recorded_cannot_kill_the_exit(
                 if _run_state(run_dir).get("state") == "stopped":
                     proc.send_signal(signal.SIGINT)
             time.sleep(0.002)
-        _, err = proc.communicate(timeout=60)
+        _, err = proc.communicate(timeout=budget.left())
     finally:
         proc.kill()
     assert proc.returncode == 0, err[-3000:]

@@ -10,7 +10,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,6 +17,7 @@ from typing import Any
 
 import pytest
 
+from tests import budget
 from tests.conftest import require_part
 from trainer.config.policy import Ending, Policy, decide, reason, restart_argv
 from trainer.events import (
@@ -31,15 +31,9 @@ from trainer.supervision.progress import Progress
 
 from .conftest import REPO, cli_env, trainer_argv, write_config
 
-Wait = Callable[[Callable[[], bool], float, str], None]
 
-
-def _until(cond: Callable[[], bool], timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.05)
+def _until(cond: Callable[[], bool], what: str) -> None:
+    budget.until(cond, what)
 
 
 def _sup_argv(run_dir: Path, *opts: str, child: list[str]) -> list[str]:
@@ -111,8 +105,9 @@ class Sup:
         """What tmux does for C-c: SIGINT to the whole foreground process group."""
         os.killpg(self.proc.pid, signal.SIGINT)
 
-    def wait(self, timeout: float) -> int:
-        rc = self.proc.wait(timeout=timeout)
+    def wait(self) -> int:
+        """Its exit status, waited for within the test's one budget."""
+        rc = budget.wait(self.proc, "the supervisor to exit")
         self.fh.close()
         return rc
 
@@ -265,7 +260,7 @@ def test_usage_errors_are_one_line_and_exit_2(args: list[str], message: str) -> 
 
 def test_a_trainer_that_cannot_start_is_one_line_and_exit_2(tmp_path: Path) -> None:
     argv = _sup_argv(tmp_path / "run", child=[str(tmp_path / "no-such-python"), "-m", "trainer"])
-    out = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=30)
+    out = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=budget.left())
     assert out.returncode == 2
     assert out.stdout.splitlines() == [
         f"ERROR: cannot start the trainer {str(tmp_path / 'no-such-python')!r}: "
@@ -283,7 +278,7 @@ def test_a_crash_loop_is_restarted_max_restarts_times_then_gives_up_once(
 ) -> None:
     ex = exiting(1, "--max-restarts", "2", "--backoff-s", "0.05")
     run, starts, s = ex.run, ex.starts, ex.sup
-    assert s.wait(30) == 1
+    assert s.wait() == 1
     assert starts.read_text().count("start") == 3  # the first attempt + 2 restarts
     state = _sup_state(run)
     assert state["state"] == "gave-up" and state["gave_up"] is True
@@ -311,7 +306,7 @@ def test_no_restart_exit_codes_and_restart_never_are_not_restarted(
 ) -> None:
     ex = exiting(code, *opts, "--backoff-s", "0.05")
     run, starts, s = ex.run, ex.starts, ex.sup
-    assert s.wait(30) == code
+    assert s.wait() == code
     assert starts.read_text().count("start") == 1
     assert _sup_state(run)["state"] == "not-restarted" and _sup_state(run)["restarts"] == []
     (line,) = _phases(run, "not_restarting")
@@ -345,7 +340,7 @@ def test_a_rank_s_no_restart_code_counts_through_a_launcher(
     argv = _sup_argv(run, "--backoff-s", "0.05", child=[*_script(LAUNCHER), str(run), str(starts)])
     s = Sup(argv, tmp_path / "out")
     sups.append(s)
-    assert s.wait(30) == 1
+    assert s.wait() == 1
     assert starts.read_text().count("start") == 1
     assert _sup_state(run)["state"] == "not-restarted"
     (line,) = _phases(run, "not_restarting")
@@ -369,7 +364,7 @@ def test_restarts_older_than_the_window_do_not_count(tmp_path: Path, sups: list[
     )  # fmt: skip
     s = Sup(argv, tmp_path / "out")
     sups.append(s)
-    assert s.wait(40) == 0
+    assert s.wait() == 0
     state = _sup_state(run)
     assert state["state"] == "finished" and not state["gave_up"]
     assert [r["reason"] for r in state["restarts"]] == ["exit 1"] * 3
@@ -389,7 +384,7 @@ def test_an_oom_error_line_is_reason_oom(tmp_path: Path, sups: list[Sup]) -> Non
     argv = _sup_argv(run, "--max-restarts", "1", "--backoff-s", "0.05", child=[*child, str(run)])
     s = Sup(argv, tmp_path / "out")
     sups.append(s)
-    assert s.wait(30) == 1
+    assert s.wait() == 1
     state = _sup_state(run)
     assert [r["reason"] for r in state["restarts"]] == ["oom"]
     assert _phases(run, "gave_up")[0].detail.endswith(": oom, oom")
@@ -430,7 +425,7 @@ def test_a_kernel_oom_kill_is_reason_oom(tmp_path: Path, sups: list[Sup]) -> Non
     try:
         s = Sup(wrapped, tmp_path / "out")
         sups.append(s)
-        assert s.wait(40) == 128 + signal.SIGKILL, s.text()
+        assert s.wait() == 128 + signal.SIGKILL, s.text()
         state = _sup_state(run)
         assert [(r["reason"], r["exit_status"]) for r in state["restarts"]] == [("oom", -9)]
         assert _phases(run, "gave_up")[0].detail.endswith(": oom, oom")
@@ -452,10 +447,10 @@ def test_a_killed_supervisor_leaves_no_orphan_trainer(tmp_path: Path, sups: list
     )
     s = Sup(_sup_argv(run, child=[*child, str(seen)]), tmp_path / "out")
     sups.append(s)
-    _until(lambda: Path(f"{seen}.ready").exists(), 30, "the child to start")
+    _until(lambda: Path(f"{seen}.ready").exists(), "the child to start")
     s.proc.kill()
-    s.wait(10)
-    _until(seen.exists, 10, "the child's SIGTERM")
+    s.wait()
+    _until(seen.exists, "the child's SIGTERM")
     assert seen.read_text() == "TERM"
 
 
@@ -463,7 +458,7 @@ def test_a_killed_supervisor_leaves_no_orphan_trainer(tmp_path: Path, sups: list
 def test_exit_0_is_never_restarted(exiting: StartExiting) -> None:
     ex = exiting(0)
     run, starts, s = ex.run, ex.starts, ex.sup
-    assert s.wait(30) == 0
+    assert s.wait() == 0
     assert starts.read_text().count("start") == 1 and _sup_state(run)["state"] == "finished"
 
 
@@ -485,9 +480,9 @@ def test_ctrl_c_to_the_pane_reaches_the_child_exactly_once_and_is_not_restarted(
     )
     s = Sup(_sup_argv(run, "--backoff-s", "0.05", child=[*child, str(seen)]), tmp_path / "out")
     sups.append(s)
-    _until(lambda: Path(f"{seen}.ready").exists(), 30, "the child to start")
+    _until(lambda: Path(f"{seen}.ready").exists(), "the child to start")
     s.ctrl_c()
-    assert s.wait(30) == 0
+    assert s.wait() == 0
     assert seen.read_text() == "1"
     state = _sup_state(run)
     assert state["state"] == "stopped" and state["restarts"] == [] and state["attempt"] == 1
@@ -495,11 +490,11 @@ def test_ctrl_c_to_the_pane_reaches_the_child_exactly_once_and_is_not_restarted(
 
 @pytest.mark.timeout(60)
 def test_a_stop_during_the_backoff_stops_for_good(exiting: StartExiting) -> None:
-    ex = exiting(1, "--backoff-s", "60")
+    ex = exiting(1, "--backoff-s", "7200")  # longer than any test budget: only a stop ends it
     run, starts, s = ex.run, ex.starts, ex.sup
-    _until(lambda: _sup_state(run).get("state") == "restarting", 30, "the restart backoff")
+    _until(lambda: _sup_state(run).get("state") == "restarting", "the restart backoff")
     s.ctrl_c()
-    assert s.wait(10) == 1  # well before the 60 s backoff ends
+    assert s.wait() == 1  # well before the backoff ends
     assert starts.read_text().count("start") == 1
     state = _sup_state(run)
     assert state["state"] == "stopped" and "during the restart backoff" in state["detail"]
@@ -523,7 +518,7 @@ def test_a_silent_hang_is_stalled_killed_after_the_grace_and_restarted(
     )  # fmt: skip
     s = Sup(argv, tmp_path / "out")
     sups.append(s)
-    assert s.wait(40) == 128 + signal.SIGKILL
+    assert s.wait() == 128 + signal.SIGKILL
     assert starts.read_text().count("start") == 2
     state = _sup_state(run)
     assert state["state"] == "gave-up"
@@ -556,7 +551,7 @@ def test_kill_9_after_the_first_checkpoint_restarts_and_resumes_like_an_uninterr
     )
     ref = subprocess.run(
         trainer_argv(cfg, tmp_path / "ref"), cwd=REPO, env=cli_env(), capture_output=True,
-        text=True, timeout=150,
+        text=True, timeout=budget.left(),
     )  # fmt: skip
     assert ref.returncode == 0, ref.stderr[-3000:]
     ref_loss = {r["step"]: r["loss"] for r in _metric_rows(tmp_path / "ref")}
@@ -564,13 +559,13 @@ def test_kill_9_after_the_first_checkpoint_restarts_and_resumes_like_an_uninterr
     run = tmp_path / "run"
     s = Sup(_sup_argv(run, "--backoff-s", "0.1", child=trainer_argv(cfg, run)), tmp_path / "out")
     sups.append(s)
-    _until(lambda: bool(_checkpoints(run)), 150, "the first checkpoint")
+    _until(lambda: bool(_checkpoints(run)), "the first checkpoint")
     pid = _sup_state(run)["trainer_pid"]
     assert _run_state(run)["pid"] == pid  # the supervisor's child is the trainer itself
     os.kill(pid, signal.SIGKILL)
-    _until(lambda: _sup_state(run).get("attempt") == 2, 30, "the restart")
+    _until(lambda: _sup_state(run).get("attempt") == 2, "the restart")
     ckpt = max(_checkpoints(run))  # the newest checkpoint the killed trainer completed
-    assert s.wait(150) == 0, s.text()[-3000:]
+    assert s.wait() == 0, s.text()[-3000:]
 
     state = _sup_state(run)
     assert state["state"] == "finished" and state["attempt"] == 2
@@ -609,12 +604,12 @@ def test_sigstop_is_a_stall_with_stacks_in_the_log_then_a_restart(
     )  # fmt: skip
     s = Sup(argv, tmp_path / "out")
     sups.append(s)
-    _until(lambda: _trained_to(run, 2), 150, "a few steps")
+    _until(lambda: _trained_to(run, 2), "a few steps")
     pid = _sup_state(run)["trainer_pid"]
     assert _sup_state(run)["restarts"] == []
     os.kill(pid, signal.SIGSTOP)
-    _until(lambda: _sup_state(run).get("attempt") == 2, 150, "the stall restart")
-    _until(lambda: _sup_state(run)["restarts"][0]["resumed_step"] is not None, 150, "the resume")
+    _until(lambda: _sup_state(run).get("attempt") == 2, "the stall restart")
+    _until(lambda: _sup_state(run)["restarts"][0]["resumed_step"] is not None, "the resume")
     rec = _sup_state(run)["restarts"][0]
     assert rec["reason"] == "stalled 5 s" and rec["resumed_step"] > 0
     console = (run / "console.log").read_text()
@@ -626,9 +621,9 @@ def test_sigstop_is_a_stall_with_stacks_in_the_log_then_a_restart(
     assert "File " in console.split(f"thread stacks of pid {pid}", 1)[1]
     # The operator's stop of the restarted run is graceful: one signal, never restarted.
     new_pid = _sup_state(run)["trainer_pid"]
-    _until(lambda: _run_state(run).get("pid") == new_pid and _trained_to(run, 1), 60, "training")
+    _until(lambda: _run_state(run).get("pid") == new_pid and _trained_to(run, 1), "training")
     s.ctrl_c()
-    assert s.wait(120) == 0, s.text()[-3000:]
+    assert s.wait() == 0, s.text()[-3000:]
     trainer = _run_state(run)
     assert trainer["pid"] == new_pid and trainer["state"] == "stopped" and trainer["signals"] == 1
     state = _sup_state(run)
@@ -646,7 +641,7 @@ def test_non_finite_divergence_is_not_restarted(
         _sup_argv(run, "--backoff-s", "0.05", child=trainer_argv(cfg, run)), tmp_path / "out", env
     )
     sups.append(s)
-    assert s.wait(150) == 1, s.text()[-3000:]
+    assert s.wait() == 1, s.text()[-3000:]
     state = _sup_state(run)
     assert state["state"] == "not-restarted" and state["restarts"] == [] and state["attempt"] == 1
     (line,) = _phases(run, "not_restarting")

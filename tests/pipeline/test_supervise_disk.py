@@ -78,7 +78,7 @@ def test_a_restart_onto_a_disk_without_room_for_a_checkpoint_is_not_made(
     )  # fmt: skip
     s = Sup(argv, small_fs.parent / "out")
     sups.append(s)
-    assert s.wait(30) == 1
+    assert s.wait() == 1
     starts = (small_fs / "starts").read_text().count("start")
     state = _sup_state(run)
     if restarted:
@@ -106,10 +106,10 @@ def test_low_disk_while_training_is_one_line_per_change_and_the_trainer_keeps_ru
     )  # fmt: skip
     s = Sup(argv, small_fs.parent / "out")
     sups.append(s)
-    _until(lambda: (small_fs / "starts").exists(), 30, "the child's checkpoint")
-    _until(lambda: _sup_state(run).get("state") == "running", 30, "the supervisor")
+    _until(lambda: (small_fs / "starts").exists(), "the child's checkpoint")
+    _until(lambda: _sup_state(run).get("state") == "running", "the supervisor")
     filler.write_bytes(b"\0" * (_free(small_fs) - MIB // 2))  # 0.5 MiB left, 1 MiB needed
-    _until(lambda: len(_phases(run, "low_disk")) == 1, 30, "the low_disk line")
+    _until(lambda: len(_phases(run, "low_disk")) == 1, "the low_disk line")
     (line,) = _phases(run, "low_disk")
     assert line.detail.startswith("low: 0.") and line.detail.endswith(
         f" MiB free on {run}, checkpoint needs 1.0; the next checkpoint will fail unless space "
@@ -122,16 +122,15 @@ def test_low_disk_while_training_is_one_line_per_change_and_the_trainer_keeps_ru
         fh.write(b"\0" * (MIB // 4))
     _until(
         lambda: (_sup_state(run).get("low_disk") or {}).get("free_mib", 9) < first["free_mib"],
-        30,
         "a later check",
     )
     assert _sup_state(run)["low_disk"]["since"] == first["since"]
     assert len(_phases(run, "low_disk")) == 1
     assert _sup_state(run)["state"] == "running"  # not stopped for it
     filler.unlink()
-    _until(lambda: _sup_state(run).get("low_disk", 0) is None, 30, "the low_disk entry to clear")
+    _until(lambda: _sup_state(run).get("low_disk", 0) is None, "the low_disk entry to clear")
     (run / "done").touch()
-    assert s.wait(30) == 0
+    assert s.wait() == 0
     details = [p.detail for p in _phases(run, "low_disk")]
     assert len(details) == 2 and details[1].startswith("ok again: ")
     assert _sup_state(run)["state"] == "finished"
@@ -220,16 +219,16 @@ def test_low_disk_counts_what_the_configs_retention_keeps(
         child += ["--config", str(cfg)]  # the child ignores it; the supervisor reads it
     s = Sup(_sup_argv(run, "--disk-check-s", "0.1", child=child), small_fs.parent / "out")
     sups.append(s)
-    _until(lambda: (small_fs / "starts").exists(), 30, "the child's checkpoint")
-    _until(lambda: _sup_state(run).get("state") == "running", 30, "the supervisor")
+    _until(lambda: (small_fs / "starts").exists(), "the child's checkpoint")
+    _until(lambda: _sup_state(run).get("state") == "running", "the supervisor")
     filler.write_bytes(b"\0" * (_free(small_fs) - 3 * MIB // 2))
     if not with_config:
         time.sleep(1)  # ten checks
         assert _phases(run, "low_disk") == [] and _sup_state(run)["low_disk"] is None
         (run / "done").touch()
-        assert s.wait(30) == 0
+        assert s.wait() == 0
         return
-    _until(lambda: len(_phases(run, "low_disk")) == 1, 30, "the low_disk line")
+    _until(lambda: len(_phases(run, "low_disk")) == 1, "the low_disk line")
     (line,) = _phases(run, "low_disk")
     assert line.detail.startswith("low: 1.") and line.detail.endswith(
         f" MiB free on {run}, checkpoints need 2.0 MiB: the newest checkpoint (1.0 MiB) x 3 "
@@ -239,7 +238,7 @@ def test_low_disk_counts_what_the_configs_retention_keeps(
     low = _sup_state(run)["low_disk"]
     assert (low["needed_mib"], low["checkpoint_mib"], low["checkpoints"]) == (2.0, 1.0, 3)
     (run / "done").touch()
-    assert s.wait(30) == 0
+    assert s.wait() == 0
     assert _sup_state(run)["state"] == "finished"
 
 
@@ -256,7 +255,7 @@ def test_a_crash_on_a_disk_low_for_retention_but_with_room_for_one_checkpoint_is
     argv = _sup_argv(run, "--max-restarts", "1", "--backoff-s", "0.05", child=child)
     s = Sup(argv, small_fs.parent / "out")
     sups.append(s)
-    assert s.wait(30) == 1
+    assert s.wait() == 1
     state = _sup_state(run)
     assert (small_fs / "starts").read_text().count("start") == 2
     assert state["state"] == "gave-up" and [r["reason"] for r in state["restarts"]] == ["exit 1"]
@@ -288,7 +287,7 @@ def test_a_restart_onto_a_full_checkpoint_filesystem_of_its_own_is_not_made(
         )  # fmt: skip
         s = Sup(argv, tmp_path / "out")
         sups.append(s)
-        assert s.wait(30) == 1
+        assert s.wait() == 1
         state = _sup_state(run)
         assert (tmp_path / "starts").read_text().count("start") == 1
         assert state["state"] == "not-restarted" and state["restarts"] == []
@@ -321,7 +320,7 @@ def test_each_filesystem_the_trainer_writes_to_is_measured_once_and_named(
         child = [*_script(CHILD), str(run), str(3 * MIB), "wait"]
         s = Sup(_sup_argv(run, "--disk-check-s", "0.1", child=child), tmp_path / "out")
         sups.append(s)
-        _until(lambda: len(_phases(run, "low_disk")) == 2, 30, "two low_disk lines")
+        _until(lambda: len(_phases(run, "low_disk")) == 2, "two low_disk lines")
         lines = {p.detail for p in _phases(run, "low_disk")}  # tb's first: no checkpoint yet
         assert lines == {
             f"low: 2.0 MiB free on {export}, the exports at the end need 3.0 MiB (the newest "
@@ -342,7 +341,7 @@ def test_each_filesystem_the_trainer_writes_to_is_measured_once_and_named(
             for e in state["low_disks"]
         } == lines
         (run / "done").touch()
-        assert s.wait(30) == 0
+        assert s.wait() == 0
         assert len(_phases(run, "low_disk")) == 2  # no line for RUN, nor a second per change
 
 
@@ -375,7 +374,7 @@ def test_a_supervisor_that_cannot_write_its_state_file_says_so_on_its_pane(
         )  # fmt: skip
         s = Sup(argv, tmp_path / "out")
         sups.append(s)
-        assert s.wait(30) == 1
+        assert s.wait() == 1
         pane = [parse_line(x) for x in s.text().splitlines()]
         lines = [e for e in pane if isinstance(e, PhaseEvent) and e.phase == "state_stale"]
         stale = [parse_state_stale(e.detail) for e in lines]

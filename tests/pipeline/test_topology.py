@@ -9,12 +9,12 @@ from __future__ import annotations
 import json
 import os
 import signal
-import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from tests import budget
 from trainer.config import ConfigError, TrainConfig
 from trainer.events import StatusEvent, parse_line
 from trainer.pipeline.checkpoint import list_checkpoints, load_checkpoint
@@ -78,7 +78,7 @@ def test_a_launch_of_the_wrong_size_is_refused_naming_the_process_count(
     tmp_path: Path, tiny_assets: dict[str, Any], run_cli: RunCli
 ) -> None:
     cfg = write_config(tmp_path / "mn.toml", tiny_assets, topology=SHARED)
-    out = run_cli(cfg, tmp_path / "r", timeout=240)
+    out = run_cli(cfg, tmp_path / "r")
     assert out.returncode == 2, out.stderr[-2000:]
     assert "topology.targets = 'shared'" in out.stdout
     assert "torchrun --nproc-per-node 3" in out.stdout
@@ -114,19 +114,19 @@ def test_one_target_for_two_drafters_trains_the_one_to_one_losses_through_a_stop
     run_dir = tmp_path / "mn"
     proc = start_ranks(shared, run_dir, 3, DFLASH_STAGE_DELAY="drafter:0.3")
     try:
-        deadline = time.monotonic() + 200
-        while time.monotonic() < deadline and proc.poll() is None:
+
+        def at_step_3() -> bool:
+            assert proc.poll() is None, proc.communicate()
             status = _status(run_dir) if (run_dir / "status.log").exists() else []
-            if status and status[-1].step >= 3:
-                break
-            time.sleep(0.1)
-        assert proc.poll() is None, proc.communicate()
+            return bool(status) and status[-1].step >= 3
+
+        budget.until(at_step_3, "the ranks at step 3", every=0.1)
         # dflashctl's stop: SIGINT to each of torchrun's children (the target rank's too)
         children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
         assert len(children) == 3
         for pid in children:
             os.kill(int(pid), signal.SIGINT)
-        out, err = proc.communicate(timeout=120)
+        out, err = proc.communicate(timeout=budget.left())
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -186,7 +186,7 @@ def test_two_targets_for_one_drafter_train_the_single_process_losses(
         },
         schedule={"max_steps": STEPS},
     )
-    a = run_cli(single, tmp_path / "1", timeout=240)
+    a = run_cli(single, tmp_path / "1")
     assert a.returncode == 0, a.stderr[-3000:]
     b = run_ranks(shared, tmp_path / "21", 3)
     assert b.returncode == 0, (b.stdout[-2000:], b.stderr[-3000:])

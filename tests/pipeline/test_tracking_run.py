@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 
+from tests import budget
 from trainer.events import (
     BUCKET_LOSS_KEY,
     TAU_KEY,
@@ -86,7 +87,7 @@ def tracked_run(tmp_path_factory: pytest.TempPathFactory, tiny_assets: dict[str,
         env=cli_env(),
         capture_output=True,
         text=True,
-        timeout=240,
+        timeout=budget.left(),
     )
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     return tmp / "run"

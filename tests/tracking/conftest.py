@@ -10,6 +10,8 @@ from typing import Any
 
 import pytest
 
+from tests import budget
+
 
 @pytest.fixture(autouse=True)
 def _wandb_sandbox(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -33,7 +35,7 @@ def wandb_records(run_file: Path) -> list[dict[str, Any]]:
         capture_output=True,
         text=True,
         stdin=subprocess.DEVNULL,
-        timeout=120,
+        timeout=budget.left(),
         check=False,
     )
     assert res.returncode == 0, res.stderr

@@ -6,7 +6,6 @@ Pure folds and renderers over the trainer's own printed lines (`eval_run_lines` 
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -25,6 +24,7 @@ from dflashctl.tui.screens.host import HostScreen
 from dflashctl.tui.widgets.charts import LOSS_SMOOTHING, SMOOTHING_STEPS, debiased_ema
 from dflashctl.tui.widgets.loss_plot import LossPlot, by_step
 from dflashctl.tui.widgets.panes import bucket_loss_text, eval_text, gpus_text
+from tests import budget
 from tests.tui.fixtures import (
     BLOCK,
     FIXED_NOW,
@@ -46,10 +46,9 @@ SIZE = (120, 40)
 H100 = Path(__file__).parents[1] / "ctl" / "fixtures" / "gpu-health" / "h100x8-driver550.csv"
 
 
-async def _until(pilot, predicate: Callable[[], bool], timeout: float = 10.0) -> None:  # type: ignore[no-untyped-def]
-    async with asyncio.timeout(timeout):
-        while not predicate():
-            await pilot.pause(0.02)
+async def _until(pilot, predicate: Callable[[], bool]) -> None:  # type: ignore[no-untyped-def]
+    """Until `predicate` holds, the app running meanwhile, within the test's one budget."""
+    await budget.until_async(predicate, pause=pilot.pause, every=0.02)
 
 
 # ----------------------------------------------------------------------------- folds
@@ -306,7 +305,7 @@ async def test_the_eval_age_ticks_without_a_new_line() -> None:
         assert "eval  step 600, 30s ago" in str(pane.content)
         before = app.states["kpro6"]
         now[0] = FIXED_NOW + 95
-        await _until(pilot, lambda: "eval  step 600, 2m05s ago" in str(pane.content), 5)
+        await _until(pilot, lambda: "eval  step 600, 2m05s ago" in str(pane.content))
         assert app.states["kpro6"] is before  # no new state: the pane's own timer redrew it
         lower = EvalEvent(step=750, tau=2.2, loss=4.3, acc=0.8, acc_at=[0.8], best=600)
         app.feed("kpro6", [format_eval_line(lower)])

@@ -26,6 +26,7 @@ from dflashctl.runs.control import RunControl
 from dflashctl.tui.app import HostBinding
 from dflashctl.tui.screens.host import HostScreen
 from dflashctl.tui.widgets.panes import gpus_text, xids_text
+from tests import budget
 from tests.conftest import require_part
 from tests.tui.test_app import _until
 from tests.tui.test_supervisor_view import Recording
@@ -123,7 +124,7 @@ async def test_the_follower_reads_the_node_kernel_log_and_toasts_each_new_xid(
         return app.states["gpu-node"].xids
 
     async with app.run_test(size=(120, 40)) as pilot:
-        await _until(pilot, lambda: len(xids()) == 3, 15)
+        await _until(pilot, lambda: len(xids()) == 3)
         assert all(s.history for s in xids()) and not any("Xid" in t for _, t in app.toasts)
         await pilot.press("enter")
         await _until(pilot, lambda: isinstance(app.screen, HostScreen) and app.screen.painted)
@@ -186,10 +187,10 @@ async def test_one_kernel_log_reader_for_the_watch_and_the_follower(tmp_path: Pa
     tool.chmod(0o755)
     node = LocalTransport(env={"PATH": f"{bin_dir}:{os.environ['PATH']}"})
     reader = XidReader()
-    first = await reader.read(node, timeout=10)
+    first = await reader.read(node, timeout=budget.left())
     assert first is not None and first.history
     assert [x.code for x in first.fresh] == [94, 119, 13]
-    again = await reader.read(node, timeout=10)
+    again = await reader.read(node, timeout=budget.left())
     assert again == XidRead((), history=False)  # the same window again: nothing new
     with kernel_log.open("a") as fh:
         fh.write(
@@ -198,15 +199,17 @@ async def test_one_kernel_log_reader_for_the_watch_and_the_follower(tmp_path: Pa
         )
     mode.write_text("denied")
     with pytest.raises(KernelLogError, match=r"^journalctl: No journal files were opened"):
-        await reader.read(node, timeout=10)
+        await reader.read(node, timeout=budget.left())
     mode.write_text("slow")
     with pytest.raises(KernelLogError, match=r"^kernel log query failed: .*no answer within"):
         await reader.read(node, timeout=0.5)
     mode.write_text("ok")
-    news = await reader.read(node, timeout=10)  # against the last good read: the new line
+    news = await reader.read(
+        node, timeout=budget.left()
+    )  # against the last good read: the new line
     assert news is not None and not news.history and [x.code for x in news.fresh] == [79]
 
     bare = XidReader()
     no_journal = LocalTransport(env={"PATH": str(tmp_path / "empty")})
-    assert await bare.read(no_journal, timeout=10) is None and not bare.available
-    assert await bare.read(node, timeout=10) is None  # asked once: not asked again
+    assert await bare.read(no_journal, timeout=budget.left()) is None and not bare.available
+    assert await bare.read(node, timeout=budget.left()) is None  # asked once: not asked again

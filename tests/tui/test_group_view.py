@@ -228,7 +228,7 @@ async def test_nodes_run_state_files_reach_the_group_row_through_real_status(
     app = DflashApp(hosts, groups={"pair": ("n0", "n1")})
     async with app.run_test(size=SIZE) as pilot:
         table = app.screen.query_one("#fleet", DataTable)
-        await _until(pilot, lambda: _cell(table, "pair", "state") == "stopped", 15)
+        await _until(pilot, lambda: _cell(table, "pair", "state") == "stopped")
         assert _cell(table, "pair", "step") == "40"  # node 0's
         await pilot.press("space")
         await _until(pilot, lambda: table.row_count == 3)

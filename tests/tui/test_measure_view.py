@@ -4,7 +4,6 @@ first poll that no longer reports it, and `r` refused before start would refuse 
 
 from __future__ import annotations
 
-import asyncio
 from dataclasses import replace
 
 from rich.text import Text
@@ -20,6 +19,7 @@ from dflashctl.tui.screens.fleet import fleet_row
 from dflashctl.tui.screens.host import HostScreen
 from dflashctl.tui.screens.restart import RestartScreen
 from dflashctl.tui.widgets.panes import header_text, measure_text, state_style
+from tests import budget
 from tests.tui.fixtures import FIXED_NOW, Status, run_lines, seed_shape, service
 
 MEASURE = RunningMeasure(
@@ -106,11 +106,15 @@ def test_a_group_measuring_on_node_0_says_so() -> None:
     assert group_figures("pair", [replace(n0, measure=None), n1], FIXED_NOW).state == "stopped"
 
 
-async def _until(pilot, predicate, timeout: float = 5.0) -> None:  # type: ignore[no-untyped-def]
-    async with asyncio.timeout(timeout):
-        while not predicate():
-            await pilot.pause(0.02)
-            pilot.app.flush()
+async def _until(pilot, predicate) -> None:  # type: ignore[no-untyped-def]
+    """Until `predicate` holds, the app running (and flushed) meanwhile, within the test's one
+    budget."""
+
+    async def pause(seconds: float) -> None:
+        await pilot.pause(seconds)
+        pilot.app.flush()
+
+    await budget.until_async(predicate, pause=pause, every=0.02)
 
 
 async def test_host_screen_line_shows_while_measuring_and_r_is_refused_first() -> None:

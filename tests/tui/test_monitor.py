@@ -29,6 +29,7 @@ from dflashctl.monitor.state import (
     display_state,
 )
 from dflashctl.runs.follow import Backoff
+from tests import budget
 from tests.tui.fixtures import FIXED_NOW, ReplayControl, Status, run_lines, status_line
 from trainer.config import TrainConfig
 from trainer.config.schedule import lr_at
@@ -221,10 +222,8 @@ def test_backoff_is_capped_exponential() -> None:
     assert [b.delay(i) for i in range(7)] == [1, 2, 4, 8, 16, 30, 30]
 
 
-async def _until(predicate, timeout: float = 5.0) -> None:  # type: ignore[no-untyped-def]
-    async with asyncio.timeout(timeout):
-        while not predicate():
-            await asyncio.sleep(0.01)
+async def _until(predicate) -> None:  # type: ignore[no-untyped-def]
+    await budget.until_async(predicate, every=0.01)
 
 
 async def test_follower_streams_lines_and_polls_status() -> None:

@@ -5,7 +5,6 @@ Update (after looking at the report): `pytest tests/tui/test_snapshots.py --snap
 
 from __future__ import annotations
 
-import asyncio
 from dataclasses import replace
 from pathlib import Path
 
@@ -16,6 +15,7 @@ from dflashctl.monitor.state import LinkState, RunState, apply_lines, apply_stat
 from dflashctl.tui.app import DflashApp, HostBinding
 from dflashctl.tui.screens.host import HostScreen
 from dflashctl.tui.screens.restart import RestartScreen
+from tests import budget
 from tests.tui.fixtures import (
     FIXED_NOW,
     Status,
@@ -52,11 +52,23 @@ warmup_ratio = 0.04
 
 
 async def _painted(pilot) -> None:  # type: ignore[no-untyped-def]
-    """Wait (bounded) until the host screen drew its panes at their laid-out size."""
-    async with asyncio.timeout(10):
-        while not (isinstance(pilot.app.screen, HostScreen) and pilot.app.screen.painted):
-            await pilot.pause(0.05)
-            pilot.app.flush()
+    """Wait (within the test's budget) until the host screen drew its panes at their laid-out
+    size."""
+    await _screen_painted(pilot, HostScreen)
+
+
+async def _screen_painted(pilot, screen: type) -> None:  # type: ignore[no-untyped-def]
+    async def pause(seconds: float) -> None:
+        await pilot.pause(seconds)
+        pilot.app.flush()
+
+    await budget.until_async(
+        lambda: (
+            isinstance(pilot.app.screen, screen) and getattr(pilot.app.screen, "painted", False)
+        ),
+        f"the {screen.__name__} painted",
+        pause=pause,
+    )
     await pilot.pause()
 
 
@@ -246,11 +258,7 @@ def test_group_screen(snap_compare) -> None:  # type: ignore[no-untyped-def]
 
     async def open_group(pilot) -> None:  # type: ignore[no-untyped-def]
         await pilot.press("enter")
-        async with asyncio.timeout(10):
-            while not (isinstance(pilot.app.screen, GroupScreen) and pilot.app.screen.painted):
-                await pilot.pause(0.05)
-                pilot.app.flush()
-        await pilot.pause()
+        await _screen_painted(pilot, GroupScreen)
 
     assert snap_compare(group_app(), terminal_size=SIZE, run_before=open_group)
 
