@@ -7,6 +7,7 @@ runs on one, or the nodes' release or config differ.
 from __future__ import annotations
 
 import asyncio
+import posixpath
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, TypeVar
 
@@ -126,11 +127,37 @@ class GroupStarter:
                 raise MeasureInProgress(f"group {self.name!r}: not {doing}: {err}")
 
     async def _node_procs(self) -> list[int]:
-        """Ranks per node: the entries of topology.drafter_devices in its deployed config."""
+        """Ranks per node: the entries of topology.drafter_devices in its deployed config; the
+        data its config names checked on every node first (`refuse_missing_data`)."""
         from dflashctl.config.runconfig import drafter_device_count
 
         texts = await asyncio.gather(*(c.deployed_config() for c in self.controls))
+        await self.refuse_missing_data(texts)
         return [drafter_device_count(t) for t in texts]
+
+    async def refuse_missing_data(self, texts: Sequence[str]) -> None:
+        """ControlError, one line per node and path, when a node lacks the token store or
+        target model its deployed config names (and the trainer would not build it)."""
+        from dflashctl.config.runconfig import load_config_text
+        from dflashctl.groups.preflight import check_argv, data_needs, problems
+
+        needs = [
+            data_needs(load_config_text(t), posixpath.dirname(c.layout.config))
+            for c, t in zip(self.controls, texts, strict=True)
+        ]
+        answers = await asyncio.gather(
+            *(c.transport.run(check_argv(n)) for c, n in zip(self.controls, needs, strict=True))
+        )
+        lines: list[str] = []
+        for ctl, need, res in zip(self.controls, needs, answers, strict=True):
+            if not res.ok:
+                lines.append(f"{ctl.host.name}: checking its data: {res.error_line()}")
+                continue
+            lines += problems(ctl.host.name, need, res.stdout)
+        if lines:
+            raise ControlError(
+                "\n".join([f"group {self.name!r}: not starting: data missing on a node", *lines])
+            )
 
     async def start(
         self,

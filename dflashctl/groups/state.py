@@ -23,12 +23,12 @@ run-states name none, and `GroupView.checkpoint_json`/`checkpoint_line` say wher
 
 from __future__ import annotations
 
-import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal, TypedDict
 
 from dflashctl.runs.snapshot import RunStatus
+from dflashctl.runs.snapshot import torchrun_failure as torchrun_failure
 from trainer.events.run_state import RunState
 
 GroupPhase = Literal[
@@ -42,11 +42,6 @@ GroupPhase = Literal[
 ]
 FAILED_NODE_STATES = frozenset({"crashed", "gave-up"})
 LIVE_NODE_STATES = frozenset({"running", "restarting", "stalled"})
-# torchrun's failure report (torch.distributed.elastic's ChildFailedError), one per failed rank:
-#   rank      : 1 (local_rank: 0)
-#   exitcode  : -9 (pid: 1234)
-_TORCHRUN_RANK = re.compile(r"\brank\s*:\s*(\d+)\s*\(local_rank:\s*\d+\)")
-_TORCHRUN_EXIT = re.compile(r"\bexitcode\s*:\s*(-?\d+)")
 
 
 @dataclass(frozen=True)
@@ -71,6 +66,7 @@ class NodeReport:
     message: str | None = None
     run_state: RunState = field(default_factory=RunState)
     pane_tail: tuple[str, ...] = ()
+    last_error: str | None = None  # the node's last ERROR line (status.log or its pane)
 
     @classmethod
     def from_status(cls, st: RunStatus, node_rank: int) -> NodeReport:
@@ -89,6 +85,7 @@ class NodeReport:
             message=st.message,
             run_state=rs,
             pane_tail=tuple(st.pane_tail),
+            last_error=st.last_error,
         )
 
     @property
@@ -108,6 +105,12 @@ class NodeReport:
         return self.state in FAILED_NODE_STATES
 
     @property
+    def error(self) -> str | None:
+        """This node's own error line: what its trainer recorded (its first local rank's, in
+        run-state.json), else the last ERROR line its log or pane shows."""
+        return self.run_state.last_error or self.last_error
+
+    @property
     def unrecorded_death(self) -> bool:
         """It failed and its trainer never wrote how it ended (killed: no handler ran)."""
         return self.failed and self.run_state.state in {None, "starting", "running"}
@@ -121,6 +124,7 @@ class FailedRank:
     node_rank: int
     rank: int | None
     why: str  # how that was decided, for people
+    error: str | None = None  # that node's own error line (never another node's, never a banner)
 
 
 class FailedJson(TypedDict):
@@ -196,7 +200,8 @@ class GroupView:
         if self.failed is not None:
             f = self.failed
             rank = f"rank {f.rank}" if f.rank is not None else "rank unknown"
-            return f"{head}: node {f.node_rank} ({f.host}) {rank} failed first ({f.why})"
+            said = f": {f.error}" if f.error else ""
+            return f"{head}: node {f.node_rank} ({f.host}) {rank} failed first ({f.why}){said}"
         if self.state == "degraded":
             return f"{head}: {', '.join(self.unreachable)} unreachable (state unknown)"
         if self.state == "partial":
@@ -217,23 +222,6 @@ def _known_step(st: RunStatus) -> int | None:
     (a stop's checkpoint comes after the last status line)."""
     known = [x for x in (st.step, st.run_state.last_step) if x is not None]
     return max(known) if known else None
-
-
-def torchrun_failure(pane_tail: Sequence[str]) -> tuple[int, int] | None:
-    """(global rank, exit code) of the first rank torchrun reported failed in this pane."""
-    rank: int | None = None
-    lines = list(pane_tail)
-    # "Failures:" lists the other ranks first; "Root Cause (first observed failure)" is the one
-    roots = [i for i, line in enumerate(lines) if "Root Cause" in line]
-    for line in lines[roots[-1] :] if roots else lines:
-        m = _TORCHRUN_RANK.search(line)
-        if m:
-            rank = int(m.group(1))
-            continue
-        e = _TORCHRUN_EXIT.search(line)
-        if e and rank is not None:
-            return rank, int(e.group(1))
-    return None
 
 
 def _node_of_rank(nodes: Sequence[NodeReport], rank: int) -> NodeReport | None:
@@ -258,21 +246,30 @@ def first_failure(nodes: Sequence[NodeReport]) -> FailedRank | None:
         rank = n.run_state.failed_rank
         if rank is not None:
             owner = _node_of_rank(nodes, rank) or n
-            return FailedRank(owner.host, owner.node_rank, rank, f"recorded by {n.host}")
+            return FailedRank(
+                owner.host, owner.node_rank, rank, f"recorded by {n.host}", owner.error
+            )
+    for n in failed:  # a trainer that refused (exit 2) names its own reason; the rest followed
+        if n.run_state.state == "refused":
+            rep = torchrun_failure(n.pane_tail)
+            rank = rep[0] if rep is not None else _only_rank(n)
+            return FailedRank(n.host, n.node_rank, rank, "its trainer refused to start", n.error)
     reports = [(n, torchrun_failure(n.pane_tail)) for n in failed]
     for n, rep in reports:
         if rep is not None and rep[1] < 0:
-            return FailedRank(n.host, n.node_rank, rep[0], f"killed by signal {-rep[1]}")
+            why = f"killed by signal {-rep[1]}"
+            return FailedRank(n.host, n.node_rank, rep[0], why, n.error)
     for n in failed:
         if n.unrecorded_death:
             rep = torchrun_failure(n.pane_tail)
             rank = rep[0] if rep is not None else _only_rank(n)
-            return FailedRank(n.host, n.node_rank, rank, "its trainer died without a record")
+            why = "its trainer died without a record"
+            return FailedRank(n.host, n.node_rank, rank, why, n.error)
     n = failed[0]
     rep = torchrun_failure(n.pane_tail)
     rank = n.run_state.failed_rank or (rep[0] if rep is not None else _only_rank(n))
     how = f"exit status {n.exit_status}" if n.exit_status is not None else n.state
-    return FailedRank(n.host, n.node_rank, rank, f"first in node order to fail: {how}")
+    return FailedRank(n.host, n.node_rank, rank, f"first in node order to fail: {how}", n.error)
 
 
 def group_state(group: str, nodes: Sequence[NodeReport]) -> GroupView:

@@ -128,7 +128,7 @@ class RunState:
     """When the host was first seen unreachable in this outage (None while reachable)."""
     pane_tail: tuple[str, ...] = ()
     """A dead pane's last lines (status `pane_tail`): in a group, torchrun's failure report
-    names the rank that failed (`dflashctl.groups.state.torchrun_failure`)."""
+    names the rank that failed (`dflashctl.runs.snapshot.torchrun_failure`)."""
     run_info: contract.RunState = field(default_factory=contract.RunState)
     """RUN/run-state.json as last polled: the trainer's plan (total_steps, end_step,
     warmup_steps, boundaries) once it has written it."""

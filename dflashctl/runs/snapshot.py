@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import re
 import signal
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from typing import Any, TypedDict
@@ -479,19 +479,48 @@ def parse_status(
     )
 
 
+# torchrun's failure report (torch.distributed.elastic's ChildFailedError), one per failed rank:
+#   rank      : 1 (local_rank: 0)
+#   exitcode  : -9 (pid: 1234)
+_TORCHRUN_RANK = re.compile(r"\brank\s*:\s*(\d+)\s*\(local_rank:\s*\d+\)")
+_TORCHRUN_EXIT = re.compile(r"\bexitcode\s*:\s*(-?\d+)")
+# a line that is only a rule (torchrun's `=====` and `-----` around its report)
+_RULE = re.compile(r"^[=\-_*#~]+$")
+
+
+def torchrun_failure(pane_tail: Sequence[str]) -> tuple[int, int] | None:
+    """(global rank, exit code) of the first rank torchrun reported failed in this pane."""
+    rank: int | None = None
+    lines = list(pane_tail)
+    # "Failures:" lists the other ranks first; "Root Cause (first observed failure)" is the one
+    roots = [i for i, line in enumerate(lines) if "Root Cause" in line]
+    for line in lines[roots[-1] :] if roots else lines:
+        m = _TORCHRUN_RANK.search(line)
+        if m:
+            rank = int(m.group(1))
+            continue
+        e = _TORCHRUN_EXIT.search(line)
+        if e and rank is not None:
+            return rank, int(e.group(1))
+    return None
+
+
 def last_error_line(log_text: str, capture: str) -> str | None:
-    """The run's own ERROR line (status.log, else the pane), else the pane's last line."""
+    """The run's own ERROR line (status.log, else the pane); else torchrun's report of the rank
+    that failed first, in words; else the pane's last line that says something (never a rule
+    like torchrun's `=====`, never tmux's own "Pane is dead")."""
     for text in (log_text, capture):
         errors = [e for e in parse_events(text) if isinstance(e, ErrorEvent)]
         if errors:
             return errors[-1].message
-    # tmux's own remain-on-exit line ("Pane is dead (status 1, ...)") says nothing new
-    rows = [
-        ln.strip()
-        for ln in capture.splitlines()
-        if ln.strip() and not ln.strip().startswith("Pane is dead")
-    ]
-    return rows[-1] if rows else None
+    rows = [ln.strip() for ln in capture.splitlines()]
+    report = torchrun_failure(rows)
+    if report is not None:
+        rank, code = report
+        how = describe_exit(None, -code) if code < 0 else describe_exit(code, None)
+        return f"torchrun: rank {rank} {how} (no error line of its own)"
+    said = [r for r in rows if r and not r.startswith("Pane is dead") and not _RULE.match(r)]
+    return said[-1] if said else None
 
 
 def describe_exit(exit_status: int | None, sig: int | None) -> str:

@@ -160,6 +160,7 @@ def lxc_container(
     host_network: bool = False,
     workdir: str = CONTAINER_WORKDIR,
     shared: tuple[Path, ...] = (),
+    mounts: tuple[tuple[Path, str], ...] = (),
 ) -> Iterator[Container]:
     """A running LXC container (template sshd, no network) with the venv visible inside.
 
@@ -167,7 +168,8 @@ def lxc_container(
     meet on 127.0.0.1); the template's sshd would then bind the host's port 22, so the
     container's init runs `sleep infinity` instead (nothing here uses the container's sshd).
     `workdir`: where the workdir is mounted inside; `shared`: host directories mounted
-    read-write at the same path inside (a store both nodes read)."""
+    read-write at the same path inside (a store both nodes read); `mounts`: (host directory,
+    container path) pairs, read-write (a node's own /data)."""
     reap_stale_containers()
     name = name or f"{NAME_PREFIX}{os.getpid()}"
     _destroy(name)
@@ -178,6 +180,8 @@ def lxc_container(
         venv = Path(sys.prefix)
         base = Path(sys.base_prefix)
         workdir_host.mkdir(parents=True, exist_ok=True)
+        for d, _ in mounts:
+            d.mkdir(parents=True, exist_ok=True)
         cfg_path = Path(f"/var/lib/lxc/{name}/config")
         lines = [
             ln
@@ -195,6 +199,10 @@ def lxc_container(
             *(
                 f"lxc.mount.entry = {d} {str(d).lstrip('/')} none rw,bind,create=dir 0 0"
                 for d in shared
+            ),
+            *(
+                f"lxc.mount.entry = {d} {inside.lstrip('/')} none rw,bind,create=dir 0 0"
+                for d, inside in mounts
             ),
             "lxc.apparmor.profile = unconfined",
             f"lxc.mount.entry = {venv} {str(venv).lstrip('/')} none ro,bind,create=dir 0 0",
@@ -352,15 +360,25 @@ class GroupPair:
     inventory: Path
     containers: tuple[Container, Container]
     workdirs: tuple[str, str]
+    sshds: tuple[Sshd, Sshd]
+    data: tuple[Path, Path] | None = None  # each node's own `private` directory, on this host
 
 
 @contextlib.contextmanager
 def group_pair(
-    base: Path, *, run_config: Path, shared: tuple[Path, ...] = (), session: str = "dflash-g"
+    base: Path,
+    *,
+    run_config: Path,
+    shared: tuple[Path, ...] = (),
+    private: str | None = None,
+    session: str = "dflash-g",
+    group_keys: tuple[str, ...] = (),
 ) -> Iterator[GroupPair]:
     """Two containers sharing the host's network (gloo meets on 127.0.0.1, node_address
     127.0.0.1 for both), each behind its own sshd with its key pinned; `shared` directories are
-    mounted at their own path in both (a store every node reads)."""
+    mounted at their own path in both (a store every node reads); `private` (say "/data") is a
+    directory of each node's own (base/data0, base/data1 here), as two Proxmox nodes have:
+    nothing there is shared. `group_keys`: more `[groups.g]` lines (its policy)."""
     stack = contextlib.ExitStack()
     with stack:
         cts = tuple(
@@ -371,6 +389,7 @@ def group_pair(
                     host_network=True,
                     workdir=GROUP_WORKDIRS[i],
                     shared=shared,
+                    mounts=((base / f"data{i}", private),) if private else (),
                 )
             )
             for i in range(2)
@@ -406,12 +425,14 @@ def group_pair(
                 'env = { OMP_NUM_THREADS = "1" }',
                 "",
             ]
-        text += ["[groups.g]", 'hosts = ["n0", "n1"]', f"rdzv_port = {free_port()}", ""]
+        text += ["[groups.g]", 'hosts = ["n0", "n1"]', f"rdzv_port = {free_port()}"]
+        text += [*group_keys, ""]
         inv = base / "hosts.toml"
         inv.write_text("\n".join(text))
         inv.chmod(0o600)
+        data = (base / "data0", base / "data1") if private else None
         try:
-            yield GroupPair(inv, (cts[0], cts[1]), GROUP_WORKDIRS)
+            yield GroupPair(inv, (cts[0], cts[1]), GROUP_WORKDIRS, (sshds[0], sshds[1]), data)
         finally:
             for ct in cts:
                 kill_tmux_in(ct)

@@ -9,8 +9,11 @@ stop GROUP -> one complete checkpoint on node 0, none half-written, none on node
 GROUP resumes at the next step on both; kill node 1's rank -> the group stops and status names
 node 1, rank 1.
 
-The store and the tiny target are built once here and mounted at the same path in both
-containers (every node needs the data; building it is the trainer's rank 0's job on one node).
+Each container has its own /data (a directory of this host's per node, as two Proxmox nodes
+have their own disks): the config names /data/store and /data/target, and each node's first
+process builds its own synthetic store and tiny target there at the first start. A config whose
+store is real data (no `data.synthetic`) is refused by `start` until every node has it, one line
+per node.
 """
 
 from __future__ import annotations
@@ -50,17 +53,21 @@ class Pair:
     raw: dict[str, Any]
     containers: tuple[P.Container, P.Container]
     tree: Path
+    data: tuple[Path, Path] | None = None
 
 
-def run_config(assets: Path) -> dict[str, Any]:
-    """The tiny config, its store and target at `assets` (absolute, the same in every
-    container), many epochs (the run must outlast the test), only the stop's checkpoints."""
+DATA = "/data"  # each node's own
+
+
+def run_config(assets: str) -> dict[str, Any]:
+    """The tiny config, its store and target under `assets` (absolute), many epochs (the run
+    must outlast the test), only the stop's checkpoints."""
     raw = tomllib.loads(TINY.read_text())
     return merge(
         raw,
         {
-            "data": {"store": str(assets / "store")},
-            "model": {"target_dir": str(assets / "target")},
+            "data": {"store": f"{assets}/store"},
+            "model": {"target_dir": f"{assets}/target"},
             "schedule": {"epochs": 20},
             "status": {"interval_s": 1, "rate_window_s": 5},
             "checkpoint": {"every_steps": 100000, "every_minutes": 600.0, "keep_last": 3},
@@ -76,20 +83,18 @@ def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
     require_part(TINY.is_file(), "configs/tiny-cpu.toml is not in this checkout")
     base = tmp_path_factory.mktemp("group")
     tree = P.frozen_tree(base / "tree")
-    shared = base / "assets"
-    raw = run_config(shared)
+    raw = run_config(DATA)
     config = base / "run.toml"
     config.write_text(dump_toml(raw))
-    P.build_tiny_assets(config, tree)
     with contextlib.ExitStack() as stack:
         try:
             got = stack.enter_context(
-                P.group_pair(base, run_config=config, shared=(shared,), session=SESSION)
+                P.group_pair(base, run_config=config, private=DATA, session=SESSION)
             )
         except (RuntimeError, OSError) as err:
             require_part(False, f"real parts did not start: {err}")
             raise
-        yield Pair(["--hosts", str(got.inventory)], config, raw, got.containers, tree)
+        yield Pair(["--hosts", str(got.inventory)], config, raw, got.containers, tree, got.data)
 
 
 def cli(pair: Pair, capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str]:
@@ -141,7 +146,8 @@ def single_host_losses(raw: dict[str, Any], tmp: Path, tree: Path) -> list[float
     """The first K losses of the same config as two ranks of one host (torchrun --standalone);
     `max_steps` ends it there (it changes no schedule: the LR still spans every epoch)."""
     cfg = tmp / "single.toml"
-    cfg.write_text(dump_toml(merge(raw, {"schedule": {"max_steps": K}})))
+    here = merge(raw, run_config(str(tmp / "assets")))  # the same seeded store and target, here
+    cfg.write_text(dump_toml(merge(here, {"schedule": {"max_steps": K}})))
     argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
     argv += ["-m", "trainer", "--config", str(cfg), "--run-dir", str(tmp / "single-run")]
     out = subprocess.run(
@@ -172,10 +178,39 @@ def test_a_group_steps_stops_resumes_and_fails_as_one(
     reference = single_host_losses(pair.raw, tmp_path, pair.tree)
     assert len(reference) == K
 
-    rc, out = cli(pair, capsys, "deploy", "g", "--tree", str(pair.tree), "--no-memory-check")
+    # a store of real data (nothing the trainer builds): start checks every node has it, and
+    # names each node and path that lacks it, one line each, before starting anything
+    real = tmp_path / "real.toml"
+    real_raw = merge(pair.raw, {})
+    del real_raw["data"]["synthetic"]
+    real.write_text(dump_toml(real_raw))
+    rc, out = cli(
+        pair,
+        capsys,
+        "deploy",
+        "g",
+        "--config",
+        str(real),
+        "--no-memory-check",
+        "--tree",
+        str(pair.tree),
+    )
     assert rc == 0, out
     releases = set(re.findall(r"^n[01]: release (\w+): sent", out, re.M))
     assert len(releases) == 1 and "on all 2 nodes" in out, out
+    rc, out = cli(pair, capsys, "start", "g")
+    assert rc == 1, out
+    for n in ("n0", "n1"):
+        line = (
+            f"dflashctl: {n}: data.store {DATA}/store: no token store there (no manifest.json); "
+            f"every node reads its own copy: put it at that path on {n}"
+        )
+        assert line in out.splitlines(), out
+    assert "model.target_dir" not in out, out  # the tiny target is built by each node itself
+    assert not list((ws0 / "run").glob("metrics.jsonl")), "a refused start started something"
+
+    rc, out = cli(pair, capsys, "deploy", "g", "--no-memory-check", "--tree", str(pair.tree))
+    assert rc == 0, out
 
     # a node with another config: start refuses, naming the nodes and their hashes
     other = tmp_path / "other.toml"
@@ -222,6 +257,11 @@ def test_a_group_steps_stops_resumes_and_fails_as_one(
         assert time.monotonic() < end, "node 0 wrote fewer than K metrics rows"
         time.sleep(1)
     assert [r["loss"] for r in metrics(ws0 / "run")[:K]] == reference
+    assert pair.data is not None
+    for d in pair.data:  # each node built its own store and target in its own /data
+        assert (d / "store" / "manifest.json").is_file() and (
+            d / "target" / "config.json"
+        ).is_file()
 
     rc, out = cli(pair, capsys, "stop", "g", "--timeout", "120")
     assert rc == 0, out

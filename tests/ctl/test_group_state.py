@@ -277,3 +277,72 @@ def test_status_text_names_the_writer_node_on_the_group_and_on_node_1(tmp_path: 
     text = group_entry(_pair(tmp_path, None, None), [st0, st1], as_json=False)
     assert isinstance(text, str)
     assert text.splitlines()[1] == f"  checkpoints on node 0 (n0): step 40 {path}"
+
+
+def test_a_node_that_died_without_an_error_line_is_described_never_by_a_banner() -> None:
+    """A dead pane whose last lines are torchrun's report and its `=====` rule: the error line
+    is torchrun's root cause in words; other panes give their last line that says something."""
+    from dflashctl.runs.snapshot import last_error_line
+
+    assert last_error_line("", "\n".join(KILLED_TAIL)) == (
+        "torchrun: rank 1 was killed by SIGKILL (exit status 137) (no error line of its own)"
+    )
+    assert last_error_line("", "\n".join(PEER_TAIL)).startswith(  # type: ignore[union-attr]
+        "torchrun: rank 0 exited with status 1 (failed)"
+    )
+    assert last_error_line("", "boom\n=====\n-----\nPane is dead (status 1)\n") == "boom"
+    refused = "ERROR: rank 1: data.store: /data/store: no such token store directory"
+    assert last_error_line("", "\n".join([refused, *KILLED_TAIL])) == refused[len("ERROR: ") :]
+
+
+def test_a_refused_node_is_named_first_with_its_own_line_not_node_0() -> None:
+    """Node 1 refused (its run-state says so, with its reason); node 0 crashed after it (its
+    collective broke) without knowing who: the group blames node 1, in node 1's words."""
+    why = "rank 1: data.store: /data/store: no such token store directory"
+    rs1 = RunState(rank_range=[1, 2], state="refused", exit_status=2, last_error=why)
+    rs0 = RunState(rank_range=[0, 1], state="crashed", exit_status=1, last_error="stage failed")
+    v = group_state(
+        "g",
+        [
+            node("n0", 0, "crashed", exit_status=1, run_state=rs0, pane_tail=PEER_TAIL),
+            node("n1", 1, "crashed", exit_status=1, run_state=rs1),
+        ],
+    )
+    assert v.failed is not None and (v.failed.host, v.failed.rank, v.failed.error) == (
+        "n1",
+        1,
+        why,
+    )
+    assert (
+        v.summary()
+        == f"g: failed: node 1 (n1) rank 1 failed first (its trainer refused to start): {why}"
+    )
+
+
+def test_the_data_preflight_names_each_node_and_path_it_lacks() -> None:
+    """Relative paths resolve against the config's directory on the node; what the trainer
+    builds itself (synthetic store, tiny target) is never a problem; one line per gap."""
+    from dflashctl.config.runconfig import load_config_text
+    from dflashctl.groups.preflight import check_argv, data_needs, problems
+
+    tiny = load_config_text((REPO / "configs" / "tiny-cpu.toml").read_text())
+    built = data_needs(tiny, "/srv/dflash1/run")
+    assert [(n.key, n.path, n.built) for n in built] == [
+        ("data.store", "/srv/dflash1/run/.cache/tiny-store", True),
+        ("model.target_dir", "/srv/dflash1/run/.cache/tiny-qwen3", True),
+    ]
+    assert problems("n1", built, "no\nno\n") == []
+    real = tiny.model_copy(
+        update={
+            "data": tiny.data.model_copy(update={"store": "/data/store", "synthetic": None}),
+            "model": tiny.model.model_copy(update={"target_dir": "../t", "tiny_target": None}),
+        }
+    )
+    needs = data_needs(real, "/srv/dflash1/run")
+    assert check_argv(needs)[-2:] == ["/data/store/manifest.json", "/srv/dflash1/t/config.json"]
+    assert problems("n1", needs, "yes\nyes\n") == []
+    assert problems("n1", needs, "no\nyes\n") == [
+        "n1: data.store /data/store: no token store there (no manifest.json); every node reads "
+        "its own copy: put it at that path on n1"
+    ]
+    assert len(problems("n1", needs, "")) == 2  # no answer: nothing is assumed to be there

@@ -41,8 +41,11 @@ WARNING_PREFIX = "WARNING: "  # a raw line to every reader: never the run's last
 class Reporter:
     """Line sink: stdout + status.log + console.log; silent on non-zero ranks."""
 
-    def __init__(self, run_dir: Path, enabled: bool, stream: TextIO | None = None) -> None:
+    def __init__(
+        self, run_dir: Path, enabled: bool, stream: TextIO | None = None, rank: int | None = None
+    ) -> None:
         self.enabled = enabled
+        self.rank = rank  # named in a silent rank's ERROR line (its pane holds several ranks')
         self.stream = stream or sys.stdout
         self._lock = threading.Lock()
         self._status = open(run_dir / "status.log", "a", buffering=1) if enabled else None  # noqa: SIM115
@@ -87,9 +90,16 @@ class Reporter:
         self.line(WARNING_PREFIX + " ".join(message.split()))
 
     def error(self, message: str, tb: str | None = None) -> None:
-        """Traceback to stderr and console.log, then one ERROR line everywhere."""
+        """Traceback to stderr and console.log, then one ERROR line everywhere. A rank without
+        the run's files (not global rank 0) still prints its ERROR line and keeps it as
+        `last_error`, which its node's run-state records: a node that refused says why."""
         if not self.enabled:
-            print(tb or message, file=sys.stderr, flush=True)
+            if tb:
+                print(tb, file=sys.stderr, end="" if tb.endswith("\n") else "\n", flush=True)
+            if self.rank is not None:
+                message = f"rank {self.rank}: {message}"
+            self.last_error = message
+            print(format_error_line(message), file=self.stream, flush=True)
             return
         if tb:
             with self._lock:
