@@ -17,6 +17,13 @@ Which failure came first, in this order:
 A peer that lost its partner fails too (its collective breaks); it is reported as stopped with
 the group, not as the cause.
 
+A supervised group (every node's `trainer.supervise --group-node`): the supervisors' records
+decide. A node whose supervisor gave up or would not restart ends the group (`gave-up`,
+`failed`) with its reason; each attempt's first failure comes from every node's records side by
+side (`groups.attempts`); a node restarting (torchrun restarting its workers, or the supervisor
+its agent) makes the group `restarting`, and nodes waiting for the others in the rendezvous
+make it `rendezvous` (k of N nodes there).
+
 Checkpoints are node 0's alone (global rank 0 writes them, `checkpoint_node`); the other nodes'
 run-states name none, and `GroupView.checkpoint_json`/`checkpoint_line` say where they are.
 """
@@ -25,23 +32,27 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Literal, TypedDict
+from typing import Any, Literal, TypedDict
 
+from dflashctl.groups.attempts import Attempt, attempts, failures_of
 from dflashctl.runs.snapshot import RunStatus
 from dflashctl.runs.snapshot import torchrun_failure as torchrun_failure
 from trainer.events.run_state import RunState
 
 GroupPhase = Literal[
     "running",  # every node runs
+    "restarting",  # a node restarts its part (torchrun its workers, a supervisor its agent)
+    "rendezvous",  # nodes wait in the rendezvous for the others (k of N there)
+    "gave-up",  # a node's supervisor spent the group's restarts (or the rendezvous timed out)
     "degraded",  # some node unreachable, none failed: that node is unknown, not crashed
-    "failed",  # a node failed (the group goes down with it: torchrun's behaviour)
+    "failed",  # a node failed and is not restarted (an exit that must not be, or no supervisor)
     "partial",  # some nodes run, others are stopped (a start or stop in progress, or by hand)
     "stopped",  # every node stopped (some may have finished)
     "finished",  # every node finished the plan
     "unreachable",  # no node answered
 ]
 FAILED_NODE_STATES = frozenset({"crashed", "gave-up"})
-LIVE_NODE_STATES = frozenset({"running", "restarting", "stalled"})
+LIVE_NODE_STATES = frozenset({"running", "restarting", "stalled", "rendezvous"})
 
 
 @dataclass(frozen=True)
@@ -67,6 +78,8 @@ class NodeReport:
     run_state: RunState = field(default_factory=RunState)
     pane_tail: tuple[str, ...] = ()
     last_error: str | None = None  # the node's last ERROR line (status.log or its pane)
+    supervisor: dict[str, Any] | None = None  # its supervisor's record (status `supervisor`)
+    pane_lines: tuple[str, ...] = ()  # the pane's last lines, whatever its state
 
     @classmethod
     def from_status(cls, st: RunStatus, node_rank: int) -> NodeReport:
@@ -86,6 +99,8 @@ class NodeReport:
             run_state=rs,
             pane_tail=tuple(st.pane_tail),
             last_error=st.last_error,
+            supervisor=st.supervisor,
+            pane_lines=tuple(st.pane_lines),
         )
 
     @property
@@ -103,6 +118,27 @@ class NodeReport:
     @property
     def failed(self) -> bool:
         return self.state in FAILED_NODE_STATES
+
+    @property
+    def sup_state(self) -> str | None:
+        """Its supervisor's own state (running, restarting, rendezvous, gave-up, ...)."""
+        got = (self.supervisor or {}).get("state")
+        return got if isinstance(got, str) else None
+
+    @property
+    def sup_detail(self) -> str | None:
+        got = (self.supervisor or {}).get("detail")
+        return got if isinstance(got, str) else None
+
+    @property
+    def attempt(self) -> int | None:
+        got = (self.supervisor or {}).get("attempt")
+        return got if isinstance(got, int) else None
+
+    @property
+    def restarts(self) -> list[dict[str, Any]]:
+        got = (self.supervisor or {}).get("restarts")
+        return [r for r in got if isinstance(r, dict)] if isinstance(got, list) else []
 
     @property
     def error(self) -> str | None:
@@ -150,6 +186,19 @@ class GroupView:
     state: GroupPhase
     nodes: tuple[NodeReport, ...]
     failed: FailedRank | None = None
+    history: tuple[Attempt, ...] = ()  # each failed attempt's first failure (supervised)
+    verdict: str | None = None  # the supervisor's word that ended it (gave-up, failed)
+
+    @property
+    def waiting(self) -> tuple[str, ...]:
+        """Nodes whose agent waits in the rendezvous for the others."""
+        return tuple(n.host for n in self.nodes if n.state == "rendezvous")
+
+    @property
+    def attempt(self) -> int | None:
+        """The group's attempt (rendezvous round) as its nodes count it: the highest."""
+        got = [n.attempt for n in self.nodes if n.attempt is not None]
+        return max(got) if got else None
 
     @property
     def unreachable(self) -> tuple[str, ...]:
@@ -197,6 +246,21 @@ class GroupView:
     def summary(self) -> str:
         """`g: failed: node 1 (n1) rank 1 failed first (...)` and the like, one line."""
         head = f"{self.group}: {self.state}"
+        if self.state == "rendezvous":
+            head = f"{head} ({len(self.waiting)}/{len(self.nodes)} nodes)"
+        if self.history and self.state in ("gave-up", "failed"):
+            tried = "; ".join(a.line() for a in self.history)
+            return f"{head}: {self.verdict or 'ended'}; {tried}"
+        if self.history and self.state in ("restarting", "rendezvous"):
+            last = self.history[-1]
+            others = [n.host for n in self.nodes if n.state != "rendezvous"]
+            wait = f"; waiting for {', '.join(others)}" if self.state == "rendezvous" else ""
+            return f"{head}: after {last.line()}{wait}"
+        if self.state == "rendezvous":
+            others = [f"{n.host} ({n.state})" for n in self.nodes if n.state != "rendezvous"]
+            return f"{head}: waiting for {', '.join(others)}" if others else head
+        if self.verdict and self.failed is None:
+            return f"{head}: {self.verdict}"
         if self.failed is not None:
             f = self.failed
             rank = f"rank {f.rank}" if f.rank is not None else "rank unknown"
@@ -281,15 +345,36 @@ def group_state(group: str, nodes: Sequence[NodeReport]) -> GroupView:
     partial: some run and some do not.
     """
     ordered = tuple(sorted(nodes, key=lambda n: n.node_rank))
+    history = tuple(
+        attempts(
+            [f for n in ordered for f in failures_of(n.host, n.node_rank, n.supervisor)],
+            [r for n in ordered for r in n.restarts],
+        )
+    )
+    ended = _ended_by(ordered)
+    if ended is not None:
+        state: GroupPhase = "gave-up" if ended.sup_state == "gave-up" else "failed"
+        last = history[-1].first if history else None
+        failed = (
+            FailedRank(last.host, last.node_rank, last.rank, last.reason, last.error)
+            if last is not None
+            else None
+        )
+        return GroupView(group, state, ordered, failed, history, ended.sup_detail)
     failure = first_failure(ordered)
     if failure is not None:
-        return GroupView(group, "failed", ordered, failure)
+        return GroupView(group, "failed", ordered, failure, history)
     reachable = [n for n in ordered if n.reachable]
-    state: GroupPhase
     if not reachable:
         state = "unreachable"
     elif len(reachable) < len(ordered):
         state = "degraded"
+    elif any(n.state in ("restarting", "stalled") for n in ordered):
+        state = "restarting"
+    elif any(n.state == "rendezvous" for n in ordered) and all(
+        n.state in LIVE_NODE_STATES for n in ordered
+    ):
+        state = "rendezvous"
     elif all(n.state in LIVE_NODE_STATES for n in ordered):
         state = "running"
     elif all(n.finished for n in ordered):
@@ -298,7 +383,17 @@ def group_state(group: str, nodes: Sequence[NodeReport]) -> GroupView:
         state = "stopped"
     else:
         state = "partial"
-    return GroupView(group, state, ordered)
+    return GroupView(group, state, ordered, None, history)
+
+
+def _ended_by(nodes: Sequence[NodeReport]) -> NodeReport | None:
+    """The node whose supervisor ended the group: one that would not restart (its reason is
+    the cause) before one that gave up, else None."""
+    for wanted in ("not-restarted", "gave-up"):
+        for n in nodes:
+            if n.sup_state == wanted:
+                return n
+    return None
 
 
 class NodeJson(TypedDict):
@@ -312,6 +407,21 @@ class NodeJson(TypedDict):
     step: int | None
     exit_status: int | None
     message: str | None
+    supervisor: str | None  # its supervisor's state (rendezvous, restarting, gave-up, ...)
+    detail: str | None  # its supervisor's detail (why it waits, restarts or ended)
+    error: str | None  # its own last error line
+    pane: list[str]  # the pane's last lines
+
+
+class AttemptJson(TypedDict):
+    attempt: int
+    host: str
+    node_rank: int
+    rank: int | None
+    reason: str
+    error: str | None
+    restarted: bool
+    resumed: bool
 
 
 class GroupJson(TypedDict):
@@ -320,8 +430,12 @@ class GroupJson(TypedDict):
     summary: str
     world_size: int | None
     step: int | None
+    attempt: int | None
+    waiting: list[str]
+    verdict: str | None
     nodes: list[NodeJson]
     failed: FailedJson | None
+    restarts: list[AttemptJson]
     checkpoint: CheckpointJson | None
 
 
@@ -334,6 +448,9 @@ def group_json(view: GroupView) -> GroupJson:
         summary=view.summary(),
         world_size=view.world_size,
         step=view.step,
+        attempt=view.attempt,
+        waiting=list(view.waiting),
+        verdict=view.verdict,
         nodes=[
             NodeJson(
                 host=n.host,
@@ -346,9 +463,26 @@ def group_json(view: GroupView) -> GroupJson:
                 step=n.step,
                 exit_status=n.exit_status,
                 message=n.message,
+                supervisor=n.sup_state,
+                detail=n.sup_detail,
+                error=n.error,
+                pane=list(n.pane_lines),
             )
             for n in view.nodes
         ],
         failed=view.failed_json(),
+        restarts=[
+            AttemptJson(
+                attempt=a.number,
+                host=a.first.host,
+                node_rank=a.first.node_rank,
+                rank=a.first.rank,
+                reason=a.first.reason,
+                error=a.first.error,
+                restarted=a.restarted,
+                resumed=a.resumed,
+            )
+            for a in view.history
+        ],
         checkpoint=view.checkpoint_json(),
     )

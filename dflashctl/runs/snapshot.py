@@ -52,7 +52,17 @@ SUPERVISOR_KEYS = (
     # consequence, since; checkpoint_mib, checkpoints where the checkpoints are}
     "low_disk",
     "low_disks",
+    # a group node's: its place, its agent, the failures it saw and its group's attempt
+    "group",
+    "agent_pid",
+    "group_rank",
+    "failures",
 )
+
+
+PANE_LINES = 8
+"""How many of the pane's last lines a status keeps whatever the run's state (a group's status
+shows every node's)."""
 
 
 def measure_started(measure_id: str) -> float | None:
@@ -82,7 +92,9 @@ class RunningMeasure:
 @dataclass(frozen=True)
 class RunStatus:
     host: str
-    state: str  # running | restarting | stalled | stopped | crashed | gave-up | unreachable
+    # running | restarting | stalled | rendezvous (a group node waiting for the others) |
+    # stopped | crashed | gave-up | unreachable
+    state: str
     exit_status: int | None = None
     release: str | None = None  # what `current` points at (deployed)
     run_release: str | None = None  # what the trainer was started from
@@ -94,6 +106,7 @@ class RunStatus:
     log_lines: int = 0
     run_state: RunState = field(default_factory=RunState)
     pane_tail: list[str] = field(default_factory=list)
+    pane_lines: list[str] = field(default_factory=list)  # the pane's last lines, any state
     message: str | None = None
     signal: str | None = None  # the signal that ended the pane's process ("SIGKILL")
     stop_signal: str | None = None  # the signal the trainer stopped on (run-state.json)
@@ -361,7 +374,9 @@ def trainer_completed_stop(
     owners = {pane.pid} if pane.pid is not None else set()
     if supervisor is not None and supervisor.trainer_pid is not None:
         owners.add(supervisor.trainer_pid)
-    return run_state.pid in owners and run_state.state in {"stopped", "finished"}
+    agent = _int_or_none(supervisor.fields.get("agent_pid")) if supervisor is not None else None
+    mine = run_state.pid in owners or (agent is not None and run_state.parent_pid == agent)
+    return mine and run_state.state in {"stopped", "finished"}
 
 
 def parse_running_measure(sections: dict[str, str], session: str) -> RunningMeasure | None:
@@ -418,7 +433,8 @@ def parse_status(
         state, exit_status = "stopped", None
     elif not pane.dead:
         # The pane's process is the supervisor: alive while the trainer under it is restarted.
-        state = sup_state if sup_state in {"restarting", "stalled"} else "running"
+        # a group node's supervisor also says `rendezvous` (its agent waits for the others)
+        state = sup_state if sup_state in {"restarting", "stalled", "rendezvous"} else "running"
         exit_status = None
     else:
         exit_status = pane.exit_status
@@ -465,6 +481,7 @@ def parse_status(
         log_lines=int(lines) if lines.isdigit() else 0,
         run_state=run_state,
         pane_tail=capture.splitlines()[-20:] if state == "crashed" else [],
+        pane_lines=[ln for ln in capture.splitlines() if ln.strip()][-PANE_LINES:],
         signal=signal_name(sig) if sig is not None else None,
         stop_signal=stop_signal or None,
         run_state_error=run_state_error,

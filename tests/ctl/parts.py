@@ -13,6 +13,7 @@ import contextlib
 import os
 import re
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -436,6 +437,35 @@ def group_pair(
         finally:
             for ct in cts:
                 kill_tmux_in(ct)
+
+
+@contextlib.contextmanager
+def stopped_sshd(sd: Sshd) -> Iterator[None]:
+    """The node's sshd stopped (SIGSTOP): new connections hang as on a dead link, the node
+    and its container run on; SIGCONT on exit."""
+    pid = int((sd.dir / "sshd.pid").read_text().split()[0])
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        os.kill(pid, signal.SIGCONT)
+
+
+def set_next_pid(ct: Container, pid: int) -> None:
+    """The container's next process gets a pid above `pid` (its pid namespace's ns_last_pid,
+    written from inside that namespace with the host's privileges)."""
+    init = _run(["lxc-info", "-n", ct.name, "-p", "-H"]).stdout.strip()
+    assert init.isdigit(), f"no init pid for {ct.name}"
+    script = f"echo {int(pid)} > /proc/sys/kernel/ns_last_pid"
+    r = _run(["nsenter", "-t", init, "-p", "--", "sh", "-c", script], timeout=30)
+    if r.returncode != 0:
+        raise RuntimeError(f"cannot set {ct.name}'s next pid: {r.stderr.strip()}")
+
+
+def node_processes_in(ct: Container, pattern: str) -> list[str]:
+    """`pid args` of the processes in the container whose command line matches."""
+    r = _run(["lxc-attach", "-n", ct.name, "--", "pgrep", "-a", "-f", pattern], timeout=30)
+    return [ln for ln in r.stdout.splitlines() if ln.strip()]
 
 
 def pinned_inventory(parts: Parts, tmp_path: Path, run_config: Path | None = None) -> list[str]:

@@ -1,13 +1,20 @@
-"""A group (issue 15) end to end through the CLI, on real parts: two "Proxmox hosts" (two
-loopback sshd, each with the pct shim) and two LXC containers in the host's network namespace
+"""A group end to end through the CLI, on real parts: two "Proxmox hosts" (two loopback sshd,
+each with the pct shim) and two LXC containers in the host's network namespace
 (`lxc.net.0.type = none`, so gloo meets on 127.0.0.1), the tiny CPU config with one rank per
-node:
+node, each node under its supervisor in front of torchrun (c10d, node 0 hosting it), with the
+group's one restart policy (short figures here):
 
 deploy GROUP + start GROUP -> both nodes step, status GROUP --json shows world size 2 and the
 same step on both; the first K losses equal a 2-rank single-host run of the same config;
 stop GROUP -> one complete checkpoint on node 0, none half-written, none on node 1; restart
-GROUP resumes at the next step on both; kill node 1's rank -> the group stops and status names
-node 1, rank 1.
+GROUP resumes at the next step on both. Then, with nobody acting: a SIGKILLed rank on node 1
+restarts the group from node 0's checkpoint (the steps trained again have the same losses) and
+status names node 1, rank 1, signal 9; a SIGKILLed agent comes back through its own node's
+supervisor, node 0's too when its new agent gets the higher pid (c10d then ranks node 0 second,
+and node 0's first process is still global rank 0); node 1's sshd stopped longer than the stall
+timeout is node 1 unreachable while the group trains on, nothing restarts, and it is reachable
+again after; `stop GROUP` during a restart backoff stops for good; a rank that exits 2 at every
+start is named with its node, rank and reason, and not restarted.
 
 Each container has its own /data (a directory of this host's per node, as two Proxmox nodes
 have their own disks): the config names /data/store and /data/target, and each node's first
@@ -22,6 +29,7 @@ import contextlib
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -54,9 +62,20 @@ class Pair:
     containers: tuple[P.Container, P.Container]
     tree: Path
     data: tuple[Path, Path] | None = None
+    sshds: tuple[P.Sshd, ...] = ()
 
 
 DATA = "/data"  # each node's own
+STALL_S = 45
+BACKOFF_S = 15  # an agent restart's backoff: long enough to stop the group inside it
+GROUP_POLICY = (
+    "max_restarts = 5",
+    "restart_window_s = 3600",
+    f"restart_backoff_s = {BACKOFF_S}",
+    f"stall_timeout_s = {STALL_S}",
+    "startup_timeout_s = 600",
+    "rendezvous_timeout_s = 120",
+)
 
 
 def run_config(assets: str) -> dict[str, Any]:
@@ -89,12 +108,20 @@ def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
     with contextlib.ExitStack() as stack:
         try:
             got = stack.enter_context(
-                P.group_pair(base, run_config=config, private=DATA, session=SESSION)
+                P.group_pair(
+                    base,
+                    run_config=config,
+                    private=DATA,
+                    session=SESSION,
+                    group_keys=GROUP_POLICY,
+                )
             )
         except (RuntimeError, OSError) as err:
             require_part(False, f"real parts did not start: {err}")
             raise
-        yield Pair(["--hosts", str(got.inventory)], config, raw, got.containers, tree, got.data)
+        yield Pair(
+            ["--hosts", str(got.inventory)], config, raw, got.containers, tree, got.data, got.sshds
+        )
 
 
 def cli(pair: Pair, capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str]:
@@ -238,7 +265,8 @@ def test_a_group_steps_stops_resumes_and_fails_as_one(
     rc, out = cli(pair, capsys, "start", "g", "--wait-s", "240")
     assert rc == 0, out
     assert "n0: node 0 of g" in out and "n1: node 1 of g" in out, out
-    assert "--node-rank 1" in out and "--rdzv-backend static" in out
+    assert "--rdzv-backend c10d" in out and "--group-node 1" in out, out
+    assert "trainer.supervise" in out and "each under its supervisor" in out, out
     st = wait_group(
         pair,
         capsys,
@@ -293,30 +321,230 @@ def test_a_group_steps_stops_resumes_and_fails_as_one(
     resumed = [r["step"] for r in metrics(ws0 / "run")[before:]]
     assert resumed[:2] == [step + 1, step + 2], resumed  # the next step, not step 0 or 1
 
-    # kill node 1's rank: the group stops, and status names node 1, rank 1
-    torchrun = pane_pid(pair.containers[1])
-    kids = subprocess.run(
-        ["lxc-attach", "-n", pair.containers[1].name, "--", "pgrep", "-P", str(torchrun)],
-        capture_output=True,
+
+def container(ct: P.Container, *argv: str) -> str:
+    r = subprocess.run(
+        ["lxc-attach", "-n", ct.name, "--", *argv], capture_output=True, text=True, timeout=30
+    )
+    assert r.returncode == 0, (argv, r.stderr)
+    return r.stdout
+
+
+def read_json(path: Path) -> dict[str, Any]:
+    try:
+        got = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return got if isinstance(got, dict) else {}
+
+
+def supervisor(ws: Path) -> dict[str, Any]:
+    """A node's supervisor.json, read on this host (its workdir is a host directory)."""
+    return read_json(ws / "run" / "supervisor.json")
+
+
+def trained_again(pair: Pair, capsys: pytest.CaptureFixture[str], attempt: int) -> dict[str, Any]:
+    """Wait until the group runs attempt `attempt` and node 0 stepped past its resume."""
+    ws0 = pair.containers[0].workdir_host
+
+    def done(s: dict[str, Any]) -> bool:
+        if s["state"] != "running" or (s["attempt"] or 0) < attempt:
+            return False
+        log = (ws0 / "run" / "status.log").read_text()
+        resumes = re.findall(r"^Resuming from checkpoint: step=(\d+) ", log, re.M)
+        return bool(resumes) and (s["step"] or 0) > int(resumes[-1]) + 2
+
+    return wait_group(pair, capsys, done, timeout=400)
+
+
+def same_losses_when_trained_twice(run_dir: Path) -> list[int]:
+    """The steps node 0 trained twice (before a failure and after the resume): each has the
+    same loss both times, the uninterrupted run's from that step. Returns those steps."""
+    seen: dict[int, float] = {}
+    again = []
+    for row in metrics(run_dir):
+        step, loss = row["step"], row["loss"]
+        if step in seen:
+            assert loss == seen[step], (step, seen[step], loss)
+            again.append(step)
+        seen[step] = loss
+    return again
+
+
+def test_a_killed_rank_restarts_the_group_from_node_0s_checkpoint(
+    pair: Pair, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """SIGKILL node 1's rank while the group trains: torchrun restarts the whole group by
+    itself, both nodes resume from node 0's newest checkpoint, the steps trained again have
+    the losses they had, and status names node 1, rank 1, signal 9 (one restart)."""
+    ws0, ws1 = (ct.workdir_host for ct in pair.containers)
+    st = wait_group(pair, capsys, lambda s: s["state"] == "running" and (s["step"] or 0) > 3, 300)
+    attempt = st["attempt"]
+    rank1 = read_json(ws1 / "run" / "run-state.json")["pid"]
+    container(pair.containers[1], "kill", "-KILL", str(rank1))
+    st = trained_again(pair, capsys, attempt + 1)
+    assert same_losses_when_trained_twice(ws0 / "run"), "no step was trained twice"
+    first = [r for r in st["restarts"] if r["attempt"] == attempt]
+    assert first and (first[0]["host"], first[0]["rank"], first[0]["reason"]) == (
+        "n1",
+        1,
+        "signal 9",
+    ), st["restarts"]
+    assert first[0]["resumed"], st["restarts"]
+    _, out = cli(pair, capsys, "status", "g")
+    assert f"attempt {attempt}: node 1 (n1) rank 1: signal 9 -> the group restarted" in out, out
+    assert [n["rank_range"] for n in st["nodes"]] == [[0, 1], [1, 2]]
+
+
+def test_killed_agents_come_back_and_node_0_stays_rank_0(
+    pair: Pair, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """SIGKILL node 1's torchrun agent: node 1's supervisor starts another, which rejoins.
+    Then node 0's, after its container's next pid was set far above node 1's: both agents go
+    (node 1's loses node 0's store) and come back by their supervisors; c10d now ranks node 0's
+    agent second (its pid is the higher), and node 0's first process is still global rank 0:
+    it resumes and writes the status lines."""
+    ws0, ws1 = (ct.workdir_host for ct in pair.containers)
+    st = wait_group(pair, capsys, lambda s: s["state"] == "running", 300)
+    attempt = st["attempt"]
+    agent1 = supervisor(ws1)["agent_pid"]
+    container(pair.containers[1], "kill", "-KILL", str(agent1))
+    st = trained_again(pair, capsys, attempt + 1)
+    sup1 = supervisor(ws1)
+    assert sup1["agent_pid"] != agent1 and sup1["restarts"][-1]["kind"] == "agent", sup1
+    assert sup1["restarts"][-1]["reason"] == "node 1 agent: killed by signal 9"
+
+    P.set_next_pid(pair.containers[0], 400_000)  # node 0's next agent: far the higher pid
+    attempt = st["attempt"]
+    container(pair.containers[0], "kill", "-KILL", str(supervisor(ws0)["agent_pid"]))
+    st = trained_again(pair, capsys, attempt + 1)
+    sup0 = supervisor(ws0)
+    assert sup0["agent_pid"] > 400_000 and sup0["group_rank"] == 1, sup0  # c10d: second
+    assert read_json(ws0 / "run" / "run-state.json")["rank_range"] == [0, 1]
+    assert read_json(ws1 / "run" / "run-state.json")["rank_range"] == [1, 2]
+    assert not (ws1 / "run" / "checkpoints").exists()  # checkpoints are still node 0's alone
+
+
+def test_a_lost_link_is_not_a_lost_node(
+    pair: Pair, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Node 1's sshd stopped (SIGSTOP: connections hang) for longer than the stall timeout:
+    status says node 1 unreachable and the group degraded while node 0's step advances;
+    nothing restarts; the watch says unreachable, then recovered when sshd runs again."""
+    ws0, ws1 = (ct.workdir_host for ct in pair.containers)
+    st = wait_group(pair, capsys, lambda s: s["state"] == "running", 300)
+    restarts = [len(supervisor(ws)["restarts"]) for ws in (ws0, ws1)]
+    inv = tmp_path / "hosts.toml"  # the same, with a short unreachable alert for the watch
+    inv.write_text("unreachable_alert_s = 5\n" + Path(pair.inv[1]).read_text())
+    inv.chmod(0o600)
+    watch = subprocess.Popen(
+        [*WATCH, "--hosts", str(inv), "watch", "g", *WATCH_FLAGS],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
         text=True,
-        timeout=30,
-    ).stdout.split()
-    assert len(kids) == 1, kids
-    subprocess.run(
-        ["lxc-attach", "-n", pair.containers[1].name, "--", "kill", "-KILL", kids[0]],
-        check=True,
-        timeout=30,
     )
-    st = wait_group(
-        pair,
-        capsys,
-        lambda s: s["state"] == "failed" and all(n["state"] != "running" for n in s["nodes"]),
-        timeout=120,
-        allow_failed=True,
-    )
-    assert st["failed"] == {"host": "n1", "node_rank": 1, "rank": 1}, st
-    rc, out = cli(pair, capsys, "status", "g")
-    assert "g: failed: node 1 (n1) rank 1 failed first" in out, out
+    try:
+        with P.stopped_sshd(pair.sshds[1]):
+            stopped_at, step = time.monotonic(), st["step"] or 0
+            wait_group(
+                pair,
+                capsys,
+                lambda s: (
+                    s["state"] == "degraded"
+                    and s["nodes"][1]["state"] == "unreachable"
+                    and (s["step"] or 0) > step
+                    and time.monotonic() - stopped_at > STALL_S + 5
+                ),
+                timeout=400,
+            )
+            summary = group_status(pair, capsys)["summary"]
+            assert summary.startswith("g: degraded: n1 unreachable"), summary
+            assert [len(supervisor(ws)["restarts"]) for ws in (ws0, ws1)] == restarts
+            assert supervisor(ws1)["state"] == "running"  # its own supervisor: nothing happened
+        wait_group(pair, capsys, lambda s: s["state"] == "running", timeout=120)
+        end = time.monotonic() + 120
+        while "recovered" not in (out := _read_some(watch)):
+            assert time.monotonic() < end, out
+    finally:
+        watch.send_signal(signal.SIGINT)
+        out = _read_some(watch) + (watch.communicate(timeout=60)[0] or "")
+    assert re.search(r" n1 unreachable: unreachable since ", out), out
+    assert re.search(r" n1 recovered \(unreachable\): reachable again after ", out), out
+    assert " restarted" not in out and " crashed" not in out, out
+    assert [len(supervisor(ws)["restarts"]) for ws in (ws0, ws1)] == restarts
+
+
+WATCH = [sys.executable, "-m", "dflashctl"]
+WATCH_FLAGS = ["--interval-s", "2", "--burst-s", "1", "--no-gpu", "--no-notify"]
+_WATCH_OUT: dict[int, str] = {}
+
+
+def _read_some(proc: subprocess.Popen[str]) -> str:
+    """What the watch printed so far (its stdout is read without blocking)."""
+    import fcntl
+
+    assert proc.stdout is not None
+    fd = proc.stdout.fileno()
+    fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) | os.O_NONBLOCK)
+    try:
+        chunk = proc.stdout.read() or ""
+    except (BlockingIOError, TypeError):
+        chunk = ""
+    _WATCH_OUT[proc.pid] = _WATCH_OUT.get(proc.pid, "") + chunk
+    time.sleep(0.5)
+    return _WATCH_OUT[proc.pid]
+
+
+def test_stop_during_a_restart_backoff_stops_for_good(
+    pair: Pair, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Node 1's agent killed, its supervisor in the restart backoff: `stop g` ends both nodes
+    and nothing comes back after the backoff would have ended."""
+    ws1 = pair.containers[1].workdir_host
+    wait_group(pair, capsys, lambda s: s["state"] == "running", 300)
+    container(pair.containers[1], "kill", "-KILL", str(supervisor(ws1)["agent_pid"]))
+    end = time.monotonic() + 60
+    while supervisor(ws1).get("state") != "restarting":
+        assert time.monotonic() < end, supervisor(ws1)
+        time.sleep(0.2)
+    stopped_at = time.monotonic()
+    rc, out = cli(pair, capsys, "stop", "g", "--timeout", "120")
+    assert rc in (0, 1), out  # node 0's checkpoint may or may not come in time; both stop
+    sup1 = supervisor(ws1)
+    assert sup1["state"] == "stopped" and "during the restart backoff" in sup1["detail"], sup1
+    while time.monotonic() - stopped_at < BACKOFF_S + 10:  # past the backoff: still nothing
+        for ct in pair.containers:
+            assert P.node_processes_in(ct, "torch.distributed.run") == [], ct.name
+        time.sleep(1)
+    st = group_status(pair, capsys)
+    assert st["state"] == "stopped", st
+
+
+def test_a_rank_that_refuses_at_every_start_is_named_and_not_restarted(
+    pair: Pair, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Node 1's target made unreadable: its rank exits 2 (a user error) at its first start.
+    start fails naming node 1 with its own error line; status names node 1, rank 1 and the
+    reason, once; nothing was restarted on node 1."""
+    ws1 = pair.containers[1].workdir_host
+    assert pair.data is not None
+    target = pair.data[1] / "target" / "config.json"
+    good = target.read_text()
+    target.write_text("{}\n")
+    try:
+        rc, out = cli(pair, capsys, "start", "g", "--wait-s", "240")
+        assert rc == 1, out
+        line = next(ln for ln in out.splitlines() if ln.startswith("dflashctl: group 'g': node 1"))
+        assert "n1: " in line and "rank 1: " in line and "cannot read the target config" in line
+        assert "=====" not in out, out
+        st = group_status(pair, capsys)
+        assert st["state"] in ("failed", "stopped"), st
+        sup1 = supervisor(ws1)
+        assert sup1["state"] == "not-restarted" and sup1["restarts"] == [], sup1
+        assert sup1["detail"].startswith("node 1 rank 1 exit 2: exit 2 is in no_restart_exit_codes")
+    finally:
+        target.write_text(good)
 
 
 def test_one_node_unreachable_is_that_node_not_the_group(

@@ -87,3 +87,65 @@ def finish(procs: list[subprocess.Popen[str]], timeout: float = 240) -> list[tup
 def run_state(run_dir: Path) -> dict[str, Any]:
     state: dict[str, Any] = json.loads((run_dir / "run-state.json").read_text())
     return state
+
+
+def c10d_argv(
+    node: int, nnodes: int, port: int, *, nproc: int = 1, max_restarts: int = 0, rdzv_id: str = "g"
+) -> list[str]:
+    """torchrun with the c10d rendezvous as dflashctl launches a group node: node 0 hosts it,
+    every agent names its address (both 127.0.0.1 here, so c10d orders the nodes by pid)."""
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes",
+        str(nnodes),
+        "--nproc-per-node",
+        str(nproc),
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        f"127.0.0.1:{port}",
+        "--rdzv-id",
+        rdzv_id,
+        "--rdzv-conf",
+        f"is_host={'true' if node == 0 else 'false'},join_timeout=120",
+        "--local-addr",
+        "127.0.0.1",
+        "--max-restarts",
+        str(max_restarts),
+    ]
+
+
+def c10d_env(node: int) -> dict[str, str]:
+    """What dflashctl adds to a group node's environment for torchrun and the trainer."""
+    return {
+        "DFLASH_NODE_RANK": str(node),
+        "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
+        "LOGLEVEL": "INFO",
+    }
+
+
+def supervised(node: int, torchrun: list[str], *policy: str) -> list[str]:
+    """The group node's supervisor (dflashctl's start GROUP) in front of its torchrun."""
+    return [
+        sys.executable,
+        "-m",
+        "trainer.supervise",
+        "--group-node",
+        str(node),
+        *policy,
+        "--",
+        *torchrun,
+    ]
+
+
+def supervisor_state(run_dir: Path) -> dict[str, Any]:
+    path = run_dir / "supervisor.json"
+    if not path.exists():
+        return {}
+    try:
+        state: dict[str, Any] = json.loads(path.read_text())
+    except ValueError:  # mid-rename never happens, but a test must not die on it
+        return {}
+    return state

@@ -235,6 +235,7 @@ def run(opts: RunOptions) -> int:
             exit_status=int(status),
             step=r.board.step,
             failed_rank=failed_rank,
+            peer_failure=checkpoint_sync.peer_failure(failure) if failure is not None else None,
             stop_signal=received[0].name if received else None,
             signals=len(received),
             stop_detail=r.unsaved or r.stop_detail(),

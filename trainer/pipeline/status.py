@@ -34,6 +34,7 @@ from trainer.events import (
 )
 from trainer.events.run_state import RUN_STATE_FILE, RunState
 from trainer.pipeline.channels import WaitClock
+from trainer.pipeline.launch_env import launch_rank, node_rank
 
 WARNING_PREFIX = "WARNING: "  # a raw line to every reader: never the run's last error
 
@@ -367,7 +368,7 @@ class RunStateFile:
 
 # Node-level keys: written only on a multi-node run (a single-node run-state is unchanged).
 NODE_ONLY = frozenset(
-    {"node_rank", "nnodes", "rank_range", "step", "failed_rank", "checkpoint_node"}
+    {"node_rank", "nnodes", "rank_range", "step", "failed_rank", "peer_failure", "checkpoint_node"}
 )
 # What only the node that writes checkpoints can say (its run dir's paths, its newest step):
 # always None in another node's run-state, whatever its own run dir holds.
@@ -380,11 +381,12 @@ WRITER_ONLY = frozenset(
 class NodeInfo:
     """Where this process sits in a multi-node torchrun launch (one torchrun agent per node).
 
-    torchrun (2.13, `LocalElasticAgent`) exports GROUP_RANK = the agent's rank = the node's
-    index (`--node-rank` under the static rendezvous) and GROUP_WORLD_SIZE = the number of
-    agents (`--nnodes`); a node's ranks are the contiguous global ranks RANK - LOCAL_RANK ..
-    + LOCAL_WORLD_SIZE. ROLE_RANK is a worker's rank within its role (the global rank here).
-    Global rank 0, the one process that writes checkpoints, is on node 0 (GROUP_RANK 0)."""
+    torchrun (2.13, `LocalElasticAgent`) exports GROUP_RANK = the agent's rank and
+    GROUP_WORLD_SIZE = the number of agents (`--nnodes`). On a dflashctl group node the node's
+    index is DFLASH_NODE_RANK, the inventory's order (c10d's GROUP_RANK is its sorting of
+    addresses and pids, `distributed.launch_rank`); else GROUP_RANK (`--node-rank` under the
+    static rendezvous). A node's ranks are the contiguous global ranks from node rank x
+    LOCAL_WORLD_SIZE. Global rank 0, the one process that writes checkpoints, is on node 0."""
 
     node_rank: int
     nnodes: int
@@ -402,9 +404,10 @@ class NodeInfo:
         nnodes = int(env.get("GROUP_WORLD_SIZE", "1"))
         if nnodes <= 1:
             return None
-        first = int(env["RANK"]) - int(env.get("LOCAL_RANK", "0"))
+        first = launch_rank(env) - int(env.get("LOCAL_RANK", "0"))
         size = int(env.get("LOCAL_WORLD_SIZE", "1"))
-        return cls(int(env["GROUP_RANK"]), nnodes, (first, first + size))
+        node = node_rank(env)
+        return cls(int(env["GROUP_RANK"]) if node is None else node, nnodes, (first, first + size))
 
     def fields(self) -> dict[str, object]:
         return {
