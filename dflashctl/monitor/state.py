@@ -399,7 +399,12 @@ def display_state(state: RunState, now: float, stale_after: float = STALE_AFTER_
     """
     if state.run == "unreachable":
         return "unreachable"
-    if state.measure is not None and state.run not in {"running", "restarting", "stalled"}:
+    if state.measure is not None and state.run not in {
+        "running",
+        "restarting",
+        "stalled",
+        "rendezvous",
+    }:
         return "measuring"
     if state.run == "gave-up":
         return "gave-up"

@@ -351,6 +351,11 @@ def build_tiny_assets(config: Path, tree: Path) -> None:
 
 
 GROUP_WORKDIRS = ("/srv/dflash0", "/srv/dflash1")  # distinct: nothing may assume one path
+# Two loopback addresses, one per node (both reach this host's lo): torchrun's c10d tells nodes
+# apart by (address, pid), and two containers' agents can have the same pid in their own pid
+# namespaces, so one address for both made one node of two. As text "127.0.0.10" sorts first:
+# c10d ranks node 1 before node 0, the case the trainer's inventory-order ranks are for.
+NODE_ADDRESSES = ("127.0.0.2", "127.0.0.10")
 
 
 @dataclass(frozen=True)
@@ -374,9 +379,10 @@ def group_pair(
     private: str | None = None,
     session: str = "dflash-g",
     group_keys: tuple[str, ...] = (),
+    node_addresses: tuple[str, str] = NODE_ADDRESSES,
 ) -> Iterator[GroupPair]:
-    """Two containers sharing the host's network (gloo meets on 127.0.0.1, node_address
-    127.0.0.1 for both), each behind its own sshd with its key pinned; `shared` directories are
+    """Two containers sharing the host's network (gloo meets on loopback; `node_addresses`
+    are the nodes' own, see NODE_ADDRESSES), each behind its own sshd with its key pinned; `shared` directories are
     mounted at their own path in both (a store every node reads); `private` (say "/data") is a
     directory of each node's own (base/data0, base/data1 here), as two Proxmox nodes have:
     nothing there is shared. `group_keys`: more `[groups.g]` lines (its policy)."""
@@ -422,7 +428,7 @@ def group_pair(
                 f"ctid = {ct.ctid}",
                 f'workdir = "{GROUP_WORKDIRS[i]}"',
                 f'python = "{ct.python}"',
-                'node_address = "127.0.0.1"',
+                f'node_address = "{node_addresses[i]}"',
                 'env = { OMP_NUM_THREADS = "1" }',
                 "",
             ]
@@ -449,17 +455,6 @@ def stopped_sshd(sd: Sshd) -> Iterator[None]:
         yield
     finally:
         os.kill(pid, signal.SIGCONT)
-
-
-def set_next_pid(ct: Container, pid: int) -> None:
-    """The container's next process gets a pid above `pid` (its pid namespace's ns_last_pid,
-    written from inside that namespace with the host's privileges)."""
-    init = _run(["lxc-info", "-n", ct.name, "-p", "-H"]).stdout.strip()
-    assert init.isdigit(), f"no init pid for {ct.name}"
-    script = f"echo {int(pid)} > /proc/sys/kernel/ns_last_pid"
-    r = _run(["nsenter", "-t", init, "-p", "--", "sh", "-c", script], timeout=30)
-    if r.returncode != 0:
-        raise RuntimeError(f"cannot set {ct.name}'s next pid: {r.stderr.strip()}")
 
 
 def node_processes_in(ct: Container, pattern: str) -> list[str]:

@@ -400,10 +400,10 @@ def test_killed_agents_come_back_and_node_0_stays_rank_0(
     pair: Pair, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """SIGKILL node 1's torchrun agent: node 1's supervisor starts another, which rejoins.
-    Then node 0's, after its container's next pid was set far above node 1's: both agents go
-    (node 1's loses node 0's store) and come back by their supervisors; c10d now ranks node 0's
-    agent second (its pid is the higher), and node 0's first process is still global rank 0:
-    it resumes and writes the status lines."""
+    Then node 0's: both agents go (node 1's loses node 0's store) and come back by their
+    supervisors; c10d ranks node 0's agent second (its address sorts after node 1's, see
+    parts.NODE_ADDRESSES), before and after, and node 0's first process is global rank 0 all
+    along: it resumes, writes the status lines and alone keeps checkpoints."""
     ws0, ws1 = (ct.workdir_host for ct in pair.containers)
     st = wait_group(pair, capsys, lambda s: s["state"] == "running", 300)
     attempt = st["attempt"]
@@ -414,12 +414,13 @@ def test_killed_agents_come_back_and_node_0_stays_rank_0(
     assert sup1["agent_pid"] != agent1 and sup1["restarts"][-1]["kind"] == "agent", sup1
     assert sup1["restarts"][-1]["reason"] == "node 1 agent: killed by signal 9"
 
-    P.set_next_pid(pair.containers[0], 400_000)  # node 0's next agent: far the higher pid
+    assert supervisor(ws0)["group_rank"] == 1  # c10d: node 0 second
     attempt = st["attempt"]
-    container(pair.containers[0], "kill", "-KILL", str(supervisor(ws0)["agent_pid"]))
+    agent0 = supervisor(ws0)["agent_pid"]
+    container(pair.containers[0], "kill", "-KILL", str(agent0))
     st = trained_again(pair, capsys, attempt + 1)
     sup0 = supervisor(ws0)
-    assert sup0["agent_pid"] > 400_000 and sup0["group_rank"] == 1, sup0  # c10d: second
+    assert sup0["agent_pid"] != agent0 and sup0["group_rank"] == 1, sup0  # c10d: still second
     assert read_json(ws0 / "run" / "run-state.json")["rank_range"] == [0, 1]
     assert read_json(ws1 / "run" / "run-state.json")["rank_range"] == [1, 2]
     assert not (ws1 / "run" / "checkpoints").exists()  # checkpoints are still node 0's alone

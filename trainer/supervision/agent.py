@@ -16,6 +16,7 @@ import queue
 import re
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import IO
 
@@ -123,11 +124,24 @@ class AgentLog:
         return None
 
 
+TAIL_LINES = 30
+
+
+def error_line(lines: list[str]) -> str | None:
+    """The agent's own account of why it ended: its last exception line (`...Error: ...`),
+    else its last line."""
+    for line in reversed(lines):
+        if re.search(r"\b\w*(Error|Exception)\b:", line) and "raise" not in line:
+            return line[:500]
+    return lines[-1][:500] if lines else None
+
+
 class AgentTee:
     """Copies the agent's stderr to `out` (the pane) and queues its events, in a thread."""
 
     def __init__(self, source: IO[bytes], out: IO[bytes]) -> None:
         self.events: queue.Queue[AgentEvent] = queue.Queue()
+        self.tail: deque[str] = deque(maxlen=TAIL_LINES)  # its last lines that say something
         self._source, self._out = source, out
         self._log = AgentLog()
         self._thread = threading.Thread(target=self._pump, name="agent-tee", daemon=True)
@@ -140,7 +154,10 @@ class AgentTee:
                 self._out.flush()
             except (OSError, ValueError):  # the pane went away: keep reading, keep parsing
                 pass
-            event = self._log.parse(raw.decode("utf-8", "replace").rstrip("\n"))
+            line = raw.decode("utf-8", "replace").rstrip("\n")
+            if line.strip():
+                self.tail.append(line.strip())
+            event = self._log.parse(line)
             if event is not None:
                 self.events.put(event)
 

@@ -74,6 +74,7 @@ class AgentLife:
     rendezvous: str | None = None  # the rendezvous error it died of (timeout, closed, ...)
     exhausted: bool = False  # torchrun spent its own --max-restarts
     stalled: bool = False  # the watchdog stopped it (node 0)
+    error: str | None = None  # its own last words (`agent.error_line`)
 
 
 GroupVerdict = Literal["finished", "stopped", "not-restarted", "failure"]

@@ -28,6 +28,7 @@ from trainer.supervision import procinfo
 from trainer.supervision.agent import (
     AgentEvent,
     AgentTee,
+    error_line,
     Exhausted,
     RendezvousDone,
     RendezvousFailed,
@@ -133,6 +134,7 @@ class GroupSupervisor:
         for ev in tee.drain():
             self._on_event(ev, life, progress, time.monotonic())
         life.returncode = child.returncode
+        life.error = error_line(list(tee.tail))
         life.operator_stop = self.stop_signal is not None
         life.trainer_state, life.trainer_exit = read_trainer_record(self.run_dir, child.pid)
         life.errors = list(progress.errors)

@@ -124,7 +124,9 @@ class GroupRecord:
 
     def agent_failed(self, life: AgentLife, why: str) -> None:
         code = life.returncode
-        rec = failure_record(self.node, self.attempt, reason=why, exitcode=code, kind="agent")
+        rec = failure_record(
+            self.node, self.attempt, reason=why, exitcode=code, kind="agent", error=life.error
+        )
         self._note(rec)
 
     def _note(self, rec: dict[str, Any]) -> None:

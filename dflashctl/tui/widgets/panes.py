@@ -46,6 +46,7 @@ STATE_STYLES = {
     "degraded": "bold yellow",
     "partial": "yellow",
     "measuring": "bold magenta",
+    "rendezvous": "bold yellow",
 }
 
 
