@@ -219,6 +219,10 @@ def lxc_container(
             if time.monotonic() > deadline:
                 raise RuntimeError("container did not become attachable")
             time.sleep(0.1)
+        # the template's rootfs has no /etc/hosts, so `localhost` does not resolve (a Proxmox
+        # container's does: torchrun's c10d picks its free ports on it)
+        hosts = "grep -qs localhost /etc/hosts || echo '127.0.0.1 localhost' >> /etc/hosts"
+        _run(["lxc-attach", "-n", name, "--", "/bin/sh", "-c", hosts])
         yield Container(name, CTID, workdir_host, str(venv / "bin" / "python"))
     finally:
         _destroy(name)

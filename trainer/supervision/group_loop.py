@@ -28,13 +28,13 @@ from trainer.supervision import procinfo
 from trainer.supervision.agent import (
     AgentEvent,
     AgentTee,
-    error_line,
     Exhausted,
     RendezvousDone,
     RendezvousFailed,
     Rendezvousing,
     Restarting,
     WorkerFailed,
+    error_line,
 )
 from trainer.supervision.child import TICK_S, Child
 from trainer.supervision.console import PREFIX, Console
