@@ -169,12 +169,13 @@ def metrics(run_dir: Path) -> list[dict[str, Any]]:
     return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
 
 
-def single_host_losses(raw: dict[str, Any], tmp: Path, tree: Path) -> list[float]:
-    """The first K losses of the same config as two ranks of one host (torchrun --standalone);
-    `max_steps` ends it there (it changes no schedule: the LR still spans every epoch)."""
+def single_host_losses(raw: dict[str, Any], tmp: Path, tree: Path, steps: int = K) -> list[float]:
+    """The first `steps` losses of the same config as two ranks of one host (torchrun
+    --standalone): the uninterrupted run; `max_steps` ends it there (it changes no schedule:
+    the LR still spans every epoch)."""
     cfg = tmp / "single.toml"
     here = merge(raw, run_config(str(tmp / "assets")))  # the same seeded store and target, here
-    cfg.write_text(dump_toml(merge(here, {"schedule": {"max_steps": K}})))
+    cfg.write_text(dump_toml(merge(here, {"schedule": {"max_steps": steps}})))
     argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
     argv += ["-m", "trainer", "--config", str(cfg), "--run-dir", str(tmp / "single-run")]
     out = subprocess.run(
@@ -357,33 +358,41 @@ def trained_again(pair: Pair, capsys: pytest.CaptureFixture[str], attempt: int) 
     return wait_group(pair, capsys, done, timeout=400)
 
 
-def same_losses_when_trained_twice(run_dir: Path) -> list[int]:
-    """The steps node 0 trained twice (before a failure and after the resume): each has the
-    same loss both times, the uninterrupted run's from that step. Returns those steps."""
-    seen: dict[int, float] = {}
-    again = []
-    for row in metrics(run_dir):
-        step, loss = row["step"], row["loss"]
-        if step in seen:
-            assert loss == seen[step], (step, seen[step], loss)
-            again.append(step)
-        seen[step] = loss
-    return again
+def resumed_from(run_dir: Path) -> int:
+    """The step node 0's last resume started from."""
+    log = (run_dir / "status.log").read_text()
+    return int(re.findall(r"^Resuming from checkpoint: step=(\d+) ", log, re.M)[-1])
+
+
+def latest_losses(run_dir: Path) -> dict[int, float]:
+    """Node 0's loss per step; a step trained again after a resume: its later row."""
+    return {row["step"]: row["loss"] for row in metrics(run_dir)}
 
 
 def test_a_killed_rank_restarts_the_group_from_node_0s_checkpoint(
-    pair: Pair, capsys: pytest.CaptureFixture[str]
+    pair: Pair, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """SIGKILL node 1's rank while the group trains: torchrun restarts the whole group by
-    itself, both nodes resume from node 0's newest checkpoint, the steps trained again have
-    the losses they had, and status names node 1, rank 1, signal 9 (one restart)."""
+    itself, both nodes resume from node 0's newest checkpoint (the one node 0's rank wrote as
+    torchrun stopped it), the first losses after the resume are an uninterrupted run's from
+    that step, and status names node 1, rank 1, signal 9 (one restart)."""
     ws0, ws1 = (ct.workdir_host for ct in pair.containers)
     st = wait_group(pair, capsys, lambda s: s["state"] == "running" and (s["step"] or 0) > 3, 300)
     attempt = st["attempt"]
     rank1 = read_json(ws1 / "run" / "run-state.json")["pid"]
     container(pair.containers[1], "kill", "-KILL", str(rank1))
     st = trained_again(pair, capsys, attempt + 1)
-    assert same_losses_when_trained_twice(ws0 / "run"), "no step was trained twice"
+    resumed = resumed_from(ws0 / "run")
+    n = 4
+    end = time.monotonic() + 300
+    while max(latest_losses(ws0 / "run")) < resumed + n:
+        assert time.monotonic() < end, "node 0 did not train 4 steps after the resume"
+        time.sleep(1)
+    uninterrupted = single_host_losses(pair.raw, tmp_path, pair.tree, steps=resumed + n)
+    after = latest_losses(ws0 / "run")
+    assert [after[s] for s in range(resumed + 1, resumed + n + 1)] == uninterrupted[resumed:]
+    assert (ws1 / "run" / "run-state.json").is_file()
+    assert read_json(ws1 / "run" / "run-state.json")["step"] >= resumed  # node 1 resumed too
     first = [r for r in st["restarts"] if r["attempt"] == attempt]
     assert first and (first[0]["host"], first[0]["rank"], first[0]["reason"]) == (
         "n1",
@@ -468,8 +477,7 @@ def test_a_lost_link_is_not_a_lost_node(
         while "recovered" not in (out := _read_some(watch)):
             assert time.monotonic() < end, out
     finally:
-        watch.send_signal(signal.SIGINT)
-        out = _read_some(watch) + (watch.communicate(timeout=60)[0] or "")
+        out = _stop_watch(watch)
     assert re.search(r" n1 unreachable: unreachable since ", out), out
     assert re.search(r" n1 recovered \(unreachable\): reachable again after ", out), out
     assert " restarted" not in out and " crashed" not in out, out
@@ -495,6 +503,18 @@ def _read_some(proc: subprocess.Popen[str]) -> str:
     _WATCH_OUT[proc.pid] = _WATCH_OUT.get(proc.pid, "") + chunk
     time.sleep(0.5)
     return _WATCH_OUT[proc.pid]
+
+
+def _stop_watch(proc: subprocess.Popen[str]) -> str:
+    """SIGINT the watch (it flushes its window and drains), then everything it printed."""
+    import fcntl
+
+    proc.send_signal(signal.SIGINT)
+    assert proc.stdout is not None
+    fd = proc.stdout.fileno()
+    fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_NONBLOCK)
+    rest = proc.communicate(timeout=120)[0] or ""
+    return _WATCH_OUT.get(proc.pid, "") + rest
 
 
 def test_stop_during_a_restart_backoff_stops_for_good(
@@ -546,6 +566,65 @@ def test_a_rank_that_refuses_at_every_start_is_named_and_not_restarted(
         assert sup1["detail"].startswith("node 1 rank 1 exit 2: exit 2 is in no_restart_exit_codes")
     finally:
         target.write_text(good)
+
+
+def test_a_crash_loop_gives_up_once_with_one_notification(
+    pair: Pair, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Node 1's rank fails at its third micro-batch at every start (DFLASH_FAULT in n1's env),
+    the group may restart once (max_restarts = 1): one restart, then every node gives up, once,
+    and `dflashctl watch g` sends one notification for all of it to a real local receiver,
+    naming each attempt's node, rank and reason."""
+    from tests.ctl.test_notify import Receiver
+
+    ws0, ws1 = (ct.workdir_host for ct in pair.containers)
+    rx = Receiver()
+    rx.thread.start()
+    urls = tmp_path / "notify-urls"
+    urls.write_text(rx.url() + "\n")
+    urls.chmod(0o600)
+    text = Path(pair.inv[1]).read_text().replace("max_restarts = 5", "max_restarts = 1")
+    plain = 'env = { OMP_NUM_THREADS = "1" }'
+    at = text.rindex(plain)  # n1's, the last host in the file
+    text = (
+        text[:at]
+        + 'env = { OMP_NUM_THREADS = "1", DFLASH_FAULT = "drafter:3" }'
+        + text[at + len(plain) :]
+    )
+    inv = tmp_path / "hosts.toml"
+    inv.write_text(f'notify_urls_file = "{urls}"\n' + text)
+    inv.chmod(0o600)
+    loop = Pair(["--hosts", str(inv)], pair.config, pair.raw, pair.containers, pair.tree)
+    flags = ["--interval-s", "2", "--burst-s", "600", "--no-gpu"]  # one window for it all
+    watch = subprocess.Popen(
+        [*WATCH, "--hosts", str(inv), "watch", "g", *flags],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        rc, out = cli(loop, capsys, "start", "g", "--wait-s", "0")  # its failures are the test
+        assert rc == 0, out
+        st = wait_group(loop, capsys, lambda s: s["state"] == "gave-up", 600, allow_failed=True)
+        end = time.monotonic() + 120
+        while " g gave-up: " not in _read_some(watch):  # the watch saw the end too
+            assert time.monotonic() < end, _read_some(watch)
+    finally:
+        said = _stop_watch(watch)
+        rx.server.shutdown()
+        rx.server.server_close()
+    assert [a["attempt"] for a in st["restarts"]] == [1, 2], st["restarts"]
+    assert all((a["host"], a["rank"], a["reason"]) == ("n1", 1, "exit 1") for a in st["restarts"])
+    for ws in (ws0, ws1):
+        log = (ws / "run" / "status.log").read_text()
+        assert len(re.findall(r"^Supervisor gave up", log, re.M)) == 1, log
+    assert len(rx.received) == 1, (rx.received, said)
+    message = json.dumps(rx.received[0])
+    assert "gave-up" in message and "attempt 1: node 1 (n1) rank 1: exit 1" in message, message
+    assert "attempt 2: node 1 (n1) rank 1: exit 1" in message and "InjectedFault" in message
+    assert re.search(r" g gave-up: g: gave-up: gave up after 1 group restarts", said), said
+    cli(loop, capsys, "stop", "g")  # the dead panes go
 
 
 def test_one_node_unreachable_is_that_node_not_the_group(
