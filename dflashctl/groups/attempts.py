@@ -12,8 +12,11 @@ Which failure of an attempt came first, in this order:
 2. node 0's stall watchdog (it decided the attempt was hung);
 3. a rank that failed by itself and was killed by a signal (nothing else records those);
 4. a rank that failed by itself;
-5. an agent that died (its node's supervisor restarts it);
-6. a rank that failed because a peer did; ties go to the earlier record, then node order.
+5. an agent that died (killed, or exited by itself);
+6. a rank that failed because a peer did;
+7. an agent that only followed another's failure (torchrun spent its --max-restarts after its
+   workers failed, its rendezvous was closed or lost with node 0's agent); ties go to the
+   earlier record, then node order.
 """
 
 from __future__ import annotations
@@ -23,6 +26,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from dflashctl.runs.snapshot import iso_time
+
+# an agent's ending that follows a failure recorded elsewhere (its workers', another agent's)
+_CONSEQUENCES = ("torchrun spent its --max-restarts", "its rendezvous failed")
 
 
 @dataclass(frozen=True)
@@ -91,8 +97,10 @@ def _order(f: Failure, published: set[int]) -> tuple[int, float, int]:
         tier = 1
     elif f.kind == "rank" and not f.peer:
         tier = 2 if f.reason.startswith("signal") else 3
-    elif f.kind == "agent":
+    elif f.kind == "agent" and not f.reason.startswith(_CONSEQUENCES):
         tier = 4
+    elif f.kind == "agent":
+        tier = 6
     else:
         tier = 5
     return tier, f.at if f.at is not None else float("inf"), f.node_rank

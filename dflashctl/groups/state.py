@@ -267,7 +267,14 @@ class GroupView:
             said = f": {f.error}" if f.error else ""
             return f"{head}: node {f.node_rank} ({f.host}) {rank} failed first ({f.why}){said}"
         if self.state == "degraded":
-            return f"{head}: {', '.join(self.unreachable)} unreachable (state unknown)"
+            live = [n for n in self.nodes if n.reachable and n.state in LIVE_NODE_STATES]
+            at = f", node 0 at step {self.step}" if self.step is not None else ""
+            more = (
+                f"; the group may still train ({len(live)} reachable node(s) run{at})"
+                if live
+                else ""
+            )
+            return f"{head}: {', '.join(self.unreachable)} unreachable (state unknown){more}"
         if self.state == "partial":
             live = [n.host for n in self.nodes if n.state in LIVE_NODE_STATES]
             idle = [n.host for n in self.nodes if n.state not in LIVE_NODE_STATES]

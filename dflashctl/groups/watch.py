@@ -35,15 +35,22 @@ class GroupWatcher:
         self._state: GroupPhase | None = None
         self._alert: Condition | None = None
         self._restarted = 0  # failed attempts the group restarted after, already told
+        self._polled: dict[str, RunStatus] = {}  # the polls the last fold read (each a new one)
 
     @property
     def members(self) -> frozenset[str]:
         return self._members
 
     def fold(self, statuses: Mapping[str, RunStatus], now: float) -> list[WatchEvent]:
-        """The group's events from its nodes' latest statuses (none until every node has one)."""
+        """The group's events from its nodes' latest statuses, once every node was polled again
+        since the last fold (one node's news read beside another's older poll would name the
+        wrong failure: the nodes' records of one attempt land moments apart)."""
         if not all(h in statuses for h in self.group.hosts):
             return []
+        polled = {h: statuses[h] for h in self.group.hosts}
+        if any(polled[h] is self._polled.get(h) for h in self.group.hosts):
+            return []
+        self._polled = polled
         view = group_state(
             self.group.name,
             [NodeReport.from_status(statuses[h], i) for i, h in enumerate(self.group.hosts)],

@@ -91,7 +91,10 @@ def test_one_node_unreachable_is_degraded_never_crashed() -> None:
     v = group_state("g", [node("n0", 0, "running"), node("n1", 1, "unreachable")])
     assert v.state == "degraded" and v.failed is None
     assert v.unreachable == ("n1",)
-    assert v.summary() == "g: degraded: n1 unreachable (state unknown)"
+    assert v.summary() == (
+        "g: degraded: n1 unreachable (state unknown); the group may still train "
+        "(1 reachable node(s) run)"
+    )
     assert group_state("g", [node("n0", 0, "unreachable")] * 1).state == "unreachable"
 
 

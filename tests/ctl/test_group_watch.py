@@ -81,3 +81,25 @@ def test_a_group_nodes_run_events_are_the_groups_and_its_link_events_its_own() -
     assert not group_owned(WatchEvent("n1", EventKind.RECOVERED, 0.0, since=1.0), members)
     assert not group_owned(WatchEvent("n1", EventKind.LOW_DISK, 0.0), members)
     assert not group_owned(WatchEvent("other", EventKind.CRASHED, 0.0), members)
+
+
+def test_the_group_is_judged_only_on_every_nodes_new_poll(tmp_path: Path) -> None:
+    """Node 0 gave up (its torchrun spent its restarts after its rank lost its peer) in a poll
+    newer than node 1's: nothing is said until node 1 is polled again, and then the attempt's
+    cause is node 1's own rank, not node 0's agent that only followed it."""
+    text = ""
+    for i in range(2):
+        text += f'[hosts.n{i}]\naddress = "p{i}"\nctid = {200 + i}\nnode_address = "10.0.0.{i}"\n'
+    group = parse_inventory(text + '[groups.g]\nhosts = ["n0", "n1"]\n', tmp_path / "h.toml")
+    w = GroupWatcher(group.groups["g"])
+    stale1 = status("n1", 1, "running", {})
+    assert w.fold({"n0": status("n0", 0, "running", {}), "n1": stale1}, 1.0) == []
+    spent = {"attempt": 1, "kind": "agent", "node_rank": 0, "rank": None}
+    spent |= {"reason": "torchrun spent its --max-restarts", "at": "2026-12-01T10:00:05Z"}
+    peer = failure(1) | {"node_rank": 0, "rank": 0, "peer": True}
+    gave0 = status("n0", 0, "gave-up", {"failures": [peer, spent], "detail": "gave up ..."})
+    assert w.fold({"n0": gave0, "n1": stale1}, 2.0) == []  # node 1's poll is the old one
+    own = failure(1) | {"at": "2026-12-01T10:00:09Z"}  # recorded later than node 0's, even
+    (ev,) = w.fold({"n0": gave0, "n1": status("n1", 1, "gave-up", {"failures": [own]})}, 3.0)
+    assert ev.kind == EventKind.GAVE_UP
+    assert "attempt 1: node 1 (n1) rank 1: exit 1" in ev.detail, ev.detail
