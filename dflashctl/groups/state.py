@@ -6,7 +6,8 @@ GROUP`, the watch and the TUI's group row all use it, so "one node unreachable" 
 everywhere: that node is unreachable (the group is `degraded`), never that the run crashed: a
 lost link says nothing about the job (the peers' 24 false recoveries came from reading it so).
 
-Ranks are torchrun's global ranks throughout (`rank_range`, `failed_rank`, torchrun's own
+Ranks are the launch's global ranks throughout (the inventory's order on a group node, whatever
+c10d's numbering of the agents; `rank_range`, `failed_rank`, torchrun's own
 report), target processes of an M:N run included, so a recorded rank finds its node.
 Which failure came first, in this order:
 1. a global rank the trainer itself recorded (`failed_rank` in a node's run-state.json);

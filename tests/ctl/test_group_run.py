@@ -198,7 +198,7 @@ def pane_pid(ct: P.Container) -> int:
     return int(r.stdout.strip())
 
 
-def test_a_group_steps_stops_resumes_and_fails_as_one(
+def test_a_group_steps_stops_and_resumes_as_one(
     pair: Pair, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     ws0, ws1 = (ct.workdir_host for ct in pair.containers)
