@@ -268,11 +268,11 @@ class GroupView:
             said = f": {f.error}" if f.error else ""
             return f"{head}: node {f.node_rank} ({f.host}) {rank} failed first ({f.why}){said}"
         if self.state == "degraded":
-            live = [n for n in self.nodes if n.reachable and n.state in LIVE_NODE_STATES]
+            running = [n for n in self.nodes if n.reachable and n.state in LIVE_NODE_STATES]
             at = f", node 0 at step {self.step}" if self.step is not None else ""
             more = (
-                f"; the group may still train ({len(live)} reachable node(s) run{at})"
-                if live
+                f"; the group may still train ({len(running)} reachable node(s) run{at})"
+                if running
                 else ""
             )
             return f"{head}: {', '.join(self.unreachable)} unreachable (state unknown){more}"
