@@ -63,8 +63,13 @@ def main(argv: list[str] | None = None) -> int:
     _STACKS.append(open(args.run_dir / "console.log", "a"))  # noqa: SIM115 (kept open for faulthandler)
     faulthandler.register(signal.SIGUSR1, file=_STACKS[-1], all_threads=True)
     from trainer.pipeline.build import RunOptions
+    from trainer.pipeline.launch_env import repeated_launch
     from trainer.pipeline.runner import run
 
+    if repeated_launch(args.run_dir) and (args.fresh or args.resume != "auto"):
+        given = "--fresh" if args.fresh else f"--resume {args.resume}"
+        print(f"Restarted within this launch: {given} was applied once; --resume auto", flush=True)
+        args.fresh, args.resume = False, "auto"
     return run(RunOptions(args.config, args.run_dir, args.resume, args.fresh))
 
 

@@ -28,6 +28,11 @@ supervisor without another attempt. State: RUN/supervisor.json (this process is 
 writer; while it cannot be written, a `state_stale` line on stdout says what it is instead);
 events: phase lines on stdout, RUN/status.log and RUN/console.log.
 
+Group nodes (`--group-node I`, dflashctl's `start GROUP`): the argv is the node's torchrun with
+the c10d rendezvous; torchrun restarts the whole worker group when a rank fails, and this
+supervisor counts those restarts for the group, ends the group on an exit that must not be
+restarted, and restarts a dead agent (`trainer.supervision.group_loop`).
+
 Exit status: the last attempt's (a signal death is 128 + N), 2 for a usage error.
 """
 
@@ -295,6 +300,15 @@ def main(argv: list[str] | None = None) -> int:
     if run_dir is None:
         parser.error("the trainer argv has no --run-dir and --run-dir was not given")
     policy = parse_policy(parser, args)
+    if args.group_node is not None:
+        from trainer.supervision.group import group_node_of
+        from trainer.supervision.group_loop import GroupSupervisor
+
+        try:
+            node = group_node_of(trainer, args.group_node)
+        except ValueError as exc:
+            parser.error(str(exc))
+        return GroupSupervisor(policy, node, trainer, run_dir, disk_check_s=args.disk_check_s).run()
     return Supervisor(policy, trainer, run_dir, disk_check_s=args.disk_check_s).run()
 
 

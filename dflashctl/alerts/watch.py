@@ -32,17 +32,19 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from dflashctl.alerts.events import (
+    EventKind,
     HostSnapshot,
     WatchEvent,
+    derive,
     format_event_line,
     snapshot_from_status,
 )
 from dflashctl.alerts.gpu_events import as_watch_events, gpu_events
 from dflashctl.alerts.notify import Notifier
-from dflashctl.alerts.policy import Notification, PolicyConfig, PolicyState, flush, plan, plan_round
+from dflashctl.alerts.policy import Notification, PolicyConfig, PolicyState, flush, plan
 from dflashctl.config.inventory import HostConfig
 from dflashctl.gpus.nvidia_smi import (
     LEGACY_REASONS_PREFIX,
@@ -57,6 +59,7 @@ from dflashctl.gpus.xid_log import Xid
 from dflashctl.gpus.xid_reader import KernelLogError, XidReader
 from dflashctl.remote.connect import TransportFactory
 from dflashctl.remote.transport import Transport
+from dflashctl.runs.snapshot import RunStatus
 from trainer.events import sanitize_for_terminal
 
 __all__ = [
@@ -90,6 +93,40 @@ class WatchSettings:
 class PollResult:
     snapshot: HostSnapshot
     gpu: tuple[WatchEvent, ...] = ()
+    status: RunStatus | None = None  # the poll's status (an unreachable one too); a group's
+    # watch folds its nodes' together (`GroupFold`)
+
+
+class GroupFold(Protocol):
+    """A group watched as one (`dflashctl.groups.watch.GroupWatcher`): its nodes' own condition
+    events (crashed, restarted, gave-up, ...) are not sent; the group's are, once per change of
+    the group's state, from its nodes' latest statuses together. Node-level news (unreachable,
+    low disk, a checkpoint not written, GPU) stays the node's."""
+
+    @property
+    def members(self) -> frozenset[str]: ...
+
+    def fold(self, statuses: Mapping[str, RunStatus], now: float) -> list[WatchEvent]: ...
+
+
+# A group node's events that the group's own events replace (one per group state change)
+GROUP_OWNED = frozenset(
+    {
+        EventKind.CRASHED,
+        EventKind.RESTARTED,
+        EventKind.STALLED,
+        EventKind.GAVE_UP,
+        EventKind.NONFINITE,
+        EventKind.FINISHED,
+    }
+)
+
+
+def group_owned(ev: WatchEvent, members: frozenset[str]) -> bool:
+    """The event is about a group node's run (its group speaks for it), not the node itself."""
+    if ev.host not in members:
+        return False
+    return ev.kind in GROUP_OWNED or (ev.kind == EventKind.RECOVERED and ev.condition is not None)
 
 
 @dataclass(frozen=True)
@@ -134,6 +171,7 @@ class HostPoller:
 
         started = time.time()
         limit = poll_limit_s(self.host)
+        st: RunStatus | None = None
         try:
             if self._transport is None:
                 self._transport = self._make_transport(self.host)
@@ -145,6 +183,8 @@ class HostPoller:
         except Exception as err:  # one host's surprise must not end the watch
             d = self._unreachable(str(err) or type(err).__name__)
             await self._drop_transport()
+        if st is None or st.state == "unreachable":
+            st = RunStatus(self.host.name, "unreachable", message=str(d.get("message") or ""))
         if d.get("state") == "unreachable":
             why = sanitize_for_terminal(str(d.get("message") or "no reason given"))
             if why != self._last_failure:  # once per outage (and per new reason), not per poll
@@ -156,7 +196,7 @@ class HostPoller:
         gpu: tuple[WatchEvent, ...] = ()
         if snap.reachable and self._gpu:
             gpu = tuple(await self._gpu_events(snap.at))
-        return PollResult(snap, gpu)
+        return PollResult(snap, gpu, st)
 
     def _unreachable(self, why: str) -> dict[str, Any]:
         return {"host": self.host.name, "state": "unreachable", "message": why}
@@ -282,8 +322,10 @@ async def run_watch(
     notifier: Notifier | None,
     stop: asyncio.Event,
     emit: Callable[[str], None],
+    groups: Sequence[GroupFold] = (),
 ) -> WatchOutcome:
-    """Watch until `stop` is set; print through `emit`; the outcome of the final drain."""
+    """Watch until `stop` is set; print through `emit`; the outcome of the final drain.
+    `groups`: groups watched as one (their nodes are among `hosts`)."""
     pollers = [HostPoller(h, make_transport, settings.gpu) for h in hosts]
     results: asyncio.Queue[PollResult] = asyncio.Queue()
     tasks = [
@@ -294,6 +336,8 @@ async def run_watch(
     cfg = settings.policy
     state = PolicyState()
     printed = 0
+    members = frozenset(h for g in groups for h in g.members)
+    latest: dict[str, RunStatus] = {}
 
     def hand_over(notes: Sequence[Notification]) -> None:
         if worker is not None:
@@ -308,7 +352,17 @@ async def run_watch(
             while not results.empty():
                 batch.append(results.get_nowait())
             now = time.time()
-            state, events, notes = plan_round(state, [r.snapshot for r in batch], now, cfg)
+            watch, events = derive(
+                state.watch, [r.snapshot for r in batch], now, cfg.unreachable_alert_s
+            )
+            events = [e for e in events if not group_owned(e, members)]
+            for r in batch:
+                if r.status is not None:
+                    latest[r.status.host] = r.status
+            events += [e for g in groups if batch for e in g.fold(latest, now)]
+            state, notes = plan(
+                PolicyState(watch, state.pending, state.window_opened), events, now, cfg
+            )
             gpu = [e for r in batch for e in r.gpu]
             if gpu:
                 state, more = plan(state, gpu, now, cfg)

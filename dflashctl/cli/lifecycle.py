@@ -218,9 +218,11 @@ async def _start_group(args: argparse.Namespace, group: GroupConfig, resume: str
                 f"{r.host}: node {i} of {group.name}: started release {r.release} "
                 f"(pid {r.pane_pid}): {shlex.join(r.argv)}"
             )
+        p = group.supervisor_policy()
         print(
-            f"{group.name}: started on {group.nnodes} nodes (no per-node restarts: a node "
-            f"restarted alone cannot rejoin; `dflashctl restart {group.name}` restarts the group)"
+            f"{group.name}: started on {group.nnodes} nodes, each under its supervisor: a failed "
+            f"rank restarts the whole group from node 0's newest checkpoint, at most "
+            f"{p.max_restarts} times within {p.restart_window_s:g} s (restart = {p.restart})"
         )
         if res.ready is None:
             print(f"{group.name}: not waited for (see `dflashctl status {group.name}`)")

@@ -87,10 +87,22 @@ def group_entry(group: GroupConfig, sts: list[RunStatus], *, as_json: bool) -> o
         lines[0] += f" (world size {view.world_size})"
     if (where := view.checkpoint_line()) is not None:
         lines.append(f"  {where}")
+    for a in view.history:  # every failed attempt: who failed first, what followed
+        after = (
+            "the group restarted and trains again"
+            if a.resumed
+            else "the group is restarting"
+            if a.restarted
+            else "not restarted"
+        )
+        lines.append(f"  {a.line()} -> {after}")
     for i, st in enumerate(sts):
         node = view.nodes[i]
         ranks = f" ranks {node.rank_range[0]}-{node.rank_range[1] - 1}" if node.rank_range else ""
-        lines.append(f"  node {i}{ranks}: " + format_run_status(st).replace("\n", "\n  "))
+        text = format_run_status(st)
+        if not st.pane_tail:  # a dead pane's tail is printed already
+            text += "".join(f"\n  | {ln}" for ln in st.pane_lines)
+        lines.append(f"  node {i}{ranks}: " + text.replace("\n", "\n  "))
     return "\n".join(lines)
 
 

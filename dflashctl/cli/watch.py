@@ -31,6 +31,13 @@ def watch_hosts(inv: Inventory, names: Sequence[str]) -> list[HostConfig]:
     return list(hosts.values())
 
 
+def watch_groups(inv: Inventory, hosts: Sequence[HostConfig]) -> list[GroupConfig]:
+    """The groups whose every node is watched: each is watched as one (its nodes' run events
+    become the group's, once per change of its state)."""
+    names = {h.name for h in hosts}
+    return [g for g in inv.groups.values() if set(g.hosts) <= names]
+
+
 def _watch_notifier(inv: Inventory) -> Notifier | None:
     """The Notifier for the inventory's notify_urls_file, or None when it names none."""
     from dflashctl.alerts.notify import Notifier, NotifyConfigError, load_targets
@@ -87,9 +94,11 @@ async def cmd_watch(args: argparse.Namespace) -> int:
         if notifier
         else "printing only (no notify_urls_file in the inventory)"
     )
+    as_one = [g.name for g in watch_groups(inv, hosts)]
     print(
         f"dflashctl: watching {', '.join(h.name for h in hosts)} every {args.interval_s:g} s "
-        f"(unreachable alert after {inv.unreachable_alert_s:g} s, poll limit "
+        + (f"(groups as one: {', '.join(as_one)}) " if as_one else "")
+        + f"(unreachable alert after {inv.unreachable_alert_s:g} s, poll limit "
         f"{max(poll_limit_s(h) for h in hosts):g} s); {where}",
         file=sys.stderr,
         flush=True,
@@ -98,9 +107,18 @@ async def cmd_watch(args: argparse.Namespace) -> int:
     def emit(line: str) -> None:
         print(line, flush=True)
 
+    from dflashctl.groups.watch import GroupWatcher
+
+    groups = [GroupWatcher(g) for g in watch_groups(inv, hosts)]
     try:
         outcome = await run_watch(
-            hosts, settings, make_transport=make_transport, notifier=notifier, stop=stop, emit=emit
+            hosts,
+            settings,
+            make_transport=make_transport,
+            notifier=notifier,
+            stop=stop,
+            emit=emit,
+            groups=groups,
         )
     finally:
         for sig in (signal.SIGINT, signal.SIGTERM):

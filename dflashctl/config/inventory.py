@@ -94,6 +94,8 @@ IFNAME_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,14}$")
 # One DNS label (RFC 1123): letters, digits, inner hyphens, at most 63 characters.
 DNS_LABEL_RE = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?$")
 DEFAULT_RDZV_PORT = 29400
+DEFAULT_RENDEZVOUS_TIMEOUT_S = 600.0
+"""How long a group's rendezvous waits for every node (torchrun's join_timeout, its default)."""
 DEFAULT_ENV = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
 DEFAULT_INVENTORY = Path("hosts.toml")
 DEFAULT_UNREACHABLE_ALERT_S = 300.0  # dflashctl watch: an outage this long is an alert
@@ -316,20 +318,7 @@ class HostConfig(_Strict):
 
     def supervisor_policy(self) -> Policy:
         """The restart policy `dflashctl start` hands the in-container supervisor."""
-        base = Policy()
-        startup = self.startup_timeout_s
-        if startup is None:
-            startup = max(base.startup_timeout_s, self.stall_timeout_s)
-        return Policy(
-            restart=self.restart,
-            max_restarts=self.max_restarts,
-            restart_window_s=self.restart_window_s,
-            stall_timeout_s=self.stall_timeout_s,
-            startup_timeout_s=startup,
-            no_restart_exit_codes=frozenset(self.no_restart_exit_codes),
-            backoff_s=self.restart_backoff_s,
-            backoff_max_s=max(base.backoff_max_s, self.restart_backoff_s),
-        )
+        return policy_of(self)
 
     @model_validator(mode="after")
     def _no_tmux_specials(self) -> HostConfig:
@@ -340,20 +329,55 @@ class HostConfig(_Strict):
         return self
 
 
+POLICY_KEYS = (
+    "restart",
+    "max_restarts",
+    "restart_window_s",
+    "restart_backoff_s",
+    "stall_timeout_s",
+    "startup_timeout_s",
+    "no_restart_exit_codes",
+)
+"""The restart policy's keys: a host's, or a group's (then counted for the whole group)."""
+
+
 class GroupEntry(_Strict):
-    """One [groups.NAME] table: hosts in node-rank order and the rendezvous port on node 0."""
+    """One [groups.NAME] table: hosts in node-rank order, the rendezvous port on node 0, how
+    long a rendezvous waits for every node, and the group's own restart policy (unset keys:
+    [defaults]' values, else a host's defaults; the nodes' own policy keys do not apply)."""
 
     hosts: list[Name] = Field(min_length=1)
     rdzv_port: int = Field(default=DEFAULT_RDZV_PORT, ge=1, le=65535)
+    rendezvous_timeout_s: float = Field(default=DEFAULT_RENDEZVOUS_TIMEOUT_S, gt=0, le=86400)
+    restart: Literal["on-failure", "never"] | None = None
+    max_restarts: int | None = Field(default=None, ge=0, le=1000)
+    restart_window_s: float | None = Field(default=None, gt=0, le=MAX_POLICY_S)
+    restart_backoff_s: float | None = Field(default=None, gt=0, le=MAX_POLICY_S)
+    stall_timeout_s: float | None = Field(default=None, gt=0, le=MAX_POLICY_S)
+    startup_timeout_s: float | None = Field(default=None, gt=0, le=MAX_POLICY_S)
+    no_restart_exit_codes: list[ExitCode] | None = None
 
 
 class GroupConfig(_Strict):
-    """A resolved group: its hosts (every one with a node_address), node 0 first."""
+    """A resolved group: its hosts (every one with a node_address), node 0 first, and its one
+    restart policy (what every node's supervisor counts, for the group)."""
 
     name: Name
     nodes: tuple[HostConfig, ...]
     rdzv_port: int = DEFAULT_RDZV_PORT
+    rendezvous_timeout_s: float = DEFAULT_RENDEZVOUS_TIMEOUT_S
+    restart: Literal["on-failure", "never"] = "on-failure"
+    max_restarts: int = 3
+    restart_window_s: float = 3600.0
+    restart_backoff_s: float = 10.0
+    stall_timeout_s: float = 900.0
+    startup_timeout_s: float | None = None
+    no_restart_exit_codes: list[int] = Field(default_factory=lambda: [2])
     inventory: Path | None = None
+
+    def supervisor_policy(self) -> Policy:
+        """The policy every node's supervisor gets (the same flags on every node)."""
+        return policy_of(self)
 
     @property
     def hosts(self) -> tuple[str, ...]:
@@ -362,6 +386,24 @@ class GroupConfig(_Strict):
     @property
     def nnodes(self) -> int:
         return len(self.nodes)
+
+
+def policy_of(c: HostConfig | GroupConfig) -> Policy:
+    """The supervisor's Policy from a host's or a group's resolved keys."""
+    base = Policy()
+    startup = c.startup_timeout_s
+    if startup is None:
+        startup = max(base.startup_timeout_s, c.stall_timeout_s)
+    return Policy(
+        restart=c.restart,
+        max_restarts=c.max_restarts,
+        restart_window_s=c.restart_window_s,
+        stall_timeout_s=c.stall_timeout_s,
+        startup_timeout_s=startup,
+        no_restart_exit_codes=frozenset(c.no_restart_exit_codes),
+        backoff_s=c.restart_backoff_s,
+        backoff_max_s=max(base.backoff_max_s, c.restart_backoff_s),
+    )
 
 
 class Inventory(_Strict):
@@ -517,7 +559,7 @@ def parse_inventory(text: str, path: Path) -> Inventory:
         except ValueError as err:
             raise InventoryError(f"{path}: host {name!r}: {err}") from None
         hosts[name] = _merge(path, name, entry, parsed.defaults)
-    groups = _groups(path, parsed.groups, hosts)
+    groups = _groups(path, parsed.groups, hosts, parsed.defaults)
     return Inventory(
         path=path,
         hosts=hosts,
@@ -528,7 +570,10 @@ def parse_inventory(text: str, path: Path) -> Inventory:
 
 
 def _groups(
-    path: Path, entries: dict[str, GroupEntry], hosts: dict[str, HostConfig]
+    path: Path,
+    entries: dict[str, GroupEntry],
+    hosts: dict[str, HostConfig],
+    defaults: HostSettings | None = None,
 ) -> dict[str, GroupConfig]:
     """Resolve [groups.*] against the hosts; each rule's error names the group and the key.
 
@@ -579,13 +624,33 @@ def _groups(
                 )
             member[hname] = (gname, rank)
             containers[container] = rank
+        policy = _group_policy(where, entry, defaults or HostSettings())
         groups[gname] = GroupConfig(
             name=gname,
             nodes=tuple(hosts[h] for h in entry.hosts),
             rdzv_port=entry.rdzv_port,
+            rendezvous_timeout_s=entry.rendezvous_timeout_s,
             inventory=path,
+            **policy,
         )
     return groups
+
+
+def _group_policy(where: str, entry: GroupEntry, defaults: HostSettings) -> dict[str, Any]:
+    """The group's policy keys: its own, else [defaults]', else a host's defaults."""
+    got: dict[str, Any] = {}
+    for key in POLICY_KEYS:
+        value = getattr(entry, key)
+        got[key] = value if value is not None else getattr(defaults, key)
+    got = {k: v for k, v in got.items() if v is not None}
+    stall = got.get("stall_timeout_s", GroupConfig.model_fields["stall_timeout_s"].default)
+    startup = got.get("startup_timeout_s")
+    if startup is not None and startup < stall:
+        raise InventoryError(
+            f"{where}: startup_timeout_s: {startup:g} is shorter than stall_timeout_s "
+            f"{stall:g} (the limit before the first step is the longer one)"
+        )
+    return got
 
 
 def load_inventory(path: Path | str | None = None) -> Inventory:

@@ -57,6 +57,13 @@ def _load_text(text: str, name: str) -> TrainConfig:
         return validate_config(p)
 
 
+def load_config_text(text: str) -> TrainConfig:
+    """A config from its text (a remote file's); RunConfigError naming the key when invalid.
+    Its relative paths resolve against a temporary directory: join them to the file's own
+    directory where it lives (`data_paths`)."""
+    return _load_text(text, "remote-config.toml")
+
+
 def config_hash_of_file(path: Path) -> str:
     return config_hash(validate_config(path))
 

@@ -39,9 +39,9 @@ class GroupControl:
     """Deploy, start, stop, restart and status of a group, one RunControl per node.
 
     Node 0 holds the checkpoints: it is stopped first (its rank 0 writes the stop's checkpoint)
-    and a config push is checked for resume against its checkpoint only. Nodes run torchrun
-    under tmux without the per-node supervisor (`RunStarter.start_node`): a node
-    restarted alone cannot rejoin the group's static rendezvous.
+    and a config push is checked for resume against its checkpoint only. Each node runs its
+    supervisor in front of torchrun (c10d rendezvous, `RunStarter.start_node`), with the
+    group's one restart policy.
     """
 
     def __init__(self, group: GroupConfig, transports: Sequence[Transport]) -> None:
@@ -127,7 +127,10 @@ class GroupControl:
         step. Then node 0 is waited for (its checkpoint line, then its torchrun's exit, which
         meets the others at torchrun's exit barrier) and the other nodes the same way; a
         session is ended only after that (or at the time limits)."""
-        await self.reachable_statuses("stopping")
+        sts = await self.reachable_statuses("stopping")
+        # a node under its supervisor gets the C-c (it must know the stop is the operator's,
+        # or it restarts the agent); a bare torchrun's ranks get the SIGINT themselves
+        sup = [st.supervisor is not None for st in sts]
         others = self.controls[1:]
 
         async def signal_others() -> None:
@@ -135,17 +138,23 @@ class GroupControl:
             # (a rank that stopped only on the reduced flag exited failed before the trainer
             # agreed the stop's checkpoint across ranks, and an older release still does).
             await asyncio.gather(
-                *(c.stopper.interrupt_workers() for c in others), return_exceptions=True
+                *(
+                    c.stopper.interrupt_pane() if s else c.stopper.interrupt_workers()
+                    for c, s in zip(others, sup[1:], strict=True)
+                ),
+                return_exceptions=True,
             )
 
         first = await self.controls[0].stopper.stop_node(
-            timeout, settle_s=SETTLE_S, after_interrupt=signal_others
+            timeout, settle_s=SETTLE_S, after_interrupt=signal_others, supervised=sup[0]
         )
         rest = await each_node(
             self.hosts[1:],
             [
-                c.stopper.stop_node(min(timeout, 60.0), settle_s=SETTLE_S, interrupt=False)
-                for c in others
+                c.stopper.stop_node(
+                    min(timeout, 60.0), settle_s=SETTLE_S, interrupt=False, supervised=s
+                )
+                for c, s in zip(others, sup[1:], strict=True)
             ],
             first_rank=1,
         )

@@ -1,4 +1,4 @@
-"""Starting a group: torchrun on every node at once, node 0 hosting the rendezvous.
+"""Starting a group: every node's supervisor and torchrun at once, node 0 hosting the rendezvous.
 
 Refused (nothing started) when a node is unreachable, some but not all nodes run, a measure
 runs on one, or the nodes' release or config differ.
@@ -7,10 +7,13 @@ runs on one, or the nodes' release or config differ.
 from __future__ import annotations
 
 import asyncio
+import posixpath
+import secrets
+import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, TypeVar
 
-from dflashctl.groups.launch import group_launches
+from dflashctl.groups.launch import group_launches, supervisor_args
 from dflashctl.groups.results import GroupStartResult, NodeOutcome, each_node
 from dflashctl.groups.state import LIVE_NODE_STATES, NodeReport, group_state
 from dflashctl.remote.transport import HostUnreachable
@@ -132,11 +135,37 @@ class GroupStarter:
                 raise JobInProgress(f"group {self.name!r}: not {doing}: {busy}")
 
     async def _node_procs(self) -> list[int]:
-        """Ranks per node: the entries of topology.drafter_devices in its deployed config."""
+        """Ranks per node: the entries of topology.drafter_devices in its deployed config; the
+        data its config names checked on every node first (`refuse_missing_data`)."""
         from dflashctl.config.runconfig import drafter_device_count
 
         texts = await asyncio.gather(*(c.deployed_config() for c in self.controls))
+        await self.refuse_missing_data(texts)
         return [drafter_device_count(t) for t in texts]
+
+    async def refuse_missing_data(self, texts: Sequence[str]) -> None:
+        """ControlError, one line per node and path, when a node lacks the token store or
+        target model its deployed config names (and the trainer would not build it)."""
+        from dflashctl.config.runconfig import load_config_text
+        from dflashctl.groups.preflight import check_argv, data_needs, problems
+
+        needs = [
+            data_needs(load_config_text(t), posixpath.dirname(c.layout.config))
+            for c, t in zip(self.controls, texts, strict=True)
+        ]
+        answers = await asyncio.gather(
+            *(c.transport.run(check_argv(n)) for c, n in zip(self.controls, needs, strict=True))
+        )
+        lines: list[str] = []
+        for ctl, need, res in zip(self.controls, needs, answers, strict=True):
+            if not res.ok:
+                lines.append(f"{ctl.host.name}: checking its data: {res.error_line()}")
+                continue
+            lines += problems(ctl.host.name, need, res.stdout)
+        if lines:
+            raise ControlError(
+                "\n".join([f"group {self.name!r}: not starting: data missing on a node", *lines])
+            )
 
     async def start(
         self,
@@ -146,13 +175,15 @@ class GroupStarter:
         wait_s: float = DEFAULT_START_WAIT_S,
         progress: Progress | None = None,
     ) -> GroupStartResult:
-        """Start torchrun on every node (node i with `--node-rank i`), then wait for node 0.
+        """Start every node's supervisor and torchrun (c10d, node 0 hosting the rendezvous),
+        then wait for node 0.
 
         Refused (nothing started) when a node is unreachable, some but not all nodes run, a
-        measure runs on one (MeasureInProgress), or the nodes' release or config differ. Every
-        node's session is started at once (the static rendezvous waits for all of them); then
-        node 0's trainer is waited for up to `wait_s` (it is past its setup only once every
-        rank joined), and a node whose torchrun exited is a StartFailed naming that node.
+        measure runs on one (MeasureInProgress), the nodes' release or config differ, or a node
+        lacks the data its config names. Every node's session is started at once (the
+        rendezvous waits for all of them); then node 0's trainer is waited for up to `wait_s`
+        (it is past its setup only once every rank joined), and a node that ended is a
+        StartFailed naming that node with its own error line.
         """
         g = self.name
         sts = await self.reachable_statuses("starting")
@@ -168,12 +199,23 @@ class GroupStarter:
                 f"group {g!r}: running on {', '.join(live)} but not on {', '.join(idle)}; "
                 f"`dflashctl stop {g}` first, then start it whole"
             )
-        launches = group_launches(self.group, await self._node_procs(), fresh=fresh, resume=resume)
+        launch_id = f"{g}-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}-{secrets.token_hex(3)}"
+        launches = group_launches(
+            self.group, await self._node_procs(), fresh=fresh, resume=resume, launch_id=launch_id
+        )
         await self._port_free(progress)
         outcomes = await each_node(
             self.hosts,
             [
-                ctl.starter.start_node(NodeCommand(x.argv, x.env, "--fresh" in x.program), wait_s=0)
+                ctl.starter.start_node(
+                    NodeCommand(
+                        x.argv,
+                        x.env,
+                        "--fresh" in x.program,
+                        supervisor_args(self.group, x.node_rank),
+                    ),
+                    wait_s=0,
+                )
                 for ctl, x in zip(self.controls, launches, strict=True)
             ],
         )
@@ -192,11 +234,17 @@ class GroupStarter:
         ready = await node0.starter.wait_started(sts[0].log_lines, wait_s)
         took = loop.time() - t0
         after = await self.statuses()
-        dead = [(i, st) for i, st in enumerate(after) if st.state not in LIVE_NODE_STATES]
-        if dead:
+        dead = [i for i, st in enumerate(after) if st.state not in LIVE_NODE_STATES]
+        if dead or ready in ("exited", "restarting"):
+            # a node ended, or the group already restarted: a failed start, named by the node
+            # that failed first (the trainer's record, else every supervisor's, else the dead)
             view = group_state(g, [NodeReport.from_status(st, i) for i, st in enumerate(after)])
-            first = view.failed
-            i = first.node_rank if first is not None else dead[0][0]
+            if view.failed is not None:
+                i = view.failed.node_rank
+            elif view.history:
+                i = view.history[-1].first.node_rank
+            else:
+                i = dead[0] if dead else 0
             err = await self.controls[i].starter.start_failure(sts[i].log_lines, took)
             await self.stop_started([NodeOutcome(st.host, j) for j, st in enumerate(after)])
             raise StartFailed(f"group {g!r}: node {i}: {err}")

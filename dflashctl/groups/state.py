@@ -6,7 +6,8 @@ GROUP`, the watch and the TUI's group row all use it, so "one node unreachable" 
 everywhere: that node is unreachable (the group is `degraded`), never that the run crashed: a
 lost link says nothing about the job (the peers' 24 false recoveries came from reading it so).
 
-Ranks are torchrun's global ranks throughout (`rank_range`, `failed_rank`, torchrun's own
+Ranks are the launch's global ranks throughout (the inventory's order on a group node, whatever
+c10d's numbering of the agents; `rank_range`, `failed_rank`, torchrun's own
 report), target processes of an M:N run included, so a recorded rank finds its node.
 Which failure came first, in this order:
 1. a global rank the trainer itself recorded (`failed_rank` in a node's run-state.json);
@@ -17,36 +18,42 @@ Which failure came first, in this order:
 A peer that lost its partner fails too (its collective breaks); it is reported as stopped with
 the group, not as the cause.
 
+A supervised group (every node's `trainer.supervise --group-node`): the supervisors' records
+decide. A node whose supervisor gave up or would not restart ends the group (`gave-up`,
+`failed`) with its reason; each attempt's first failure comes from every node's records side by
+side (`groups.attempts`); a node restarting (torchrun restarting its workers, or the supervisor
+its agent) makes the group `restarting`, and nodes waiting for the others in the rendezvous
+make it `rendezvous` (k of N nodes there).
+
 Checkpoints are node 0's alone (global rank 0 writes them, `checkpoint_node`); the other nodes'
 run-states name none, and `GroupView.checkpoint_json`/`checkpoint_line` say where they are.
 """
 
 from __future__ import annotations
 
-import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Literal, TypedDict
+from typing import Any, Literal, TypedDict
 
+from dflashctl.groups.attempts import Attempt, attempts, failures_of
 from dflashctl.runs.snapshot import RunStatus
+from dflashctl.runs.snapshot import torchrun_failure as torchrun_failure
 from trainer.events.run_state import RunState
 
 GroupPhase = Literal[
     "running",  # every node runs
+    "restarting",  # a node restarts its part (torchrun its workers, a supervisor its agent)
+    "rendezvous",  # nodes wait in the rendezvous for the others (k of N there)
+    "gave-up",  # a node's supervisor spent the group's restarts (or the rendezvous timed out)
     "degraded",  # some node unreachable, none failed: that node is unknown, not crashed
-    "failed",  # a node failed (the group goes down with it: torchrun's behaviour)
+    "failed",  # a node failed and is not restarted (an exit that must not be, or no supervisor)
     "partial",  # some nodes run, others are stopped (a start or stop in progress, or by hand)
     "stopped",  # every node stopped (some may have finished)
     "finished",  # every node finished the plan
     "unreachable",  # no node answered
 ]
 FAILED_NODE_STATES = frozenset({"crashed", "gave-up"})
-LIVE_NODE_STATES = frozenset({"running", "restarting", "stalled"})
-# torchrun's failure report (torch.distributed.elastic's ChildFailedError), one per failed rank:
-#   rank      : 1 (local_rank: 0)
-#   exitcode  : -9 (pid: 1234)
-_TORCHRUN_RANK = re.compile(r"\brank\s*:\s*(\d+)\s*\(local_rank:\s*\d+\)")
-_TORCHRUN_EXIT = re.compile(r"\bexitcode\s*:\s*(-?\d+)")
+LIVE_NODE_STATES = frozenset({"running", "restarting", "stalled", "rendezvous"})
 
 
 @dataclass(frozen=True)
@@ -71,6 +78,9 @@ class NodeReport:
     message: str | None = None
     run_state: RunState = field(default_factory=RunState)
     pane_tail: tuple[str, ...] = ()
+    last_error: str | None = None  # the node's last ERROR line (status.log or its pane)
+    supervisor: dict[str, Any] | None = None  # its supervisor's record (status `supervisor`)
+    pane_lines: tuple[str, ...] = ()  # the pane's last lines, whatever its state
 
     @classmethod
     def from_status(cls, st: RunStatus, node_rank: int) -> NodeReport:
@@ -89,6 +99,9 @@ class NodeReport:
             message=st.message,
             run_state=rs,
             pane_tail=tuple(st.pane_tail),
+            last_error=st.last_error,
+            supervisor=st.supervisor,
+            pane_lines=tuple(st.pane_lines),
         )
 
     @property
@@ -108,6 +121,33 @@ class NodeReport:
         return self.state in FAILED_NODE_STATES
 
     @property
+    def sup_state(self) -> str | None:
+        """Its supervisor's own state (running, restarting, rendezvous, gave-up, ...)."""
+        got = (self.supervisor or {}).get("state")
+        return got if isinstance(got, str) else None
+
+    @property
+    def sup_detail(self) -> str | None:
+        got = (self.supervisor or {}).get("detail")
+        return got if isinstance(got, str) else None
+
+    @property
+    def attempt(self) -> int | None:
+        got = (self.supervisor or {}).get("attempt")
+        return got if isinstance(got, int) else None
+
+    @property
+    def restarts(self) -> list[dict[str, Any]]:
+        got = (self.supervisor or {}).get("restarts")
+        return [r for r in got if isinstance(r, dict)] if isinstance(got, list) else []
+
+    @property
+    def error(self) -> str | None:
+        """This node's own error line: what its trainer recorded (its first local rank's, in
+        run-state.json), else the last ERROR line its log or pane shows."""
+        return self.run_state.last_error or self.last_error
+
+    @property
     def unrecorded_death(self) -> bool:
         """It failed and its trainer never wrote how it ended (killed: no handler ran)."""
         return self.failed and self.run_state.state in {None, "starting", "running"}
@@ -121,6 +161,7 @@ class FailedRank:
     node_rank: int
     rank: int | None
     why: str  # how that was decided, for people
+    error: str | None = None  # that node's own error line (never another node's, never a banner)
 
 
 class FailedJson(TypedDict):
@@ -146,6 +187,19 @@ class GroupView:
     state: GroupPhase
     nodes: tuple[NodeReport, ...]
     failed: FailedRank | None = None
+    history: tuple[Attempt, ...] = ()  # each failed attempt's first failure (supervised)
+    verdict: str | None = None  # the supervisor's word that ended it (gave-up, failed)
+
+    @property
+    def waiting(self) -> tuple[str, ...]:
+        """Nodes whose agent waits in the rendezvous for the others."""
+        return tuple(n.host for n in self.nodes if n.state == "rendezvous")
+
+    @property
+    def attempt(self) -> int | None:
+        """The group's attempt (rendezvous round) as its nodes count it: the highest."""
+        got = [n.attempt for n in self.nodes if n.attempt is not None]
+        return max(got) if got else None
 
     @property
     def unreachable(self) -> tuple[str, ...]:
@@ -193,12 +247,35 @@ class GroupView:
     def summary(self) -> str:
         """`g: failed: node 1 (n1) rank 1 failed first (...)` and the like, one line."""
         head = f"{self.group}: {self.state}"
+        if self.state == "rendezvous":
+            head = f"{head} ({len(self.waiting)}/{len(self.nodes)} nodes)"
+        if self.history and self.state in ("gave-up", "failed"):
+            tried = "; ".join(a.line() for a in self.history)
+            return f"{head}: {self.verdict or 'ended'}; {tried}"
+        if self.history and self.state in ("restarting", "rendezvous"):
+            last = self.history[-1]
+            others = [n.host for n in self.nodes if n.state != "rendezvous"]
+            wait = f"; waiting for {', '.join(others)}" if self.state == "rendezvous" else ""
+            return f"{head}: after {last.line()}{wait}"
+        if self.state == "rendezvous":
+            others = [f"{n.host} ({n.state})" for n in self.nodes if n.state != "rendezvous"]
+            return f"{head}: waiting for {', '.join(others)}" if others else head
+        if self.verdict and self.failed is None:
+            return f"{head}: {self.verdict}"
         if self.failed is not None:
             f = self.failed
             rank = f"rank {f.rank}" if f.rank is not None else "rank unknown"
-            return f"{head}: node {f.node_rank} ({f.host}) {rank} failed first ({f.why})"
+            said = f": {f.error}" if f.error else ""
+            return f"{head}: node {f.node_rank} ({f.host}) {rank} failed first ({f.why}){said}"
         if self.state == "degraded":
-            return f"{head}: {', '.join(self.unreachable)} unreachable (state unknown)"
+            running = [n for n in self.nodes if n.reachable and n.state in LIVE_NODE_STATES]
+            at = f", node 0 at step {self.step}" if self.step is not None else ""
+            more = (
+                f"; the group may still train ({len(running)} reachable node(s) run{at})"
+                if running
+                else ""
+            )
+            return f"{head}: {', '.join(self.unreachable)} unreachable (state unknown){more}"
         if self.state == "partial":
             live = [n.host for n in self.nodes if n.state in LIVE_NODE_STATES]
             idle = [n.host for n in self.nodes if n.state not in LIVE_NODE_STATES]
@@ -217,23 +294,6 @@ def _known_step(st: RunStatus) -> int | None:
     (a stop's checkpoint comes after the last status line)."""
     known = [x for x in (st.step, st.run_state.last_step) if x is not None]
     return max(known) if known else None
-
-
-def torchrun_failure(pane_tail: Sequence[str]) -> tuple[int, int] | None:
-    """(global rank, exit code) of the first rank torchrun reported failed in this pane."""
-    rank: int | None = None
-    lines = list(pane_tail)
-    # "Failures:" lists the other ranks first; "Root Cause (first observed failure)" is the one
-    roots = [i for i, line in enumerate(lines) if "Root Cause" in line]
-    for line in lines[roots[-1] :] if roots else lines:
-        m = _TORCHRUN_RANK.search(line)
-        if m:
-            rank = int(m.group(1))
-            continue
-        e = _TORCHRUN_EXIT.search(line)
-        if e and rank is not None:
-            return rank, int(e.group(1))
-    return None
 
 
 def _node_of_rank(nodes: Sequence[NodeReport], rank: int) -> NodeReport | None:
@@ -258,21 +318,30 @@ def first_failure(nodes: Sequence[NodeReport]) -> FailedRank | None:
         rank = n.run_state.failed_rank
         if rank is not None:
             owner = _node_of_rank(nodes, rank) or n
-            return FailedRank(owner.host, owner.node_rank, rank, f"recorded by {n.host}")
+            return FailedRank(
+                owner.host, owner.node_rank, rank, f"recorded by {n.host}", owner.error
+            )
+    for n in failed:  # a trainer that refused (exit 2) names its own reason; the rest followed
+        if n.run_state.state == "refused":
+            rep = torchrun_failure(n.pane_tail)
+            rank = rep[0] if rep is not None else _only_rank(n)
+            return FailedRank(n.host, n.node_rank, rank, "its trainer refused to start", n.error)
     reports = [(n, torchrun_failure(n.pane_tail)) for n in failed]
     for n, rep in reports:
         if rep is not None and rep[1] < 0:
-            return FailedRank(n.host, n.node_rank, rep[0], f"killed by signal {-rep[1]}")
+            why = f"killed by signal {-rep[1]}"
+            return FailedRank(n.host, n.node_rank, rep[0], why, n.error)
     for n in failed:
         if n.unrecorded_death:
             rep = torchrun_failure(n.pane_tail)
             rank = rep[0] if rep is not None else _only_rank(n)
-            return FailedRank(n.host, n.node_rank, rank, "its trainer died without a record")
+            why = "its trainer died without a record"
+            return FailedRank(n.host, n.node_rank, rank, why, n.error)
     n = failed[0]
     rep = torchrun_failure(n.pane_tail)
     rank = n.run_state.failed_rank or (rep[0] if rep is not None else _only_rank(n))
     how = f"exit status {n.exit_status}" if n.exit_status is not None else n.state
-    return FailedRank(n.host, n.node_rank, rank, f"first in node order to fail: {how}")
+    return FailedRank(n.host, n.node_rank, rank, f"first in node order to fail: {how}", n.error)
 
 
 def group_state(group: str, nodes: Sequence[NodeReport]) -> GroupView:
@@ -284,15 +353,36 @@ def group_state(group: str, nodes: Sequence[NodeReport]) -> GroupView:
     partial: some run and some do not.
     """
     ordered = tuple(sorted(nodes, key=lambda n: n.node_rank))
+    history = tuple(
+        attempts(
+            [f for n in ordered for f in failures_of(n.host, n.node_rank, n.supervisor)],
+            [r for n in ordered for r in n.restarts],
+        )
+    )
+    ended = _ended_by(ordered)
+    if ended is not None:
+        state: GroupPhase = "gave-up" if ended.sup_state == "gave-up" else "failed"
+        last = history[-1].first if history else None
+        failed = (
+            FailedRank(last.host, last.node_rank, last.rank, last.reason, last.error)
+            if last is not None
+            else None
+        )
+        return GroupView(group, state, ordered, failed, history, ended.sup_detail)
     failure = first_failure(ordered)
     if failure is not None:
-        return GroupView(group, "failed", ordered, failure)
+        return GroupView(group, "failed", ordered, failure, history)
     reachable = [n for n in ordered if n.reachable]
-    state: GroupPhase
     if not reachable:
         state = "unreachable"
     elif len(reachable) < len(ordered):
         state = "degraded"
+    elif any(n.state in ("restarting", "stalled") for n in ordered):
+        state = "restarting"
+    elif any(n.state == "rendezvous" for n in ordered) and all(
+        n.state in LIVE_NODE_STATES for n in ordered
+    ):
+        state = "rendezvous"
     elif all(n.state in LIVE_NODE_STATES for n in ordered):
         state = "running"
     elif all(n.finished for n in ordered):
@@ -301,7 +391,17 @@ def group_state(group: str, nodes: Sequence[NodeReport]) -> GroupView:
         state = "stopped"
     else:
         state = "partial"
-    return GroupView(group, state, ordered)
+    return GroupView(group, state, ordered, None, history)
+
+
+def _ended_by(nodes: Sequence[NodeReport]) -> NodeReport | None:
+    """The node whose supervisor ended the group: one that would not restart (its reason is
+    the cause) before one that gave up, else None."""
+    for wanted in ("not-restarted", "gave-up"):
+        for n in nodes:
+            if n.sup_state == wanted:
+                return n
+    return None
 
 
 class NodeJson(TypedDict):
@@ -315,6 +415,21 @@ class NodeJson(TypedDict):
     step: int | None
     exit_status: int | None
     message: str | None
+    supervisor: str | None  # its supervisor's state (rendezvous, restarting, gave-up, ...)
+    detail: str | None  # its supervisor's detail (why it waits, restarts or ended)
+    error: str | None  # its own last error line
+    pane: list[str]  # the pane's last lines
+
+
+class AttemptJson(TypedDict):
+    attempt: int
+    host: str
+    node_rank: int
+    rank: int | None
+    reason: str
+    error: str | None
+    restarted: bool
+    resumed: bool
 
 
 class GroupJson(TypedDict):
@@ -323,8 +438,12 @@ class GroupJson(TypedDict):
     summary: str
     world_size: int | None
     step: int | None
+    attempt: int | None
+    waiting: list[str]
+    verdict: str | None
     nodes: list[NodeJson]
     failed: FailedJson | None
+    restarts: list[AttemptJson]
     checkpoint: CheckpointJson | None
 
 
@@ -337,6 +456,9 @@ def group_json(view: GroupView) -> GroupJson:
         summary=view.summary(),
         world_size=view.world_size,
         step=view.step,
+        attempt=view.attempt,
+        waiting=list(view.waiting),
+        verdict=view.verdict,
         nodes=[
             NodeJson(
                 host=n.host,
@@ -349,9 +471,26 @@ def group_json(view: GroupView) -> GroupJson:
                 step=n.step,
                 exit_status=n.exit_status,
                 message=n.message,
+                supervisor=n.sup_state,
+                detail=n.sup_detail,
+                error=n.error,
+                pane=list(n.pane_lines),
             )
             for n in view.nodes
         ],
         failed=view.failed_json(),
+        restarts=[
+            AttemptJson(
+                attempt=a.number,
+                host=a.first.host,
+                node_rank=a.first.node_rank,
+                rank=a.first.rank,
+                reason=a.first.reason,
+                error=a.first.error,
+                restarted=a.restarted,
+                resumed=a.resumed,
+            )
+            for a in view.history
+        ],
         checkpoint=view.checkpoint_json(),
     )

@@ -134,7 +134,7 @@ class RunState:
     """When the host was first seen unreachable in this outage (None while reachable)."""
     pane_tail: tuple[str, ...] = ()
     """A dead pane's last lines (status `pane_tail`): in a group, torchrun's failure report
-    names the rank that failed (`dflashctl.groups.state.torchrun_failure`)."""
+    names the rank that failed (`dflashctl.runs.snapshot.torchrun_failure`)."""
     run_info: contract.RunState = field(default_factory=contract.RunState)
     """RUN/run-state.json as last polled: the trainer's plan (total_steps, end_step,
     warmup_steps, boundaries) once it has written it."""
@@ -411,7 +411,12 @@ def display_state(state: RunState, now: float, stale_after: float = STALE_AFTER_
     """
     if state.run == "unreachable":
         return "unreachable"
-    if state.measure is not None and state.run not in {"running", "restarting", "stalled"}:
+    if state.measure is not None and state.run not in {
+        "running",
+        "restarting",
+        "stalled",
+        "rendezvous",
+    }:
         return "measuring"
     if state.run == "gave-up":
         return "gave-up"

@@ -29,7 +29,7 @@ FOLLOW_JITTER = 0.2
 step."""
 DEFAULT_START_WAIT_S = 120.0
 """How long start/restart wait for the trainer's setup (or its exit); hosts.toml start_wait."""
-LIVE_STATES = frozenset({"running", "restarting", "stalled"})
+LIVE_STATES = frozenset({"running", "restarting", "stalled", "rendezvous"})
 """States whose pane process (the supervisor, or an unsupervised trainer) is alive: stop acts,
 start is a no-op. restarting: the trainer died and the supervisor waits out its backoff;
 stalled: the watchdog is stopping a trainer that made no progress."""

@@ -12,7 +12,7 @@ import contextlib
 import json
 import re
 import signal
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from typing import Any, TypedDict
@@ -55,7 +55,17 @@ SUPERVISOR_KEYS = (
     # consequence, since; checkpoint_mib, checkpoints where the checkpoints are}
     "low_disk",
     "low_disks",
+    # a group node's: its place, its agent, the failures it saw and its group's attempt
+    "group",
+    "agent_pid",
+    "group_rank",
+    "failures",
 )
+
+
+PANE_LINES = 8
+"""How many of the pane's last lines a status keeps whatever the run's state (a group's status
+shows every node's)."""
 
 
 def measure_started(measure_id: str) -> float | None:
@@ -120,7 +130,9 @@ class ServedEval:
 @dataclass(frozen=True)
 class RunStatus:
     host: str
-    state: str  # running | restarting | stalled | stopped | crashed | gave-up | unreachable
+    # running | restarting | stalled | rendezvous (a group node waiting for the others) |
+    # stopped | crashed | gave-up | unreachable
+    state: str
     exit_status: int | None = None
     release: str | None = None  # what `current` points at (deployed)
     run_release: str | None = None  # what the trainer was started from
@@ -132,6 +144,7 @@ class RunStatus:
     log_lines: int = 0
     run_state: RunState = field(default_factory=RunState)
     pane_tail: list[str] = field(default_factory=list)
+    pane_lines: list[str] = field(default_factory=list)  # the pane's last lines, any state
     message: str | None = None
     signal: str | None = None  # the signal that ended the pane's process ("SIGKILL")
     stop_signal: str | None = None  # the signal the trainer stopped on (run-state.json)
@@ -402,7 +415,9 @@ def trainer_completed_stop(
     owners = {pane.pid} if pane.pid is not None else set()
     if supervisor is not None and supervisor.trainer_pid is not None:
         owners.add(supervisor.trainer_pid)
-    return run_state.pid in owners and run_state.state in {"stopped", "finished"}
+    agent = _int_or_none(supervisor.fields.get("agent_pid")) if supervisor is not None else None
+    mine = run_state.pid in owners or (agent is not None and run_state.parent_pid == agent)
+    return mine and run_state.state in {"stopped", "finished"}
 
 
 def parse_running_measure(sections: dict[str, str], session: str) -> RunningMeasure | None:
@@ -508,7 +523,8 @@ def parse_status(
         state, exit_status = "stopped", None
     elif not pane.dead:
         # The pane's process is the supervisor: alive while the trainer under it is restarted.
-        state = sup_state if sup_state in {"restarting", "stalled"} else "running"
+        # a group node's supervisor also says `rendezvous` (its agent waits for the others)
+        state = sup_state if sup_state in {"restarting", "stalled", "rendezvous"} else "running"
         exit_status = None
     else:
         exit_status = pane.exit_status
@@ -555,6 +571,7 @@ def parse_status(
         log_lines=int(lines) if lines.isdigit() else 0,
         run_state=run_state,
         pane_tail=capture.splitlines()[-20:] if state == "crashed" else [],
+        pane_lines=[ln for ln in capture.splitlines() if ln.strip()][-PANE_LINES:],
         signal=signal_name(sig) if sig is not None else None,
         stop_signal=stop_signal or None,
         run_state_error=run_state_error,
@@ -571,19 +588,48 @@ def parse_status(
     )
 
 
+# torchrun's failure report (torch.distributed.elastic's ChildFailedError), one per failed rank:
+#   rank      : 1 (local_rank: 0)
+#   exitcode  : -9 (pid: 1234)
+_TORCHRUN_RANK = re.compile(r"\brank\s*:\s*(\d+)\s*\(local_rank:\s*\d+\)")
+_TORCHRUN_EXIT = re.compile(r"\bexitcode\s*:\s*(-?\d+)")
+# a line that is only a rule (torchrun's `=====` and `-----` around its report)
+_RULE = re.compile(r"^[=\-_*#~]+$")
+
+
+def torchrun_failure(pane_tail: Sequence[str]) -> tuple[int, int] | None:
+    """(global rank, exit code) of the first rank torchrun reported failed in this pane."""
+    rank: int | None = None
+    lines = list(pane_tail)
+    # "Failures:" lists the other ranks first; "Root Cause (first observed failure)" is the one
+    roots = [i for i, line in enumerate(lines) if "Root Cause" in line]
+    for line in lines[roots[-1] :] if roots else lines:
+        m = _TORCHRUN_RANK.search(line)
+        if m:
+            rank = int(m.group(1))
+            continue
+        e = _TORCHRUN_EXIT.search(line)
+        if e and rank is not None:
+            return rank, int(e.group(1))
+    return None
+
+
 def last_error_line(log_text: str, capture: str) -> str | None:
-    """The run's own ERROR line (status.log, else the pane), else the pane's last line."""
+    """The run's own ERROR line (status.log, else the pane); else torchrun's report of the rank
+    that failed first, in words; else the pane's last line that says something (never a rule
+    like torchrun's `=====`, never tmux's own "Pane is dead")."""
     for text in (log_text, capture):
         errors = [e for e in parse_events(text) if isinstance(e, ErrorEvent)]
         if errors:
             return errors[-1].message
-    # tmux's own remain-on-exit line ("Pane is dead (status 1, ...)") says nothing new
-    rows = [
-        ln.strip()
-        for ln in capture.splitlines()
-        if ln.strip() and not ln.strip().startswith("Pane is dead")
-    ]
-    return rows[-1] if rows else None
+    rows = [ln.strip() for ln in capture.splitlines()]
+    report = torchrun_failure(rows)
+    if report is not None:
+        rank, code = report
+        how = describe_exit(None, -code) if code < 0 else describe_exit(code, None)
+        return f"torchrun: rank {rank} {how} (no error line of its own)"
+    said = [r for r in rows if r and not r.startswith("Pane is dead") and not _RULE.match(r)]
+    return said[-1] if said else None
 
 
 def describe_exit(exit_status: int | None, sig: int | None) -> str:

@@ -66,12 +66,14 @@ def rank_count(config_text: str) -> int:
 
 @dataclass(frozen=True)
 class NodeCommand:
-    """What a group node's pane runs: the group's torchrun argv, the env it adds, and whether
-    the run starts fresh (no supervisor, no rank count of this host's own)."""
+    """What a group node's pane runs: its supervisor's flags (the group's policy and the node's
+    index) in front of the group's torchrun argv, the env it adds, and whether the run starts
+    fresh (no rank count of this host's own)."""
 
     argv: list[str]
     env: dict[str, str]
     fresh: bool
+    supervisor: list[str] | None = None  # None: bare torchrun (a test's stand-in)
 
 
 class RunStarter:
@@ -117,9 +119,8 @@ class RunStarter:
         progress: Callable[[str], None] | None = None,
     ) -> StartResult:
         """Start this host's part of a group (`dflashctl.groups.launch` builds `node`): the pane
-        runs the node's torchrun argv with its env added, and no supervisor: a node restarted
-        alone cannot rejoin the group's static rendezvous, so a group's restarts are the whole
-        group's (`dflashctl restart GROUP`). Otherwise as `start`."""
+        runs the node's supervisor (`--group-node I`, the group's policy) in front of its
+        torchrun argv, with its env added. Otherwise as `start`."""
         return await self._start(node.fresh, "auto", wait_s, progress, node)
 
     async def _start(
@@ -168,11 +169,18 @@ class RunStarter:
         }
         if node is None and argv[1:3] == ["-m", TORCHRUN_MODULE]:
             # torchrun SIGKILLs its ranks 30 s after forwarding a stop's SIGINT by default: a
-            # checkpoint of a real-width drafter can take longer (the operator's env wins). Not
-            # for group nodes: there a dead peer must end the others' ranks promptly.
+            # checkpoint of a real-width drafter can take longer (the operator's env wins). A
+            # group node's launch env sets it too (groups.launch.GROUP_ENV).
             env.setdefault("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", str(TORCHRUN_SHUTDOWN_TIMEOUT_S))
         notes = [st.switch_note] if st.switch_note else []
-        if st.release_has_supervisor and node is None:
+        if node is not None and node.supervisor is not None:
+            if not st.release_has_supervisor:
+                raise ControlError(
+                    f"{self.host.name}: release {release} has no trainer.supervise; a group node "
+                    f"runs under it: deploy a current release"
+                )
+            argv = supervised(self.host.python, node.supervisor, argv)
+        elif st.release_has_supervisor and node is None:
             argv = supervised(self.host.python, self.host.supervisor_policy().cli_args(), argv)
         if st.switch_note:
             await self._run(acknowledge_switch(self.host.workdir))

@@ -66,13 +66,16 @@ class RunStopper:
         settle_s: float = 0.0,
         interrupt: bool = True,
         after_interrupt: Callable[[], Awaitable[None]] | None = None,
+        supervised: bool = False,
     ) -> StopResult:
         """Stop this host's part of a group, as `stop` does, except:
 
-        SIGINT goes to the pane process's children, the trainer ranks, not to torchrun:
-        torchrun would pass a second SIGINT on (a stop at once, no checkpoint) and exit as a
-        signal death; the ranks' stop is agreed in the step's reduce, so they stop at the same
-        step and torchrun exits 0.
+        Under the node's supervisor (`supervised`) the C-c goes to it, as on a single host: it
+        records an operator stop (nothing is restarted) and forwards the SIGINT once to its
+        torchrun, which passes it once to each rank. A bare torchrun's pane: SIGINT goes to
+        the pane process's children, the trainer ranks, not to torchrun, which would pass a
+        second SIGINT on (a stop at once, no checkpoint). Either way the ranks' stop is agreed
+        in the step's reduce, so they stop at the same step.
         `settle_s`: after the checkpoint line, wait up to this long more for the pane's
         process to exit by itself (torchrun meets its peers at an exit barrier: ending its
         session before would fail the other nodes' agents and leave this one holding its
@@ -82,7 +85,7 @@ class RunStopper:
         """
         return await self._stop(
             timeout,
-            workers=True,
+            workers=not supervised,
             settle_s=settle_s,
             interrupt=interrupt,
             after_interrupt=after_interrupt,
@@ -111,10 +114,8 @@ class RunStopper:
         mark = st.log_lines
         if workers and interrupt:
             await self.interrupt_workers()
-        elif not workers:
-            sent = await self._run(tmux_interrupt(self.host.session))
-            if not sent.ok:
-                raise ControlError(f"{self.host.name}: sending C-c: {sent.error_line()}")
+        elif not workers and interrupt:
+            await self.interrupt_pane()
         if after_interrupt is not None:
             await after_interrupt()
         waited = await self._run(
@@ -159,6 +160,12 @@ class RunStopper:
             error,
             in_backoff=st.state == "restarting",
         )
+
+    async def interrupt_pane(self) -> None:
+        """C-c in the pane: its foreground process (the supervisor) gets one SIGINT."""
+        sent = await self._run(tmux_interrupt(self.host.session))
+        if not sent.ok:
+            raise ControlError(f"{self.host.name}: sending C-c: {sent.error_line()}")
 
     async def interrupt_workers(self) -> None:
         """SIGINT to the pane process's children (a group node's torchrun: its ranks)."""

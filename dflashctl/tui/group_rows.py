@@ -21,7 +21,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from dflashctl.groups.state import GroupView, NodeReport, group_state
+from dflashctl.groups.state import LIVE_NODE_STATES, GroupView, NodeReport, group_state
 from dflashctl.monitor.state import STALE_AFTER_S, RunState, display_state, line_age
 from dflashctl.runs.snapshot import run_finished
 from trainer.events import StatusEvent
@@ -76,6 +76,8 @@ def node_report(state: RunState, node_rank: int, now: float) -> NodeReport:
         message=state.link_error,
         run_state=state.run_info,
         pane_tail=state.pane_tail,
+        last_error=state.last_error,
+        supervisor=state.supervisor,
     )
 
 
@@ -85,8 +87,9 @@ class GroupFigures:
 
     view: GroupView
     state: str
-    """`running`, `degraded: b unreachable`, `failed: b rank 1`, `partial: 1/2 running`,
-    `connecting` (a node not polled yet), `stale` (node 0 silent while running), ..."""
+    """`running`, `degraded: b unreachable`, `failed: b rank 1`, `gave-up: b rank 1`,
+    `restarting: b rank 1`, `rendezvous (1/2 nodes)`, `partial: 1/2 running`, `connecting` (a
+    node not polled yet), `stale` (node 0 silent while running), ..."""
     status: StatusEvent | None
     """Node 0's last status line: the run's step, loss, Ktok/s (all ranks) and ETA."""
     step: int | None
@@ -101,13 +104,23 @@ def _state_text(view: GroupView, nodes: Sequence[RunState], now: float) -> str:
         return f"measuring: {nodes[0].host}"  # a group measures on node 0; its devices are busy
     if view.failed is not None:
         f = view.failed
-        return f"failed: {f.host}" + (f" rank {f.rank}" if f.rank is not None else "")
+        head = "gave-up" if view.state == "gave-up" else "failed"
+        return f"{head}: {f.host}" + (f" rank {f.rank}" if f.rank is not None else "")
+    if view.state in ("gave-up", "failed"):
+        return view.state
+    if view.state == "restarting":
+        last = view.history[-1].first if view.history else None
+        if last is None:
+            return "restarting"
+        return f"restarting: {last.host}" + (f" rank {last.rank}" if last.rank is not None else "")
+    if view.state == "rendezvous":
+        return f"rendezvous ({len(view.waiting)}/{len(view.nodes)} nodes)"
     if view.state == "degraded":
         return f"degraded: {', '.join(view.unreachable)} unreachable"
     if any(n.run == "unknown" for n in nodes):
         return "connecting"
     if view.state == "partial":
-        live = sum(1 for r in view.nodes if r.state in {"running", "restarting", "stalled"})
+        live = sum(1 for r in view.nodes if r.state in LIVE_NODE_STATES)
         return f"partial: {live}/{len(view.nodes)} running"
     if view.state == "running" and node_display(nodes[0], 0, now) == "stale":
         return "stale"

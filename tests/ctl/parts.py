@@ -15,6 +15,7 @@ import contextlib
 import os
 import re
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -197,6 +198,7 @@ def lxc_container(
     workdir: str = CONTAINER_WORKDIR,
     shared: tuple[Path, ...] = (),
     extra_config: tuple[str, ...] = (),
+    mounts: tuple[tuple[Path, str], ...] = (),
 ) -> Iterator[Container]:
     """A running LXC container (template sshd, no network) with the venv visible inside.
 
@@ -204,8 +206,9 @@ def lxc_container(
     meet on 127.0.0.1); the template's sshd would then bind the host's port 22, so the
     container's init runs `sleep infinity` instead (nothing here uses the container's sshd).
     `workdir`: where the workdir is mounted inside; `shared`: host directories mounted
-    read-write at the same path inside (a store both nodes read); `extra_config`: more LXC
-    config lines (device cgroup rules)."""
+    read-write at the same path inside (a store both nodes read); `mounts`: (host directory,
+    container path) pairs, read-write (a node's own /data); `extra_config`: more LXC config
+    lines (device cgroup rules)."""
     reap_stale_containers()
     name = name or f"{NAME_PREFIX}{os.getpid()}"
     _destroy(name)
@@ -216,6 +219,8 @@ def lxc_container(
         venv = Path(sys.prefix)
         base = Path(sys.base_prefix)
         workdir_host.mkdir(parents=True, exist_ok=True)
+        for d, _ in mounts:
+            d.mkdir(parents=True, exist_ok=True)
         cfg_path = Path(f"/var/lib/lxc/{name}/config")
         lines = [
             ln
@@ -234,6 +239,10 @@ def lxc_container(
                 f"lxc.mount.entry = {d} {str(d).lstrip('/')} none rw,bind,create=dir 0 0"
                 for d in shared
             ),
+            *(
+                f"lxc.mount.entry = {d} {inside.lstrip('/')} none rw,bind,create=dir 0 0"
+                for d, inside in mounts
+            ),
             "lxc.apparmor.profile = unconfined",
             f"lxc.mount.entry = {venv} {str(venv).lstrip('/')} none ro,bind,create=dir 0 0",
             f"lxc.mount.entry = {base} {str(base).lstrip('/')} none ro,bind,create=dir 0 0",
@@ -249,6 +258,10 @@ def lxc_container(
             f"container {name} attachable",
             every=0.1,
         )
+        # the template's rootfs has no /etc/hosts, so `localhost` does not resolve (a Proxmox
+        # container's does: torchrun's c10d picks its free ports on it)
+        hosts = "grep -qs localhost /etc/hosts || echo '127.0.0.1 localhost' >> /etc/hosts"
+        _run(["lxc-attach", "-n", name, "--", "/bin/sh", "-c", hosts])
         yield Container(name, CTID, workdir_host, str(venv / "bin" / "python"))
     finally:
         _destroy(name)
@@ -386,6 +399,11 @@ def build_tiny_assets(config: Path, tree: Path) -> None:
 
 
 GROUP_WORKDIRS = ("/srv/dflash0", "/srv/dflash1")  # distinct: nothing may assume one path
+# Two loopback addresses, one per node (both reach this host's lo): torchrun's c10d tells nodes
+# apart by (address, pid), and two containers' agents can have the same pid in their own pid
+# namespaces, so one address for both made one node of two. As text "127.0.0.10" sorts first:
+# c10d ranks node 1 before node 0, the case the trainer's inventory-order ranks are for.
+NODE_ADDRESSES = ("127.0.0.2", "127.0.0.10")
 
 
 @dataclass(frozen=True)
@@ -396,15 +414,26 @@ class GroupPair:
     inventory: Path
     containers: tuple[Container, Container]
     workdirs: tuple[str, str]
+    sshds: tuple[Sshd, Sshd]
+    data: tuple[Path, Path] | None = None  # each node's own `private` directory, on this host
 
 
 @contextlib.contextmanager
 def group_pair(
-    base: Path, *, run_config: Path, shared: tuple[Path, ...] = (), session: str = "dflash-g"
+    base: Path,
+    *,
+    run_config: Path,
+    shared: tuple[Path, ...] = (),
+    private: str | None = None,
+    session: str = "dflash-g",
+    group_keys: tuple[str, ...] = (),
+    node_addresses: tuple[str, str] = NODE_ADDRESSES,
 ) -> Iterator[GroupPair]:
-    """Two containers sharing the host's network (gloo meets on 127.0.0.1, node_address
-    127.0.0.1 for both), each behind its own sshd with its key pinned; `shared` directories are
-    mounted at their own path in both (a store every node reads)."""
+    """Two containers sharing the host's network (gloo meets on loopback; `node_addresses`
+    are the nodes' own, see NODE_ADDRESSES), each behind its own sshd with its key pinned; `shared` directories are
+    mounted at their own path in both (a store every node reads); `private` (say "/data") is a
+    directory of each node's own (base/data0, base/data1 here), as two Proxmox nodes have:
+    nothing there is shared. `group_keys`: more `[groups.g]` lines (its policy)."""
     stack = contextlib.ExitStack()
     with stack:
         cts = tuple(
@@ -415,6 +444,7 @@ def group_pair(
                     host_network=True,
                     workdir=GROUP_WORKDIRS[i],
                     shared=shared,
+                    mounts=((base / f"data{i}", private),) if private else (),
                 )
             )
             for i in range(2)
@@ -447,19 +477,39 @@ def group_pair(
                 f"ctid = {ct.ctid}",
                 f'workdir = "{GROUP_WORKDIRS[i]}"',
                 f'python = "{ct.python}"',
-                'node_address = "127.0.0.1"',
+                f'node_address = "{node_addresses[i]}"',
                 'env = { OMP_NUM_THREADS = "1" }',
                 "",
             ]
-        text += ["[groups.g]", 'hosts = ["n0", "n1"]', f"rdzv_port = {free_port()}", ""]
+        text += ["[groups.g]", 'hosts = ["n0", "n1"]', f"rdzv_port = {free_port()}"]
+        text += [*group_keys, ""]
         inv = base / "hosts.toml"
         inv.write_text("\n".join(text))
         inv.chmod(0o600)
+        data = (base / "data0", base / "data1") if private else None
         try:
-            yield GroupPair(inv, (cts[0], cts[1]), GROUP_WORKDIRS)
+            yield GroupPair(inv, (cts[0], cts[1]), GROUP_WORKDIRS, (sshds[0], sshds[1]), data)
         finally:
             for ct in cts:
                 kill_tmux_in(ct)
+
+
+@contextlib.contextmanager
+def stopped_sshd(sd: Sshd) -> Iterator[None]:
+    """The node's sshd stopped (SIGSTOP): new connections hang as on a dead link, the node
+    and its container run on; SIGCONT on exit."""
+    pid = int((sd.dir / "sshd.pid").read_text().split()[0])
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        os.kill(pid, signal.SIGCONT)
+
+
+def node_processes_in(ct: Container, pattern: str) -> list[str]:
+    """`pid args` of the processes in the container whose command line matches."""
+    r = _run(["lxc-attach", "-n", ct.name, "--", "pgrep", "-a", "-f", pattern], timeout=30)
+    return [ln for ln in r.stdout.splitlines() if ln.strip()]
 
 
 def pinned_inventory(parts: Parts, tmp_path: Path, run_config: Path | None = None) -> list[str]:

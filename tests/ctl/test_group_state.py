@@ -91,7 +91,10 @@ def test_one_node_unreachable_is_degraded_never_crashed() -> None:
     v = group_state("g", [node("n0", 0, "running"), node("n1", 1, "unreachable")])
     assert v.state == "degraded" and v.failed is None
     assert v.unreachable == ("n1",)
-    assert v.summary() == "g: degraded: n1 unreachable (state unknown)"
+    assert v.summary() == (
+        "g: degraded: n1 unreachable (state unknown); the group may still train "
+        "(1 reachable node(s) run)"
+    )
     assert group_state("g", [node("n0", 0, "unreachable")] * 1).state == "unreachable"
 
 
@@ -277,3 +280,241 @@ def test_status_text_names_the_writer_node_on_the_group_and_on_node_1(tmp_path: 
     text = group_entry(_pair(tmp_path, None, None), [st0, st1], as_json=False)
     assert isinstance(text, str)
     assert text.splitlines()[1] == f"  checkpoints on node 0 (n0): step 40 {path}"
+
+
+def test_a_node_that_died_without_an_error_line_is_described_never_by_a_banner() -> None:
+    """A dead pane whose last lines are torchrun's report and its `=====` rule: the error line
+    is torchrun's root cause in words; other panes give their last line that says something."""
+    from dflashctl.runs.snapshot import last_error_line
+
+    assert last_error_line("", "\n".join(KILLED_TAIL)) == (
+        "torchrun: rank 1 was killed by SIGKILL (exit status 137) (no error line of its own)"
+    )
+    assert last_error_line("", "\n".join(PEER_TAIL)).startswith(  # type: ignore[union-attr]
+        "torchrun: rank 0 exited with status 1 (failed)"
+    )
+    assert last_error_line("", "boom\n=====\n-----\nPane is dead (status 1)\n") == "boom"
+    refused = "ERROR: rank 1: data.store: /data/store: no such token store directory"
+    assert last_error_line("", "\n".join([refused, *KILLED_TAIL])) == refused[len("ERROR: ") :]
+
+
+def test_a_refused_node_is_named_first_with_its_own_line_not_node_0() -> None:
+    """Node 1 refused (its run-state says so, with its reason); node 0 crashed after it (its
+    collective broke) without knowing who: the group blames node 1, in node 1's words."""
+    why = "rank 1: data.store: /data/store: no such token store directory"
+    rs1 = RunState(rank_range=[1, 2], state="refused", exit_status=2, last_error=why)
+    rs0 = RunState(rank_range=[0, 1], state="crashed", exit_status=1, last_error="stage failed")
+    v = group_state(
+        "g",
+        [
+            node("n0", 0, "crashed", exit_status=1, run_state=rs0, pane_tail=PEER_TAIL),
+            node("n1", 1, "crashed", exit_status=1, run_state=rs1),
+        ],
+    )
+    assert v.failed is not None and (v.failed.host, v.failed.rank, v.failed.error) == (
+        "n1",
+        1,
+        why,
+    )
+    assert (
+        v.summary()
+        == f"g: failed: node 1 (n1) rank 1 failed first (its trainer refused to start): {why}"
+    )
+
+
+def test_the_data_preflight_names_each_node_and_path_it_lacks() -> None:
+    """Relative paths resolve against the config's directory on the node; what the trainer
+    builds itself (synthetic store, tiny target) is never a problem; one line per gap."""
+    from dflashctl.config.runconfig import load_config_text
+    from dflashctl.groups.preflight import check_argv, data_needs, problems
+
+    tiny = load_config_text((REPO / "configs" / "tiny-cpu.toml").read_text())
+    built = data_needs(tiny, "/srv/dflash1/run")
+    assert [(n.key, n.path, n.built) for n in built] == [
+        ("data.store", "/srv/dflash1/run/.cache/tiny-store", True),
+        ("model.target_dir", "/srv/dflash1/run/.cache/tiny-qwen3", True),
+    ]
+    assert problems("n1", built, "no\nno\n") == []
+    real = tiny.model_copy(
+        update={
+            "data": tiny.data.model_copy(update={"store": "/data/store", "synthetic": None}),
+            "model": tiny.model.model_copy(update={"target_dir": "../t", "tiny_target": None}),
+        }
+    )
+    needs = data_needs(real, "/srv/dflash1/run")
+    assert check_argv(needs)[-2:] == ["/data/store/manifest.json", "/srv/dflash1/t/config.json"]
+    assert problems("n1", needs, "yes\nyes\n") == []
+    assert problems("n1", needs, "no\nyes\n") == [
+        "n1: data.store /data/store: no token store there (no manifest.json); every node reads "
+        "its own copy: put it at that path on n1"
+    ]
+    assert len(problems("n1", needs, "")) == 2  # no answer: nothing is assumed to be there
+
+
+# --- supervised groups: every node's supervisor records, side by side -----------------------
+
+
+def sup_node(
+    host: str,
+    rank: int,
+    state: str,
+    sup_state: str,
+    *,
+    failures: list[dict[str, object]] = (),  # type: ignore[assignment]
+    restarts: list[dict[str, object]] = (),  # type: ignore[assignment]
+    detail: str | None = None,
+    attempt: int = 1,
+) -> NodeReport:
+    return NodeReport(
+        host=host,
+        node_rank=rank,
+        state=state,
+        run_state=RunState(rank_range=[rank, rank + 1]),
+        supervisor={
+            "state": sup_state,
+            "detail": detail,
+            "attempt": attempt,
+            "failures": list(failures),
+            "restarts": list(restarts),
+        },
+    )
+
+
+def fail(
+    attempt: int, rank: int, reason: str, *, at: str, peer: bool = False, **kw: object
+) -> dict[str, object]:
+    return {
+        "attempt": attempt,
+        "kind": "rank",
+        "node_rank": rank,
+        "rank": rank,
+        "reason": reason,
+        "at": at,
+        "peer": peer,
+        **kw,
+    }
+
+
+def test_a_restarted_group_names_each_attempts_first_failure_from_every_nodes_records() -> None:
+    """Node 0's rank failed too (its peer died), a moment later: node 1's signal 9 is the
+    cause; node 0 counted the restart, both trained again (attempt 2): running, one restart."""
+    n0 = sup_node(
+        "n0",
+        0,
+        "running",
+        "running",
+        attempt=2,
+        failures=[fail(1, 0, "exit 1", at="2026-12-01T10:00:01Z", peer=True)],
+        restarts=[{"attempt": 2, "kind": "workers", "resumed_at": "2026-12-01T10:00:09Z"}],
+    )
+    n1 = sup_node(
+        "n1",
+        1,
+        "running",
+        "running",
+        attempt=2,
+        failures=[fail(1, 1, "signal 9", at="2026-12-01T10:00:02Z", signal=9)],
+        restarts=[{"attempt": 2, "kind": "workers", "resumed_at": "2026-12-01T10:00:09Z"}],
+    )
+    v = group_state("g", [n0, n1])
+    assert v.state == "running" and v.attempt == 2
+    (a,) = v.history
+    assert (a.number, a.first.host, a.first.rank, a.first.reason) == (1, "n1", 1, "signal 9")
+    assert a.restarted and a.resumed
+    js = group_json(v)
+    assert js["restarts"] == [
+        {
+            "attempt": 1,
+            "host": "n1",
+            "node_rank": 1,
+            "rank": 1,
+            "reason": "signal 9",
+            "error": None,
+            "restarted": True,
+            "resumed": True,
+        }
+    ]
+
+
+def test_restarting_and_the_rendezvous_say_how_many_nodes_are_there() -> None:
+    waiting = sup_node(
+        "n0",
+        0,
+        "rendezvous",
+        "rendezvous",
+        failures=[fail(1, 0, "exit 1", at="2026-12-01T10:00:01Z", peer=True)],
+    )
+    backoff = sup_node(
+        "n1",
+        1,
+        "restarting",
+        "restarting",
+        failures=[
+            {
+                "attempt": 1,
+                "kind": "agent",
+                "node_rank": 1,
+                "rank": None,
+                "reason": "killed by signal 9",
+                "at": "2026-12-01T10:00:00Z",
+            }
+        ],
+    )
+    v = group_state("g", [waiting, backoff])
+    assert v.state == "restarting"
+    assert v.summary() == "g: restarting: after attempt 1: node 1 (n1) agent: killed by signal 9"
+    back = sup_node("n1", 1, "rendezvous", "rendezvous")
+    alone = group_state("g", [waiting, sup_node("n1", 1, "running", "running")])
+    assert alone.state == "rendezvous" and alone.waiting == ("n0",)
+    assert alone.summary().startswith("g: rendezvous (1/2 nodes): after attempt 1: node 0 (n0)")
+    assert alone.summary().endswith("; waiting for n1")
+    both = group_state("g", [sup_node("n0", 0, "rendezvous", "rendezvous"), back])
+    assert both.summary() == "g: rendezvous (2/2 nodes)"
+
+
+def test_a_crash_loop_gave_up_once_naming_every_attempt() -> None:
+    why = "rank 1: stage drafter failed: InjectedFault: injected fault"
+    fails = [fail(k, 1, "exit 1", at=f"2026-12-01T10:0{k}:00Z", error=why) for k in (1, 2, 3)]
+    gave = "gave up after 2 group restarts: node 1 rank 1: exit 1, node 1 rank 1: exit 1, node 1 rank 1: exit 1"
+    n0 = sup_node("n0", 0, "rendezvous", "rendezvous", attempt=3)
+    n1 = sup_node(
+        "n1",
+        1,
+        "gave-up",
+        "gave-up",
+        failures=fails,
+        detail=gave,
+        attempt=3,
+        restarts=[{"attempt": 2, "resumed_at": "x"}, {"attempt": 3, "resumed_at": "y"}],
+    )
+    v = group_state("g", [n0, n1])
+    assert v.state == "gave-up" and v.verdict == gave
+    assert v.failed is not None and (v.failed.host, v.failed.rank, v.failed.error) == ("n1", 1, why)
+    line = v.summary()
+    assert line.startswith(f"g: gave-up: {gave}; attempt 1: node 1 (n1) rank 1: exit 1: {why}; ")
+    assert "attempt 3: node 1 (n1) rank 1: exit 1" in line
+    assert [a.restarted for a in v.history] == [True, True, False]
+
+
+def test_an_exit_that_is_not_restarted_fails_the_group_with_the_nodes_reason() -> None:
+    why = (
+        "node 1 rank 1 exit 2: exit 2 is in no_restart_exit_codes: rank 1: data.store: /d: no store"
+    )
+    n1 = sup_node(
+        "n1",
+        1,
+        "crashed",
+        "not-restarted",
+        detail=why,
+        failures=[
+            fail(
+                1, 1, "exit 2", at="2026-12-01T10:00:00Z", error="rank 1: data.store: /d: no store"
+            )
+        ],
+    )
+    v = group_state("g", [sup_node("n0", 0, "rendezvous", "rendezvous"), n1])
+    assert v.state == "failed" and v.verdict == why
+    assert (
+        v.summary()
+        == f"g: failed: {why}; attempt 1: node 1 (n1) rank 1: exit 2: rank 1: data.store: /d: no store"
+    )

@@ -56,26 +56,66 @@ def test_every_node_gets_its_rank_the_node_count_and_node_0s_endpoint(tmp_path: 
     ).groups["g"]
     launches = group_launches(group, [8, 4, 8])
     assert [(x.host, x.node_rank) for x in launches] == [("n0", 0), ("n1", 1), ("n2", 2)]
+    addresses = ["192.0.2.10", "192.0.2.11", "node-2.example"]
     for x, nproc in zip(launches, [8, 4, 8], strict=True):
         assert x.argv[:3] == [PY, "-m", "torch.distributed.run"]
+        host = "true" if x.node_rank == 0 else "false"
         assert flags(x.argv) == {
-            "--nnodes": "3",
-            "--node-rank": str(x.node_rank),
+            "--nnodes": "3",  # fixed N: the trainer refuses another world size
             "--nproc-per-node": str(nproc),
-            "--rdzv-backend": RDZV_BACKEND,
+            "--rdzv-backend": "c10d",
             "--rdzv-endpoint": "192.0.2.10:29400",  # node 0's, on every node
-            "--max-restarts": "0",
+            "--rdzv-id": "g",
+            "--rdzv-conf": f"is_host={host},join_timeout=600",  # node 0 hosts it
+            "--local-addr": addresses[x.node_rank],
+            "--max-restarts": "3",  # the group policy's (a host's default)
         }
         assert (x.nnodes, x.nproc_per_node, x.group) == (3, nproc, "g")
+        assert x.env["DFLASH_NODE_RANK"] == str(x.node_rank)
+        assert x.env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1"
 
 
 def test_the_inventory_order_not_the_address_order_is_the_rank(tmp_path: Path) -> None:
-    # 192.0.2.9 sorts after 192.0.2.10 as text: c10d would make n1 rank 0; the list decides.
+    # 192.0.2.9 sorts after 192.0.2.10 as text: c10d makes n1 its rank 0; the list decides the
+    # trainer's ranks (DFLASH_NODE_RANK), c10d's --node-rank would be ignored (not given)
     group = inventory(tmp_path, {"n0": "192.0.2.9", "n1": "192.0.2.10"}, port=29555).groups["g"]
     x0, x1 = group_launches(group, [1, 1])
-    assert flags(x0.argv)["--node-rank"] == "0" and flags(x1.argv)["--node-rank"] == "1"
+    assert x0.env["DFLASH_NODE_RANK"] == "0" and x1.env["DFLASH_NODE_RANK"] == "1"
+    assert "--node-rank" not in x0.argv
     assert flags(x1.argv)["--rdzv-endpoint"] == "192.0.2.9:29555"
-    assert RDZV_BACKEND == "static"  # the backend that honours --node-rank
+    assert RDZV_BACKEND == "c10d"
+
+
+def test_the_group_policy_reaches_torchrun_and_every_nodes_supervisor(tmp_path: Path) -> None:
+    """One policy for the group: torchrun's --max-restarts, the rendezvous timeout, the same
+    supervisor flags on every node (with its index), the collective timeout from the stall
+    timeout, one launch id for every node of one start."""
+    from dflashctl.groups.launch import supervisor_args
+
+    group = inventory(tmp_path, {"n0": "192.0.2.10", "n1": "192.0.2.11"}).groups["g"]
+    group = group.model_copy(
+        update={
+            "max_restarts": 5,
+            "stall_timeout_s": 120.0,
+            "startup_timeout_s": 300.0,
+            "rendezvous_timeout_s": 90.0,
+        }
+    )
+    x0, x1 = group_launches(group, [1, 1], launch_id="g-1")
+    assert flags(x1.argv)["--max-restarts"] == "5"
+    assert flags(x1.argv)["--rdzv-conf"] == "is_host=false,join_timeout=90"
+    assert x0.env["DFLASH_LAUNCH_ID"] == x1.env["DFLASH_LAUNCH_ID"] == "g-1"
+    assert x0.env["DFLASH_COLLECTIVE_TIMEOUT_S"] == "300"  # the startup timeout: the backstop
+    assert x0.env["TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC"] == "360"
+    assert x0.env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "1"
+    a0, a1 = supervisor_args(group, 0), supervisor_args(group, 1)
+    assert a0[:-1] == a1[:-1] and (a0[-2:], a1[-2:]) == (
+        ["--group-node", "0"],
+        ["--group-node", "1"],
+    )
+    assert "--max-restarts=5" in a0 and "--stall-timeout-s=120.0" in a0
+    never = group.model_copy(update={"restart": "never"})
+    assert flags(node_launch(never, 0, 1).argv)["--max-restarts"] == "0"
 
 
 @pytest.mark.parametrize(
@@ -96,7 +136,8 @@ def test_the_endpoint_brackets_ipv6(tmp_path: Path, address: str, endpoint: str)
 
 def test_interface_variables_only_when_set_and_per_node(tmp_path: Path) -> None:
     inv = inventory(tmp_path, {"n0": "192.0.2.10", "n1": "192.0.2.11", "n2": "192.0.2.12"})
-    assert [x.env for x in group_launches(inv.groups["g"], [1, 1, 1])] == [{}, {}, {}]
+    launched = group_launches(inv.groups["g"], [1, 1, 1])
+    assert not any(k.endswith("SOCKET_IFNAME") for x in launched for k in x.env)
     # n0 both, n1 NCCL only (with NCCL's own syntax), n2 nothing
     path = tmp_path / "hosts.toml"
     text = (
@@ -109,7 +150,10 @@ def test_interface_variables_only_when_set_and_per_node(tmp_path: Path) -> None:
         '[groups.g]\nhosts = ["n0", "n1", "n2"]\n'
     )
     group = parse_inventory(text, path).groups["g"]
-    envs = [x.env for x in group_launches(group, [1, 1, 1])]
+    envs = [
+        {k: v for k, v in x.env.items() if k.endswith("SOCKET_IFNAME")}
+        for x in group_launches(group, [1, 1, 1])
+    ]
     assert envs == [
         {"NCCL_SOCKET_IFNAME": "eth1", "GLOO_SOCKET_IFNAME": "eth1,eth2"},
         {"NCCL_SOCKET_IFNAME": "^=docker0,lo"},
@@ -212,13 +256,15 @@ def test_hostile_inventory_values_never_reach_a_launch(
 PROBE = """
 import json, os, sys
 import torch, torch.distributed as dist
+from trainer.pipeline.launch_env import launch_rank
 dist.init_process_group("gloo")
 t = torch.tensor([float(dist.get_rank())])
 dist.all_reduce(t)
 row = {k: os.environ.get(k) for k in ("RANK", "GROUP_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE",
-       "GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME", "NODE")}
+       "GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME", "NODE", "DFLASH_NODE_RANK")}
 row["sum"] = t.item()
-with open(os.path.join(sys.argv[1], "rank-" + row["RANK"] + ".json"), "w") as f:
+row["launch_rank"] = launch_rank()
+with open(os.path.join(sys.argv[1], f"rank-{row['launch_rank']}.json"), "w") as f:
     json.dump(row, f)
 dist.destroy_process_group()
 """
@@ -232,7 +278,9 @@ def _free_port() -> int:
 
 @pytest.mark.timeout(180)
 def test_two_nodes_launched_as_built_form_one_world_in_inventory_order(tmp_path: Path) -> None:
-    """The launcher part of the argv, run for real: ranks follow the list, env reaches ranks."""
+    """The launcher part of the argv, run for real (c10d, node 0 hosting): one world, and the
+    trainer's ranks (`launch_rank`) follow the list although c10d put node 1's agent, started
+    first (the lower pid), at its group rank 0; the env reaches the ranks."""
     pytest.importorskip("torch.distributed.run")
     port = _free_port()
     text = (
@@ -252,6 +300,7 @@ def test_two_nodes_launched_as_built_form_one_world_in_inventory_order(tmp_path:
     for x in reversed(group_launches(group, [2, 1])):
         env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD", "MASTER"))}
         env.update(x.env, NODE=str(x.node_rank), OMP_NUM_THREADS="1")
+        env["PYTHONPATH"] = str(Path(__file__).resolve().parents[2])
         procs.append(
             subprocess.Popen(
                 [*x.launcher, str(probe), str(out)],
@@ -271,16 +320,20 @@ def test_two_nodes_launched_as_built_form_one_world_in_inventory_order(tmp_path:
                 p.wait()
     logs = [p.stdout.read()[-2000:] if p.stdout else "" for p in procs]
     assert all(p.returncode == 0 for p in procs), logs
-    rows = {int(r["RANK"]): r for r in (json.loads(f.read_text()) for f in out.glob("rank-*.json"))}
+    rows = {
+        int(r["launch_rank"]): r
+        for r in (json.loads(f.read_text()) for f in out.glob("rank-*.json"))
+    }
     assert sorted(rows) == [0, 1, 2]
     assert all(r["WORLD_SIZE"] == "3" and r["sum"] == 3.0 for r in rows.values())
-    # node 0 (2 devices) holds global ranks 0-1, node 1 rank 2: the inventory order
+    # node 0 (2 devices) holds the trainer's ranks 0-1, node 1 rank 2: the inventory order;
+    # c10d numbered the agents the other way round (node 1 started first: GROUP_RANK 0)
     assert [
         (rows[i]["NODE"], rows[i]["GROUP_RANK"], rows[i]["LOCAL_WORLD_SIZE"]) for i in range(3)
     ] == [
-        ("0", "0", "2"),
-        ("0", "0", "2"),
-        ("1", "1", "1"),
+        ("0", "1", "2"),
+        ("0", "1", "2"),
+        ("1", "0", "1"),
     ]
     assert [rows[i]["NCCL_SOCKET_IFNAME"] for i in range(3)] == ["=lo", "=lo", None]
     assert all(rows[i]["GLOO_SOCKET_IFNAME"] == "lo" for i in range(3))

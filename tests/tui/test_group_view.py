@@ -239,3 +239,36 @@ async def test_nodes_run_state_files_reach_the_group_row_through_real_status(
         assert isinstance(host_screen, HostScreen) and host_screen.host == "n1"
         await _until(pilot, lambda: "node 1 of 2, ranks 1-1" in _header(host_screen))
     await transport.close()
+
+
+def test_a_supervised_groups_row_says_restarting_rendezvous_and_gave_up() -> None:
+    """Every node's supervisor record reaches the group row: a node in its restart backoff is
+    the group restarting after the rank that failed; nodes waiting for the others are the
+    rendezvous with how many are there; a supervisor that gave up is the group's end, naming
+    the rank; the group screen's header says the summary and the attempts."""
+    from dflashctl.tui.screens.group import group_header
+
+    n0 = apply_status(
+        apply_lines(RunState("n0"), run_lines(25), FIXED_NOW), Status(run_state=node_run_state(0))
+    )
+    n1 = apply_status(RunState("n1"), Status(run_state=node_run_state(1)))
+    killed = {"attempt": 1, "kind": "rank", "node_rank": 1, "rank": 1, "reason": "signal 9"}
+    killed["at"] = "2026-12-01T10:00:00Z"
+    sup = {"attempt": 1, "failures": [killed], "restarts": []}
+    waiting = apply_status(n0, Status(state="rendezvous", supervisor={**sup, "failures": []}))
+    backoff = apply_status(
+        n1, Status(state="restarting", supervisor={**sup, "state": "restarting"})
+    )
+    fig = group_figures("pair", [waiting, backoff], FIXED_NOW)
+    assert fig.state == "restarting: n1 rank 1"
+    back = apply_status(n1, Status(state="rendezvous", supervisor=sup))
+    alone = group_figures("pair", [waiting, apply_status(n1, Status(supervisor=sup))], FIXED_NOW)
+    assert alone.state == "rendezvous (1/2 nodes)"
+    assert group_figures("pair", [waiting, back], FIXED_NOW).state == "rendezvous (2/2 nodes)"
+    gave = {**sup, "state": "gave-up", "detail": "gave up after 3 group restarts: ..."}
+    ended = apply_status(n1, Status(state="gave-up", supervisor=gave))
+    fig = group_figures("pair", [waiting, ended], FIXED_NOW)
+    assert fig.state == "gave-up: n1 rank 1"
+    header = group_header("pair", [waiting, ended], FIXED_NOW).plain
+    assert "pair: gave-up: gave up after 3 group restarts: ...; attempt 1: node 1 (n1)" in header
+    assert "attempt 1: node 1 (n1) rank 1: signal 9 -> not restarted" in header

@@ -70,7 +70,9 @@ class RunState(BaseModel):
     # multi-node runs: every node's first local rank writes its own node's RUN/run-state.json
     # (node 0's is the run's, with everything above); absent on a single-node run. Ranks are
     # torchrun's global ranks (RANK, what its logs and failure reports name): in an M:N run
-    # (`topology.targets = "shared"`) they count target processes too, not only drafters.
+    # (`topology.targets = "shared"`) they count target processes too, not only drafters. On
+    # a dflashctl group node they are in the inventory's node order (DFLASH_NODE_RANK), which
+    # c10d's numbering of the agents need not be.
     node_rank: int | None = Field(default=None, ge=0)
     nnodes: int | None = Field(default=None, ge=1)
     rank_range: list[int] | None = None  # [first, last + 1) global ranks on this node
@@ -78,6 +80,8 @@ class RunState(BaseModel):
     # the global rank (as in rank_range) that failed first, if known: the first process that
     # failed by itself publishes it, its peers read it; None when it was killed outright
     failed_rank: int | None = Field(default=None, ge=0)
+    # this rank failed because another went away (its collective broke), not by itself
+    peer_failure: bool | None = None
     checkpoint_node: int | None = Field(default=None, ge=0)  # whose run dir has the checkpoints
     # held-out evaluation
     holdout_rows: int | None = Field(default=None, ge=0)

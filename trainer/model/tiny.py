@@ -96,6 +96,10 @@ def write_tiny_target(
         torch.random.set_rng_state(cpu_rng)
     model.train(False)  # eval(); transformers leaves eval unannotated
     out.mkdir(parents=True, exist_ok=True)
+    # transformers 5 writes nothing on a process whose torch.distributed rank is not 0 (its
+    # own multi-process save); this target is this machine's own file, built by each node's
+    # first process (trainer.pipeline.build), so every caller that asks for it gets it.
+    model.should_save_on_this_rank = lambda is_main_process: is_main_process  # type: ignore[method-assign]
     model.save_pretrained(out, safe_serialization=True)
     return out
 

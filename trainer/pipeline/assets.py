@@ -7,6 +7,9 @@ bucket plan) raise `UserError` with one line naming the file or key; the CLI exi
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import tempfile
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -66,7 +69,9 @@ def _scaled_lengths(source: str, scale: float, seed: int, store: Path) -> str:
     except LengthsError as exc:
         raise UserError(f"data.synthetic.lengths_from: {exc}") from None
     out = store.parent / f"{store.name}.lengths-div{scale:g}.npy"
-    np.save(out, np.maximum(1, np.rint(base / scale)).astype(np.int64))
+    tmp = out.with_name(f".{out.name}.{os.getpid()}.npy")  # another node may write it too
+    np.save(tmp, np.maximum(1, np.rint(base / scale)).astype(np.int64))
+    os.replace(tmp, out)
     return str(out)
 
 
@@ -81,7 +86,11 @@ def _vocab_hint(cfg: TrainConfig) -> int:
 
 
 def ensure_target(cfg: TrainConfig) -> Path:
-    """The target directory; a tiny random Qwen3 is built there when configured and absent."""
+    """The target directory; a tiny random Qwen3 is built there when configured and absent.
+
+    Built in a temporary directory beside it and published by one rename: another process
+    (a node sharing the directory, an M:N target rank) never reads half a target, and when two
+    build it at once the first rename wins (the builds are bit-identical)."""
     path = cfg.resolve(cfg.model.target_dir)
     if (path / "config.json").is_file():
         return path
@@ -89,7 +98,19 @@ def ensure_target(cfg: TrainConfig) -> Path:
         raise UserError(f"{path}: model.target_dir has no config.json (not a model directory)")
     from trainer.model.tiny import write_tiny_target
 
-    write_tiny_target(path, cfg.model.tiny_target)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
+    try:
+        write_tiny_target(tmp, cfg.model.tiny_target)
+        os.rename(tmp, path)  # replaces an empty directory; fails on a non-empty one
+    except OSError:
+        if not (path / "config.json").is_file():
+            raise UserError(
+                f"{path}: model.target_dir exists without a config.json; remove it or point "
+                "model.target_dir elsewhere"
+            ) from None
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     return path
 
 

@@ -159,7 +159,9 @@ def build_parts(
 ) -> Parts:
     """Everything one rank trains with, fresh (weights from the seed, no step taken)."""
     drafter_device, target_devices = distributed.pick_devices(cfg, world)
-    if world.is_main:  # build the tiny store/target once, before the other ranks look
+    if world.local_rank == 0:  # each node's first process builds what the config makes there
+        # (a synthetic store, a tiny target): nodes share no storage, so every node needs its
+        # own; both builds publish by rename, so nodes that do share a directory cannot clash
         assets.ensure_store(cfg)
         assets.ensure_target(cfg)
     distributed.barrier(world)

@@ -12,8 +12,9 @@ the receiver's own tensor. So the transient memory beyond the state itself is on
 that is a few hundred collectives. Under NCCL the buckets travel through the drafter's device.
 
 Failure: the first process that fails by itself (not because a peer went away) publishes its
-torchrun global rank (`World.process`, RANK: in an M:N run target processes are numbered too,
-and a drafter's is not its drafter rank) under one key of torchrun's rendezvous store (first
+global rank in the launch (`World.process`: torchrun's RANK, or on a dflashctl group node the
+inventory-order rank, `launch_env.launch_rank`; in an M:N run target processes are numbered
+too, and a drafter's is not its drafter rank) under one key of the launch's store (first
 writer wins); a rank whose collective failed because a peer died reads it, waiting a moment for
 the failed one to write it. A process that was killed outright writes nothing: then
 `failed_rank` stays unknown (None) and its own node's torchrun agent is the one that knows.

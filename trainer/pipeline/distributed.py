@@ -11,6 +11,7 @@ is per thread, and a new thread starts on cuda:0); NCCL gets this rank's device 
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -22,6 +23,7 @@ from torch._C._distributed_c10d import PrefixStore, Store, TCPStore
 
 from trainer.config import TopologyConfig, TrainConfig
 from trainer.pipeline.assets import UserError
+from trainer.pipeline.launch_env import launch_rank, node_rank
 
 
 @dataclass(frozen=True)
@@ -149,21 +151,22 @@ def init_world(topology: TopologyConfig) -> World | TargetRank:
         if torch.device(device).type == "cuda" and torch.cuda.is_available():
             bind_thread(device)  # the main thread builds the parts
         return World(device=device)
-    rank = int(os.environ["RANK"])
+    rank = launch_rank()
     world = World(
         rank=rank,
         size=size,
         local_rank=local_rank,
         local_size=int(os.environ.get("LOCAL_WORLD_SIZE", str(size))),
         device=device,
-        process=rank,  # every process trains: the drafter rank is torchrun's
+        process=rank,  # every process trains: the drafter rank is the launch's
     )
-    _init_group(world)
+    # a group node (dflashctl): ranks in the inventory's order, on an explicit store
+    _init_group(world, launch_store() if node_rank() is not None else None)
     return world
 
 
 def _init_group(world: World, store: Store | None = None) -> None:
-    timeout = timedelta(minutes=10)
+    timeout = collective_timeout()
     ranks: dict[str, Any] = {} if store is None else {"rank": world.rank, "world_size": world.size}
     index = _cuda_index(world)
     if index is None:
@@ -178,6 +181,27 @@ def _init_group(world: World, store: Store | None = None) -> None:
 
 STORE_TIMEOUT = timedelta(minutes=10)
 """How long a launch-store client waits to connect, and for each operation, by default."""
+
+COLLECTIVE_TIMEOUT_ENV = "DFLASH_COLLECTIVE_TIMEOUT_S"
+"""The process group's timeout in seconds (a rank waiting longer in one collective fails; NCCL:
+the watchdog aborts the communicator). dflashctl sets it from a group's stall_timeout_s."""
+
+
+def collective_timeout(env: Mapping[str, str] | None = None) -> timedelta:
+    """The process group's timeout: DFLASH_COLLECTIVE_TIMEOUT_S, else 10 minutes."""
+    raw = (os.environ if env is None else env).get(COLLECTIVE_TIMEOUT_ENV, "")
+    try:
+        seconds = float(raw)
+    except ValueError:
+        seconds = 0.0
+    if not 0 < seconds < float("inf"):
+        return timedelta(minutes=10)
+    return timedelta(seconds=seconds)
+
+
+# The launch store this process hosts (torchrun's RANK 0 when its agent does not share its own):
+# kept for the life of the process, whose other ranks connect to it as clients.
+_HOSTED: list[TCPStore] = []
 
 
 class LaunchStoreError(UserError):
@@ -203,6 +227,18 @@ def launch_store(timeout: timedelta = STORE_TIMEOUT) -> TCPStore:
     except ValueError:
         raise LaunchStoreError(f"torchrun's store at {where}: the port is not a number") from None
     try:
+        if _hosts_launch_store() and not _HOSTED:
+            _HOSTED.append(
+                TCPStore(
+                    addr,
+                    number,
+                    is_master=True,
+                    timeout=timeout,
+                    multi_tenant=True,
+                    wait_for_workers=False,
+                )
+            )
+            return _HOSTED[0]
         return TCPStore(addr, number, is_master=False, timeout=timeout)
     except (RuntimeError, ValueError) as exc:  # DistNetworkError / DistStoreError: RuntimeErrors
         reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
@@ -213,9 +249,18 @@ def launch_store(timeout: timedelta = STORE_TIMEOUT) -> TCPStore:
         ) from None
 
 
+def _hosts_launch_store() -> bool:
+    """Whether this process serves the launch store at MASTER_ADDR:MASTER_PORT: torchrun's
+    RANK 0 when its agent does not share its own store with the workers (under c10d with
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 a worker hosts it, as env:// would)."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        return False
+    return os.environ.get("RANK") == "0"
+
+
 def _init_shared(topology: TopologyConfig) -> World | TargetRank:
     layout = layout_from_env(topology)
-    process = int(os.environ.get("RANK", "0"))
+    process = launch_rank()
     node, local = divmod(process, layout.n + layout.m)
     if local >= layout.n:
         j = local - layout.n

@@ -24,6 +24,7 @@ from trainer.config import ConfigError, TrainConfig, resume_critical_changes
 from trainer.pipeline import assets, checkpoint, checkpoint_sync, distributed
 from trainer.pipeline.build import Parts, RunOptions
 from trainer.pipeline.checkpointer import Checkpointer
+from trainer.pipeline.launch_env import mark_launch
 from trainer.pipeline.status import Reporter
 
 
@@ -176,6 +177,7 @@ def resume(opts: RunOptions, p: Parts, ckpt: Checkpointer, reporter: Reporter) -
             choice = choose(opts, world, reporter)
             if choice is not None:
                 seq = check_compatible(opts.config, p, choice.path, choice.state)
+            mark_launch(opts.run_dir)  # a restart within this launch resumes `auto` from now on
         except (assets.UserError, checkpoint.CheckpointError) as exc:
             refusal, choice = exc, None
     header = {

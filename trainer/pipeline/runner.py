@@ -158,7 +158,7 @@ def run(opts: RunOptions) -> int:
         return ExitCode.USAGE
     if isinstance(world, distributed.TargetRank):  # M:N: this process captures, not trains
         return topology.serve(cfg, world)
-    reporter = Reporter(opts.run_dir, enabled=world.is_main)
+    reporter = Reporter(opts.run_dir, enabled=world.is_main, rank=world.process)
     # every node's first local rank keeps its node's run-state (node 0's is the run's)
     node = NodeInfo.from_env()
     record = RunRecord(RunStateFile(opts.run_dir), reporter, world.local_rank == 0, node)
@@ -202,9 +202,13 @@ def run(opts: RunOptions) -> int:
         )
     r.signals.install()
     status = ExitCode.FAILED
+    escaped: Exception | None = None  # raised outside the stages (setup's collectives)
     try:
         status = _run(r)
         return status
+    except Exception as exc:
+        escaped = exc
+        raise
     finally:
         received = r.signals.received
         if r.signals.stopped and status == ExitCode.OK:
@@ -217,14 +221,21 @@ def run(opts: RunOptions) -> int:
             state = "stopped"  # a signalled stop that could not keep every step (see detail)
         else:
             state = "crashed"
-        failure = r.sup.failure[1] if r.sup.failure else None
+        failure = r.sup.failure[1] if r.sup.failure else escaped
+        if node is None:
+            failed_rank = None
+        elif failure is not None:
+            failed_rank = checkpoint_sync.first_failed_rank(failure, world)
+        elif state == "refused":  # its own refusal: the others' collectives fail after it
+            failed_rank = checkpoint_sync.publish_failure(world.process)
+        else:
+            failed_rank = None
         r.record(
             state=state,
             exit_status=int(status),
             step=r.board.step,
-            failed_rank=checkpoint_sync.first_failed_rank(failure, world)
-            if failure and node
-            else None,
+            failed_rank=failed_rank,
+            peer_failure=checkpoint_sync.peer_failure(failure) if failure is not None else None,
             stop_signal=received[0].name if received else None,
             signals=len(received),
             stop_detail=r.unsaved or r.stop_detail(),

@@ -36,6 +36,7 @@ from trainer.events import (
 )
 from trainer.events.run_state import RUN_STATE_FILE, RunState
 from trainer.pipeline.channels import WaitClock
+from trainer.pipeline.launch_env import launch_rank, node_rank
 
 WARNING_PREFIX = "WARNING: "  # a raw line to every reader: never the run's last error
 
@@ -43,8 +44,11 @@ WARNING_PREFIX = "WARNING: "  # a raw line to every reader: never the run's last
 class Reporter:
     """Line sink: stdout + status.log + console.log; silent on non-zero ranks."""
 
-    def __init__(self, run_dir: Path, enabled: bool, stream: TextIO | None = None) -> None:
+    def __init__(
+        self, run_dir: Path, enabled: bool, stream: TextIO | None = None, rank: int | None = None
+    ) -> None:
         self.enabled = enabled
+        self.rank = rank  # named in a silent rank's ERROR line (its pane holds several ranks')
         self.stream = stream or sys.stdout
         self._lock = threading.Lock()
         self._status = open(run_dir / "status.log", "a", buffering=1) if enabled else None  # noqa: SIM115
@@ -89,9 +93,16 @@ class Reporter:
         self.line(WARNING_PREFIX + " ".join(message.split()))
 
     def error(self, message: str, tb: str | None = None) -> None:
-        """Traceback to stderr and console.log, then one ERROR line everywhere."""
+        """Traceback to stderr and console.log, then one ERROR line everywhere. A rank without
+        the run's files (not global rank 0) still prints its ERROR line and keeps it as
+        `last_error`, which its node's run-state records: a node that refused says why."""
         if not self.enabled:
-            print(tb or message, file=sys.stderr, flush=True)
+            if tb:
+                print(tb, file=sys.stderr, end="" if tb.endswith("\n") else "\n", flush=True)
+            if self.rank is not None:
+                message = f"rank {self.rank}: {message}"
+            self.last_error = message
+            print(format_error_line(message), file=self.stream, flush=True)
             return
         if tb:
             with self._lock:
@@ -364,7 +375,7 @@ class RunStateFile:
 
 # Node-level keys: written only on a multi-node run (a single-node run-state is unchanged).
 NODE_ONLY = frozenset(
-    {"node_rank", "nnodes", "rank_range", "step", "failed_rank", "checkpoint_node"}
+    {"node_rank", "nnodes", "rank_range", "step", "failed_rank", "peer_failure", "checkpoint_node"}
 )
 # What only the node that writes checkpoints can say (its run dir's paths, its newest step):
 # always None in another node's run-state, whatever its own run dir holds.
@@ -377,11 +388,12 @@ WRITER_ONLY = frozenset(
 class NodeInfo:
     """Where this process sits in a multi-node torchrun launch (one torchrun agent per node).
 
-    torchrun (2.13, `LocalElasticAgent`) exports GROUP_RANK = the agent's rank = the node's
-    index (`--node-rank` under the static rendezvous) and GROUP_WORLD_SIZE = the number of
-    agents (`--nnodes`); a node's ranks are the contiguous global ranks RANK - LOCAL_RANK ..
-    + LOCAL_WORLD_SIZE. ROLE_RANK is a worker's rank within its role (the global rank here).
-    Global rank 0, the one process that writes checkpoints, is on node 0 (GROUP_RANK 0)."""
+    torchrun (2.13, `LocalElasticAgent`) exports GROUP_RANK = the agent's rank and
+    GROUP_WORLD_SIZE = the number of agents (`--nnodes`). On a dflashctl group node the node's
+    index is DFLASH_NODE_RANK, the inventory's order (c10d's GROUP_RANK is its sorting of
+    addresses and pids, `distributed.launch_rank`); else GROUP_RANK (`--node-rank` under the
+    static rendezvous). A node's ranks are the contiguous global ranks from node rank x
+    LOCAL_WORLD_SIZE. Global rank 0, the one process that writes checkpoints, is on node 0."""
 
     node_rank: int
     nnodes: int
@@ -399,9 +411,10 @@ class NodeInfo:
         nnodes = int(env.get("GROUP_WORLD_SIZE", "1"))
         if nnodes <= 1:
             return None
-        first = int(env["RANK"]) - int(env.get("LOCAL_RANK", "0"))
+        first = launch_rank(env) - int(env.get("LOCAL_RANK", "0"))
         size = int(env.get("LOCAL_WORLD_SIZE", "1"))
-        return cls(int(env["GROUP_RANK"]), nnodes, (first, first + size))
+        node = node_rank(env)
+        return cls(int(env["GROUP_RANK"]) if node is None else node, nnodes, (first, first + size))
 
     def fields(self) -> dict[str, object]:
         return {

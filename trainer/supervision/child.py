@@ -26,9 +26,43 @@ def _set_parent_death_signal() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGTERM), 0, 0, 0)  # PR_SET_PDEATHSIG
 
 
-def spawn(argv: list[str]) -> Child:
-    """Start the trainer in its own session; OSError when it cannot be started."""
-    return subprocess.Popen(argv, start_new_session=True, preexec_fn=_set_parent_death_signal)
+def spawn(
+    argv: list[str], *, pipe_stderr: bool = False, env: dict[str, str] | None = None
+) -> Child:
+    """Start the trainer in its own session; OSError when it cannot be started.
+    `pipe_stderr`: its stderr is a pipe (a group node's torchrun, read by `agent.AgentTee`)."""
+    return subprocess.Popen(
+        argv,
+        start_new_session=True,
+        preexec_fn=_set_parent_death_signal,
+        stderr=subprocess.PIPE if pipe_stderr else None,
+        env=env,
+    )
+
+
+def become_subreaper() -> None:
+    """Orphans of our descendants become our children (PR_SET_CHILD_SUBREAPER): a torchrun
+    agent killed outright leaves its workers (each in a session of its own) to us, and the
+    supervisor ends them before it starts another agent."""
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER
+
+
+def end_orphans() -> list[int]:
+    """SIGKILL and reap every child of ours (see `become_subreaper`): the workers of an agent
+    that died. Not a graceful stop: a worker whose agent is gone must not go on training with
+    the other nodes (nor stop them through the step's reduce); it fails, so their collectives
+    fail and their agents restart the group, which this node rejoins with a new agent."""
+    from trainer.supervision.procinfo import children
+
+    pids = children(os.getpid())
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    for pid in pids:
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(pid, 0)
+    return pids
 
 
 def wait_exit(child: Child, seconds: float) -> bool:

@@ -65,6 +65,12 @@ def parser(description: str) -> argparse.ArgumentParser:
     p.add_argument("--kill-grace-s", type=_positive, default=d.kill_grace_s)
     p.add_argument("--run-dir", type=Path, help="default: the trainer argv's --run-dir")
     p.add_argument(
+        "--group-node",
+        type=_count,
+        help="a group node's index (dflashctl's inventory order): the argv is its torchrun "
+        "(c10d rendezvous), whose worker-group restarts the group's policy counts",
+    )
+    p.add_argument(
         "--disk-check-s",
         type=_positive,
         default=DISK_CHECK_S,

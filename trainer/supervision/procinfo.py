@@ -113,3 +113,26 @@ def rss_kib(pid: int) -> tuple[int, int] | None:
         return int(f["VmRSS"].split()[0]), int(f["VmHWM"].split()[0])
     except (KeyError, ValueError, IndexError):
         return None
+
+
+def children(pid: int) -> list[int]:
+    """The live child processes of `pid` (a group node's torchrun: its workers), from /proc."""
+    found = []
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return []
+    for name in entries:
+        if not name.isdigit():
+            continue
+        stat = _read(Path(f"/proc/{name}/stat")) or ""
+        rest = stat.rpartition(")")[2].split()
+        if len(rest) > 1 and rest[1] == str(pid) and rest[0] != "Z":
+            found.append(int(name))
+    return sorted(found)
+
+
+def gone(pid: int) -> bool:
+    """The process exited (no entry, or a zombie its parent has not reaped yet)."""
+    stat = _read(Path(f"/proc/{pid}/stat"))
+    return stat is None or stat.rpartition(")")[2].split()[:1] == ["Z"]

@@ -53,8 +53,14 @@ def group_header(name: str, nodes: Sequence[RunState], now: float) -> Text:
         out.append("  ")
         out.append(f"{key} ", style="dim")
         out.append(value, style="bold")
-    if fig.view.failed is not None:
-        out.append(f"  {fig.view.summary()}", style="red")
+    view = fig.view
+    if view.state in ("gave-up", "failed") or view.failed is not None:
+        out.append(f"\n {view.summary()}", style="red")
+    elif view.state in ("restarting", "rendezvous") or view.history:
+        out.append(f"\n {view.summary()}", style="yellow")
+    for a in view.history[-3:]:  # the last attempts that failed, newest last
+        after = "resumed" if a.resumed else "restarting" if a.restarted else "not restarted"
+        out.append(f"\n   {a.line()} -> {after}", style="dim")
     return out
 
 

@@ -47,6 +47,7 @@ STATE_STYLES = {
     "degraded": "bold yellow",
     "partial": "yellow",
     "measuring": "bold magenta",
+    "rendezvous": "bold yellow",
 }
 
 
