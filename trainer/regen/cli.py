@@ -27,8 +27,8 @@ from trainer.regen.replies import MODE_KWARGS
 
 # Request fields regeneration sets itself: --sampling may not name them.
 RESERVED = frozenset(
-    ("model", "messages", "tools", "max_tokens", "temperature", "stream", "n")
-    + ("chat_template_kwargs", "return_token_ids")
+    {"model", "messages", "tools", "max_tokens", "temperature", "stream", "n"}
+    | {"chat_template_kwargs", "return_token_ids"}
 )
 
 

@@ -35,6 +35,13 @@ class Failure(Exception):
 
 
 def _first_line(text: str, limit: int = 200) -> str:
+    """An error body's message (OpenAI's `{"error": {"message": ...}}`), else its first line."""
+    try:
+        message = json.loads(text)["error"]["message"]
+    except (ValueError, KeyError, TypeError):
+        message = None
+    if isinstance(message, str) and message.strip():
+        text = message
     lines = [ln.strip() for ln in text.strip().splitlines() if ln.strip()]
     return lines[0][:limit] if lines else "(empty body)"
 
@@ -86,8 +93,14 @@ async def chat(http: httpx.AsyncClient, url: str, body: dict[str, Any]) -> Reply
         raise Failure("retry", f"{endpoint}: {err}") from None
 
 
-async def models(http: httpx.AsyncClient, url: str) -> list[str]:
-    """The model names URL/v1/models lists (a health probe too); Failure when it does not answer."""
+def _context(model: dict[str, Any]) -> int | None:
+    value = model.get("max_model_len")
+    return value if type(value) is int and value > 0 else None
+
+
+async def models(http: httpx.AsyncClient, url: str) -> dict[str, int | None]:
+    """The models URL/v1/models lists, with their context length where the server says it
+    (vLLM's `max_model_len`); a health probe too: Failure when it does not answer."""
     try:
         response = await http.get(f"{url}/v1/models", timeout=httpx.Timeout(10.0))
     except httpx.TransportError as err:
@@ -99,6 +112,6 @@ async def models(http: httpx.AsyncClient, url: str) -> list[str]:
         )
     try:
         data = response.json()
-        return [str(m["id"]) for m in data["data"]]
+        return {str(m["id"]): _context(m) for m in data["data"]}
     except (ValueError, KeyError, TypeError):
         raise Failure("retry", f"{url}/v1/models: no model list in the answer") from None

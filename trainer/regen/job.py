@@ -89,24 +89,33 @@ class Console:
             self.log.close()
 
 
-async def pick_model(http: Any, servers: list[str], wanted: str) -> tuple[str, list[str]]:
-    """The model to ask for, and the servers that did not answer (they start down)."""
+async def pick_model(
+    http: Any, servers: list[str], wanted: str, max_tokens: int
+) -> tuple[str, list[str]]:
+    """The model to ask for, and the servers that did not answer (they start down). A model a
+    server does not serve, or a --max-tokens past a server's context, is refused here."""
     answers = await asyncio.gather(*(models(http, url) for url in servers), return_exceptions=True)
     silent = [url for url, a in zip(servers, answers, strict=True) if isinstance(a, Failure)]
-    for url, listed in zip(servers, answers, strict=True):
-        if isinstance(listed, BaseException) and not isinstance(listed, Failure):
-            raise listed
-        if isinstance(listed, list) and wanted and listed and wanted not in listed:
-            raise JobError(f"--model {wanted!r}: {url} serves {', '.join(listed)}")
-    if wanted:
-        return wanted, silent
-    first = next((a for a in answers if isinstance(a, list) and a), None)
-    if first is None:
+    listed = {url: a for url, a in zip(servers, answers, strict=True) if isinstance(a, dict)}
+    for answer in answers:
+        if isinstance(answer, BaseException) and not isinstance(answer, Failure):
+            raise answer
+    model = wanted or next((next(iter(a)) for a in listed.values() if a), "")
+    if not model:
         raise JobError(
-            f"no server answered {'/v1/models, '.join(servers)}/v1/models: start them, or name "
-            "the model with --model to wait for them"
+            f"no server answered /v1/models ({', '.join(servers)}): start them, or name the "
+            "model with --model to wait for them"
         )
-    return first[0], silent
+    for url, served in listed.items():
+        if served and model not in served:
+            raise JobError(f"--model {model!r}: {url} serves {', '.join(served)}")
+        context = served.get(model)
+        if context is not None and max_tokens >= context:
+            raise JobError(
+                f"--max-tokens {max_tokens}: {url} serves {model!r} with a context of {context} "
+                "tokens (its --max-model-len); ask for fewer"
+            )
+    return model, silent
 
 
 class Job:
@@ -279,7 +288,9 @@ async def run_job(cfg: JobConfig, console: Console) -> int:
         loop.add_signal_handler(signum, job.on_signal, signum)
     watcher: asyncio.Task[None] | None = None
     try:
-        model, silent = await pick_model(job.http, cfg.servers, cfg.manifest.model)
+        model, silent = await pick_model(
+            job.http, cfg.servers, cfg.manifest.model, cfg.manifest.max_tokens
+        )
         manifest = cfg.manifest.model_copy(update={"model": model})
         job.cfg = cfg = replace(cfg, manifest=manifest)
         job.requester.body = {**cfg.body, "model": model}

@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from trainer.config.policy import RESTART_CHOICES, Policy
+from trainer.config.policy import CHILDREN, RESTART_CHOICES, Policy
 
 DISK_CHECK_S = 30.0
 
@@ -64,6 +64,13 @@ def parser(description: str) -> argparse.ArgumentParser:
     p.add_argument("--backoff-max-s", type=_positive, default=d.backoff_max_s)
     p.add_argument("--kill-grace-s", type=_positive, default=d.kill_grace_s)
     p.add_argument("--run-dir", type=Path, help="default: the trainer argv's --run-dir")
+    p.add_argument(
+        "--child",
+        choices=CHILDREN,
+        default="trainer",
+        help="what the argv after -- runs: the trainer (restarts resume from its checkpoint), "
+        "or a regeneration job (restarts add --resume; its Regen status lines are progress)",
+    )
     p.add_argument(
         "--disk-check-s",
         type=_positive,
