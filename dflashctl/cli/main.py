@@ -1,6 +1,7 @@
 """`dflashctl` command line: parse arguments, call the services, print, exit with a clear code.
 
-One module per family of commands (`hosts`, `lifecycle`, `status`, `watch`, `measure`), each
+One module per family of commands (`hosts`, `lifecycle`, `status`, `watch`, `measure`,
+`regen`), each
 registering its subcommands; `common` is what they share. `tui` and `demo` own their flags and
 are handed everything but the subcommand word.
 
@@ -17,7 +18,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from dflashctl.cli import doctor, hosts, lifecycle, measure, setup, status, watch
+from dflashctl.cli import doctor, hosts, lifecycle, measure, regen, setup, status, watch
 from dflashctl.errors import run_main
 
 
@@ -33,7 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="inventory file (default ./hosts.toml, then ~/.config/dflashctl/hosts.toml)",
     )
     sub = p.add_subparsers(dest="command")
-    for family in (hosts, lifecycle, status, watch, measure, doctor, setup):
+    for family in (hosts, lifecycle, status, watch, measure, regen, doctor, setup):
         family.register(sub)
     sub.add_parser("tui", help="the live fleet TUI (default)").set_defaults(func=None)
     sub.add_parser("demo", help="the TUI against a local demo run").set_defaults(func=None)

@@ -10,6 +10,7 @@ import time
 from collections.abc import Mapping
 
 from dflashctl.humanize import format_age
+from dflashctl.runs.regen_view import regen_line
 from dflashctl.runs.snapshot import (
     RunningMeasure,
     RunStatus,
@@ -48,6 +49,8 @@ def format_run_status(st: RunStatus) -> str:
         lines.append(f"  note: {st.switch_note}")
     if st.measure is not None:
         lines.append(measure_line(st.host, st.measure))
+    if st.regen is not None:
+        lines.append(regen_line(st.host, st.regen))
     detail, ck_error = st.run_state.stop_detail, st.run_state.checkpoint_error
     if st.state != "running" and isinstance(detail, str) and detail:
         lines.append(f"  stop: {detail}")

@@ -32,6 +32,7 @@ from dflashctl.alerts.gpu_events import GpuEventKind, gpu_events
 from dflashctl.gpus.nvidia_smi import GpuHealth, GpuSample
 from dflashctl.gpus.xid_log import Xid, xid_wall_time
 from dflashctl.humanize import format_age
+from dflashctl.runs.regen_view import RegenJob
 from dflashctl.runs.snapshot import RunningMeasure, restart_reason, restart_time, run_finished
 from trainer.events import (
     BUCKET_LOSS_KEY,
@@ -142,6 +143,9 @@ class RunState:
     measure: RunningMeasure | None = None
     """The `dflashctl measure` running on the host (status `measure`): set while a poll reports
     it, gone with the first reachable poll that does not; kept through unreachable polls."""
+    regen: RegenJob | None = None
+    """The host's newest `dflashctl regen` job (status `regen`), any state; kept through
+    unreachable polls."""
 
 
 def _push(hist: tuple[T, ...], value: T, limit: int = HISTORY) -> tuple[T, ...]:
@@ -233,6 +237,8 @@ class StatusView(Protocol):
     def pane_tail(self) -> Sequence[str]: ...
     @property
     def measure(self) -> RunningMeasure | None: ...
+    @property
+    def regen(self) -> RegenJob | None: ...
 
 
 def as_run_state(raw: contract.RunState | Mapping[str, object] | None) -> contract.RunState:
@@ -256,10 +262,10 @@ def apply_status(state: RunState, status: StatusView) -> RunState:
     run = status.state
     restarts: tuple[dict[str, Any], ...]
     pane_tail = tuple(status.pane_tail or ())
-    measure = status.measure
+    measure, regen = status.measure, status.regen
     if run == "unreachable":  # what we knew stays shown: the link is down, not the run
         restarts, supervisor, pane_tail = state.restarts, state.supervisor, state.pane_tail
-        measure = state.measure
+        measure, regen = state.measure, state.regen
     else:
         restarts = tuple(dict(r) for r in status.restarts or () if isinstance(r, Mapping))
         sup = status.supervisor
@@ -277,6 +283,7 @@ def apply_status(state: RunState, status: StatusView) -> RunState:
         supervisor=supervisor,
         pane_tail=pane_tail,
         measure=measure,
+        regen=regen,
     )
 
 
@@ -395,12 +402,19 @@ def display_state(state: RunState, now: float, stale_after: float = STALE_AFTER_
     A run that says "running" but has sent nothing for `stale_after` seconds is "stale"; a host we
     cannot reach is "unreachable" whatever its last known run state was. A host running a
     `dflashctl measure` (and no training run: they refuse each other) is "measuring", whatever
-    the last run's end was: its devices are busy.
+    the last run's end was: its devices are busy; one running a `dflashctl regen` job and no
+    training run is "regenerating".
     """
     if state.run == "unreachable":
         return "unreachable"
     if state.measure is not None and state.run not in {"running", "restarting", "stalled"}:
         return "measuring"
+    if (
+        state.regen is not None
+        and state.regen.live
+        and state.run not in {"running", "restarting", "stalled"}
+    ):
+        return "regenerating"
     if state.run == "gave-up":
         return "gave-up"
     if state.run == "crashed":

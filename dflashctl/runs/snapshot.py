@@ -21,6 +21,7 @@ from dflashctl.remote.layout import RUN_STATE as RUN_STATE_FILE
 from dflashctl.remote.layout import SUPERVISOR_STATE as SUPERVISOR_STATE_FILE
 from dflashctl.remote.run import MARK
 from dflashctl.remote.tmux import PaneState, parse_pane_state
+from dflashctl.runs.regen_view import RegenJob, parse_regen_job
 from dflashctl.runs.stale import (
     checkpoint_failure,
     newest_status,
@@ -106,6 +107,7 @@ class RunStatus:
     supervisor_error: str | None = None  # supervisor.json exists but cannot be read
     release_has_supervisor: bool = False  # `current` ships trainer/supervise.py
     measure: RunningMeasure | None = None  # a `dflashctl measure` running there now
+    regen: RegenJob | None = None  # the newest `dflashctl regen` job there (any state)
     # the newest checkpoint the trainer could not write (none written since), and why
     checkpoint_failed: CheckpointFailed | None = None
     # a run file that could not be written (a full disk) and where the truth was read instead
@@ -130,6 +132,7 @@ class RunStatus:
         d["run_state"] = self.run_state.model_dump(mode="json", exclude_unset=True)
         d["step"] = self.step
         d["finished"] = self.finished
+        d["regen"] = self.regen.to_json_dict() if self.regen else None
         d["eval"] = eval_view(self.run_state)
         d["best"] = best_view(self.run_state)
         return d
@@ -474,6 +477,7 @@ def parse_status(
         supervisor_error=sup_error,
         release_has_supervisor=s.get("supervisable", "").strip() == "yes",
         measure=parse_running_measure(s, session),
+        regen=parse_regen_job(raw, prefix="regen_"),
         checkpoint_failed=checkpoint_failure(run_state, [*this_run, *pane_events], last_ckpt),
         stale_note=stale_note(stale) if sup is not None and stale is not None else None,
     )

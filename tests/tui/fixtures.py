@@ -19,6 +19,7 @@ from dflashctl.monitor.plan import RunShape, lr_schedule
 from dflashctl.releases.deploy import DeployResult
 from dflashctl.releases.preflight import Preflight
 from dflashctl.runs.follow import FollowEvent, LogFollower
+from dflashctl.runs.regen_view import RegenJob
 from dflashctl.runs.service import RunService
 from dflashctl.runs.snapshot import RunningMeasure
 from trainer.events import (
@@ -163,6 +164,7 @@ class Status:
     restarts: list[dict[str, Any]] = field(default_factory=list)
     pane_tail: list[str] = field(default_factory=list)
     measure: RunningMeasure | None = None
+    regen: RegenJob | None = None
 
 
 @dataclass
