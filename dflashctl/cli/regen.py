@@ -48,6 +48,7 @@ async def cmd_regen(args: argparse.Namespace) -> int:
             serve=args.serve,
             serve_wait_s=args.serve_wait_s,
             flags=_flags(args),
+            resume=args.resume,
         )
         req.check()
     elif args.input or args.out:
@@ -142,6 +143,11 @@ def register(sub: Subparsers) -> None:
     )
     sp.add_argument("--sampling", metavar="JSON", help="more request fields")
     sp.add_argument("--limit", type=int, help="only the first N usable rows")
+    sp.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue the OUT an earlier job left (its rows and errors are skipped)",
+    )
     sp.add_argument(
         "--regen-arg",
         action="append",

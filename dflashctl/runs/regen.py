@@ -95,6 +95,7 @@ class RegenRequest:
     serve: str | None = None
     serve_wait_s: float = ENGINE_WAIT_S
     flags: tuple[str, ...] = ()  # trainer.regen's other flags (--model, --reasoning, ...)
+    resume: bool = False  # continue an OUT an earlier job left (trainer.regen --resume)
 
     def serve_argv(self) -> list[str] | None:
         if self.serve is None:
@@ -123,14 +124,15 @@ class RegenRequest:
             raise UsageError("regen: --out PATH is required")
         for flag in ("--input", "--out", "--server", "--run-dir", "--resume"):
             if flag in self.flags:
-                raise UsageError(f"regen: {flag} is set by dflashctl regen itself")
+                raise UsageError(f"regen: {flag} is dflashctl regen's own flag, not a --regen-arg")
         self.urls()
 
     def regen_argv(self, python: str, run_dir: str) -> list[str]:
         argv = [python, "-m", REGEN_MODULE, "--input", *self.inputs, "--out", self.out]
         for url in self.urls():
             argv += ["--server", url]
-        return [*argv, *self.flags, "--run-dir", run_dir]
+        argv += [*self.flags, "--run-dir", run_dir]
+        return [*argv, "--resume"] if self.resume else argv
 
     def info(self, release: str, session: str) -> dict[str, Any]:
         return {
@@ -139,6 +141,7 @@ class RegenRequest:
             "servers": self.urls(),
             "serve": self.serve,
             "flags": list(self.flags),
+            "resume": self.resume,
             "release": release,
             "session": session,
         }
