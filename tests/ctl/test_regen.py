@@ -77,7 +77,7 @@ def test_the_request_names_its_servers_and_refuses_what_it_sets_itself() -> None
         "--resume",
     ]  # fmt: skip
     for bad, said in (
-        (RegenRequest(inputs=("i",), out="o"), "--server URL (a running engine) or --serve CMD"),
+        (RegenRequest(inputs=("i",), out="o"), r"--server URL \(a running engine\) or --serve CMD"),
         (RegenRequest(inputs=("i",), out="o", servers=("u",), flags=("--resume",)), "--resume is"),
         (RegenRequest(inputs=("i",), out="o", serve="vllm serve '"), "--serve"),
         (RegenRequest(inputs=("i",), out="o", serve="v --port x"), "--port 'x' is not a port"),
