@@ -71,11 +71,12 @@ def regen_prepare_argv(workdir: str) -> list[str]:
 REGEN_RUN_SCRIPT = f"""cd "$1" || exit 1
 d=$2; s=$3; url=$4; py=$5; limit=$6; shift 6
 publish() {{ echo "$1" > "$d/.{REGEN_EXIT}.tmp" && mv -f "$d/.{REGEN_EXIT}.tmp" "$d/{REGEN_EXIT}"; }}
-engine() {{ tmux -L dflash display-message -p -t "=$s:={REGEN_ENGINE_WINDOW}" "$1" 2>/dev/null; }}
+engine() {{ tmux -L dflash list-panes -s -t "=$s" -F "#{{window_name}} $1" 2>/dev/null | sed -n 's/^{REGEN_ENGINE_WINDOW} //p' | head -n 1; }}
 stop_engine() {{
-  p=$(engine '#{{pane_dead}} #{{pane_pid}}') || return 0
+  p=$(engine '#{{pane_dead}} #{{pane_pid}}')
+  [ -n "$p" ] || return 0
   set -- $p
-  [ "$1" = 0 ] || return 0
+  [ "$1" = 0 ] && [ "$2" != "$$" ] || return 0
   echo "stopping the engine (pid $2)"
   kill -TERM -- "-$2" 2>/dev/null || kill -TERM "$2" 2>/dev/null
   i=0
@@ -169,9 +170,12 @@ REGEN_TICK_S = 1.0
 # ticks $5 a job id (default: the newest). Waits (up to $4 ticks) until the job's status.log
 # has line $3, its exit status, or a dead or missing job window; then one report of it.
 WINDOW_FN = (
-    f'window() {{ tmux -L dflash display-message -p -t "=$s:=$1" "{PANE_FORMAT}" 2>/dev/null; }}\n'
+    f'window() {{ tmux -L dflash list-panes -s -t "=$s" -F "#{{window_name}}|{PANE_FORMAT}" '
+    '2>/dev/null | sed -n "s/^$1|//p" | head -n 1; }\n'
 )
-"""`window NAME` prints the PANE_FORMAT line of the job session's ($s) window NAME."""
+"""`window NAME` prints the PANE_FORMAT line of the job session's ($s) window NAME, nothing
+when it has none (by name from list-panes: a display-message target naming a missing window
+answers for the current one)."""
 REGEN_STATUS_SCRIPT = (
     f'm="@@dflash@@:"; cd "$1" 2>/dev/null || {{ echo "${{m}}noworkdir"; exit 0; }}\n'
     f"new=$(ls -1 {REGEN_ROOT} 2>/dev/null | grep -E '{MEASURE_ID_PATTERN}' | tail -n 1)\n"
