@@ -4,9 +4,9 @@ Run: .venv/bin/python benchmarks/bench_regen.py [throughput|resume|all]
      [--prompts 64] [--concurrency 16] [--tokens 64] [--rounds 2] [--rows 100000]
 
 - throughput: one vLLM server (the CPU build in .venv-vllm, serving the tests' tiny random
-  Qwen3 target, fp32, eager), the same single-turn prompts and the same concurrency, driven in
-  turn by vLLM's own benchmark client (`vllm bench serve`'s module: `--backend openai-chat
-  --dataset-name custom --ignore-eos`) and by trainer.regen (`--sampling '{"ignore_eos": true}'`,
+  Qwen3 target, fp32, eager), the same single-turn prompts (one ShareGPT JSON array both read)
+  and the same concurrency, driven in turn by vLLM's own benchmark client (`vllm bench serve`'s
+  module: `--backend openai-chat --dataset-name sharegpt --ignore-eos`) and by trainer.regen (`--sampling '{"ignore_eos": true}'`,
   so both generate exactly `--tokens` per prompt), rounds interleaved. The figure is the job's
   generated tokens/s over the benchmark client's; the goal is >= 0.95. Also the job's own CPU
   seconds (its process's rusage: the client's cost, whatever the engine's speed) per 1,000 rows.
@@ -38,9 +38,24 @@ from tests.serving.engine import ENGINE_ARGS, ENGINE_ENV, SERVED_TARGET, serve_c
 from trainer.data.served import RegenManifest  # noqa: E402
 from trainer.serving.launch import free_port, served_engine  # noqa: E402
 
-WORDS = (
-    ["the", "quick", "brown", "fox", "jumps", "over", "a", "lazy", "dog", "while", "seven", "wizards", "quietly", "hex", "jolly", "boxing"]
-)
+WORDS = [
+    "the",
+    "quick",
+    "brown",
+    "fox",
+    "jumps",
+    "over",
+    "a",
+    "lazy",
+    "dog",
+    "while",
+    "seven",
+    "wizards",
+    "quietly",
+    "hex",
+    "jolly",
+    "boxing",
+]
 BENCH_MODULE = (
     "import sys\n"
     "from vllm.benchmarks.serve import add_cli_args, main\n"
@@ -50,22 +65,23 @@ BENCH_MODULE = (
 
 
 def prompts(path: Path, n: int, seed: int = 0) -> Path:
+    """`n` one-turn ShareGPT rows (one JSON array): what `vllm bench serve --dataset-name
+    sharegpt` reads (its first turn is the prompt) and what trainer.regen reads as it is."""
     rng = random.Random(seed)
-    with path.open("w") as fh:
-        for k in range(n):
-            text = f"{k}: " + " ".join(rng.choice(WORDS) for _ in range(40))
-            fh.write(json.dumps({"prompt": text}) + "\n")
+    rows = [
+        {
+            "conversations": [
+                {
+                    "from": "human",
+                    "value": f"{k}: " + " ".join(rng.choice(WORDS) for _ in range(40)),
+                },
+                {"from": "gpt", "value": "x"},
+            ]
+        }
+        for k in range(n)
+    ]
+    path.write_text(json.dumps(rows))
     return path
-
-
-def chats(prompts_file: Path, out: Path) -> Path:
-    """The same prompts as chat rows for trainer.regen (one user turn, an answer to replace)."""
-    with prompts_file.open() as src, out.open("w") as dst:
-        for line in src:
-            text = json.loads(line)["prompt"]
-            messages = [{"role": "user", "content": text}, {"role": "assistant", "content": "x"}]
-            dst.write(json.dumps({"messages": messages}) + "\n")
-    return out
 
 
 def target(work: Path) -> Path:
@@ -85,10 +101,10 @@ def run_bench_serve(
 ) -> float:
     argv = [str(python), "-c", BENCH_MODULE, "--backend", "openai-chat", "--base-url", url]
     argv += ["--endpoint", "/v1/chat/completions", "--model", model, "--tokenizer", model]
-    argv += ["--dataset-name", "custom", "--dataset-path", str(data), "--skip-chat-template"]
-    argv += ["--custom-output-len", str(a.tokens), "--ignore-eos", "--temperature", "0"]
+    argv += ["--dataset-name", "sharegpt", "--dataset-path", str(data)]
+    argv += ["--sharegpt-output-len", str(a.tokens), "--ignore-eos", "--temperature", "0"]
     argv += ["--num-prompts", str(a.prompts), "--max-concurrency", str(a.concurrency)]
-    argv += ["--disable-shuffle", "--save-result", "--result-dir", str(out.parent)]
+    argv += ["--disable-shuffle", "--no-stream", "--save-result", "--result-dir", str(out.parent)]
     argv += ["--result-filename", out.name]
     done = subprocess.run(argv, capture_output=True, text=True, env={**os.environ, **ENGINE_ENV})
     if done.returncode != 0:
@@ -104,6 +120,7 @@ def run_regen(url: str, data: Path, a: argparse.Namespace, out: Path) -> tuple[f
     argv = [sys.executable, "-m", "trainer.regen", "--input", str(data), "--server", url]
     argv += ["--out", str(out), "--concurrency", str(a.concurrency), "--max-tokens", str(a.tokens)]
     argv += ["--sampling", '{"ignore_eos": true}', "--status-interval-s", "3600"]
+    argv += ["--limit", str(a.prompts)]  # 1: the job's fixed cost (imports, setup, one row)
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen(
         argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
@@ -134,8 +151,7 @@ def throughput(a: argparse.Namespace) -> dict[str, Any]:
     work = Path(tempfile.mkdtemp(prefix="bench-regen-"))
     try:
         model = target(work)
-        data = prompts(work / "prompts.jsonl", a.prompts)
-        rows = chats(data, work / "chats.jsonl")
+        data = prompts(work / "prompts.json", a.prompts)
         port = free_port()
         argv = [
             *serve_cmd(python),
@@ -155,23 +171,35 @@ def throughput(a: argparse.Namespace) -> dict[str, Any]:
             # warm both paths once (the first requests pay the engine's first-step setup)
             run_bench_serve(python, engine.url, str(model), data, a, work / "warm.json")
             _child_cpu()
-            for r in range(a.rounds):
-                bench.append(
-                    run_bench_serve(python, engine.url, str(model), data, a, work / f"b{r}.json")
-                )
-                _child_cpu()  # bench serve's CPU is not the job's
-                tok_s, spent, written = run_regen(engine.url, rows, a, work / f"regen{r}.jsonl")
-                assert written == a.prompts, written
-                regen.append(tok_s)
-                cpu.append(spent / written * 1000)
+            for r in range(a.rounds):  # the order alternates: a warm cache favours neither
+                sides = ["bench", "regen"] if r % 2 == 0 else ["regen", "bench"]
+                for side in sides:
+                    if side == "bench":
+                        b = run_bench_serve(
+                            python, engine.url, str(model), data, a, work / f"b{r}.json"
+                        )
+                        bench.append(b)
+                        _child_cpu()  # bench serve's CPU is not the job's
+                    else:
+                        tok_s, spent, written = run_regen(
+                            engine.url, data, a, work / f"regen{r}.jsonl"
+                        )
+                        assert written == a.prompts, written
+                        regen.append(tok_s)
+                        cpu.append(spent)
                 print(f"round {r + 1}: vllm bench serve {bench[-1]:.1f} tok/s, trainer.regen "
-                      f"{tok_s:.1f} tok/s ({tok_s / bench[-1]:.3f}), job CPU {cpu[-1]:.2f} s / 1k rows",
+                      f"{regen[-1]:.1f} tok/s ({regen[-1] / bench[-1]:.3f}), job CPU {cpu[-1]:.2f} s",
                       flush=True)  # fmt: skip
+            one = argparse.Namespace(**{**vars(a), "prompts": 1})
+            _, start_cpu, _ = run_regen(engine.url, data, one, work / "one.jsonl")
+        per_1k = [(c - start_cpu) / a.prompts * 1000 for c in cpu]
         out = {
             "prompts": a.prompts, "concurrency": a.concurrency, "tokens": a.tokens, "rounds": a.rounds,
             "bench_serve_tok_s": bench, "regen_tok_s": regen,
+            "ratios": [r / b for r, b in zip(regen, bench, strict=True)],
             "ratio_median": statistics.median(r / b for r, b in zip(regen, bench, strict=True)),
-            "job_cpu_s_per_1k_rows": statistics.median(cpu),
+            "job_cpu_s": cpu, "job_cpu_s_one_row": start_cpu,
+            "job_cpu_s_per_1k_rows": statistics.median(per_1k),
         }  # fmt: skip
         print(json.dumps(out, indent=1))
         return out

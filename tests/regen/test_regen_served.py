@@ -210,3 +210,31 @@ def test_a_reply_that_still_thinks_with_thinking_off_goes_to_the_errors_file(
     assert len(errors) == 3
     assert {e["reason"] for e in errors} == {"think_guard"}
     assert all("'<think>'" in e["detail"] and "--reasoning disable" in e["detail"] for e in errors)
+
+
+def test_a_reply_cut_at_max_tokens_is_kept_marked_or_dropped_and_limit_takes_the_first_rows(
+    regen_server: RunningEngine, tmp_path: Path
+) -> None:
+    source = write_mixed(tmp_path / "mixed.jsonl")
+    kept = tmp_path / "kept.jsonl"
+    done = run_regen([source], regen_server.url, kept, "--max-tokens", "3", "--limit", "2")
+    assert done.returncode == 0, done.stdout + done.stderr
+    _, rows = rows_of(kept)
+    assert sorted(r["dflash_regen"]["source"].rsplit(":", 1)[1] for r in rows) == ["1", "2"]
+    for row in rows:  # the conversation ends at the cut reply, marked
+        meta = row["dflash_regen"]
+        assert meta["length_capped"] and meta["ended"] == "length"
+        assert [g["finish_reason"] for g in meta["generations"]] == ["length"]
+        assert len(meta["generations"][0]["token_ids"]) == 3
+        assert sum(m["role"] == "assistant" for m in row["messages"]) == 1
+    assert "length=2 " in done.stdout and "2 length-capped (kept, marked)" in done.stdout
+
+    dropped = tmp_path / "dropped.jsonl"
+    done = run_regen(
+        [source], regen_server.url, dropped, "--max-tokens", "3", "--on-length", "drop"
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert rows_of(dropped)[1] == []
+    errors = read_jsonl(tmp_path / "dropped.errors.jsonl")
+    assert len(errors) == 3 and {e["reason"] for e in errors} == {"length_capped"}
+    assert "3 length-capped (dropped)" in done.stdout
