@@ -188,6 +188,12 @@ from tests.serving.engine import (  # noqa: E402
     gate_run as gate_run,
 )
 from tests.serving.engine import (  # noqa: E402
+    regen_server as regen_server,
+)
+from tests.serving.engine import (  # noqa: E402
+    scripted_target_dir as scripted_target_dir,
+)
+from tests.serving.engine import (  # noqa: E402
     served_target_dir as served_target_dir,
 )
 from tests.serving.engine import (  # noqa: E402

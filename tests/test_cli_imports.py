@@ -52,6 +52,7 @@ def _probe(*argv: str) -> tuple[int, list[str], str]:
         "trainer.export",
         "trainer.buckets",
         "trainer.doctor",
+        "trainer.regen",
     ],
 )
 def test_help_loads_neither_torch_nor_transformers(module: str) -> None:
@@ -120,6 +121,44 @@ def test_data_import_input_errors_come_before_the_heavy_imports(tmp_path: Path) 
         code, heavy, err = _probe("trainer.data", *argv)
         assert (code, heavy) == (2, []), (argv, err)
         assert message in err and err.count("\n") == 0, err
+
+
+def test_regen_and_a_regenerated_imports_errors_come_before_the_heavy_imports(
+    tmp_path: Path,
+) -> None:
+    """trainer.regen's flags are checked before anything connects; an import whose
+    --template-kwargs contradict a regenerated file's mode is refused before the tokenizer."""
+    from trainer.data.served import RegenManifest
+
+    source = tmp_path / "c.jsonl"
+    source.write_text('{"messages": [{"role": "user", "content": "q"}]}\n')
+    base = ["--input", str(source), "--out", str(tmp_path / "o.jsonl")]
+    for argv, message in (
+        ([*base, "--server", "localhost:8000"], "--server 'localhost:8000': not an http(s)"),
+        ([*base, "--server", "http://h:1", "--concurrency", "0"], "--concurrency 0: must be >= 1"),
+        ([*base, "--server", "http://h:1", "--sampling", '{"model": "x"}'], "--sampling: model"),
+        (
+            [*base, "--server", "http://h:1", "--reasoning", "save", "--template-kwargs",
+             '{"enable_thinking": false}'],
+            "contradicts --reasoning save",
+        ),
+    ):  # fmt: skip
+        code, heavy, err = _probe("trainer.regen", *argv)
+        assert (code, heavy) == (2, []), (argv, err)
+        assert message in err and err.startswith("error: ") and err.count("\n") == 0, err
+    manifest = RegenManifest(
+        model="m", reasoning="save", chat_template_kwargs={"enable_thinking": True},
+        temperature=0.0, max_tokens=8,
+    )  # fmt: skip
+    regen = tmp_path / "regen.jsonl"
+    regen.write_text(manifest.line() + "\n")
+    tokenizer = tmp_path / "tok"
+    tokenizer.mkdir()
+    argv = ["import", "--input", str(regen), "--tokenizer", str(tokenizer), "--max-length", "64"]
+    argv += ["--out", str(tmp_path / "s"), "--template-kwargs", '{"enable_thinking": false}']
+    code, heavy, err = _probe("trainer.data", *argv)
+    assert (code, heavy) == (2, []), err
+    assert "'enable_thinking' is false but the rows were generated with true" in err
 
 
 def test_doctor_config_errors_come_before_the_heavy_imports(tmp_path: Path) -> None:

@@ -22,6 +22,10 @@ while the trainer runs (a `low_disk` phase line per filesystem and change, `low_
 one checkpoint where the checkpoints go: not restarted, since the restart would fail its first
 checkpoint the same way).
 
+`--child regen` runs a regeneration job instead (`python -m trainer.regen ... --run-dir RUN`): a
+restart adds `--resume` (the rows already written are skipped), and its `Regen:` status lines are
+its progress for the stall watchdog.
+
 Signals: the trainer runs in its own session, so a Ctrl-C in the tmux pane reaches it exactly
 once, forwarded by the supervisor (SIGINT, SIGTERM, SIGHUP). A signal during a backoff ends the
 supervisor without another attempt. State: RUN/supervisor.json (this process is its only
@@ -46,7 +50,15 @@ import time
 from pathlib import Path
 from typing import Any, TextIO
 
-from trainer.config.policy import Ending, Policy, decide, exit_code, restart_argv, run_dir_of
+from trainer.config.policy import (
+    Ending,
+    Policy,
+    decide,
+    exit_code,
+    regen_restart_argv,
+    restart_argv,
+    run_dir_of,
+)
 from trainer.errors import ExitCode
 from trainer.events import format_error_line, format_phase_line
 from trainer.supervision import child as children
@@ -81,8 +93,10 @@ class Supervisor:
         run_dir: Path,
         out: TextIO = sys.stdout,
         disk_check_s: float = DISK_CHECK_S,
+        child: str = "trainer",
     ) -> None:
         self.policy, self.argv, self.run_dir, self.out = policy, argv, run_dir, out
+        self.child_kind = child
         self.console = Console(run_dir, out)
         self.disk_check_s = disk_check_s
         self.disk = DiskWatch(run_dir, argv, self.console)
@@ -258,7 +272,10 @@ class Supervisor:
                 )
                 return status or ExitCode.FAILED
             number, wait, window = plan.number, plan.wait, self.policy.restart_window_s
-            argv = restart_argv(self.argv, self.wrote_checkpoint)
+            if self.child_kind == "regen":
+                argv = regen_restart_argv(self.argv)
+            else:
+                argv = restart_argv(self.argv, self.wrote_checkpoint)
             self.history.add(
                 now,
                 attempt=self.attempt + 1,
@@ -309,7 +326,9 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError as exc:
             parser.error(str(exc))
         return GroupSupervisor(policy, node, trainer, run_dir, disk_check_s=args.disk_check_s).run()
-    return Supervisor(policy, trainer, run_dir, disk_check_s=args.disk_check_s).run()
+    return Supervisor(
+        policy, trainer, run_dir, disk_check_s=args.disk_check_s, child=args.child
+    ).run()
 
 
 if __name__ == "__main__":

@@ -22,6 +22,9 @@ Rules (issue 12 item 4):
   the pane's error line when the disk is too full for run-state) is one CHECKPOINT_FAILED event
   per failed step, and one RECOVERED when a later checkpoint is written; like low disk it opens
   no condition (the trainer stops by itself after two unsaved intervals: a crash, exit 3).
+- A regeneration job (status --json `regen`, the host's newest) that ends is one REGEN_FINISHED
+  (exit 0) or REGEN_FAILED (gave up, failed, lost) event, once per job; one that was already
+  over when the watch first saw it is history. It is no condition of the run's.
 - A host seen for the first time reports only an alert it is already in (a crashed host at
   watch start is news, and so is a failing checkpoint), never its history.
 """
@@ -87,6 +90,8 @@ class EventKind(StrEnum):
     GPU_ERROR = "gpu-error"  # uncorrected ECC errors rose, an Xid
     GPU_THROTTLED = "gpu-throttled"  # a harmful clock-event reason became active
     GPU_CLEARED = "gpu-cleared"  # ... and stopped
+    REGEN_FINISHED = "regen-finished"  # a regeneration job ended with every row done
+    REGEN_FAILED = "regen-failed"  # ... gave up, failed or was lost
 
 
 _EVENT_OF: dict[Condition, EventKind] = {
@@ -124,6 +129,7 @@ class HostSnapshot:
     low_disk: str | None = None  # "0.5 MiB free, checkpoint needs 1.0" while the disk is low
     checkpoint_failed: int | None = None  # the step of the newest checkpoint not written
     checkpoint_failure: str | None = None  # "step 15 not written to RUN/checkpoints: ..."
+    regen: tuple[str, str, str] | None = None  # the newest regeneration job: (id, state, detail)
 
 
 @dataclass(frozen=True)
@@ -136,6 +142,7 @@ class HostTrack:
     step: int | None = None
     low_disk: bool = False
     checkpoint_failed: int | None = None  # the failed step already reported
+    regen: tuple[str, str] | None = None  # the newest regeneration job seen: (id, state)
 
 
 @dataclass(frozen=True)
@@ -251,6 +258,8 @@ def _fold_host(
             WatchEvent(host, EventKind.RECOVERED, at, "checkpoints written again", step=snap.step)
         )
 
+    events.extend(_regen_events(host, at, t.regen, snap.regen, first))
+
     open_alert = t.open_alert
     if cond != t.condition or first:
         if cond in ALERT_CONDITIONS:
@@ -289,8 +298,33 @@ def _fold_host(
         step=snap.step,
         low_disk=snap.low_disk is not None,
         checkpoint_failed=failed,
+        regen=snap.regen[:2] if snap.regen else t.regen,
     )
     return new, events
+
+
+REGEN_ENDED = {"finished": EventKind.REGEN_FINISHED, "gave-up": EventKind.REGEN_FAILED}
+REGEN_ENDED |= {"failed": EventKind.REGEN_FAILED, "lost": EventKind.REGEN_FAILED}
+
+
+def _regen_events(
+    host: str,
+    at: float,
+    seen: tuple[str, str] | None,
+    now: tuple[str, str, str] | None,
+    first: bool,
+) -> list[WatchEvent]:
+    """A job's end, once: seen live before (or started and ended between two polls)."""
+    if now is None or first:
+        return []
+    job, state, detail = now
+    kind = REGEN_ENDED.get(state)
+    if kind is None or seen == (job, state):
+        return []
+    if seen is not None and seen[0] == job and seen[1] in REGEN_ENDED:
+        return []  # already reported (its state text changed, e.g. gave-up read as failed)
+    text = f"regeneration job {job} {state}" + (f": {detail}" if detail else "")
+    return [WatchEvent(host, kind, at, text)]
 
 
 def _restart_text(r: Restart) -> str:
@@ -391,8 +425,36 @@ def snapshot_from_status(d: Mapping[str, Any], at: float) -> HostSnapshot:
         else None
     )
     return HostSnapshot(
-        host, at, True, cond, exit_status, step, detail, restarts, low_disk, failed_step, failure
+        host,
+        at,
+        True,
+        cond,
+        exit_status,
+        step,
+        detail,
+        restarts,
+        low_disk,
+        failed_step,
+        failure,
+        _regen_of(d.get("regen")),
     )
+
+
+def _regen_of(raw: object) -> tuple[str, str, str] | None:
+    """(id, state, detail) of status --json `regen`: the rows done, and why it ended badly."""
+    if not isinstance(raw, Mapping) or not isinstance(raw.get("id"), str):
+        return None
+    state = str(raw.get("state", "?"))
+    done, total = raw.get("rows_done"), raw.get("rows_total")
+    parts = [f"{done}/{total} rows"] if isinstance(done, int) and isinstance(total, int) else []
+    if isinstance(raw.get("errors"), int) and raw["errors"]:
+        parts.append(f"{raw['errors']} in the errors file")
+    if state != "finished":
+        why = _str(raw.get("supervisor_detail")) or _str(raw.get("error"))
+        parts += [why] if why else []
+    elif _str(raw.get("out")):
+        parts.append(f"OUT {raw['out']}")
+    return str(raw["id"]), state, "; ".join(parts)
 
 
 def _restart(r: Mapping[str, Any]) -> Restart:

@@ -41,6 +41,8 @@ _SEVERITY: dict[EventKind, str] = {
     EventKind.GPU_ERROR: "failure",
     EventKind.GPU_THROTTLED: "warning",
     EventKind.GPU_CLEARED: "success",
+    EventKind.REGEN_FINISHED: "success",
+    EventKind.REGEN_FAILED: "failure",
 }
 MAX_LISTED = 20
 

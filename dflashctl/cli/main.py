@@ -1,7 +1,7 @@
 """`dflashctl` command line: parse arguments, call the services, print, exit with a clear code.
 
 One module per family of commands (`hosts`, `lifecycle`, `status`, `watch`, `measure`,
-`jobs`: eval and gate, `compare`), each
+`jobs`: eval and gate, `compare`, `regen`), each
 registering its subcommands; `common` is what they share. `tui` and `demo` own their flags and
 are handed everything but the subcommand word.
 
@@ -18,7 +18,18 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from dflashctl.cli import compare, doctor, hosts, jobs, lifecycle, measure, setup, status, watch
+from dflashctl.cli import (
+    compare,
+    doctor,
+    hosts,
+    jobs,
+    lifecycle,
+    measure,
+    regen,
+    setup,
+    status,
+    watch,
+)
 from dflashctl.errors import run_main
 
 
@@ -34,7 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="inventory file (default ./hosts.toml, then ~/.config/dflashctl/hosts.toml)",
     )
     sub = p.add_subparsers(dest="command")
-    for family in (hosts, lifecycle, status, watch, measure, jobs, compare, doctor, setup):
+    for family in (hosts, lifecycle, status, watch, measure, jobs, compare, regen, doctor, setup):
         family.register(sub)
     sub.add_parser("tui", help="the live fleet TUI (default)").set_defaults(func=None)
     sub.add_parser("demo", help="the TUI against a local demo run").set_defaults(func=None)

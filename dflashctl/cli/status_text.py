@@ -10,6 +10,7 @@ import time
 from collections.abc import Mapping
 
 from dflashctl.humanize import format_age
+from dflashctl.runs.regen_view import regen_line
 from dflashctl.runs.snapshot import (
     RunningMeasure,
     RunStatus,
@@ -56,6 +57,8 @@ def format_run_status(st: RunStatus) -> str:
             f"  {j.kind}: {j.id} running since {j.since}{ago} in tmux session {j.session!r}: "
             f"{j.progress or 'no output yet'} (`dflashctl {j.kind} {st.host} --result`)"
         )
+    if st.regen is not None:
+        lines.append(regen_line(st.host, st.regen))
     detail, ck_error = st.run_state.stop_detail, st.run_state.checkpoint_error
     if st.state != "running" and isinstance(detail, str) and detail:
         lines.append(f"  stop: {detail}")

@@ -32,6 +32,7 @@ from dflashctl.alerts.gpu_events import GpuEventKind, gpu_events
 from dflashctl.gpus.nvidia_smi import GpuHealth, GpuSample
 from dflashctl.gpus.xid_log import Xid, xid_wall_time
 from dflashctl.humanize import format_age
+from dflashctl.runs.regen_view import RegenJob
 from dflashctl.runs.snapshot import (
     RunningMeasure,
     ServedEval,
@@ -151,6 +152,9 @@ class RunState:
     served: ServedEval | None = None
     """The newest `dflashctl eval` with a summary (status `served`): served tau beside the
     in-training tau in the eval pane; kept through unreachable polls."""
+    regen: RegenJob | None = None
+    """The host's newest `dflashctl regen` job (status `regen`), any state; kept through
+    unreachable polls."""
 
 
 def _push(hist: tuple[T, ...], value: T, limit: int = HISTORY) -> tuple[T, ...]:
@@ -244,6 +248,8 @@ class StatusView(Protocol):
     def measure(self) -> RunningMeasure | None: ...
     @property
     def served(self) -> ServedEval | None: ...
+    @property
+    def regen(self) -> RegenJob | None: ...
 
 
 def as_run_state(raw: contract.RunState | Mapping[str, object] | None) -> contract.RunState:
@@ -267,10 +273,10 @@ def apply_status(state: RunState, status: StatusView) -> RunState:
     run = status.state
     restarts: tuple[dict[str, Any], ...]
     pane_tail = tuple(status.pane_tail or ())
-    measure, served = status.measure, status.served
+    measure, served, regen = status.measure, status.served, status.regen
     if run == "unreachable":  # what we knew stays shown: the link is down, not the run
         restarts, supervisor, pane_tail = state.restarts, state.supervisor, state.pane_tail
-        measure, served = state.measure, state.served
+        measure, served, regen = state.measure, state.served, state.regen
     else:
         restarts = tuple(dict(r) for r in status.restarts or () if isinstance(r, Mapping))
         sup = status.supervisor
@@ -289,6 +295,7 @@ def apply_status(state: RunState, status: StatusView) -> RunState:
         pane_tail=pane_tail,
         measure=measure,
         served=served,
+        regen=regen,
     )
 
 
@@ -407,7 +414,8 @@ def display_state(state: RunState, now: float, stale_after: float = STALE_AFTER_
     A run that says "running" but has sent nothing for `stale_after` seconds is "stale"; a host we
     cannot reach is "unreachable" whatever its last known run state was. A host running a
     `dflashctl measure` (and no training run: they refuse each other) is "measuring", whatever
-    the last run's end was: its devices are busy.
+    the last run's end was: its devices are busy; one running a `dflashctl regen` job and no
+    training run is "regenerating".
     """
     if state.run == "unreachable":
         return "unreachable"
@@ -418,6 +426,12 @@ def display_state(state: RunState, now: float, stale_after: float = STALE_AFTER_
         "rendezvous",
     }:
         return "measuring"
+    if (
+        state.regen is not None
+        and state.regen.live
+        and state.run not in {"running", "restarting", "stalled"}
+    ):
+        return "regenerating"
     if state.run == "gave-up":
         return "gave-up"
     if state.run == "crashed":

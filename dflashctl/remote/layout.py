@@ -32,9 +32,19 @@
                               sha256>`), output.log (stdout and stderr), result.json, summary.json
                               (eval: the served summary the TUI shows), prompts/ (eval: the pushed
                               prompt sets), out/ (gate: its export), cancelled, exit-status
+      regen/<id>/             one `dflashctl regen` job (<id> its UTC start, as a measure's)
+        info.json             what was asked (the job's argv, release, servers, serve command)
+        status.log            trainer.regen's lines (its --run-dir) and its supervisor's phases
+        supervisor.json console.log  the in-container supervisor's record and console
+        health.log            the wait for the engine's /health (--serve)
+        engine.log            the serving engine's output (--serve)
+        cancelled             `regen --stop` was asked (its UTC time)
+        exit-status           the job's exit status (by a rename, once it exited)
 
 A measure runs in the tmux session SESSION-measure (`measure_session`), never the run's; a job
-in SESSION-eval or SESSION-gate (`dflashctl.remote.jobs`).
+in SESSION-eval or SESSION-gate (`dflashctl.remote.jobs`); a regeneration job in SESSION-regen
+(`regen_session`): window `job` (the supervisor and trainer.regen) and, with --serve, window
+`engine`.
 
 Scripts `cd "$1"` (the workdir) and use the relative names (the module constants); services
 use a `RemoteLayout(workdir)` for absolute paths. Pure: no I/O.
@@ -107,6 +117,31 @@ JOB_EXIT = "exit-status"  # the job's exit status (by a rename, once it exited)
 # the gate.
 EVAL_SOURCE = "trainer/events/served.py"
 GATE_SOURCE = "trainer/gate/__main__.py"
+REGEN_ROOT = "regen"
+"""WORKDIR/regen/<id>/: one directory per regeneration job, <id> its UTC start (as a measure's)."""
+REGEN_SESSION_SUFFIX = "-regen"
+REGEN_JOB_WINDOW = "job"
+REGEN_ENGINE_WINDOW = "engine"
+# inside regen/<id>/
+REGEN_INFO = "info.json"
+REGEN_STATUS_LOG = "status.log"  # trainer.regen's --run-dir is regen/<id>
+REGEN_SUPERVISOR = "supervisor.json"
+REGEN_HEALTH_LOG = "health.log"
+REGEN_ENGINE_LOG = "engine.log"
+REGEN_CANCELLED = "cancelled"
+REGEN_EXIT = "exit-status"
+# In a release: it can regenerate (`python -m trainer.regen`).
+REGEN_SOURCE = "trainer/regen/__main__.py"
+
+
+def regen_session(session: str) -> str:
+    """A regeneration job's tmux session: the host's session name + `-regen`."""
+    return session + REGEN_SESSION_SUFFIX
+
+
+def regen_dir(job_id: str) -> str:
+    """regen/<id>, relative to the workdir."""
+    return f"{REGEN_ROOT}/{job_id}"
 
 
 def measure_session(session: str) -> str:

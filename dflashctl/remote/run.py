@@ -26,6 +26,7 @@ from dflashctl.remote.layout import (
     measure_dir,
     measure_session,
 )
+from dflashctl.remote.regen import REGEN_LOG_LINES, WINDOW_FN
 from dflashctl.remote.tmux import SETTLED_PANE_FN, TMUX_SOCKET
 from trainer.events import PHASE_TEXTS
 
@@ -82,6 +83,25 @@ STATUS_SCRIPT = (
     "date -u +%s\n"
     f'  echo "${{m}}served"; cat "{L.EVAL_ROOT}/$sid/{L.JOB_SUMMARY}" 2>/dev/null; echo\n'
     f'  echo "${{m}}served_info"; cat "{L.EVAL_ROOT}/$sid/{L.JOB_INFO}" 2>/dev/null; echo\n'
+    "fi\n"
+    # the newest regeneration job, whatever its state (status, the TUI and watch show it)
+    f"rid=$(ls -1 {L.REGEN_ROOT} 2>/dev/null | grep -E '{MEASURE_ID_PATTERN}' | tail -n 1)\n"
+    'echo "${m}regen"; echo "$rid"\n'
+    'if [ -n "$rid" ]; then s="$2'
+    + L.REGEN_SESSION_SUFFIX
+    + '"; rd="'
+    + L.REGEN_ROOT
+    + '/$rid"\n'
+    + "  "
+    + WINDOW_FN
+    + f'  echo "${{m}}regen_pane"; window {L.REGEN_JOB_WINDOW}\n'
+    f'  echo "${{m}}regen_engine"; window {L.REGEN_ENGINE_WINDOW}\n'
+    f'  echo "${{m}}regen_exit"; cat "$rd/{L.REGEN_EXIT}" 2>/dev/null\n'
+    f'  echo "${{m}}regen_cancelled"; cat "$rd/{L.REGEN_CANCELLED}" 2>/dev/null\n'
+    f'  echo "${{m}}regen_info"; cat "$rd/{L.REGEN_INFO}" 2>/dev/null; echo\n'
+    f'  echo "${{m}}regen_supervisor"; cat "$rd/{L.REGEN_SUPERVISOR}" 2>/dev/null; echo\n'
+    f'  echo "${{m}}regen_log"; tail -n {REGEN_LOG_LINES} "$rd/{L.REGEN_STATUS_LOG}" 2>/dev/null\n'
+    '  echo "${m}regen_now"; date -u +%s\n'
     "fi\n"
     "exit 0\n"
 )

@@ -23,6 +23,7 @@ from dflashctl.remote.layout import RUN_STATE as RUN_STATE_FILE
 from dflashctl.remote.layout import SUPERVISOR_STATE as SUPERVISOR_STATE_FILE
 from dflashctl.remote.run import MARK
 from dflashctl.remote.tmux import PaneState, parse_pane_state
+from dflashctl.runs.regen_view import RegenJob, parse_regen_job
 from dflashctl.runs.stale import (
     checkpoint_failure,
     newest_status,
@@ -159,6 +160,7 @@ class RunStatus:
     measure: RunningMeasure | None = None  # a `dflashctl measure` running there now
     served: ServedEval | None = None  # the newest `dflashctl eval` with a summary
     job: RunningJob | None = None  # a `dflashctl eval` or `gate` running there now
+    regen: RegenJob | None = None  # the newest `dflashctl regen` job there (any state)
     # the newest checkpoint the trainer could not write (none written since), and why
     checkpoint_failed: CheckpointFailed | None = None
     # a run file that could not be written (a full disk) and where the truth was read instead
@@ -183,6 +185,7 @@ class RunStatus:
         d["run_state"] = self.run_state.model_dump(mode="json", exclude_unset=True)
         d["step"] = self.step
         d["finished"] = self.finished
+        d["regen"] = self.regen.to_json_dict() if self.regen else None
         d["eval"] = eval_view(self.run_state)
         d["served"] = self.served.to_json_dict() if self.served else None
         d["best"] = best_view(self.run_state)
@@ -583,6 +586,7 @@ def parse_status(
         measure=parse_running_measure(s, session),
         served=parse_served(s),
         job=parse_running_job(s, session),
+        regen=parse_regen_job(raw, prefix="regen_"),
         checkpoint_failed=checkpoint_failure(run_state, [*this_run, *pane_events], last_ckpt),
         stale_note=stale_note(stale) if sup is not None and stale is not None else None,
     )

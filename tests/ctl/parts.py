@@ -274,12 +274,17 @@ class Parts:
 
 
 @contextlib.contextmanager
-def real_parts(base: Path | None = None) -> Iterator[Parts]:
-    """sshd + container + pct map wiring them together; everything torn down on exit."""
+def real_parts(
+    base: Path | None = None, *, host_network: bool = False, name: str | None = None
+) -> Iterator[Parts]:
+    """sshd + container + pct map wiring them together; everything torn down on exit.
+    `host_network`: the container shares the host's network namespace (it reaches a server
+    on the host's loopback)."""
     own = base is None
     root = Path(tempfile.mkdtemp(prefix="dflt-")) if base is None else base
     try:
-        with lxc_container(root / "ct-workdir") as ct, sshd(root / "sshd") as sd:
+        ct_cm = lxc_container(root / "ct-workdir", name=name, host_network=host_network)
+        with ct_cm as ct, sshd(root / "sshd") as sd:
             sd.map_file.write_text(f"{ct.ctid} {ct.name}\n")
             write_ct_conf(sd, ct.ctid, default_ct_conf(ct.name))
             yield Parts(sd, ct)

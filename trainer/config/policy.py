@@ -140,6 +140,16 @@ def run_dir_of(argv: Sequence[str]) -> str | None:
     return None
 
 
+CHILDREN = ("trainer", "regen")
+"""What the supervisor runs: the trainer, or a regeneration job (python -m trainer.regen)."""
+
+
+def regen_restart_argv(argv: Sequence[str]) -> list[str]:
+    """A regeneration job's restart: the same argv with `--resume` (it skips the rows already
+    in OUT or its errors file; without it, the job would refuse the OUT it left)."""
+    return list(argv) if "--resume" in argv else [*argv, "--resume"]
+
+
 def restart_argv(argv: Sequence[str], wrote_checkpoint: bool) -> list[str]:
     """The argv of a restart: never `--fresh`; `--resume auto` (the newest usable checkpoint,
     also the trainer's default, so an argv without `--resume` gets none added).

@@ -24,8 +24,17 @@ from typing import Any
 import numpy as np
 
 from trainer.data.chat_mask import ChatEncoder, Encoded
-from trainer.data.conversations import Conversation, Rejected, expand_turns
+from trainer.data.conversations import Conversation, MetaRow, Rejected, expand_turns, served_turns
 from trainer.data.errors import InputError
+from trainer.data.served import RegenManifest
+from trainer.data.served_import import (
+    BAD_TOKEN_ID,
+    check_kwargs,
+    check_later_manifest,
+    file_manifest,
+    rerender_difference,
+    served_sample,
+)
 from trainer.data.sources import ChatSource
 from trainer.data.store import (
     LineStat,
@@ -68,6 +77,9 @@ class ImportStats:
     reasoning_turns: int = 0  # assistant turns with reasoning in the kept conversations
     reasoning_dropped: int = 0  # ... of which the template rendered no reasoning (history)
     expanded_rows: int = 0  # extra rows made by per-turn expansion
+    manifest_lines: int = 0  # a regenerated file's manifest line(s): not rows
+    served_rows: int = 0  # store rows built from a server's token ids (one per generation)
+    served_differs: LineStat = field(default_factory=LineStat)  # ... whose re-render differs
     skipped: dict[str, LineStat] = field(default_factory=dict)
     truncated: LineStat = field(default_factory=LineStat)
     think_in_content: LineStat = field(default_factory=LineStat)  # kept rows, see chat_mask
@@ -192,14 +204,17 @@ def import_chat_jsonl(
     check_target(out, overwrite)
     if template_path is not None:  # every input is checked before transformers loads (slow)
         read_chat_template(template_path)
+    regen = file_manifest(source)
+    declared = check_kwargs(source, regen, dict(template_kwargs or {})) if regen else set()
     tokenizer = load_tokenizer(tok_dir, template_path)
     try:
         encoder = ChatEncoder(tokenizer, template_kwargs)
     except ValueError as exc:
         raise InputError(f"{tok_dir}: {_one_line(exc)}") from None
-    if encoder.template_kwargs:
+    undeclared = {k: v for k, v in encoder.template_kwargs.items() if k not in declared}
+    if undeclared:
         try:
-            inert = inert_template_kwargs(_templates(tokenizer), encoder.template_kwargs)
+            inert = inert_template_kwargs(_templates(tokenizer), undeclared)
         except Exception as exc:  # jinja2.TemplateSyntaxError and friends
             where = template_path or tok_dir
             raise InputError(f"{where}: chat template does not parse: {_one_line(exc)}") from None
@@ -217,10 +232,14 @@ def import_chat_jsonl(
     with StoreWriter(out, overwrite=overwrite) as writer:
         if progress is not None:
             progress(0, 0, 0)  # reading begins
-        chunks = _parsed_chunks(lines, stats, chunk_rows, per_turn)
+        chunks = _parsed_chunks(lines, stats, chunk_rows, per_turn, regen)
+        vocab = len(tokenizer)
         for chunk, results in encode_chunks(chunks, encoder, workers):
-            for (line, _), result in zip(chunk, results, strict=True):
-                _store_row(writer, stats, line, result, max_length)
+            for (line, conversation), result in zip(chunk, results, strict=True):
+                if conversation.served is not None:
+                    _store_served(writer, stats, line, conversation, result, max_length, vocab)
+                else:
+                    _store_row(writer, stats, line, result, max_length)
             if progress is not None:
                 progress(lines.bytes_read(), stats.rows, writer.num_rows)
         if progress is not None:  # the rows after the last chunk were all skipped
@@ -252,6 +271,9 @@ def import_chat_jsonl(
                 "source_format": lines.format,
                 "template_kwargs": encoder.template_kwargs,
                 "chat_template": str(template_path.absolute()) if template_path else None,
+                "regen": regen.model_dump(mode="json") if regen else None,
+                "served_rows": stats.served_rows,
+                "served_differs": stats.served_differs.model_dump(),
             },
         )
 
@@ -265,20 +287,34 @@ def _templates(tokenizer: Any) -> list[str]:
 
 
 def _parsed_chunks(
-    rows: ChatSource, stats: ImportStats, chunk_rows: int, per_turn: bool
+    rows: ChatSource,
+    stats: ImportStats,
+    chunk_rows: int,
+    per_turn: bool,
+    regen: RegenManifest | None = None,
 ) -> Iterator[Chunk]:
-    """Parse rows, count rejects on the spot, and group good rows into chunks."""
+    """Parse rows, count rejects on the spot, and group good rows into chunks. A row with the
+    server's ids becomes one conversation per generation (`served_turns`), whatever
+    `per_turn` says; a regenerated file's manifest line is not a row."""
     pending: Chunk = []
     for line, parsed in rows:
         stats.lines = rows.lines
+        if isinstance(parsed, MetaRow):
+            if regen is None or line != 1:
+                check_later_manifest(rows.path, line, regen or _no_manifest(rows.path), parsed)
+            stats.manifest_lines += 1
+            continue
         stats.rows += parsed is not None
         if parsed is None:
             stats.blank_lines += 1
         elif isinstance(parsed, Rejected):
             stats.skip(parsed.reason, line, parsed.detail)
         else:
-            expanded = expand_turns(parsed) if per_turn else [parsed]
-            stats.expanded_rows += len(expanded) - 1
+            if parsed.served is not None:
+                expanded = served_turns(parsed)
+            else:
+                expanded = expand_turns(parsed) if per_turn else [parsed]
+                stats.expanded_rows += len(expanded) - 1
             pending.extend((line, conversation) for conversation in expanded)
             if len(pending) >= chunk_rows:
                 yield pending
@@ -367,6 +403,50 @@ def _store_row(
         stats.truncated.add(line)
     if result.think_in_content is not None:
         stats.think_in_content.add(line, result.think_in_content)
+    writer.add(tokens, mask, source_line=line)
+
+
+def _no_manifest(source: Path) -> RegenManifest:
+    raise InputError(
+        f"{source}: a regeneration manifest line past line 1 in a file that does not open with "
+        "one: the file joins regenerated rows with others; import them separately"
+    )
+
+
+def _store_served(
+    writer: StoreWriter,
+    stats: ImportStats,
+    line: int,
+    conversation: Conversation,
+    rendered: Encoded | Rejected,
+    max_length: int,
+    vocab_size: int,
+) -> None:
+    """One generation of a regenerated row, from the server's ids (`served_sample`); the
+    template's rendering of the same turn only decides the "re-render differs" count."""
+    try:
+        tokens, mask = served_sample(conversation, vocab_size)
+    except ValueError as exc:
+        stats.skip(BAD_TOKEN_ID, line, _one_line(exc))
+        return
+    generation = sum(m["role"] == "assistant" for m in conversation.messages)
+    differs = (
+        f"template: {rendered.detail}"
+        if isinstance(rendered, Rejected)
+        else rerender_difference(tokens, rendered)
+    )
+    if differs is not None:
+        stats.served_differs.add(line, f"generation {generation}: {differs}")
+    truncated = tokens.size > max_length
+    if truncated:
+        tokens, mask = tokens[:max_length], mask[:max_length]
+    if not has_supervised_pair(mask):
+        reason = NO_SUPERVISED_PAIR_AFTER_TRUNCATION if truncated else NO_SUPERVISED_PAIR
+        stats.skip(reason, line, unsupervised_detail(mask, max_length))
+        return
+    if truncated:
+        stats.truncated.add(line)
+    stats.served_rows += 1
     writer.add(tokens, mask, source_line=line)
 
 

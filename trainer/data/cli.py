@@ -271,6 +271,7 @@ def format_summary(m: Manifest, lengths: np.ndarray, path: str | None = None) ->
     if reasoning:
         lines.append(f"reasoning  {reasoning}")
     lines.extend(_think_in_content(m.params))
+    lines.extend(_served(m.params))
     if m.truncated.count:
         lines.append(
             f"truncated  {m.truncated.count:,} rows kept after truncation ({_where(m.truncated)})"
@@ -318,6 +319,33 @@ def _think_in_content(params: dict[str, Any]) -> list[str]:
         f"template made a think block of the text before it, trained as reasoning ({_where(stat)})",
         *(f"      {example}" for example in stat.examples[:1]),
     ]
+
+
+def _served(params: dict[str, Any]) -> list[str]:
+    """A regenerated input: how its rows were made, and the rows built from the server's ids
+    with how many of them the template's own rendering would have tokenised differently."""
+    out = []
+    regen = params.get("regen")
+    if isinstance(regen, dict):
+        kwargs = json.dumps(regen.get("chat_template_kwargs", {}), sort_keys=True)
+        out.append(
+            f"regen      --reasoning {regen.get('reasoning')} (chat_template_kwargs {kwargs}), "
+            f"model {regen.get('model')}"
+        )
+    rows = params.get("served_rows", 0)
+    if rows:
+        raw = params.get("served_differs")
+        stat = LineStat.model_validate(raw) if isinstance(raw, dict) else LineStat()
+        differs = (
+            f"; the template's re-rendering differs in {stat.count:,} ({_where(stat)})"
+            if stat.count
+            else "; the template's re-rendering matches every one"
+        )
+        out.append(
+            f"served     {rows:,} rows from the server's token ids (one per generation){differs}"
+        )
+        out.extend(f"      {example}" for example in stat.examples[:2])
+    return out
 
 
 def _where(stat: LineStat) -> str:

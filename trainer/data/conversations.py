@@ -29,6 +29,16 @@ import re
 from dataclasses import dataclass
 from typing import Any, NotRequired, TypedDict
 
+from trainer.data.served import (
+    BAD_SERVED,
+    ROW_KEY,
+    RegenManifest,
+    ServedGeneration,
+    is_manifest_row,
+    manifest_of,
+    parse_served,
+)
+
 # Skip reasons, in the order rows are checked; these keys appear in the manifest.
 NOT_UTF8 = "not_utf8"
 MALFORMED_JSON = "malformed_json"
@@ -87,15 +97,26 @@ class Conversation:
     """Normalised messages, the row's tool definitions, and which assistant turns to train.
 
     `last_turn_only` marks a row made by per-turn expansion: its earlier assistant turns are
-    context (trained in their own rows), only the final one is supervised.
+    context (trained in their own rows), only the final one is supervised. `served`: the
+    server's token ids of a regenerated row, one generation per assistant turn
+    (`trainer.data.served`); the store is built from them.
     """
 
     messages: list[Message]
     tools: list[dict[str, Any]] | None = None
     last_turn_only: bool = False
+    served: tuple[ServedGeneration, ...] | None = None
 
 
-def parse_line(raw: bytes) -> Conversation | Rejected | None:
+@dataclass(frozen=True)
+class MetaRow:
+    """A line that is not a row: a regenerated file's manifest (`problem`: why it is unreadable)."""
+
+    manifest: RegenManifest | None
+    problem: str | None = None
+
+
+def parse_line(raw: bytes) -> Conversation | Rejected | MetaRow | None:
     """Decode and validate one JSONL line; None for a blank line (ignored, not an error)."""
     try:
         text = raw.decode("utf-8")
@@ -121,11 +142,17 @@ def json_error(exc: json.JSONDecodeError) -> str:
 def normalise_row(row: Any) -> list[Message] | Rejected:
     """The messages of a decoded row (see `normalise_conversation` for tools and the rest)."""
     conversation = normalise_conversation(row)
+    if isinstance(conversation, MetaRow):
+        return Rejected(BAD_SCHEMA, "a regenerated file's manifest line, not a row")
     return conversation if isinstance(conversation, Rejected) else conversation.messages
 
 
-def normalise_conversation(row: Any) -> Conversation | Rejected:
-    """Turn a decoded row into canonical messages + tools, or the reason it is unusable."""
+def normalise_conversation(row: Any) -> Conversation | Rejected | MetaRow:
+    """Turn a decoded row into canonical messages + tools, or the reason it is unusable (a
+    regenerated file's manifest line is a `MetaRow`)."""
+    if is_manifest_row(row):
+        found = manifest_of(row)
+        return MetaRow(None, found) if isinstance(found, str) else MetaRow(found)
     if not isinstance(row, dict):
         return Rejected(BAD_SCHEMA, f"row is a JSON {_json_type(row)}, not an object")
     key = next((k for k in TURN_KEYS if k in row), None)
@@ -154,9 +181,13 @@ def normalise_conversation(row: Any) -> Conversation | Rejected:
     bad = _lone_surrogate(messages, tools)
     if bad is not None:
         return Rejected(INVALID_UNICODE, bad)
-    if not any(m["role"] == "assistant" for m in messages):
+    turns = sum(m["role"] == "assistant" for m in messages)
+    if not turns:
         return Rejected(NO_ASSISTANT_TURN, "no assistant message to supervise")
-    return Conversation(messages, tools)
+    served = parse_served(row.get(ROW_KEY), turns)
+    if isinstance(served, str):
+        return Rejected(BAD_SERVED, served)
+    return Conversation(messages, tools, served=served)
 
 
 def has_reasoning(message: Message) -> bool:
@@ -178,6 +209,20 @@ def expand_turns(conversation: Conversation) -> list[Conversation]:
     return [
         Conversation(conversation.messages[: i + 1], conversation.tools, last_turn_only=True)
         for i in ends
+    ]
+
+
+def served_turns(conversation: Conversation) -> list[Conversation]:
+    """A regenerated row as one conversation per generation (as `expand_turns`), each carrying
+    the server's ids for its final turn: the store trains each generation on the prompt the
+    server saw (speculators' one sample per generation)."""
+    assert conversation.served is not None
+    ends = [i for i, m in enumerate(conversation.messages) if m["role"] == "assistant"]
+    return [
+        Conversation(
+            conversation.messages[: i + 1], conversation.tools, last_turn_only=True, served=(gen,)
+        )
+        for i, gen in zip(ends, conversation.served, strict=True)
     ]
 
 

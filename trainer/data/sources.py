@@ -24,6 +24,7 @@ from trainer.data.conversations import (
     MALFORMED_JSON,
     NOT_UTF8,
     Conversation,
+    MetaRow,
     Rejected,
     json_error,
     normalise_conversation,
@@ -32,7 +33,7 @@ from trainer.data.conversations import (
 from trainer.data.errors import InputError
 from trainer.data.store import sha256_file
 
-Parsed = Conversation | Rejected | None  # None: a blank line (ignored)
+Parsed = Conversation | Rejected | MetaRow | None  # None: a blank line (ignored)
 CHUNK_CHARS = 1 << 20
 PARSE_ERROR = "parse_error"
 PROBE_BYTES = 1 << 16

@@ -7,7 +7,7 @@ runs on laptops).
 
 One module per line kind, each with its model, formatter and parser, all derived from one
 template per kind (`trainer.events.grammar`): `status` (the periodic report and its extras
-vocabulary), `evaluation` (``Eval: ...``), `lifecycle` (phase, checkpoint and error lines);
+vocabulary), `evaluation` (``Eval: ...``), `regen` (``Regen: ...``, a regeneration job's report), `lifecycle` (phase, checkpoint and error lines);
 `escapes` cleans remote text. Beside them, the run's other contracts with dflashctl:
 `run_state` (RUN/run-state.json) and `checkpoint_layout` (what a checkpoint holds).
 
@@ -42,6 +42,7 @@ from trainer.events.lifecycle import (
     parse_phase_line,
     parse_state_stale,
 )
+from trainer.events.regen import REGEN_PREFIX, RegenEvent, format_regen_line, parse_regen_line
 from trainer.events.status import (
     BOTTLENECK_KEY,
     BUCKET_LOSS_KEY,
@@ -68,6 +69,7 @@ __all__ = [
     "GNORM_KEY",
     "LOSS_TYPE_KEY",
     "PHASE_TEXTS",
+    "REGEN_PREFIX",
     "STAGE_WAIT_KEYS",
     "TAU_KEY",
     "TOKENS_KEY",
@@ -79,6 +81,7 @@ __all__ = [
     "Event",
     "PhaseEvent",
     "RawLine",
+    "RegenEvent",
     "StaleState",
     "StatusEvent",
     "checkpoint_failed_message",
@@ -89,6 +92,7 @@ __all__ = [
     "format_eval_line",
     "format_line",
     "format_phase_line",
+    "format_regen_line",
     "format_state_stale",
     "format_status_line",
     "parse_bucket_losses",
@@ -98,6 +102,7 @@ __all__ = [
     "parse_eval_line",
     "parse_line",
     "parse_phase_line",
+    "parse_regen_line",
     "parse_state_stale",
     "parse_status_line",
     "parse_text",
@@ -116,7 +121,7 @@ class RawLine(BaseModel):
 
 
 Event = Annotated[
-    StatusEvent | EvalEvent | PhaseEvent | CheckpointEvent | ErrorEvent | RawLine,
+    StatusEvent | EvalEvent | RegenEvent | PhaseEvent | CheckpointEvent | ErrorEvent | RawLine,
     Field(discriminator="kind"),
 ]
 EVENT_ADAPTER: TypeAdapter[Event] = TypeAdapter(Event)
@@ -125,6 +130,7 @@ EVENT_ADAPTER: TypeAdapter[Event] = TypeAdapter(Event)
 _PARSERS = (
     parse_status_line,
     parse_eval_line,
+    parse_regen_line,
     parse_checkpoint_line,
     parse_error_line,
     parse_phase_line,
@@ -162,4 +168,6 @@ def format_line(ev: Event) -> str:
         return format_status_line(ev)
     if isinstance(ev, EvalEvent):
         return format_eval_line(ev)
+    if isinstance(ev, RegenEvent):
+        return format_regen_line(ev)
     return ev.text

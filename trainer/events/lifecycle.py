@@ -50,6 +50,10 @@ PHASE_TEXTS: dict[str, str] = {
     "gave_up": "Supervisor gave up",
     "low_disk": "Run disk space:",  # detail "low: ..." or "ok again: ..."
     "state_stale": "Supervisor state file stale:",  # detail: `format_state_stale`
+    # printed by a regeneration job (python -m trainer.regen)
+    "regen_starting": "Regen starting:",  # detail: rows to do, servers
+    "regen_server": "Regen server:",  # detail: one server's state change (down, up again)
+    "regen_finished": "Regen finished:",  # detail: the job's summary
 }
 CHECKPOINT_PREFIX = "Checkpoint saved: "
 ERROR_PREFIX = "ERROR: "

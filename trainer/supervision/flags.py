@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from trainer.config.policy import RESTART_CHOICES, Policy
+from trainer.config.policy import CHILDREN, RESTART_CHOICES, Policy
 
 DISK_CHECK_S = 30.0
 
@@ -69,6 +69,13 @@ def parser(description: str) -> argparse.ArgumentParser:
         type=_count,
         help="a group node's index (dflashctl's inventory order): the argv is its torchrun "
         "(c10d rendezvous), whose worker-group restarts the group's policy counts",
+    )
+    p.add_argument(
+        "--child",
+        choices=CHILDREN,
+        default="trainer",
+        help="what the argv after -- runs: the trainer (restarts resume from its checkpoint), "
+        "or a regeneration job (restarts add --resume; its Regen status lines are progress)",
     )
     p.add_argument(
         "--disk-check-s",

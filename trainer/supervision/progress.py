@@ -4,7 +4,15 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from trainer.events import CheckpointEvent, ErrorEvent, Event, PhaseEvent, StatusEvent, parse_line
+from trainer.events import (
+    CheckpointEvent,
+    ErrorEvent,
+    Event,
+    PhaseEvent,
+    RegenEvent,
+    StatusEvent,
+    parse_line,
+)
 
 # Phases the supervisor prints itself: they are not the trainer's progress.
 SUPERVISOR_PHASES = frozenset(
@@ -48,7 +56,9 @@ class Progress:
 
     Progress = a status line whose step is higher than any before in this attempt (a status line
     repeating its step is not: a hung drafter leaves the monitor printing), a checkpoint line,
-    or a trainer phase line. Before the first step (a status or checkpoint line past the step
+    or a trainer phase line; for a regeneration job, each of its `Regen:` status lines (printed
+    while it waits for a server too: it is alive; its requests have timeouts of their own).
+    Before the first step (a status or checkpoint line past the step
     it started from) the attempt is "starting", under the longer startup timeout.
     """
 
@@ -64,6 +74,8 @@ class Progress:
         if isinstance(ev, StatusEvent):
             if ev.step > self.high:
                 self.high, self.trained, self.last_progress = ev.step, True, now
+        elif isinstance(ev, RegenEvent):
+            self.trained, self.last_progress = True, now
         elif isinstance(ev, CheckpointEvent):
             self.checkpoint_step = max(ev.step, self.checkpoint_step or 0)
             self.last_progress = now

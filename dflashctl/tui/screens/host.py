@@ -27,6 +27,7 @@ from dflashctl.tui.widgets.panes import (
     measure_text,
     metrics_text,
     queues_text,
+    regen_text,
     throughput_text,
 )
 from dflashctl.tui.widgets.tail_log import TailLog
@@ -51,6 +52,7 @@ class HostScreen(LiveScreen[None]):
     def compose(self) -> ComposeResult:
         yield Static("", id="host-header")
         yield Static("", id="host-measure")  # shown only while a measure runs on the host
+        yield Static("", id="host-regen")  # shown once a regeneration job ran on the host
         with Horizontal(id="row-eval"):  # "are we on track?" first
             yield LossPlot(id="loss-plot")
             yield EvalPane("held-out eval (tau, acc@k, best)", id="eval")
@@ -91,6 +93,11 @@ class HostScreen(LiveScreen[None]):
         line.display = measure is not None
         if measure is not None:
             line.update(measure)
+        regen_row = self.query_one("#host-regen", Static)
+        regen = regen_text(state, max(40, regen_row.content_size.width or self.size.width))
+        regen_row.display = regen is not None
+        if regen is not None:
+            regen_row.update(regen)
         if self._painted and self.host not in set(dirty):
             return
         if self.query_one("#queues").content_size.width == 0:

@@ -24,6 +24,7 @@ from dflashctl.monitor.state import (
     line_age,
     restart_summary,
 )
+from dflashctl.runs.regen_view import regen_line
 from dflashctl.tui.group_rows import node_step, since_text
 from dflashctl.tui.view import AppView
 from dflashctl.tui.widgets.charts import BLOCKS, bar, curve, spark
@@ -48,6 +49,7 @@ STATE_STYLES = {
     "partial": "yellow",
     "measuring": "bold magenta",
     "rendezvous": "bold yellow",
+    "regenerating": "bold cyan",
 }
 
 
@@ -144,6 +146,25 @@ def measure_text(state: RunState, width: int = 120) -> Text | None:
     out.append(m.id, style="bold")
     out.append(head, style="dim")
     out.append(progress)
+    out.append(commands, style="cyan")
+    return out
+
+
+def regen_text(state: RunState, width: int = 120) -> Text | None:
+    """The host screen's one line for the host's newest `dflashctl regen` job (None: none ran):
+    its state, rows done of total, rows/s, generated tokens/s, ETA, errors, the length-capped
+    share and the requests in flight per server, then the commands that read or end it."""
+    job = state.regen
+    if job is None:
+        return None
+    commands = f"  dflashctl regen {state.host} --status" + ("|--stop" if job.live else "")
+    body = regen_line(state.host, job).strip().removeprefix("regen: ")
+    room = max(8, width - 7 - len(commands))
+    if len(body) > room:
+        body = body[: room - 1] + "…"
+    out = Text(no_wrap=True, overflow="ellipsis")
+    out.append(" regen ", style="bold cyan" if job.live else "bold")
+    out.append(body, style="red" if job.state in ("failed", "gave-up", "lost") else "")
     out.append(commands, style="cyan")
     return out
 
