@@ -154,21 +154,17 @@ async def _group_doctor(gc: GroupControl, release: str | None, config: Path | No
 async def _gate_before_start(t: Transport, host: HostConfig) -> None:
     """`gate = "before-start"`: the one-sample overfit gate on what start is about to run,
     unless it passed on this release and config already; a failure refuses the start with the
-    gate's line. Skipped while the run is live (start is then a no-op)."""
+    gate's line."""
     if host.gate != "before-start":
         return
     from dflashctl.jobs.gate import GateJob
-    from dflashctl.runs.control import RunControl
-    from dflashctl.runs.service import LIVE_STATES
 
-    run = await RunControl(t, host).reader.status_for("start")
-    if run.state in LIVE_STATES:
-        return
     await GateJob(t, host).ensure(print, lambda line: print(f"{host.name}: gate: {line}"))
 
 
 async def cmd_start(args: argparse.Namespace) -> int:
     from dflashctl.runs.control import RunControl
+    from dflashctl.runs.service import LIVE_STATES
 
     target = target_of(args)
     resume = resume_choice(args)
@@ -178,13 +174,15 @@ async def cmd_start(args: argparse.Namespace) -> int:
     wait_s = wait_s_of(args, host)  # a bad value is exit 2 before anything connects
 
     async def go(t: Transport) -> int:
-        if not args.no_doctor:
-            await ensure_quick_checks(t, host, None, host.run_config, print)
-        if not args.no_gate:
-            await _gate_before_start(t, host)
-        res = await RunControl(t, host).start(
-            fresh=args.fresh, resume=resume, wait_s=wait_s, progress=print
-        )
+        # the run's status first: a live run makes start a no-op (no doctor, no gate), and a
+        # host that cannot answer is start's failure, named for it
+        ctl = RunControl(t, host)
+        if (await ctl.reader.status_for("start")).state not in LIVE_STATES:
+            if not args.no_doctor:
+                await ensure_quick_checks(t, host, None, host.run_config, print)
+            if not args.no_gate:
+                await _gate_before_start(t, host)
+        res = await ctl.start(fresh=args.fresh, resume=resume, wait_s=wait_s, progress=print)
         for note in [*res.notes, res.supervisor_note()]:
             if note:
                 print(f"{host.name}: note: {note}")

@@ -236,6 +236,6 @@ def test_disk_check_and_no_gpu_through_the_cli(
         assert re.search(rf"ct: checkpoints fit: [\d,]+ MiB free under {roomy}/run, ", fits), fits
         # run/checkpoints on a volume of its own (common): measured there, not in run/
         with P.container_tmpfs(real_parts, f"{roomy}/run/checkpoints", "1536m") as ckpts:
-            assert cli_main([*inv, "deploy", "ct", "--config", str(cfg), "--tree", str(tree)]) == 1
+            assert cli_main(deploy) == 1
             short = capsys.readouterr().err
             assert f"MiB free under {ckpts}, checkpoints need " in short, short

@@ -452,9 +452,11 @@ def test_status_stays_true_when_the_run_directory_is_completely_full(
     pane, says that supervisor.json is out of date because the disk is full, and names the
     checkpoint that was not written."""
     inv = site.inventory("plain")
-    assert (
-        cli_main([*inv, "deploy", "ct", "--config", str(tiny_config(site.base, "run.toml"))]) == 0
-    )
+    config = tiny_config(site.base, "run.toml")
+    # status lines every 0.2 s: the 10-20 steps between the fill and the stop (two failed
+    # checkpoints) print some, however fast the steps run
+    config.write_text(re.sub(r"(?m)^interval_s = \S+", "interval_s = 0.2", config.read_text()))
+    assert cli_main([*inv, "deploy", "ct", "--config", str(config)]) == 0
     run = f"{P.CONTAINER_WORKDIR}/run"
     P.attach(site.parts, 'cp "$1/config.toml" /tmp/dflt-run-config.toml', run)
     try:
@@ -462,11 +464,14 @@ def test_status_stays_true_when_the_run_directory_is_completely_full(
             P.attach(site.parts, 'cp /tmp/dflt-run-config.toml "$1/config.toml"', run)
             assert cli_main([*inv, "start", "ct", "--fresh", "--wait-s", "300"]) == 0
             site.wait(inv, capsys, lambda s: (s["step"] or 0) >= 3, "three steps")
-            # to the last byte: tmpfs hands out pages, so status.log's last one is topped up too
+            # to the last byte: tmpfs hands out pages, so status.log's last one is topped up too;
+            # the trainer stopped meanwhile, so that no status line or checkpoint of it races the
+            # fill (on a loaded machine it used to land its last line while dd ran)
             fill = (
+                'pkill -STOP -f "^[^ ]*python[^ ]* -m trainer --config"; '
                 'dd if=/dev/zero of="$1/fill" bs=16k 2>/dev/null; '
                 'while echo "# filler: the disk is full" >> "$1/status.log"; do :; done 2>/dev/null; '
-                "true"
+                'pkill -CONT -f "^[^ ]*python[^ ]* -m trainer --config"; true'
             )
             P.attach(site.parts, fill, run)
             st = site.wait(inv, capsys, lambda s: s["state"] != "running", "the run to end")

@@ -182,6 +182,8 @@ def test_watch_process_reports_an_outage_and_the_finish_once_each_in_order(
     # a node of its own: this test stops its sshd; the container is the shared one
     with serving(rx), P.sshd(tmp_path / "sshd") as sd:
         sd.map_file.write_text(f"{real_parts.container.ctid} {real_parts.container.name}\n")
+        ct = real_parts.container  # its config, as `pct config` reads it on a real node
+        P.write_ct_conf(sd, ct.ctid, P.default_ct_conf(ct.name))
         urls = write_urls(tmp_path, rx.url())
         inv = inventory(
             sd,
