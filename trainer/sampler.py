@@ -39,10 +39,8 @@ reports them. Group order is shuffled per epoch; rank r takes the r-th batch of 
 
 from __future__ import annotations
 
-import hashlib
 import heapq
 import itertools
-import json
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -52,8 +50,7 @@ import numpy as np
 
 from trainer.config import STRATEGIES, Strategy
 from trainer.data.lengths import LengthsError, as_lengths
-
-STATE_VERSION = 1
+from trainer.sampler_state import config_fingerprint, sampler_config, state_mismatch
 
 # Stream purposes: each gets an independent Philox stream for a given (seed, epoch).
 _BUCKET_SHUFFLE, _BATCH_ORDER, _SORT_TIES, _RANDOM_PERM, _POOL_PERM, _HOLDOUT, _PACK_PERM = range(7)
@@ -244,6 +241,27 @@ def check_boundaries(lengths: np.ndarray, boundaries: Sequence[int]) -> list[int
     return edges
 
 
+def check_row_length(lengths: np.ndarray, row_length: int | None, token_budget: int) -> int:
+    """The packed strategy's row length: `row_length` validated against the longest sample and
+    the budget, or the longest sample's length when None."""
+    longest = int(np.argmax(lengths))
+    if row_length is None:
+        return int(lengths[longest])
+    if not isinstance(row_length, int | np.integer) or row_length < 1:
+        raise SamplerError(f"row_length must be an integer >= 1, got {row_length!r}")
+    if row_length < lengths[longest]:
+        raise SamplerError(
+            f"row_length {row_length} is shorter than sample {longest} "
+            f"({int(lengths[longest])} tokens): a row must hold the longest sample"
+        )
+    if row_length > token_budget:
+        raise SamplerError(
+            f"row_length {row_length} is more than token_budget {token_budget}: "
+            "a batch holds at least one row"
+        )
+    return int(row_length)
+
+
 def holdout_rows(num_rows: int, count: int, seed: int) -> np.ndarray:
     """The held-out row ids (``[eval] holdout_rows``): `count` distinct ids of `num_rows`, int64.
 
@@ -255,11 +273,6 @@ def holdout_rows(num_rows: int, count: int, seed: int) -> np.ndarray:
             f"holdout of {count} rows must leave training rows: the store has {num_rows}"
         )
     return rng_for(seed, _HOLDOUT).permutation(num_rows)[:count].astype(np.int64)
-
-
-def rows_digest(ids: np.ndarray) -> str:
-    """sha256-16 of a row-id set (order-free): what a run records of its held-out rows."""
-    return hashlib.sha256(np.sort(ids).astype("<i8").tobytes()).hexdigest()[:16]
 
 
 class BatchSampler:
@@ -343,7 +356,9 @@ class BatchSampler:
                 f"{n - excluded.size} samples{held} cannot give each of {world_size} ranks a batch"
             )
         self.row_length = (
-            self._check_row_length(row_length, token_budget) if strategy == "packed" else None
+            check_row_length(self.lengths, row_length, token_budget)
+            if strategy == "packed"
+            else None
         )
         self.strategy: str = strategy
         self.token_budget, self.max_batch, self.seed = int(token_budget), int(max_batch), int(seed)
@@ -360,119 +375,60 @@ class BatchSampler:
         bucket = bucket[self._train]
         counts = np.bincount(bucket, minlength=self.num_buckets)
         self._members = np.split(order, np.cumsum(counts)[:-1])
-        self.fingerprint_config: dict[str, object] = self._config()
+        self.fingerprint_config: dict[str, object] = sampler_config(
+            lengths=self.lengths,
+            strategy=self.strategy,
+            boundaries=self.boundaries,
+            token_budget=self.token_budget,
+            max_batch=self.max_batch,
+            seed=self.seed,
+            world_size=self.world_size,
+            pool_size=self.pool_size,
+            row_length=self.row_length,
+            pack_open_rows=PACK_OPEN_ROWS,
+            excluded=self.excluded,
+        )
         note = pool_sort_warning(len(self.lengths), self.pool_size)
         self.warnings: tuple[str, ...] = (note,) if strategy == "pool-sort" and note else ()
         for text in self.warnings:  # reaches the trainer's log (stderr) as well as callers
             warnings.warn(text, SamplerWarning, stacklevel=2)
 
-    def _check_row_length(self, row_length: int | None, token_budget: int) -> int:
-        longest = int(np.argmax(self.lengths))
-        if row_length is None:
-            return int(self.lengths[longest])
-        if not isinstance(row_length, int | np.integer) or row_length < 1:
-            raise SamplerError(f"row_length must be an integer >= 1, got {row_length!r}")
-        if row_length < self.lengths[longest]:
-            raise SamplerError(
-                f"row_length {row_length} is shorter than sample {longest} "
-                f"({int(self.lengths[longest])} tokens): a row must hold the longest sample"
-            )
-        if row_length > token_budget:
-            raise SamplerError(
-                f"row_length {row_length} is more than token_budget {token_budget}: "
-                "a batch holds at least one row"
-            )
-        return int(row_length)
-
     # ----- epoch construction -------------------------------------------------------------
-    def _ordered(self, epoch: int) -> tuple[np.ndarray, np.ndarray]:
-        """Sample ids in packing order and the segment (bucket or pool) of each position.
-
-        Excluded ids are dropped from the full-size draws, so the others keep their order."""
-        n = len(self.lengths)
-        keep = self._train
-        if self.strategy == "bucketed":
-            parts = [
-                m[rng_for(self.seed, epoch, _BUCKET_SHUFFLE, k).permutation(len(m))]
-                for k, m in enumerate(self._members)
-            ]
-            ids = np.concatenate(parts)
-            seg = np.repeat(np.arange(self.num_buckets), [len(p) for p in parts])
-            return ids, seg
-        if self.strategy == "sorted":  # static: the tie-break depends on the seed only
-            ties = rng_for(self.seed, _SORT_TIES).permutation(n)
-            ids = np.lexsort((ties, self.lengths))
-            ids = ids[keep[ids]]
-            return ids, np.zeros(len(ids), dtype=np.int64)
-        if self.strategy == "random":
-            ids = rng_for(self.seed, epoch, _RANDOM_PERM).permutation(n)
-            ids = ids[keep[ids]]
-            return ids, np.zeros(len(ids), np.int64)
-        perm = rng_for(self.seed, epoch, _POOL_PERM).permutation(n)
-        perm = perm[keep[perm]]
-        pool = np.arange(len(perm)) // self.pool_size
-        return perm[np.lexsort((self.lengths[perm], pool))], pool
-
     def _global(self, epoch: int) -> tuple[list[list[Batch]], np.ndarray]:
         """All ranks' batches for `epoch` as step groups of world_size, plus dropped sample ids."""
         if epoch < 0:
             raise SamplerError(f"epoch must be >= 0, got {epoch}")
+        order = rng_for(self.seed, epoch, _BATCH_ORDER)
         if self.row_length is not None:
-            return self._packed(epoch)
-        ids, seg = self._ordered(epoch)
-        sizes = greedy_batch_sizes(self.lengths[ids], seg, self.token_budget, self.max_batch)
-        starts = np.concatenate(([0], np.cumsum(sizes)[:-1]))
-        pieces = [(int(seg[s]), ids[s : s + k]) for s, k in zip(starts, sizes, strict=True)]
-        pieces, dropped = _equalize(pieces, self.world_size)
-        bucketed = self.strategy == "bucketed"
-        w = self.world_size
-        full: list[list[tuple[int, np.ndarray]]] = []
-        leftover: list[tuple[int, np.ndarray]] = []
-        i = 0
-        while i < len(pieces):  # pieces are contiguous per segment
-            j = i
-            while j < len(pieces) and pieces[j][0] == pieces[i][0]:
-                j += 1
-            whole = i + (j - i) // w * w
-            full.extend(pieces[g : g + w] for g in range(i, whole, w))
-            leftover.extend(pieces[whole:j])
-            i = j
-        full.extend(leftover[g : g + w] for g in range(0, len(leftover), w))
-        flat = [piece for group in full for piece in group]
-        sizes = np.fromiter((len(p) for _, p in flat), dtype=np.int64, count=len(flat))
-        starts = np.concatenate(([0], np.cumsum(sizes)[:-1]))
-        ls = self.lengths[np.concatenate([p for _, p in flat])]
-        maxes = np.maximum.reduceat(ls, starts).tolist()
-        reals = np.add.reduceat(ls, starts).tolist()
-        batches = [
-            Batch(p, s if bucketed else 0, m, r)
-            for (s, p), m, r in zip(flat, maxes, reals, strict=True)
-        ]
-        perm = rng_for(self.seed, epoch, _BATCH_ORDER).permutation(len(full)).tolist()
-        groups = [batches[g * w : (g + 1) * w] for g in perm]
-        return groups, dropped
-
-    def _packed(self, epoch: int) -> tuple[list[list[Batch]], np.ndarray]:
-        """The packed strategy's `_global`: shuffled rows, rows batched, then dealt in groups."""
-        assert self.row_length is not None
-        ids = rng_for(self.seed, epoch, _PACK_PERM).permutation(len(self.lengths))
-        ids = ids[self._train[ids]]
-        order, row_docs = pack_rows(
-            self.lengths[ids], self.row_length, PACK_OPEN_ROWS, self.max_batch
+            ids = rng_for(self.seed, epoch, _PACK_PERM).permutation(len(self.lengths))
+            return packed_groups(
+                self.lengths,
+                ids[self._train[ids]],
+                self.row_length,
+                token_budget=self.token_budget,
+                max_batch=self.max_batch,
+                world_size=self.world_size,
+                order=order,
+            )
+        ids, seg = ordered_ids(
+            self.strategy,
+            self.lengths,
+            self._members,
+            self._train,
+            self.seed,
+            epoch,
+            self.pool_size,
         )
-        rows = np.split(ids[order], np.cumsum(row_docs)[:-1])
-        per_batch = batch_rows(row_docs, self.token_budget // self.row_length, self.max_batch)
-        starts = np.concatenate(([0], np.cumsum(per_batch)[:-1])).tolist()
-        pieces = [rows[s : s + k] for s, k in zip(starts, per_batch.tolist(), strict=True)]
-        pieces, dropped = _equalize_packed(pieces, self.world_size)
-        batches = []
-        for piece in pieces:
-            fills = [int(self.lengths[r].sum()) for r in piece]
-            sizes = np.fromiter((len(r) for r in piece), dtype=np.int64, count=len(piece))
-            batches.append(Batch(np.concatenate(piece), 0, max(fills), sum(fills), sizes))
-        w = self.world_size
-        perm = rng_for(self.seed, epoch, _BATCH_ORDER).permutation(len(batches) // w).tolist()
-        return [batches[g * w : (g + 1) * w] for g in perm], dropped
+        return padded_groups(
+            self.lengths,
+            ids,
+            seg,
+            token_budget=self.token_budget,
+            max_batch=self.max_batch,
+            world_size=self.world_size,
+            bucketed=self.strategy == "bucketed",
+            order=order,
+        )
 
     def global_batches(self, epoch: int) -> list[list[Batch]]:
         """Every rank's batches for `epoch`: one list of world_size batches per step."""
@@ -491,51 +447,130 @@ class BatchSampler:
         return len(self._global(epoch)[0])
 
     # ----- resume check ---------------------------------------------------------------------
-    def _config(self) -> dict[str, object]:
-        digest = hashlib.sha256(self.lengths.astype("<i8").tobytes()).hexdigest()[:16]
-        config: dict[str, object] = {
-            "strategy": self.strategy,
-            "boundaries": self.boundaries if self.strategy == "bucketed" else None,
-            "token_budget": self.token_budget,
-            "max_batch": self.max_batch,
-            "seed": self.seed,
-            "world_size": self.world_size,
-            "pool_size": self.pool_size if self.strategy == "pool-sort" else None,
-            "num_samples": len(self.lengths),
-            "lengths_sha256": digest,
-        }
-        if self.row_length is not None:  # packed only: older fingerprints stay as they were
-            config["row_length"] = self.row_length
-            config["pack_open_rows"] = PACK_OPEN_ROWS
-        if self.excluded.size:  # no exclusion: the fingerprint of every earlier checkpoint
-            config["excluded"] = f"{self.excluded.size}:{rows_digest(self.excluded)}"
-        return config
-
     def fingerprint(self) -> str:
         """sha256-16 of the lengths and every setting that shapes the batches (not the rank)."""
-        blob = json.dumps(self.fingerprint_config, sort_keys=True).encode()
-        return hashlib.sha256(blob).hexdigest()[:16]
+        return config_fingerprint(self.fingerprint_config)
 
     def check_state(self, state: Mapping[str, object]) -> None:
         """Refuse a saved sampler state (`BatchPlan.state_dict`) from other data or settings:
         SamplerError naming each setting that differs."""
-        if state.get("version") != STATE_VERSION:
-            raise SamplerError(
-                f"sampler state version {state.get('version')!r} is not {STATE_VERSION}"
-            )
-        if state.get("fingerprint") != self.fingerprint():
-            saved = state.get("config")
-            saved = saved if isinstance(saved, dict) else {}
-            diffs = [
-                f"{key} is {saved.get(key)!r} in the saved state but {now!r} now"
-                for key, now in self.fingerprint_config.items()
-                if saved.get(key) != now
-            ]
-            raise SamplerError(
-                "sampler state does not match this data/config ("
-                + ("; ".join(diffs) or "fingerprint differs")
-                + "): resuming would replay different batches"
-            )
+        problem = state_mismatch(state, self.fingerprint_config)
+        if problem is not None:
+            raise SamplerError(problem)
+
+
+# ----- epoch construction (pure) ------------------------------------------------------------
+def ordered_ids(
+    strategy: str,
+    lengths: np.ndarray,
+    members: list[np.ndarray],
+    keep: np.ndarray,
+    seed: int,
+    epoch: int,
+    pool_size: int,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Sample ids in packing order and the segment (bucket or pool) of each position, for the
+    padded strategies. `members`: each bucket's training ids; `keep`: True for training ids.
+
+    Excluded ids are dropped from the full-size draws, so the others keep their order."""
+    n = len(lengths)
+    if strategy == "bucketed":
+        parts = [
+            m[rng_for(seed, epoch, _BUCKET_SHUFFLE, k).permutation(len(m))]
+            for k, m in enumerate(members)
+        ]
+        ids = np.concatenate(parts)
+        seg = np.repeat(np.arange(len(members)), [len(p) for p in parts])
+        return ids, seg
+    if strategy == "sorted":  # static: the tie-break depends on the seed only
+        ties = rng_for(seed, _SORT_TIES).permutation(n)
+        ids = np.lexsort((ties, lengths))
+        ids = ids[keep[ids]]
+        return ids, np.zeros(len(ids), dtype=np.int64)
+    if strategy == "random":
+        ids = rng_for(seed, epoch, _RANDOM_PERM).permutation(n)
+        ids = ids[keep[ids]]
+        return ids, np.zeros(len(ids), np.int64)
+    perm = rng_for(seed, epoch, _POOL_PERM).permutation(n)
+    perm = perm[keep[perm]]
+    pool = np.arange(len(perm)) // pool_size
+    return perm[np.lexsort((lengths[perm], pool))], pool
+
+
+def padded_groups(
+    lengths: np.ndarray,
+    ids: np.ndarray,
+    seg: np.ndarray,
+    *,
+    token_budget: int,
+    max_batch: int,
+    world_size: int,
+    bucketed: bool,
+    order: np.random.Generator,
+) -> tuple[list[list[Batch]], np.ndarray]:
+    """The padded strategies' epoch: `ids` (in packing order, `seg` per position) cut greedily
+    into batches, equalized to a multiple of world_size, dealt into step groups (per segment
+    first, then the leftovers mixed) and the groups shuffled by `order`. Returns the groups
+    and the dropped sample ids."""
+    sizes = greedy_batch_sizes(lengths[ids], seg, token_budget, max_batch)
+    starts = np.concatenate(([0], np.cumsum(sizes)[:-1]))
+    pieces = [(int(seg[s]), ids[s : s + k]) for s, k in zip(starts, sizes, strict=True)]
+    pieces, dropped = _equalize(pieces, world_size)
+    w = world_size
+    full: list[list[tuple[int, np.ndarray]]] = []
+    leftover: list[tuple[int, np.ndarray]] = []
+    i = 0
+    while i < len(pieces):  # pieces are contiguous per segment
+        j = i
+        while j < len(pieces) and pieces[j][0] == pieces[i][0]:
+            j += 1
+        whole = i + (j - i) // w * w
+        full.extend(pieces[g : g + w] for g in range(i, whole, w))
+        leftover.extend(pieces[whole:j])
+        i = j
+    full.extend(leftover[g : g + w] for g in range(0, len(leftover), w))
+    flat = [piece for group in full for piece in group]
+    sizes = np.fromiter((len(p) for _, p in flat), dtype=np.int64, count=len(flat))
+    starts = np.concatenate(([0], np.cumsum(sizes)[:-1]))
+    ls = lengths[np.concatenate([p for _, p in flat])]
+    maxes = np.maximum.reduceat(ls, starts).tolist()
+    reals = np.add.reduceat(ls, starts).tolist()
+    batches = [
+        Batch(p, s if bucketed else 0, m, r)
+        for (s, p), m, r in zip(flat, maxes, reals, strict=True)
+    ]
+    perm = order.permutation(len(full)).tolist()
+    groups = [batches[g * w : (g + 1) * w] for g in perm]
+    return groups, dropped
+
+
+def packed_groups(
+    lengths: np.ndarray,
+    ids: np.ndarray,
+    row_length: int,
+    *,
+    token_budget: int,
+    max_batch: int,
+    world_size: int,
+    order: np.random.Generator,
+) -> tuple[list[list[Batch]], np.ndarray]:
+    """The packed strategy's epoch: `ids` (shuffled) laid into rows, rows batched, equalized,
+    dealt in groups of world_size and the groups shuffled by `order`. Returns the groups and
+    the dropped sample ids."""
+    pos, row_docs = pack_rows(lengths[ids], row_length, PACK_OPEN_ROWS, max_batch)
+    rows = np.split(ids[pos], np.cumsum(row_docs)[:-1])
+    per_batch = batch_rows(row_docs, token_budget // row_length, max_batch)
+    starts = np.concatenate(([0], np.cumsum(per_batch)[:-1])).tolist()
+    pieces = [rows[s : s + k] for s, k in zip(starts, per_batch.tolist(), strict=True)]
+    pieces, dropped = _equalize_packed(pieces, world_size)
+    batches = []
+    for piece in pieces:
+        fills = [int(lengths[r].sum()) for r in piece]
+        sizes = np.fromiter((len(r) for r in piece), dtype=np.int64, count=len(piece))
+        batches.append(Batch(np.concatenate(piece), 0, max(fills), sum(fills), sizes))
+    w = world_size
+    perm = order.permutation(len(batches) // w).tolist()
+    return [batches[g * w : (g + 1) * w] for g in perm], dropped
 
 
 P = TypeVar("P")

@@ -34,7 +34,7 @@ def write_json(path: Path, obj: object) -> None:
 
 def record_holdout(p: Parts, record: RunRecord, reporter: Reporter) -> None:
     """The held-out rows in run-state.json (count, digest) and RUN/holdout.json (the ids)."""
-    from trainer.sampler import rows_digest
+    from trainer.sampler_state import rows_digest
 
     ev = p.cfg.eval
     record(holdout_rows=len(p.holdout), holdout_sha256=rows_digest(p.holdout))

@@ -17,7 +17,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from trainer.sampler import STATE_VERSION, Batch, BatchSampler, SamplerError
+from trainer.sampler import Batch, BatchSampler, SamplerError
+from trainer.sampler_state import STATE_VERSION
 
 
 @dataclass(frozen=True)
