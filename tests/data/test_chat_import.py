@@ -14,8 +14,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from tests.data.conftest import write_jsonl
+from trainer.data import chat_mask
 from trainer.data.chat_import import import_chat_jsonl, load_tokenizer
-from trainer.data.chat_mask import ChatEncoder, mask_from_spans
+from trainer.data.chat_mask import mask_from_spans
 from trainer.data.errors import InputError
 from trainer.data.store import (
     EXAMPLES_PER_KIND,
@@ -468,17 +469,17 @@ def test_one_pass_and_per_turn_diff_agree(
         {"role": "assistant", "content": "x"},
     ]
     rows: list[object] = [{"conversations": CHAT}, {"conversations": tricky}]
-    original = ChatEncoder._spans_one_pass
+    original = chat_mask.spans_one_pass
     answers: list[object] = []
 
-    def spy(self, full, variant, turns):  # type: ignore[no-untyped-def]
-        answers.append(original(self, full, variant, turns))
+    def spy(control, full, variant, turns):  # type: ignore[no-untyped-def]
+        answers.append(original(control, full, variant, turns))
         return answers[-1]
 
-    monkeypatch.setattr(ChatEncoder, "_spans_one_pass", spy)
+    monkeypatch.setattr(chat_mask, "spans_one_pass", spy)
     _, fast_manifest = _import(tmp_path / "fast", qwen_tokenizer_dir, rows)
     assert len(answers) == 2 and None not in answers  # both rows took the one-pass path
-    monkeypatch.setattr(ChatEncoder, "_spans_one_pass", lambda *args: None)
+    monkeypatch.setattr(chat_mask, "spans_one_pass", lambda *args: None)
     _, slow_manifest = _import(tmp_path / "slow", qwen_tokenizer_dir, rows)
     assert fast_manifest.files == slow_manifest.files
     assert fast_manifest.num_supervised_tokens > 0

@@ -39,6 +39,17 @@ from typing import Any, TypeVar, cast
 
 import numpy as np
 
+from trainer.data.chat_spans import (
+    CONTENT_SENTINEL,
+    THINK_CLOSE,
+    THINK_OPEN,
+    Span,
+    all_turn_sentinels,
+    common_prefix,
+    spans_one_pass,
+    turn_span,
+    with_sentinels,
+)
 from trainer.data.conversations import Conversation, Message, Rejected, has_reasoning
 
 GENERATION_TAGS = "generation-tags"
@@ -49,19 +60,11 @@ ENCODE_ERROR = "encode_error"
 CONTROL_TOKEN_IN_CONTENT = "control_token_in_content"
 
 _GENERATION_RE = re.compile(r"\{%-?\s*generation\s*-?%\}")
-# Private-use code points: never produced by real text, and distinct from each other so the
-# template's own handling (strip, split) cannot merge them with neighbouring characters.
-CONTENT_SENTINEL = "\ue000dflash-content\ue001"
-REASONING_SENTINEL = "\ue002dflash-reasoning\ue003"
-_TURN_SENTINEL_RE = re.compile("\ue004dflash-turn-(\\d+)\ue005")
-THINK_OPEN = "<think>"
-THINK_CLOSE = "</think>"
 _THINK_OPEN_BEFORE = re.compile(r"<think>[ \t\r\n]*\Z")  # searched with endpos = span start
 # After `</think>` only newlines: Qwen3 writes "\n\n" and strips the content's leading ones.
 _EMPTY_THINK = re.compile(r"<think>[ \t\r\n]*</think>\n*")
 _THINK_LOOKBACK = 32
 
-Span = tuple[int, int]
 T = TypeVar("T")
 In = TypeVar("In")
 
@@ -108,6 +111,37 @@ def as_conversation(row: Conversation | list[Message]) -> Conversation:
     return row if isinstance(row, Conversation) else Conversation(list(row))
 
 
+def control_token(control: re.Pattern[str] | None, row: Conversation) -> str | None:
+    """The first of the tokenizer's special tokens (`control`, one pattern) that a row's
+    content, reasoning, tool calls or tools spell, else None."""
+    if control is None:
+        return None
+    texts = [json.dumps(row.tools, ensure_ascii=False)] if row.tools else []
+    for message in row.messages:
+        texts += [message["content"], message.get("reasoning_content", "")]
+        if "tool_calls" in message:
+            texts.append(json.dumps(message["tool_calls"], ensure_ascii=False))
+    for text in texts:
+        found = control.search(text)
+        if found:
+            return found.group(0)
+    return None
+
+
+def encoded(row: Conversation, plan: _Plan, encoding: tuple[Any, Any]) -> Encoded:
+    """The row's tokens and loss mask from its plan (text, spans) and tokenisation (ids,
+    character offsets), with what it left unsupervised."""
+    ids, offsets = encoding
+    return Encoded(
+        np.asarray(ids, dtype=np.int32),
+        mask_from_spans(offsets, apply_think_rule(plan.text, plan.spans)),
+        unlocated_turns=plan.unlocated,
+        reasoning_turns=sum(map(has_reasoning, _trained(row))),
+        reasoning_dropped=reasoning_dropped(row, plan.text),
+        think_in_content=think_in_content(row, plan.text),
+    )
+
+
 class ChatEncoder:
     """Turns normalised conversations into (tokens, mask) with one tokenizer and chat template."""
 
@@ -134,7 +168,7 @@ class ChatEncoder:
         groups: dict[str, list[int]] = {}  # rows sharing a tools list render in one call
         for i, row in enumerate(rows):
             try:
-                hit = self._control_token(row)
+                hit = control_token(self._control_re, row)
             except Exception as exc:  # content that is not text, from a caller but the parser
                 results[i] = Rejected(ENCODE_ERROR, _one_line(exc))
                 continue
@@ -160,42 +194,16 @@ class ChatEncoder:
                 results[i] = encoding
                 continue
             try:
-                results[i] = self._encoded(rows[i], plan, encoding)
+                results[i] = encoded(rows[i], plan, encoding)
             except Exception as exc:  # never let one row's oddity escape the batch
                 results[i] = Rejected(ENCODE_ERROR, _one_line(exc))
         assert all(r is not None for r in results)
         return [r for r in results if r is not None]
 
-    @staticmethod
-    def _encoded(row: Conversation, plan: _Plan, encoding: tuple[Any, Any]) -> Encoded:
-        ids, offsets = encoding
-        return Encoded(
-            np.asarray(ids, dtype=np.int32),
-            mask_from_spans(offsets, apply_think_rule(plan.text, plan.spans)),
-            unlocated_turns=plan.unlocated,
-            reasoning_turns=sum(map(has_reasoning, _trained(row))),
-            reasoning_dropped=reasoning_dropped(row, plan.text),
-            think_in_content=think_in_content(row, plan.text),
-        )
-
     def render(self, conversation: Conversation | list[Message]) -> str:
         """The template's own rendering of one conversation (what the store's tokens spell)."""
         row = as_conversation(conversation)
         return self._render_many([row.messages], row.tools)[0]
-
-    def _control_token(self, row: Conversation) -> str | None:
-        if self._control_re is None:
-            return None
-        texts = [json.dumps(row.tools, ensure_ascii=False)] if row.tools else []
-        for message in row.messages:
-            texts += [message["content"], message.get("reasoning_content", "")]
-            if "tool_calls" in message:
-                texts.append(json.dumps(message["tool_calls"], ensure_ascii=False))
-        for text in texts:
-            found = self._control_re.search(text)
-            if found:
-                return found.group(0)
-        return None
 
     def _tokenize(self, texts: list[str]) -> list[tuple[Any, Any]]:
         if not texts:
@@ -240,10 +248,10 @@ class ChatEncoder:
     def _last_turn_start(self, row: Conversation, full: str) -> int | None:
         """Where the final assistant turn's own text begins (diff against its sentinel copy)."""
         last = len(row.messages) - 1
-        variant = self._render_many([_with_sentinels(row.messages, last)], row.tools)[0]
+        variant = self._render_many([with_sentinels(row.messages, last)], row.tools)[0]
         if variant.count(CONTENT_SENTINEL) != 1:
             return None
-        return _common_prefix(full, variant)
+        return common_prefix(full, variant)
 
     # -- sentinel diff -------------------------------------------------------------------
 
@@ -264,13 +272,13 @@ class ChatEncoder:
         quick = [
             (r, v)
             for r, row in enumerate(batch)
-            if not row.last_turn_only and (v := _all_turn_sentinels(row.messages)) is not None
+            if not row.last_turn_only and (v := all_turn_sentinels(row.messages)) is not None
         ]
         rendered = self._render_many([v for _, v in quick], tools)
         slow = set(range(len(batch)))
         for (r, _), text in zip(quick, rendered, strict=True):
             turns = sum(m["role"] == "assistant" for m in batch[r].messages)
-            found = self._spans_one_pass(fulls[r], text, turns)
+            found = spans_one_pass(self._control_re, fulls[r], text, turns)
             if found is not None:
                 slow.discard(r)
                 spans[r] = [span for span in found if span is not None]
@@ -283,64 +291,14 @@ class ChatEncoder:
             for i in range(first, len(messages)):
                 if messages[i]["role"] == "assistant":
                     owners.append(r)
-                    variants.append(_with_sentinels(messages, i))
+                    variants.append(with_sentinels(messages, i))
         for r, variant in zip(owners, self._render_many(variants, tools), strict=True):
-            span = self._turn_span(fulls[r], variant)
+            span = turn_span(self._control_re, fulls[r], variant)
             if span is None or (spans[r] and span[0] < spans[r][-1][1]):
                 unlocated[r] += 1
             else:
                 spans[r].append(span)
         return [_Plan(fulls[r], spans[r], unlocated[r]) for r in range(len(batch))]
-
-    def _spans_one_pass(self, full: str, variant: str, turns: int) -> list[Span | None] | None:
-        """Per-turn spans from the all-sentinel render, or None when it cannot decide."""
-        if self._control_re is None:
-            return None
-        parts = _TURN_SENTINEL_RE.split(variant)
-        constants, order = parts[0::2], parts[1::2]
-        if order != [str(k) for k in range(turns)] or not full.startswith(constants[0]):
-            return None
-        pos = len(constants[0])
-        found: list[Span | None] = []
-        for k, after in enumerate(constants[1:], start=1):
-            if k == len(constants) - 1:
-                end = len(full) - len(after)
-                if end < pos or full[end:] != after:
-                    return None
-            else:
-                # Searching needs an anchor content cannot contain: a control token.
-                end = full.find(after, pos) if self._control_re.search(after) else -1
-                if end < 0:
-                    return None
-            if self._control_re.search(full, pos, end):
-                return None
-            found.append(self._closed_span(full, pos, end))
-            pos = end + len(after)
-        return found
-
-    def _turn_span(self, full: str, variant: str) -> Span | None:
-        """Where `full` differs from the sentinel render, plus the end-of-turn token after it."""
-        if variant.count(CONTENT_SENTINEL) != 1:
-            return None
-        start = _common_prefix(full, variant)
-        tail = _common_suffix(full[start:], variant[start:])
-        end = len(full) - tail
-        # The difference must end with the content, and must not cross a turn boundary: control
-        # tokens inside it came from the template (content holding them is rejected earlier),
-        # so the template used this turn's text somewhere far from the turn itself.
-        if not variant[: len(variant) - tail].endswith(CONTENT_SENTINEL):
-            return None
-        if self._control_re is not None and self._control_re.search(full, start, end):
-            return None
-        return self._closed_span(full, start, end)
-
-    def _closed_span(self, full: str, start: int, end: int) -> Span | None:
-        """Extend a turn's text by the control token right after it (its end-of-turn)."""
-        if self._control_re is not None:
-            closing = self._control_re.match(full, end)
-            if closing is not None:
-                end = closing.end()
-        return (start, end) if end > start else None
 
     def _render_many(
         self, conversations: list[list[Message]], tools: list[dict[str, Any]] | None = None
@@ -450,74 +408,6 @@ def _text(plan: _Plan | Rejected) -> str:
 
 def _tools_key(tools: list[dict[str, Any]] | None) -> str:
     return "" if tools is None else json.dumps(tools, sort_keys=True, ensure_ascii=False)
-
-
-def _all_turn_sentinels(messages: list[Message]) -> list[Message] | None:
-    """Every assistant content replaced by a numbered sentinel (None if a turn has reasoning)."""
-    out: list[Message] = []
-    k = 0
-    for message in messages:
-        if message["role"] == "assistant":
-            if has_reasoning(message):
-                return None
-            message = _without_tool_calls({**message, "content": f"\ue004dflash-turn-{k}\ue005"})
-            k += 1
-        out.append(message)
-    return out
-
-
-def _without_tool_calls(message: Message) -> Message:
-    """Tool calls are model output too: dropping them from the sentinel render makes their
-    rendered text part of the difference, so it is supervised with the content."""
-    message.pop("tool_calls", None)
-    return message
-
-
-def _with_sentinels(messages: list[Message], i: int) -> list[Message]:
-    original = messages[i]
-    turn = _without_tool_calls({**original, "content": CONTENT_SENTINEL})
-    if "reasoning_content" in turn:
-        turn["reasoning_content"] = REASONING_SENTINEL
-    elif THINK_CLOSE in original["content"]:
-        turn["content"] = _inline_think_sentinels(original["content"])
-    return [*messages[:i], turn, *messages[i + 1 :]]
-
-
-def _inline_think_sentinels(content: str) -> str:
-    """`<think>\\nidea\\n</think>\\n\\nanswer` -> the same shape with both parts swapped, so a
-    template that moves inline reasoning into its think block (Qwen3) still parses it."""
-    head, _, _ = content.partition(THINK_CLOSE)
-    answer = content.rsplit(THINK_CLOSE, 1)[1]
-    opening = head.rfind(THINK_OPEN)
-    prefix = head[: opening + len(THINK_OPEN)] if opening >= 0 else ""
-    thought = head[len(prefix) :]
-    lead = thought[: len(thought) - len(thought.lstrip())]
-    trail = thought[len(thought.rstrip()) :]
-    gap = answer[: len(answer) - len(answer.lstrip())]
-    return f"{prefix}{lead}{REASONING_SENTINEL}{trail}{THINK_CLOSE}{gap}{CONTENT_SENTINEL}"
-
-
-def _common_prefix(a: str, b: str) -> int:
-    """Length of the common prefix, by bisection on C-speed slice comparisons."""
-    lo, hi = 0, min(len(a), len(b))
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if a[:mid] == b[:mid]:
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo
-
-
-def _common_suffix(a: str, b: str) -> int:
-    lo, hi = 0, min(len(a), len(b))
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if a[len(a) - mid :] == b[len(b) - mid :]:
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo
 
 
 def _one_line(exc: BaseException) -> str:
