@@ -70,9 +70,9 @@ from trainer.supervision.filesystems import Space
 from trainer.supervision.flags import DISK_CHECK_S, parse_policy, split_argv
 from trainer.supervision.flags import parser as flags_parser
 from trainer.supervision.progress import LogTail, Progress
-from trainer.supervision.restarts import GiveUp, RestartHistory
+from trainer.supervision.restarts import GiveUp, NextRestart, RestartHistory
 from trainer.supervision.stall import stop_stalled
-from trainer.supervision.statefile import StateFile, now_iso, read_trainer_record
+from trainer.supervision.statefile import StateFile, initial_state, read_trainer_record
 
 __all__ = ["DISK_CHECK_S", "TICK_S", "Supervisor", "main", "parse_policy"]
 
@@ -106,21 +106,7 @@ class Supervisor:
         self.signals = 0
         self.attempt = 0
         self.wrote_checkpoint = False
-        self.state: dict[str, Any] = {
-            "pid": os.getpid(),
-            "started_at": now_iso(),
-            "policy": policy.as_json(),
-            "argv": argv,
-            "state": "starting",
-            "attempt": 0,
-            "trainer_pid": None,
-            "restarts": self.history.records,
-            "gave_up": False,
-            "detail": None,
-            "exit_status": None,
-            "low_disk": None,  # {free_mib, needed_mib, path, holds, since, ...} while low
-            "low_disks": [],  # every low filesystem's entry
-        }
+        self.state: dict[str, Any] = initial_state(policy, argv, self.history.records)
         self.state_file = StateFile(run_dir, self.console)
 
     # ------------------------------------------------------------------ output
@@ -130,6 +116,14 @@ class Supervisor:
     def save(self, **fields: Any) -> None:
         self.state.update(fields)
         self.state_file.write(self.state)
+
+    def end(
+        self, line: str, state: str, detail: str, status: int, status_log: bool = False, **more: Any
+    ) -> int:
+        """Say the supervisor's last line, record its final state, and return its exit status."""
+        self.say(line, status_log)
+        self.save(state=state, detail=detail, exit_status=status, **more)
+        return status
 
     def check_disk(self) -> Space | None:
         """Free space on every filesystem the trainer writes to; the state's low_disk entries
@@ -236,42 +230,25 @@ class Supervisor:
             verdict, why = decide(ending, self.policy)
             status = exit_code(ending.returncode)
             if verdict == "finished":
-                self.say(f"{PREFIX}{why}")
-                self.save(state="finished", detail=why, exit_status=status)
-                return status
+                return self.end(f"{PREFIX}{why}", "finished", why, status)
             if verdict == "stopped":
                 by = f" ({self.stop_signal})" if ending.operator_stop else ""
-                self.say(f"{PREFIX}{why}{by}: not restarting")
-                self.save(state="stopped", detail=why, exit_status=status)
-                return status
+                return self.end(f"{PREFIX}{why}{by}: not restarting", "stopped", why, status)
             if verdict == "not-restarted":
-                self.say(format_phase_line("not_restarting", why), status_log=True)
-                self.save(state="not-restarted", detail=why, exit_status=status)
-                return status
+                line = format_phase_line("not_restarting", why)
+                return self.end(line, "not-restarted", why, status, status_log=True)
+            failed = status or ExitCode.FAILED
             space = self.check_disk()
             if space is not None and space.checkpoints is not None and space.full:
-                detail = (
-                    f"no space left on {space.path} ({space.checkpoints.one_text()}) after {why}: "
-                    "a restart would fail its next checkpoint; free space there, then dflashctl "
-                    "start HOST"
-                )
-                self.say(format_phase_line("not_restarting", detail), status_log=True)
-                self.save(
-                    state="not-restarted", detail=detail, exit_status=status or ExitCode.FAILED
-                )
-                return status or ExitCode.FAILED
+                detail = disk_full_detail(space, why)
+                line = format_phase_line("not_restarting", detail)
+                return self.end(line, "not-restarted", detail, failed, status_log=True)
             now = time.monotonic()
             plan = self.history.plan(now, why)
             if isinstance(plan, GiveUp):
-                self.say(format_phase_line("gave_up", plan.detail), status_log=True)
-                self.save(
-                    state="gave-up",
-                    gave_up=True,
-                    detail=f"gave up {plan.detail}",
-                    exit_status=status or ExitCode.FAILED,
-                )
-                return status or ExitCode.FAILED
-            number, wait, window = plan.number, plan.wait, self.policy.restart_window_s
+                line, detail = format_phase_line("gave_up", plan.detail), f"gave up {plan.detail}"
+                return self.end(line, "gave-up", detail, failed, status_log=True, gave_up=True)
+            number, wait = plan.number, plan.wait
             if self.child_kind == "regen":
                 argv = regen_restart_argv(self.argv)
             else:
@@ -284,27 +261,40 @@ class Supervisor:
                 checkpoint_step=last_checkpoint,
                 wait=wait,
             )
-            where = (
-                f"from the newest checkpoint (step {last_checkpoint})"
-                if last_checkpoint is not None
-                else "from the newest checkpoint (none written this run)"
-            )
-            self.say(
-                format_phase_line(
-                    "restarting",
-                    f"{why} (exit status {ending.returncode}); restart {number} of "
-                    f"{self.policy.max_restarts} within {window:g} s, in {wait:g} s, {where}",
-                ),
-                status_log=True,
-            )
+            detail = restart_detail(why, ending.returncode, plan, self.policy, last_checkpoint)
+            self.say(format_phase_line("restarting", detail), status_log=True)
             self.save(state="restarting", detail=f"{why}: restart {number} in {wait:g} s")
             if not self._backoff(wait):
                 why = f"stopped by the operator ({self.stop_signal}) during the restart backoff"
-                self.say(f"{PREFIX}{why}: not restarting")
-                self.save(state="stopped", detail=why, exit_status=status)
-                return status
+                return self.end(f"{PREFIX}{why}: not restarting", "stopped", why, status)
         self.save(state="stopped", detail=f"stopped by the operator ({self.stop_signal})")
         return 128 + signal.Signals[self.stop_signal].value
+
+
+def disk_full_detail(space: Space, why: str) -> str:
+    """Why a failed attempt is not restarted when the checkpoints' filesystem cannot hold one
+    more checkpoint (`space.checkpoints` set)."""
+    assert space.checkpoints is not None
+    return (
+        f"no space left on {space.path} ({space.checkpoints.one_text()}) after {why}: "
+        "a restart would fail its next checkpoint; free space there, then dflashctl "
+        "start HOST"
+    )
+
+
+def restart_detail(
+    why: str, returncode: int, plan: NextRestart, policy: Policy, last_checkpoint: int | None
+) -> str:
+    """The `restarting` phase line's detail: why, which restart of how many, when, from where."""
+    where = (
+        f"from the newest checkpoint (step {last_checkpoint})"
+        if last_checkpoint is not None
+        else "from the newest checkpoint (none written this run)"
+    )
+    return (
+        f"{why} (exit status {returncode}); restart {plan.number} of "
+        f"{policy.max_restarts} within {policy.restart_window_s:g} s, in {plan.wait:g} s, {where}"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

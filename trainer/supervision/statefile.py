@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from trainer.config.policy import Policy
 from trainer.events import StaleState, format_state_stale
 from trainer.supervision.console import Console
 
@@ -27,6 +28,28 @@ _DISK_FULL = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
 
 def now_iso() -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+
+
+def initial_state(
+    policy: Policy, argv: list[str], restarts: list[dict[str, Any]]
+) -> dict[str, Any]:
+    """The supervisor's state before its first attempt (`restarts`: the list its restart
+    history appends to, shared)."""
+    return {
+        "pid": os.getpid(),
+        "started_at": now_iso(),
+        "policy": policy.as_json(),
+        "argv": argv,
+        "state": "starting",
+        "attempt": 0,
+        "trainer_pid": None,
+        "restarts": restarts,
+        "gave_up": False,
+        "detail": None,
+        "exit_status": None,
+        "low_disk": None,  # {free_mib, needed_mib, path, holds, since, ...} while low
+        "low_disks": [],  # every low filesystem's entry
+    }
 
 
 def write_state(run_dir: Path, state: dict[str, Any]) -> OSError | None:
