@@ -65,6 +65,47 @@ def port_free_argv(python: str, port: int, seconds: float) -> list[str]:
     return [python, "-c", PORT_FREE_SCRIPT, str(int(port)), f"{seconds:g}"]
 
 
+def shared_deployment(group: str, sts: Sequence[RunStatus]) -> tuple[str, str | None]:
+    """(release, config hash) shared by every node of `group`, or ControlError naming the
+    nodes with nothing deployed, no run config, or a release or config unlike the others'."""
+    g = group
+    missing = [st.host for st in sts if st.release is None]
+    if missing:
+        raise ControlError(
+            f"group {g!r}: nothing deployed on {', '.join(missing)}; run `dflashctl deploy {g}`"
+        )
+    no_config = [st.host for st in sts if st.deployed_config_hash is None]
+    if no_config:
+        raise ControlError(
+            f"group {g!r}: no valid run/config.toml on {', '.join(no_config)}; "
+            f"`dflashctl deploy {g} --config PATH` puts one on every node"
+        )
+    for what, values in (
+        ("releases", [st.release for st in sts]),
+        ("config hashes", [st.deployed_config_hash for st in sts]),
+    ):
+        if len(set(values)) > 1:
+            pairs = ", ".join(f"{st.host} {v}" for st, v in zip(sts, values, strict=True))
+            raise ControlError(
+                f"group {g!r}: the nodes' {what} differ ({pairs}); "
+                f"`dflashctl deploy {g}` puts the same on every node"
+            )
+    return sts[0].release or "", sts[0].deployed_config_hash
+
+
+def failed_node(group: str, after: Sequence[RunStatus]) -> int:
+    """The node a failed group start is named by (statuses read after it): the one that failed
+    first by the trainer's record, else by every supervisor's, else the first that ended
+    (node 0 when none did)."""
+    view = group_state(group, [NodeReport.from_status(st, i) for i, st in enumerate(after)])
+    if view.failed is not None:
+        return view.failed.node_rank
+    if view.history:
+        return view.history[-1].first.node_rank
+    dead = [i for i, st in enumerate(after) if st.state not in LIVE_NODE_STATES]
+    return dead[0] if dead else 0
+
+
 class GroupStarter:
     """Starts a group's nodes through their RunControls (node 0 first in every list)."""
 
@@ -96,32 +137,6 @@ class GroupStarter:
                 + "; ".join(st.message or f"{st.host}: unreachable" for st in down)
             )
         return sts
-
-    def refuse_mixed(self, sts: Sequence[RunStatus]) -> tuple[str, str | None]:
-        """(release, config hash) shared by every node, or ControlError naming the nodes."""
-        g = self.name
-        missing = [st.host for st in sts if st.release is None]
-        if missing:
-            raise ControlError(
-                f"group {g!r}: nothing deployed on {', '.join(missing)}; run `dflashctl deploy {g}`"
-            )
-        no_config = [st.host for st in sts if st.deployed_config_hash is None]
-        if no_config:
-            raise ControlError(
-                f"group {g!r}: no valid run/config.toml on {', '.join(no_config)}; "
-                f"`dflashctl deploy {g} --config PATH` puts one on every node"
-            )
-        for what, values in (
-            ("releases", [st.release for st in sts]),
-            ("config hashes", [st.deployed_config_hash for st in sts]),
-        ):
-            if len(set(values)) > 1:
-                pairs = ", ".join(f"{st.host} {v}" for st, v in zip(sts, values, strict=True))
-                raise ControlError(
-                    f"group {g!r}: the nodes' {what} differ ({pairs}); "
-                    f"`dflashctl deploy {g}` puts the same on every node"
-                )
-        return sts[0].release or "", sts[0].deployed_config_hash
 
     def refuse_measuring(self, sts: Sequence[RunStatus], doing: str) -> None:
         """MeasureInProgress (JobInProgress) naming the first node where a measure (an eval or a
@@ -190,7 +205,7 @@ class GroupStarter:
         live = [st.host for st in sts if st.state in LIVE_NODE_STATES]
         if len(live) < len(sts):  # read in the same round trip as each node's status
             self.refuse_measuring(sts, "starting")
-        release, config_hash = self.refuse_mixed(sts)
+        release, config_hash = shared_deployment(g, sts)
         if len(live) == len(sts):
             return GroupStartResult(g, False, [], release, config_hash, None)
         if live:
@@ -237,14 +252,8 @@ class GroupStarter:
         dead = [i for i, st in enumerate(after) if st.state not in LIVE_NODE_STATES]
         if dead or ready in ("exited", "restarting"):
             # a node ended, or the group already restarted: a failed start, named by the node
-            # that failed first (the trainer's record, else every supervisor's, else the dead)
-            view = group_state(g, [NodeReport.from_status(st, i) for i, st in enumerate(after)])
-            if view.failed is not None:
-                i = view.failed.node_rank
-            elif view.history:
-                i = view.history[-1].first.node_rank
-            else:
-                i = dead[0] if dead else 0
+            # that failed first
+            i = failed_node(g, after)
             err = await self.controls[i].starter.start_failure(sts[i].log_lines, took)
             await self.stop_started([NodeOutcome(st.host, j) for j, st in enumerate(after)])
             raise StartFailed(f"group {g!r}: node {i}: {err}")

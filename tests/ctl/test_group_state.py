@@ -10,6 +10,7 @@ from dflashctl.config.inventory import GroupConfig, parse_inventory
 from dflashctl.config.runconfig import config_hash_of_file
 from dflashctl.errors import UsageError
 from dflashctl.groups.control import GroupControl, group_config_path
+from dflashctl.groups.starter import failed_node, shared_deployment
 from dflashctl.groups.state import NodeReport, group_json, group_state, torchrun_failure
 from dflashctl.remote.transport import LocalTransport
 from dflashctl.runs.service import ControlError
@@ -231,18 +232,31 @@ def test_start_refuses_nodes_with_another_release_or_nothing_deployed(tmp_path: 
         RunStatus(host=h, state="stopped", release="r1", deployed_config_hash="c1")
         for h in ("n0", "n1")
     ]
-    assert gc.starter.refuse_mixed(same) == ("r1", "c1")
+    assert shared_deployment(gc.name, same) == ("r1", "c1")
     other = [
         same[0],
         RunStatus(host="n1", state="stopped", release="r2", deployed_config_hash="c1"),
     ]
     with pytest.raises(ControlError, match=r"the nodes' releases differ \(n0 r1, n1 r2\)"):
-        gc.starter.refuse_mixed(other)
+        shared_deployment(gc.name, other)
     bare = [same[0], RunStatus(host="n1", state="stopped")]
     with pytest.raises(ControlError, match="nothing deployed on n1; run `dflashctl deploy g`"):
-        gc.starter.refuse_mixed(bare)
+        shared_deployment(gc.name, bare)
     with pytest.raises(ValueError, match="1 transports, 2 nodes"):
         GroupControl(group, [LocalTransport()])
+
+
+def test_a_failed_group_start_is_named_by_the_node_that_failed_first() -> None:
+    """The node a failed start names: the failed one (its report) before the first that merely
+    ended, and node 0 when every node still runs (the group restarted meanwhile)."""
+
+    def nodes(*states: str) -> list[RunStatus]:
+        return [RunStatus(host=f"n{i}", state=s) for i, s in enumerate(states)]
+
+    assert failed_node("g", nodes("running", "running")) == 0
+    assert failed_node("g", nodes("running", "stopped")) == 1
+    assert failed_node("g", nodes("stopped", "crashed")) == 1  # not node 0, which ended first
+    assert failed_node("g", nodes("stopped", "stopped")) == 0
 
 
 def test_the_group_names_node_0s_checkpoint_and_no_other_nodes() -> None:
