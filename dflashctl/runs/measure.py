@@ -68,7 +68,7 @@ from dflashctl.remote.transport import (
 from dflashctl.runs.control import RunControl
 from dflashctl.runs.follow import Backoff
 from dflashctl.runs.service import LIVE_STATES
-from dflashctl.runs.snapshot import iso_utc, measure_started, split_sections
+from dflashctl.runs.snapshot import RunStatus, iso_utc, measure_started, split_sections
 from trainer.events import sanitize_for_terminal
 
 CLOCKS = ("wall", "cpu")
@@ -387,6 +387,56 @@ def how_far(progress: Sequence[str]) -> str:
 # --- the service -----------------------------------------------------------------------------
 
 
+def refuse_beside_training(host: HostConfig, run: RunStatus) -> None:
+    """MeasureBusy while a training run is live on the host, or a job runs there (`run`: the
+    host's run status): a measure would share its devices."""
+    name = host.name
+    if run.state in LIVE_STATES:
+        step = f", step {run.step}" if run.step is not None else ""
+        raise MeasureBusy(
+            f"{name}: a training run is {run.state} in tmux session {host.session!r} "
+            f"(release {run.run_release or '?'}{step}): a measure would share its devices; "
+            f"`dflashctl stop {name}` first"
+        )
+    if run.job is not None:
+        raise MeasureBusy(
+            f"{name}: {run.job.kind} {run.job.id} is running there (since {run.job.since}): a "
+            f"measure would share its devices; `dflashctl {run.job.kind} {name} --stop` ends it"
+        )
+
+
+def startable_release(st: MeasureState, session: str) -> str:
+    """The deployed release a new measure runs (`st`: the host's newest measure); MeasureBusy
+    while that measure runs (in tmux `session`), MeasureError when nothing deployed can run
+    trainer.measure."""
+    name = st.host
+    if st.running:
+        raise MeasureBusy(
+            f"{name}: measure {st.measure_id} is already running ({st.since()}, tmux session "
+            f"{session!r}): `dflashctl measure {name} --result` shows how far it is"
+        )
+    if st.release is None:
+        raise MeasureError(f"{name}: nothing deployed; run `dflashctl deploy {name}`")
+    if not st.measurable:
+        raise MeasureError(
+            f"{name}: release {st.release} has no {MEASURE_SOURCE} (deployed before "
+            f"trainer.measure existed); deploy a newer tree"
+        )
+    return st.release
+
+
+def measure_env(host: HostConfig, layout: RemoteLayout, release: str, mid: str) -> dict[str, str]:
+    """The measure session's environment: the host's, unbuffered, the release's code on the
+    path, and its own TMPDIR under the measure's directory."""
+    return {
+        **host.env,
+        "PYTHONUNBUFFERED": "1",
+        "PYTHONPATH": layout.release_dir(release),
+        "DFLASH_RELEASE": release,
+        "TMPDIR": f"{layout.path(measure_dir(mid))}/{MEASURE_TMP}",
+    }
+
+
 @dataclass(frozen=True)
 class MeasureStarted:
     host: str
@@ -435,31 +485,9 @@ class MeasureControl:
         req.check()
         name = self.host.name
         run = await RunControl(self.transport, self.host).reader.status_for("measure")
-        if run.state in LIVE_STATES:
-            step = f", step {run.step}" if run.step is not None else ""
-            raise MeasureBusy(
-                f"{name}: a training run is {run.state} in tmux session {self.host.session!r} "
-                f"(release {run.run_release or '?'}{step}): a measure would share its devices; "
-                f"`dflashctl stop {name}` first"
-            )
-        if run.job is not None:
-            raise MeasureBusy(
-                f"{name}: {run.job.kind} {run.job.id} is running there (since {run.job.since}): a "
-                f"measure would share its devices; `dflashctl {run.job.kind} {name} --stop` ends it"
-            )
+        refuse_beside_training(self.host, run)
         st = await self.state()
-        if st.running:
-            raise MeasureBusy(
-                f"{name}: measure {st.measure_id} is already running ({st.since()}, tmux session "
-                f"{self.session!r}): `dflashctl measure {name} --result` shows how far it is"
-            )
-        if st.release is None:
-            raise MeasureError(f"{name}: nothing deployed; run `dflashctl deploy {name}`")
-        if not st.measurable:
-            raise MeasureError(
-                f"{name}: release {st.release} has no {MEASURE_SOURCE} (deployed before "
-                f"trainer.measure existed); deploy a newer tree"
-            )
+        release = startable_release(st, self.session)
         config = await self._run(read_file(self.layout.config))
         if not config.ok or not config.stdout.strip():
             raise MeasureError(
@@ -469,7 +497,7 @@ class MeasureControl:
         check_overrides(config.stdout, req.sets, name)
         info = {
             "request": req.to_json_dict(),
-            "release": st.release,
+            "release": release,
             "config": self.layout.config,
             "session": self.session,
         }
@@ -482,18 +510,11 @@ class MeasureControl:
         argv = measure_argv(self.host.python, self.layout, mid, req)
         if st.pane is not None:  # the last measure's dead pane (remain-on-exit): cleared
             await self._run(tmux_kill_session(self.session))
-        env = {
-            **self.host.env,
-            "PYTHONUNBUFFERED": "1",
-            "PYTHONPATH": self.layout.release_dir(st.release),
-            "DFLASH_RELEASE": st.release,
-            "TMPDIR": f"{self.layout.path(measure_dir(mid))}/{MEASURE_TMP}",
-        }
         command = tmux_new_session(
             self.session,
             measure_run_argv(self.host.workdir, mid, argv),
             cwd=self.host.workdir,
-            env=env,
+            env=measure_env(self.host, self.layout, release, mid),
         )
         res = await self._run(command)
         for attempt in range(4):  # a tmux server exiting as its last session ended: retried
@@ -509,7 +530,7 @@ class MeasureControl:
                 )
             raise MeasureError(f"{name}: tmux new-session: {res.error_line()}")
         return MeasureStarted(
-            name, mid, st.release, self.session, argv, self.layout.path(measure_dir(mid))
+            name, mid, release, self.session, argv, self.layout.path(measure_dir(mid))
         )
 
     async def follow(
