@@ -14,7 +14,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from tests.data.conftest import write_jsonl
-from trainer.data import chat_mask
+from trainer.data import chat_mask, chat_spans
 from trainer.data.chat_import import import_chat_jsonl, load_tokenizer
 from trainer.data.chat_mask import mask_from_spans
 from trainer.data.errors import InputError
@@ -469,7 +469,7 @@ def test_one_pass_and_per_turn_diff_agree(
         {"role": "assistant", "content": "x"},
     ]
     rows: list[object] = [{"conversations": CHAT}, {"conversations": tricky}]
-    original = chat_mask.spans_one_pass
+    original = chat_spans.spans_one_pass
     answers: list[object] = []
 
     def spy(control, full, variant, turns):  # type: ignore[no-untyped-def]
