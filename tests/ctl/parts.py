@@ -513,7 +513,9 @@ def stopped_sshd(sd: Sshd) -> Iterator[None]:
 
 def node_processes_in(ct: Container, pattern: str) -> list[str]:
     """`pid args` of the processes in the container whose command line matches."""
-    r = _run(["lxc-attach", "-n", ct.name, "--", "pgrep", "-a", "-f", pattern], timeout=30)
+    r = _run(
+        ["lxc-attach", "-n", ct.name, "--", "pgrep", "-a", "-f", pattern], timeout=budget.left()
+    )
     return [ln for ln in r.stdout.splitlines() if ln.strip()]
 
 

@@ -27,6 +27,7 @@ from dflashctl.compare.sources import parse_spec, pick, read_host, read_local
 from dflashctl.config.inventory import local_host
 from dflashctl.errors import ExitCode, UsageError
 from dflashctl.remote import LocalTransport
+from tests import budget
 from tests.ctl import parts as P
 from trainer.config.overlay import dump_toml, merge
 from trainer.events import EvalEvent, PhaseEvent, StatusEvent, parse_line
@@ -39,7 +40,7 @@ def train(config: Path, run_dir: Path, *flags: str) -> None:
     env = {**P.tree_env(REPO), "OMP_NUM_THREADS": "1"}
     argv = [sys.executable, "-m", "trainer", "--config", str(config), "--run-dir", str(run_dir)]
     done = subprocess.run(
-        [*argv, *flags], cwd=REPO, env=env, capture_output=True, text=True, timeout=900
+        [*argv, *flags], cwd=REPO, env=env, capture_output=True, text=True, timeout=budget.left()
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
 
@@ -57,7 +58,7 @@ def two_runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
         "checkpoint": {"every_steps": 1000, "every_minutes": 60.0},
     }
     configs = {}
-    for name, lr, budget, steps in (
+    for name, lr, token_budget, steps in (
         ("a", 3e-3, 1024, 60),
         ("b", 1e-3, 512, 60),
         ("b2", 1e-3, 512, 80),
@@ -68,7 +69,7 @@ def two_runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
                 shared,
                 {
                     "optimizer": {"lr": lr},
-                    "batching": {"token_budget": budget},
+                    "batching": {"token_budget": token_budget},
                     "schedule": {"max_steps": steps},
                 },
             ),

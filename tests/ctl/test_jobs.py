@@ -37,6 +37,7 @@ from dflashctl.remote.run import MARK
 from dflashctl.runs.control import RunControl
 from dflashctl.runs.measure import MeasureBusy, MeasureControl, MeasureRequest
 from dflashctl.runs.service import JobInProgress
+from tests import budget
 from tests.conftest import require_part
 from tests.ctl import parts as P
 from trainer.config.overlay import dump_toml, merge
@@ -382,7 +383,7 @@ async def test_jobs_refuse_each_other_and_training_and_stop_on_ctrl_c(local: Loc
         assert str(busy.value).startswith("loc: a training run is running in tmux session 't'")
         assert str(busy.value).endswith("gate would share its devices; `dflashctl stop loc` first")
     finally:
-        await ctl.stop(timeout=120)
+        await ctl.stop(timeout=budget.left())
     # a container restart (here: the tmux server killed) leaves a running gate lost
     again = await gate.start(LONG_GATE)
     await gate.jobs.state(0, 20, again.job_id)

@@ -25,6 +25,7 @@ from dflashctl.cli.main import main as cli_main
 from dflashctl.config.inventory import load_inventory
 from dflashctl.releases.envsetup import EnvSpec, env_spec, setup_env
 from dflashctl.remote.connect import make_transport
+from tests import budget
 from tests.conftest import require_part
 from tests.ctl import parts as P
 from trainer.config.overlay import dump_toml, merge
@@ -55,7 +56,7 @@ def wheelhouse() -> Path:
     got = subprocess.run(
         [sys.executable, "-m", "pip", "download", "-q", "-d", str(tmp), "--only-binary=:all:",
          "-c", str(lock), torch_build.requirement("cpu"), *spec.requirements],
-        capture_output=True, text=True, timeout=1200,
+        capture_output=True, text=True, timeout=budget.left(),
     )  # fmt: skip
     lock.unlink()
     require_part(got.returncode == 0, f"cannot build the test wheelhouse: {got.stderr[-500:]}")
@@ -77,7 +78,7 @@ def _attach(ct: P.Container, script: str, *args: str) -> subprocess.CompletedPro
         ["lxc-attach", "-n", ct.name, "--clear-env", "--", "sh", "-c", script, "sh", *args],
         capture_output=True,
         text=True,
-        timeout=600,
+        timeout=budget.left(),
     )
 
 

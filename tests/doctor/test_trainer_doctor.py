@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 
+from tests import budget
 from trainer.config.overlay import dump_toml, merge
 
 REPO = Path(__file__).resolve().parents[2]
@@ -33,7 +34,7 @@ def _doctor(config: Path, *args: str) -> subprocess.CompletedProcess[str]:
         cwd=REPO,
         capture_output=True,
         text=True,
-        timeout=170,
+        timeout=budget.left(),
     )
 
 

@@ -6,9 +6,8 @@ import os
 import subprocess
 import sys
 import tomllib
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import pytest
 
@@ -43,7 +42,13 @@ def tiny_assets(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     return raw
 
 
-RunCli = Callable[..., subprocess.CompletedProcess[str]]
+class RunCli(Protocol):
+    """The trainer CLI on `config` into `run_dir` (the `run_cli` fixture): typed, so that a
+    test passing what it no longer takes (a per-call timeout) fails the type check."""
+
+    def __call__(
+        self, config: Path, run_dir: Path, *args: str, env: dict[str, str] | None = None
+    ) -> subprocess.CompletedProcess[str]: ...
 
 
 def cli_env(**extra: str) -> dict[str, str]:

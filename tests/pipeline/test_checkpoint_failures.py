@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 
+from tests import budget
 from tests.conftest import tmpfs
 from trainer.errors import ExitCode
 from trainer.events import ErrorEvent, PhaseEvent, parse_line
@@ -61,7 +62,7 @@ def test_checkpoints_failing_on_a_full_checkpoint_filesystem_stop_the_run_for_go
             env=cli_env(),
             capture_output=True,
             text=True,
-            timeout=240,
+            timeout=budget.left(),
         )
         assert out.returncode == ExitCode.UNSAVED, out.stdout[-3000:] + out.stderr[-3000:]
 

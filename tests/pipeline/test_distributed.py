@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 import torch
 
+from tests import budget
 from trainer.events import StatusEvent, parse_line
 from trainer.pipeline.checkpoint import list_checkpoints, load_checkpoint
 
@@ -130,7 +131,7 @@ def test_two_ranks_equal_one_rank_on_the_same_samples_under_every_loss(
     assert out.returncode == 0, out.stderr[-3000:]
     one = subprocess.run(
         [sys.executable, str(script), str(target), spec, str(tmp_path / "one"), "single"],
-        cwd=REPO, env=cli_env(), capture_output=True, text=True, timeout=120,
+        cwd=REPO, env=cli_env(), capture_output=True, text=True, timeout=budget.left(),
     )  # fmt: skip
     assert one.returncode == 0, one.stderr[-3000:]
     ref = torch.load(tmp_path / "one.0")["grads"]

@@ -53,13 +53,13 @@ def test_dpace_with_distillation_trains_records_its_loss_resumes_and_refuses_ano
     tmp_path: Path, tiny_assets: dict[str, Any], run_cli: RunCli
 ) -> None:
     whole_cfg = _config(tmp_path, tiny_assets, "whole.toml", 12, **DPACE_KD)
-    whole = run_cli(whole_cfg, tmp_path / "whole", timeout=240)
+    whole = run_cli(whole_cfg, tmp_path / "whole")
     assert whole.returncode == 0, whole.stdout[-2000:] + whole.stderr[-3000:]
     straight = _losses(tmp_path / "whole")
     assert sorted(straight) == list(range(1, 13))
 
     run = tmp_path / "run"
-    first = run_cli(_config(tmp_path, tiny_assets, "a.toml", 6, **DPACE_KD), run, timeout=240)
+    first = run_cli(_config(tmp_path, tiny_assets, "a.toml", 6, **DPACE_KD), run)
     assert first.returncode == 0, first.stdout[-2000:] + first.stderr[-3000:]
     status = _status(run)
     assert status and all(s.extra.get(LOSS_TYPE_KEY) == LABEL for s in status)
@@ -70,7 +70,7 @@ def test_dpace_with_distillation_trains_records_its_loss_resumes_and_refuses_ano
     assert _tb_text(run / "tb", "run/loss") == [LABEL]
 
     # another loss: refused, naming the keys and both losses; nothing trained
-    ce = run_cli(_config(tmp_path, tiny_assets, "ce.toml", 12), run, timeout=240)
+    ce = run_cli(_config(tmp_path, tiny_assets, "ce.toml", 12), run)
     assert ce.returncode == 2, ce.stdout[-2000:]
     assert (
         f"cannot resume from {path}: changed model.loss.kd_weight, model.loss.type (the "
@@ -79,7 +79,7 @@ def test_dpace_with_distillation_trains_records_its_loss_resumes_and_refuses_ano
     assert list_checkpoints(run)[-1][0] == 6
 
     # the same loss: resumes and trains the uninterrupted run's losses
-    again = run_cli(_config(tmp_path, tiny_assets, "b.toml", 12, **DPACE_KD), run, timeout=240)
+    again = run_cli(_config(tmp_path, tiny_assets, "b.toml", 12, **DPACE_KD), run)
     assert again.returncode == 0, again.stdout[-2000:] + again.stderr[-3000:]
     assert f"Resuming from checkpoint: step=6 path={path}" in again.stdout
     resumed = _losses(run)
@@ -107,7 +107,7 @@ def test_a_target_rank_sends_the_last_hidden_state_for_distillation(
         topology={"targets": "shared", "target_devices": ["cpu"], "drafter_devices": ["cpu"]},
         schedule={"max_steps": 8},
     )
-    a = run_cli(single, tmp_path / "1", timeout=240)
+    a = run_cli(single, tmp_path / "1")
     assert a.returncode == 0, a.stderr[-3000:]
     b = run_ranks(shared, tmp_path / "11", 2)
     assert b.returncode == 0, (b.stdout[-2000:], b.stderr[-3000:])
