@@ -16,6 +16,27 @@ if TYPE_CHECKING:
     from dflashctl.runs.detached import DetachedRecord
 
 
+def add_modes(
+    sp: argparse.ArgumentParser,
+    word: str,
+    *,
+    detach: str = "start it and return (runs on in tmux)",
+    id_help: str | None = None,
+) -> None:
+    """--detach, --result, --stop (one at most) and --id, for a job `word` (`measure`)."""
+    mode = sp.add_mutually_exclusive_group()
+    mode.add_argument("--detach", action="store_true", help=detach)
+    mode.add_argument(
+        "--result",
+        action="store_true",
+        help=f"print the newest {word}'s result, or how far it is while it runs (exit 1)",
+    )
+    mode.add_argument("--stop", action="store_true", help=f"end the running {word}")
+    sp.add_argument(
+        "--id", metavar="ID", help=id_help or f"with --result: that {word} (e.g. 20261201T170211Z)"
+    )
+
+
 def node0_host(args: argparse.Namespace, word: str) -> HostConfig:
     """The host `args.host` names; a group's node 0, said (`word`: `measuring`)."""
     target = target_of(args)

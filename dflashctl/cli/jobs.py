@@ -218,17 +218,7 @@ async def cmd_gate(args: argparse.Namespace) -> int:
 
 def _modes(sp: argparse.ArgumentParser, word: str) -> None:
     sp.add_argument("--json", action="store_true", help="the result as JSON instead of text")
-    mode = sp.add_mutually_exclusive_group()
-    mode.add_argument("--detach", action="store_true", help="start it and return (runs on in tmux)")
-    mode.add_argument(
-        "--result",
-        action="store_true",
-        help=f"print the newest {word}'s result, or how far it is while it runs (exit 1)",
-    )
-    mode.add_argument("--stop", action="store_true", help=f"end the running {word}")
-    sp.add_argument(
-        "--id", metavar="ID", help=f"with --result: that {word} (e.g. 20261201T170211Z)"
-    )
+    detached.add_modes(sp, word)
 
 
 def _engine_flags(sp: argparse.ArgumentParser, *, default: str | None) -> None:

@@ -221,19 +221,10 @@ def register(sub: Subparsers) -> None:
         metavar="FILE",
         help="fetch the fitted step-cost model (JSON) to this local file",
     )
-    mode = sp.add_mutually_exclusive_group()
-    mode.add_argument(
-        "--detach", action="store_true", help="start it and return (it runs on in tmux)"
-    )
-    mode.add_argument(
-        "--result",
-        action="store_true",
-        help="print the newest measure's result, or how far it is while it runs (exit 1)",
-    )
-    mode.add_argument("--stop", action="store_true", help="end the running measure")
-    sp.add_argument(
-        "--id",
-        metavar="ID",
-        help="with --result: that measure (as started prints it, e.g. 20261201T170211Z), not "
+    detached.add_modes(
+        sp,
+        "measure",
+        detach="start it and return (it runs on in tmux)",
+        id_help="with --result: that measure (as started prints it, e.g. 20261201T170211Z), not "
         "the newest",
     )
