@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import shlex
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
-from dflashctl.config.inventory import GroupConfig, HostConfig
+from dflashctl.config.inventory import HostConfig
 from dflashctl.errors import ExitCode, UsageError
 from dflashctl.remote.transport import Transport
 
@@ -18,19 +17,10 @@ if TYPE_CHECKING:
     from dflashctl.jobs.control import JobControl, JobStarted
     from dflashctl.jobs.evals import EvalJob
     from dflashctl.jobs.state import JobState
+    from dflashctl.remote.jobs import JobKind
 
-from dflashctl.cli.common import Subparsers, command_adder, say, target_of, with_transport
-
-
-def _host(args: argparse.Namespace, word: str) -> HostConfig:
-    target = target_of(args)
-    if isinstance(target, GroupConfig):
-        host = target.nodes[0]
-        say(
-            f"{target.name}: {word} on node 0 ({host.name}); its release and config are the group's"
-        )
-        return host
-    return target
+from dflashctl.cli import detached
+from dflashctl.cli.common import Subparsers, command_adder, say, with_transport
 
 
 def _check_modes(args: argparse.Namespace) -> None:
@@ -38,46 +28,46 @@ def _check_modes(args: argparse.Namespace) -> None:
         raise UsageError(f"{args.command}: --id ID goes with --result (which job's result)")
 
 
+class _Request(Protocol):
+    def check(self) -> None: ...
+
+
 async def _run_job(
     args: argparse.Namespace,
     host: HostConfig,
-    jobs: Callable[[Transport], JobControl],
-    start: Callable[[Transport], Awaitable[JobStarted]] | None,
+    kind: JobKind,
+    req: _Request,
+    start: Callable[[Transport], Awaitable[JobStarted]],
     outcome: Callable[[Transport, JobState], Awaitable[int]],
 ) -> int:
-    """The shared flow: --stop, --result, or start (then detach, or follow to the outcome)."""
+    """The shared flow: --stop, --result, or start `req` (checked first; then detach, or
+    follow to the outcome)."""
+    from dflashctl.jobs.control import JobControl
+
     word = args.command
+    starting = not (args.result or args.stop)
+    if starting:
+        req.check()
 
     async def go(t: Transport) -> int:
-        jc = jobs(t)
+        jc = JobControl(t, host, kind)
         if args.stop:
-            stopped = await jc.stop()
-            if stopped is None:
-                print(f"{host.name}: no {word} is running")
-            else:
-                from dflashctl.humanize import format_age
-
-                ran = stopped.age()
-                after = f" after {format_age(ran)}" if ran is not None else ""
-                print(f"{host.name}: {stopped.name} stopped{after}")
+            detached.print_stopped(host.name, word, await jc.stop())
             return ExitCode.OK
-        if start is None:
+        if not starting:
             st = await jc.state(job_id=args.id)
             return await _finished(jc, st, args, lambda s: outcome(t, s))
         started = await start(t)
-        say(
-            f"{host.name}: {word} {started.job_id} started in tmux session {started.session!r} "
-            f"(release {started.release}), writing {started.directory}: {shlex.join(started.argv)}"
+        what = f"{word} {started.job_id}"
+        detached.say_started(
+            host.name, what, started.session, started.release, started.directory, started.argv
         )
         if args.detach:
             from dflashctl.jobs.control import DETACH_GRACE_S
 
             st = await jc.state(0, DETACH_GRACE_S, started.job_id)
             if st.running:
-                say(
-                    f"{host.name}: detached; `dflashctl {word} {args.host} --result` prints the "
-                    f"result once it is done (or how far it is), `--stop` ends it"
-                )
+                detached.say_detached(host.name, word, args.host)
                 return ExitCode.OK
             return await _finished(jc, st, args, lambda s: outcome(t, s))
         try:
@@ -87,11 +77,7 @@ async def _run_job(
                 job_id=started.job_id,
             )
         except asyncio.CancelledError:  # Ctrl-C: this client leaves, the job does not
-            say(
-                f"{host.name}: {word} {started.job_id} goes on in tmux session "
-                f"{started.session!r}; `dflashctl {word} {args.host} --result` prints it when "
-                "done, `--stop` ends it"
-            )
+            detached.say_goes_on(host.name, what, started.session, word, args.host)
             raise
         return await outcome(t, st)
 
@@ -128,12 +114,11 @@ async def _finished(
 
 async def cmd_eval(args: argparse.Namespace) -> int:
     """`eval HOST|GROUP`: trainer.eval --engine on the container (`dflashctl.jobs.evals`)."""
-    from dflashctl.jobs.control import JobControl
     from dflashctl.jobs.evals import EvalJob, EvalRequest
     from dflashctl.remote.jobs import EVAL
 
     _check_modes(args)
-    host = _host(args, "evaluating")
+    host = detached.node0_host(args, "evaluating")
     req = EvalRequest(
         prompts=tuple(Path(p) for p in args.prompts),
         remote_prompts=tuple(args.remote_prompts),
@@ -150,9 +135,6 @@ async def cmd_eval(args: argparse.Namespace) -> int:
         tolerance=args.tolerance,
         device=args.device,
     )
-    starting = not (args.result or args.stop)
-    if starting:
-        req.check()
 
     async def start(t: Transport) -> JobStarted:
         return await EvalJob(t, host).start(req)
@@ -160,9 +142,7 @@ async def cmd_eval(args: argparse.Namespace) -> int:
     async def outcome(t: Transport, st: JobState) -> int:
         return await _eval_outcome(EvalJob(t, host), st, args.json)
 
-    return await _run_job(
-        args, host, lambda t: JobControl(t, host, EVAL), start if starting else None, outcome
-    )
+    return await _run_job(args, host, EVAL, req, start, outcome)
 
 
 async def _eval_outcome(job: EvalJob, st: JobState, as_json: bool) -> int:
@@ -201,12 +181,11 @@ async def _eval_outcome(job: EvalJob, st: JobState, as_json: bool) -> int:
 
 async def cmd_gate(args: argparse.Namespace) -> int:
     """`gate HOST|GROUP`: trainer.gate on the deployed config (`dflashctl.jobs.gate`)."""
-    from dflashctl.jobs.control import JobControl
     from dflashctl.jobs.gate import GateJob, GateRequest
     from dflashctl.remote.jobs import GATE
 
     _check_modes(args)
-    host = _host(args, "gating")
+    host = detached.node0_host(args, "gating")
     req = GateRequest(
         samples=args.samples,
         max_steps=args.max_steps,
@@ -217,9 +196,6 @@ async def cmd_gate(args: argparse.Namespace) -> int:
         serve_cmd=args.serve_cmd,
         serve_args=tuple(args.serve_arg),
     )
-    starting = not (args.result or args.stop)
-    if starting:
-        req.check()
 
     async def start(t: Transport) -> JobStarted:
         return await GateJob(t, host).start(req)
@@ -234,9 +210,7 @@ async def cmd_gate(args: argparse.Namespace) -> int:
             print(f"{host.name}: {st.name}: {got.line}", flush=True)
         return ExitCode.OK if got.passed else ExitCode.FAILED
 
-    return await _run_job(
-        args, host, lambda t: JobControl(t, host, GATE), start if starting else None, outcome
-    )
+    return await _run_job(args, host, GATE, req, start, outcome)
 
 
 # --- flags -----------------------------------------------------------------------------------
@@ -244,17 +218,7 @@ async def cmd_gate(args: argparse.Namespace) -> int:
 
 def _modes(sp: argparse.ArgumentParser, word: str) -> None:
     sp.add_argument("--json", action="store_true", help="the result as JSON instead of text")
-    mode = sp.add_mutually_exclusive_group()
-    mode.add_argument("--detach", action="store_true", help="start it and return (runs on in tmux)")
-    mode.add_argument(
-        "--result",
-        action="store_true",
-        help=f"print the newest {word}'s result, or how far it is while it runs (exit 1)",
-    )
-    mode.add_argument("--stop", action="store_true", help=f"end the running {word}")
-    sp.add_argument(
-        "--id", metavar="ID", help=f"with --result: that {word} (e.g. 20261201T170211Z)"
-    )
+    detached.add_modes(sp, word)
 
 
 def _engine_flags(sp: argparse.ArgumentParser, *, default: str | None) -> None:

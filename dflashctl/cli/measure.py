@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import shlex
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -18,6 +17,7 @@ if TYPE_CHECKING:
     from dflashctl.runs.measure import MeasureControl, MeasureState
 
 
+from dflashctl.cli import detached
 from dflashctl.cli.common import Subparsers, command_adder, say, target_of, with_transport
 
 
@@ -74,15 +74,8 @@ async def cmd_measure(args: argparse.Namespace) -> int:
         parse_strategies,
     )
 
-    target = target_of(args)
     name = args.host
-    if isinstance(target, GroupConfig):
-        host = target.nodes[0]
-        say(
-            f"{target.name}: measuring on node 0 ({host.name}); its release and config are the group's"
-        )
-    else:
-        host = target
+    host = detached.node0_host(args, "measuring")
     calibration = Path(args.save_calibration) if args.save_calibration else None
     if calibration is not None and not args.stop:
         check_local_target(calibration)  # before a measure of hours, not after it
@@ -109,33 +102,21 @@ async def cmd_measure(args: argparse.Namespace) -> int:
     async def go(t: Transport) -> int:
         mc = MeasureControl(t, host)
         if args.stop:
-            stopped = await mc.stop()
-            if stopped is None:
-                print(f"{host.name}: no measure is running")
-            else:
-                from dflashctl.humanize import format_age
-
-                ran = stopped.age()
-                after = f" after {format_age(ran)}" if ran is not None else ""
-                print(f"{host.name}: measure {stopped.measure_id} stopped{after}")
+            detached.print_stopped(host.name, "measure", await mc.stop())
             return ExitCode.OK
         if req is None:
             st = await mc.state(measure_id=args.id)
             return await _measure_outcome(mc, st, args, name, calibration)
         started = await mc.start(req)
-        say(
-            f"{host.name}: measure {started.measure_id} started in tmux session "
-            f"{started.session!r} (release {started.release}), writing {started.directory}: "
-            f"{shlex.join(started.argv)}"
+        what = f"measure {started.measure_id}"
+        detached.say_started(
+            host.name, what, started.session, started.release, started.directory, started.argv
         )
         if args.detach:
             # a refusal comes within moments
             st = await mc.state(0, DETACH_GRACE_S, started.measure_id)
             if st.running:
-                say(
-                    f"{host.name}: detached; `dflashctl measure {name} --result` prints the "
-                    f"result once it is done (or how far it is), `--stop` ends it"
-                )
+                detached.say_detached(host.name, "measure", name)
                 return ExitCode.OK
             return await _measure_outcome(mc, st, args, name, calibration)
 
@@ -148,11 +129,7 @@ async def cmd_measure(args: argparse.Namespace) -> int:
                 line, lambda note: say(f"{host.name}: {note}"), measure_id=started.measure_id
             )
         except asyncio.CancelledError:  # Ctrl-C: this client leaves, the measure does not
-            say(
-                f"{host.name}: measure {started.measure_id} goes on in tmux session "
-                f"{started.session!r}; `dflashctl measure {name} --result` prints it when "
-                f"done, `--stop` ends it"
-            )
+            detached.say_goes_on(host.name, what, started.session, "measure", name)
             raise
         return await _measure_outcome(mc, st, args, name, calibration)
 
@@ -244,19 +221,10 @@ def register(sub: Subparsers) -> None:
         metavar="FILE",
         help="fetch the fitted step-cost model (JSON) to this local file",
     )
-    mode = sp.add_mutually_exclusive_group()
-    mode.add_argument(
-        "--detach", action="store_true", help="start it and return (it runs on in tmux)"
-    )
-    mode.add_argument(
-        "--result",
-        action="store_true",
-        help="print the newest measure's result, or how far it is while it runs (exit 1)",
-    )
-    mode.add_argument("--stop", action="store_true", help="end the running measure")
-    sp.add_argument(
-        "--id",
-        metavar="ID",
-        help="with --result: that measure (as started prints it, e.g. 20261201T170211Z), not "
+    detached.add_modes(
+        sp,
+        "measure",
+        detach="start it and return (it runs on in tmux)",
+        id_help="with --result: that measure (as started prints it, e.g. 20261201T170211Z), not "
         "the newest",
     )

@@ -9,15 +9,12 @@ devices, and an engine reserves most of a GPU's memory.
 
 from __future__ import annotations
 
-import asyncio
-import json
-import re
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
 from dflashctl.config.inventory import HostConfig
 from dflashctl.jobs.state import JobBusy, JobError, JobState, parse_job_status
-from dflashctl.remote.files import read_file, write_file_atomic
+from dflashctl.remote.files import write_file_atomic
 from dflashctl.remote.jobs import (
     EVAL,
     GATE,
@@ -27,19 +24,12 @@ from dflashctl.remote.jobs import (
     run_argv,
     status_argv,
 )
-from dflashctl.remote.layout import MEASURE_ID_PATTERN, RemoteLayout
+from dflashctl.remote.layout import RemoteLayout
 from dflashctl.remote.tmux import tmux_interrupt, tmux_kill_session, tmux_new_session
-from dflashctl.remote.transport import (
-    CommandResult,
-    HostKeyError,
-    HostUnreachable,
-    Transport,
-    TransportError,
-)
+from dflashctl.remote.transport import Transport
 from dflashctl.runs.control import RunControl
+from dflashctl.runs.detached import DetachedControl, not_runnable, training_busy
 from dflashctl.runs.follow import Backoff
-from dflashctl.runs.service import LIVE_STATES
-from trainer.events import sanitize_for_terminal
 
 KINDS = (EVAL, GATE)
 DETACH_GRACE_S = 5.0
@@ -48,8 +38,6 @@ FOLLOW_POLL_S = 30.0
 """One follow round trip waits up to this long on the host for an output line or the end."""
 STOP_GRACE_S = 30.0
 """`--stop` waits this long for the job to end on Ctrl-C before it kills the session."""
-ROUND_TRIP_MARGIN_S = 30.0
-"""A remote wait of T seconds is given T + this before the client gives up on it."""
 
 CommandFor = Callable[[str], list[str]]
 """The job's argv, given its id (its paths name the job's directory)."""
@@ -66,20 +54,15 @@ class JobStarted:
     directory: str
 
 
-class JobControl:
+class JobControl(DetachedControl):
     """One host's jobs of one kind, over a Transport (SSH+pct or local)."""
 
+    error = JobError
+
     def __init__(self, transport: Transport, host: HostConfig, kind: JobKind) -> None:
-        self.transport = transport
-        self.host = host
+        super().__init__(transport, host, kind.session(host.session))
         self.kind = kind
         self.layout = RemoteLayout(host.workdir)
-        self.session = kind.session(host.session)
-
-    async def _run(
-        self, argv: list[str], *, timeout: float | None = None, input: bytes | None = None
-    ) -> CommandResult:
-        return await self.transport.run(argv, timeout=timeout, input=input)
 
     def job_dir(self, job_id: str) -> str:
         return self.layout.path(self.kind.dir(job_id))
@@ -92,13 +75,8 @@ class JobControl:
         argv = status_argv(
             self.host.workdir, self.kind, self.host.session, from_line, wait_s, job_id
         )
-        res = await self._run(argv, timeout=wait_s + ROUND_TRIP_MARGIN_S)
-        if not res.ok:
-            msg = res.error_line()
-            if "not running" in msg:
-                msg = f"container {self.host.ctid} is not running (pct start {self.host.ctid})"
-            raise HostUnreachable(sanitize_for_terminal(f"{self.host.name}: {msg}"))
-        return parse_job_status(self.host.name, self.kind, self.host.workdir, res.stdout)
+        stdout = await self._status(argv, wait_s)
+        return parse_job_status(self.host.name, self.kind, self.host.workdir, stdout)
 
     async def check_free(self) -> JobState:
         """This kind's newest job, once nothing else would share the devices (`check_free`)."""
@@ -118,22 +96,16 @@ class JobControl:
         resolves) what the job needs there, before anything is written."""
         name = self.host.name
         st = await self.check_free()
-        if st.release is None:
-            raise JobError(f"{name}: nothing deployed; run `dflashctl deploy {name}`")
-        if not st.runnable:
-            raise JobError(
-                f"{name}: release {st.release} has no {self.kind.source} (deployed before "
-                f"`dflashctl {self.kind.name}` existed); deploy a newer tree"
-            )
+        before = f"`dflashctl {self.kind.name}`"
+        problem = not_runnable(name, st.release, st.runnable, self.kind.source, before)
+        if problem or st.release is None:
+            raise JobError(problem)
         if ready is not None:
             await ready()
         record = {**info(), "release": st.release, "session": self.session}
-        prep = await self._run(
-            prepare_argv(self.host.workdir, self.kind), input=json.dumps(record).encode()
+        jid = await self._prepare(
+            prepare_argv(self.host.workdir, self.kind), record, f"{self.kind.name} directory"
         )
-        jid = prep.stdout.strip().splitlines()[-1] if prep.ok and prep.stdout.strip() else ""
-        if not prep.ok or not re.match(MEASURE_ID_PATTERN, jid):
-            raise JobError(f"{name}: preparing the {self.kind.name} directory: {prep.error_line()}")
         d = self.job_dir(jid)
         for rel, data in (files or {}).items():
             res = await self._run(write_file_atomic(f"{d}/{rel}"), input=data)
@@ -155,20 +127,7 @@ class JobControl:
             cwd=self.host.workdir,
             env=env,
         )
-        res = await self._run(command)
-        for attempt in range(4):  # a tmux server exiting as its last session ended: retried
-            if res.ok or "server exited unexpectedly" not in res.stderr:
-                break
-            await asyncio.sleep(0.1 * (attempt + 1))
-            res = await self._run(command)
-        if not res.ok:
-            await self._run(["rm", "-rf", "--", d])
-            if "duplicate session" in res.stderr:
-                raise JobBusy(
-                    f"{name}: another {self.kind.name} started meanwhile (tmux session "
-                    f"{self.session!r})"
-                )
-            raise JobError(f"{name}: tmux new-session: {res.error_line()}")
+        await self._launch(command, d, self.kind.name, JobBusy)
         return JobStarted(name, self.kind, jid, st.release, self.session, argv, d)
 
     async def follow(
@@ -184,46 +143,19 @@ class JobControl:
         """Wait for the newest job (or `job_id`) to end, passing each new output line to
         `on_line`; a dropped link is retried (the job goes on: it lives in tmux), each drop and
         reconnect one `on_note`. Returns its last state with all of its output lines."""
-        delays = backoff or Backoff(jitter=0.2)
-        lines: list[str] = []
-        attempt, lost = 0, False
-        while True:
-            try:
-                st = await self.state(from_line + len(lines), poll_s, job_id)
-            except HostKeyError:
-                raise
-            except TransportError as err:
-                wait = delays.delay(attempt)
-                attempt += 1
-                lost = True
-                on_note(
-                    f"lost the link ({err}); the {self.kind.name} goes on there; retrying in "
-                    f"{wait:.0f} s"
-                )
-                await asyncio.sleep(wait)
-                continue
-            if lost:
-                on_note("reconnected")
-            attempt, lost = 0, False
-            for line in st.output:
-                lines.append(line)
-                on_line(line)
-            if not st.running:
-                return replace(st, output=lines)
+
+        async def fetch(seen: int) -> JobState:
+            return await self.state(from_line + seen, poll_s, job_id)
+
+        what = f"the {self.kind.name}"
+        st, lines = await self._follow(fetch, lambda s: s.output, on_line, on_note, what, backoff)
+        return replace(st, output=lines)
 
     async def read_json(self, st: JobState, name: str) -> dict[str, object]:
         """A JSON object the job wrote into its directory (`result.json`, `summary.json`)."""
-        path = f"{st.directory}/{name}"
-        res = await self._run(read_file(path))
-        if not res.ok:
-            raise JobError(f"{self.host.name}: {st.name}: {res.error_line()}")
-        try:
-            data = json.loads(res.stdout)
-        except json.JSONDecodeError as err:
-            raise JobError(f"{self.host.name}: {path} is not JSON: {err}") from None
-        if not isinstance(data, dict):
-            raise JobError(f"{self.host.name}: {path} is not a JSON object")
-        return data
+        return await self._read_json_object(
+            f"{st.directory}/{name}", f"{self.host.name}: {st.name}"
+        )
 
     async def stop(self, grace_s: float = STOP_GRACE_S) -> JobState | None:
         """End the running job, recording that it was stopped: Ctrl-C first (trainer.eval and
@@ -237,9 +169,7 @@ class JobControl:
         await self._run(tmux_interrupt(self.session))
         after = await self.state(len(st.output) + 1_000_000, grace_s, st.job_id)
         if after.running:
-            res = await self._run(tmux_kill_session(self.session))
-            if not res.ok and "can't find session" not in res.stderr:
-                raise JobError(f"{self.host.name}: tmux kill-session: {res.error_line()}")
+            await self._kill_session()
         return st
 
 
@@ -248,13 +178,9 @@ async def check_free(transport: Transport, host: HostConfig, kind: JobKind) -> J
     training run is live, a measure runs, or a job of any kind runs on the host."""
     name = host.name
     run = await RunControl(transport, host).reader.status_for(kind.name)
-    if run.state in LIVE_STATES:
-        step = f", step {run.step}" if run.step is not None else ""
-        raise JobBusy(
-            f"{name}: a training run is {run.state} in tmux session {host.session!r} "
-            f"(release {run.run_release or '?'}{step}): {kind.name} would share its "
-            f"devices; `dflashctl stop {name}` first"
-        )
+    busy = training_busy(host, run, kind.name)
+    if busy is not None:
+        raise JobBusy(busy)
     if run.measure is not None:
         raise JobBusy(
             f"{name}: measure {run.measure.id} is running there (since {run.measure.since}): "

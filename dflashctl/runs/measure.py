@@ -20,7 +20,6 @@ Textual); `dflashctl.cli.main.cmd_measure` only parses flags and prints.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import re
@@ -32,12 +31,10 @@ from typing import Any
 
 from dflashctl.config.inventory import HostConfig
 from dflashctl.errors import DflashctlError, ExitCode, UsageError
-from dflashctl.humanize import format_age
 from dflashctl.remote.files import read_file
 from dflashctl.remote.layout import (
     CONFIG,
     MEASURE_CALIBRATION,
-    MEASURE_ID_PATTERN,
     MEASURE_RESULT,
     MEASURE_SOURCE,
     MEASURE_TABLE,
@@ -52,23 +49,19 @@ from dflashctl.remote.run import (
     measure_run_argv,
     measure_status_argv,
 )
-from dflashctl.remote.tmux import (
-    PaneState,
-    parse_pane_state,
-    tmux_kill_session,
-    tmux_new_session,
-)
-from dflashctl.remote.transport import (
-    CommandResult,
-    HostKeyError,
-    HostUnreachable,
-    Transport,
-    TransportError,
-)
+from dflashctl.remote.tmux import PaneState, tmux_kill_session, tmux_new_session
+from dflashctl.remote.transport import Transport
 from dflashctl.runs.control import RunControl
+from dflashctl.runs.detached import (
+    DetachedControl,
+    DetachedRecord,
+    not_runnable,
+    parse_status,
+    training_busy,
+)
+from dflashctl.runs.detached import outcome_error as detached_outcome_error
 from dflashctl.runs.follow import Backoff
-from dflashctl.runs.service import LIVE_STATES
-from dflashctl.runs.snapshot import RunStatus, iso_utc, measure_started, split_sections
+from dflashctl.runs.snapshot import RunStatus
 from trainer.events import sanitize_for_terminal
 
 CLOCKS = ("wall", "cpu")
@@ -77,8 +70,6 @@ DETACH_GRACE_S = 5.0
 """`--detach` waits this long for a measure that is refused at once (a bad strategy or key)."""
 FOLLOW_POLL_S = 30.0
 """One follow round trip waits up to this long on the host for a progress line or the end."""
-ROUND_TRIP_MARGIN_S = 30.0
-"""A remote wait of T seconds is given T + this before the client gives up on it."""
 STRATEGY_NAME = re.compile(r"^[a-z][a-z0-9-]{0,31}(@[0-9]{1,7})?$")  # packed@N: row length N
 SET_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
 PROGRESS_TAIL = 3
@@ -250,12 +241,8 @@ def check_overrides(config_text: str, sets: Sequence[str], host: str) -> None:
 # --- the newest measure, as the status script reports it ------------------------------------
 
 
-# measure_started (a measure id's epoch seconds) and iso_utc are run control's: `start` reads a
-# running measure in its status round trip (dflashctl.runs.control.RunningMeasure).
-
-
 @dataclass(frozen=True)
-class MeasureState:
+class MeasureState(DetachedRecord):
     """The newest measure on a host (`parse_measure_status`); `progress` holds its progress
     lines from the line asked for on (made safe to print)."""
 
@@ -274,85 +261,31 @@ class MeasureState:
     workdir: str = ""
 
     @property
-    def running(self) -> bool:
-        return self.state == "running"
+    def record_id(self) -> str | None:
+        return self.measure_id
 
-    @property
-    def started(self) -> float | None:
-        return measure_started(self.measure_id) if self.measure_id else None
-
-    def age(self) -> float | None:
-        """Seconds since it started, by the host's clock."""
-        t = self.started
-        return None if t is None or self.now is None else max(0.0, self.now - t)
-
-    def since(self) -> str:
-        """`since 2026-12-01 17:02:11 UTC, 3m10s ago`."""
-        t, age = self.started, self.age()
-        if t is None:
-            return "since an unknown time"
-        return f"since {iso_utc(t)}" + (f", {format_age(age)} ago" if age is not None else "")
-
-    @property
-    def directory(self) -> str:
-        return f"{self.workdir}/{measure_dir(self.measure_id or '?')}"
-
-
-def error_line(progress: Sequence[str], exit_status: int | None) -> str:
-    """What a measure that did not finish said last: its `error: ` line (without the prefix),
-    else its last line, else its exit status."""
-    lines = [ln.strip() for ln in progress if ln.strip()]
-    errors = [ln for ln in lines if ln.startswith("error: ")]
-    if errors:
-        return errors[-1].removeprefix("error: ")
-    if lines:
-        return lines[-1]
-    return f"exit status {exit_status}" if exit_status is not None else "it printed nothing"
+    def subdir(self, record_id: str) -> str:
+        return measure_dir(record_id)
 
 
 def parse_measure_status(host: str, workdir: str, stdout: str) -> MeasureState:
     """MeasureState from `measure_status_argv`'s output (pure). Remote text is sanitised here."""
-    raw = split_sections(stdout)
-    if "noworkdir" in raw:
+    s = parse_status(stdout)
+    if s is None:
         return MeasureState(host=host, workdir=workdir)
-    s = {k: sanitize_for_terminal(v) for k, v in raw.items()}
-    mid = s.get("id", "").strip()
-    if not re.match(MEASURE_ID_PATTERN, mid):
-        mid = ""
-    now_text = s.get("now", "").strip()
-    current = s.get("current", "").strip()
-    pane = parse_pane_state(s.get("pane", ""))
-    exit_text = s.get("exit", "").strip()
-    exit_status = int(exit_text) if re.fullmatch(r"-?\d+", exit_text) else None
-    info: dict[str, Any] = {}
-    try:
-        loaded = json.loads(s.get("info", "") or "{}")
-        info = loaded if isinstance(loaded, dict) else {}
-    except json.JSONDecodeError:
-        pass
-    cancelled = s.get("cancelled", "").strip() or None
-    if not mid:
-        state = "none"
-    elif exit_status is not None:
-        state = "finished" if exit_status == 0 else "cancelled" if cancelled else "failed"
-    elif pane is not None and not pane.dead:
-        state = "running"
-    else:
-        state = "cancelled" if cancelled else "lost"
-    progress = s.get("progress", "")
     return MeasureState(
         host=host,
-        measure_id=mid or None,
-        state=state,
-        exit_status=exit_status,
-        now=float(now_text) if now_text.isdigit() else None,
-        progress=progress.splitlines() if progress.strip() else [],
-        info=info,
-        has_table=s.get("table", "").strip() == "yes",
-        release=current.rsplit("/", 1)[-1] if current else None,
-        measurable=s.get("measurable", "").strip() == "yes",
-        pane=pane,
-        cancelled_at=cancelled,
+        measure_id=s.record_id,
+        state=s.state,
+        exit_status=s.exit_status,
+        now=s.now,
+        progress=s.lines("progress"),
+        info=s.info,
+        has_table=s.flag("table"),
+        release=s.release,
+        measurable=s.flag("measurable"),
+        pane=s.pane,
+        cancelled_at=s.cancelled_at,
         workdir=workdir,
     )
 
@@ -361,21 +294,8 @@ def outcome_error(st: MeasureState, progress: Sequence[str]) -> MeasureError | N
     """The error a measure that ended without a result is (None: it finished); `progress` is
     all of its progress lines."""
     what = f"{st.host}: measure {st.measure_id}"
-    if st.state == "finished":
-        return None
-    if st.state == "failed" and st.exit_status == 2:
-        return MeasureRefused(f"{st.host}: {MEASURE_MODULE}: {error_line(progress, 2)}")
-    if st.state == "failed":
-        how = "failed" if st.exit_status == 1 else f"exited with status {st.exit_status}"
-        return MeasureError(f"{what} {how}: {error_line(progress, st.exit_status)}")
-    if st.state == "cancelled":
-        return MeasureError(f"{what} was stopped ({st.cancelled_at}) before it finished")
-    if st.state == "lost":
-        return MeasureError(
-            f"{what} ended without a result (no exit status, no live session: the container "
-            f"restarted or the session was killed); last: {error_line(progress, None)}"
-        )
-    return None
+    refused = f"{st.host}: {MEASURE_MODULE}"
+    return detached_outcome_error(st, progress, what, refused, (MeasureError, MeasureRefused))
 
 
 def how_far(progress: Sequence[str]) -> str:
@@ -391,13 +311,9 @@ def refuse_beside_training(host: HostConfig, run: RunStatus) -> None:
     """MeasureBusy while a training run is live on the host, or a job runs there (`run`: the
     host's run status): a measure would share its devices."""
     name = host.name
-    if run.state in LIVE_STATES:
-        step = f", step {run.step}" if run.step is not None else ""
-        raise MeasureBusy(
-            f"{name}: a training run is {run.state} in tmux session {host.session!r} "
-            f"(release {run.run_release or '?'}{step}): a measure would share its devices; "
-            f"`dflashctl stop {name}` first"
-        )
+    busy = training_busy(host, run, "a measure")
+    if busy is not None:
+        raise MeasureBusy(busy)
     if run.job is not None:
         raise MeasureBusy(
             f"{name}: {run.job.kind} {run.job.id} is running there (since {run.job.since}): a "
@@ -415,13 +331,9 @@ def startable_release(st: MeasureState, session: str) -> str:
             f"{name}: measure {st.measure_id} is already running ({st.since()}, tmux session "
             f"{session!r}): `dflashctl measure {name} --result` shows how far it is"
         )
-    if st.release is None:
-        raise MeasureError(f"{name}: nothing deployed; run `dflashctl deploy {name}`")
-    if not st.measurable:
-        raise MeasureError(
-            f"{name}: release {st.release} has no {MEASURE_SOURCE} (deployed before "
-            f"trainer.measure existed); deploy a newer tree"
-        )
+    problem = not_runnable(name, st.release, st.measurable, MEASURE_SOURCE, MEASURE_MODULE)
+    if problem or st.release is None:
+        raise MeasureError(problem)
     return st.release
 
 
@@ -447,19 +359,14 @@ class MeasureStarted:
     directory: str
 
 
-class MeasureControl:
+class MeasureControl(DetachedControl):
     """Start, follow, read and stop one host's measure through a Transport (SSH+pct or local)."""
 
-    def __init__(self, transport: Transport, host: HostConfig) -> None:
-        self.transport = transport
-        self.host = host
-        self.layout = RemoteLayout(host.workdir)
-        self.session = measure_session(host.session)
+    error = MeasureError
 
-    async def _run(
-        self, argv: list[str], *, timeout: float | None = None, input: bytes | None = None
-    ) -> CommandResult:
-        return await self.transport.run(argv, timeout=timeout, input=input)
+    def __init__(self, transport: Transport, host: HostConfig) -> None:
+        super().__init__(transport, host, measure_session(host.session))
+        self.layout = RemoteLayout(host.workdir)
 
     async def state(
         self, from_line: int = 0, wait_s: float = 0.0, measure_id: str | None = None
@@ -470,13 +377,8 @@ class MeasureControl:
         argv = measure_status_argv(
             self.host.workdir, self.host.session, from_line, wait_s, measure_id
         )
-        res = await self._run(argv, timeout=wait_s + ROUND_TRIP_MARGIN_S)
-        if not res.ok:
-            msg = res.error_line()
-            if "not running" in msg:
-                msg = f"container {self.host.ctid} is not running (pct start {self.host.ctid})"
-            raise HostUnreachable(sanitize_for_terminal(f"{self.host.name}: {msg}"))
-        return parse_measure_status(self.host.name, self.host.workdir, res.stdout)
+        stdout = await self._status(argv, wait_s)
+        return parse_measure_status(self.host.name, self.host.workdir, stdout)
 
     async def start(self, req: MeasureRequest) -> MeasureStarted:
         """Start a measure in its own tmux session; refused (MeasureBusy) while training or
@@ -501,12 +403,9 @@ class MeasureControl:
             "config": self.layout.config,
             "session": self.session,
         }
-        prep = await self._run(
-            measure_prepare_argv(self.host.workdir), input=json.dumps(info).encode()
+        mid = await self._prepare(
+            measure_prepare_argv(self.host.workdir), info, "measure directory"
         )
-        mid = prep.stdout.strip().splitlines()[-1] if prep.ok and prep.stdout.strip() else ""
-        if not prep.ok or not re.match(MEASURE_ID_PATTERN, mid):
-            raise MeasureError(f"{name}: preparing the measure directory: {prep.error_line()}")
         argv = measure_argv(self.host.python, self.layout, mid, req)
         if st.pane is not None:  # the last measure's dead pane (remain-on-exit): cleared
             await self._run(tmux_kill_session(self.session))
@@ -516,22 +415,9 @@ class MeasureControl:
             cwd=self.host.workdir,
             env=measure_env(self.host, self.layout, release, mid),
         )
-        res = await self._run(command)
-        for attempt in range(4):  # a tmux server exiting as its last session ended: retried
-            if res.ok or "server exited unexpectedly" not in res.stderr:
-                break
-            await asyncio.sleep(0.1 * (attempt + 1))
-            res = await self._run(command)
-        if not res.ok:
-            await self._run(["rm", "-rf", "--", self.layout.path(measure_dir(mid))])
-            if "duplicate session" in res.stderr:
-                raise MeasureBusy(
-                    f"{name}: another measure started meanwhile (tmux session {self.session!r})"
-                )
-            raise MeasureError(f"{name}: tmux new-session: {res.error_line()}")
-        return MeasureStarted(
-            name, mid, release, self.session, argv, self.layout.path(measure_dir(mid))
-        )
+        d = self.layout.path(measure_dir(mid))
+        await self._launch(command, d, "measure", MeasureBusy)
+        return MeasureStarted(name, mid, release, self.session, argv, d)
 
     async def follow(
         self,
@@ -547,31 +433,14 @@ class MeasureControl:
         starts after it) to end, passing each new progress line to `on_line`;
         a dropped link is retried (the measure goes on: it lives in tmux), each drop and
         reconnect one `on_note`. Returns its last state (all of its progress lines in it)."""
-        delays = backoff or Backoff(jitter=0.2)
-        lines: list[str] = []
-        attempt, lost = 0, False
-        while True:
-            try:
-                st = await self.state(from_line + len(lines), poll_s, measure_id)
-            except HostKeyError:
-                raise
-            except TransportError as err:
-                wait = delays.delay(attempt)
-                attempt += 1
-                lost = True
-                on_note(
-                    f"lost the link ({err}); the measure goes on there; retrying in {wait:.0f} s"
-                )
-                await asyncio.sleep(wait)
-                continue
-            if lost:
-                on_note("reconnected")
-            attempt, lost = 0, False
-            for line in st.progress:
-                lines.append(line)
-                on_line(line)
-            if not st.running:
-                return replace(st, progress=lines)
+
+        async def fetch(seen: int) -> MeasureState:
+            return await self.state(from_line + seen, poll_s, measure_id)
+
+        st, lines = await self._follow(
+            fetch, lambda s: s.progress, on_line, on_note, "the measure", backoff
+        )
+        return replace(st, progress=lines)
 
     async def result(self, st: MeasureState, *, as_json: bool) -> str:
         """A finished measure's table (or its JSON, re-encoded: nothing in it reaches the
@@ -582,31 +451,19 @@ class MeasureControl:
                 f"{self.host.name}: measure {st.measure_id} finished but left no "
                 f"{d}/{MEASURE_TABLE} (a trainer.measure without --out?)"
             )
-        res = await self._run(read_file(f"{d}/{MEASURE_RESULT if as_json else MEASURE_TABLE}"))
-        if not res.ok:
-            raise MeasureError(f"{self.host.name}: measure {st.measure_id}: {res.error_line()}")
+        unread = f"{self.host.name}: measure {st.measure_id}"
         if as_json:
-            try:
-                return json.dumps(json.loads(res.stdout), indent=1)
-            except json.JSONDecodeError as err:
-                raise MeasureError(
-                    f"{self.host.name}: {d}/{MEASURE_RESULT} is not JSON: {err}"
-                ) from None
+            return json.dumps(await self._read_json(f"{d}/{MEASURE_RESULT}", unread), indent=1)
+        res = await self._run(read_file(f"{d}/{MEASURE_TABLE}"))
+        if not res.ok:
+            raise MeasureError(f"{unread}: {res.error_line()}")
         return sanitize_for_terminal(res.stdout).rstrip("\n")
 
     async def fetch_calibration(self, st: MeasureState, local: Path) -> Path:
         """The measure's calibration JSON, checked to be a JSON object, written to `local`
         (temp file + rename)."""
         remote = f"{st.directory}/{MEASURE_CALIBRATION}"
-        res = await self._run(read_file(remote))
-        if not res.ok:
-            raise MeasureError(f"{self.host.name}: {remote}: {res.error_line()}")
-        try:
-            data = json.loads(res.stdout)
-        except json.JSONDecodeError as err:
-            raise MeasureError(f"{self.host.name}: {remote} is not JSON: {err}") from None
-        if not isinstance(data, dict):
-            raise MeasureError(f"{self.host.name}: {remote} is not a JSON object")
+        data = await self._read_json_object(remote, f"{self.host.name}: {remote}")
         write_local(local, json.dumps(data, indent=1) + "\n")
         return local
 
@@ -617,9 +474,7 @@ class MeasureControl:
         if not st.running or st.measure_id is None:
             return None
         await self._run(measure_cancel_argv(self.host.workdir, st.measure_id))
-        res = await self._run(tmux_kill_session(self.session))
-        if not res.ok and "can't find session" not in res.stderr:
-            raise MeasureError(f"{self.host.name}: tmux kill-session: {res.error_line()}")
+        await self._kill_session()
         return st
 
 

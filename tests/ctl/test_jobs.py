@@ -35,7 +35,13 @@ from dflashctl.remote.jobs import EVAL, GATE, chain, status_argv
 from dflashctl.remote.layout import RemoteLayout
 from dflashctl.remote.run import MARK
 from dflashctl.runs.control import RunControl
-from dflashctl.runs.measure import MeasureBusy, MeasureControl, MeasureRequest
+from dflashctl.runs.detached import DetachedRecord
+from dflashctl.runs.measure import (
+    MeasureBusy,
+    MeasureControl,
+    MeasureRequest,
+    parse_measure_status,
+)
 from dflashctl.runs.service import JobInProgress
 from tests import budget
 from tests.conftest import require_part
@@ -78,6 +84,39 @@ def test_the_job_status_parser_tells_every_state_apart() -> None:
     assert got.directory == f"/srv/d/eval/{JID}" and got.name == f"eval {JID}"
     assert got.since().startswith("since 2026-12-01 17:02:11 UTC, ")
     assert parse_job_status("h", GATE, "/d", f"{MARK}noworkdir\n").state == "none"
+
+
+def test_a_job_and_a_measure_read_one_status_alike() -> None:
+    """eval/gate and measure share one record and one status parser (dflashctl.runs.detached):
+    the same status text is the same state, times and exit status for either."""
+    live, dead = "0|||412", "1|0||412"
+    base = {"now": "1796144000", "current": "releases/abc123"}
+    for extra in (
+        {"id": ""},
+        {"id": JID, "pane": live},
+        {"id": JID, "pane": dead, "exit": "0"},
+        {"id": JID, "pane": dead, "exit": "3"},
+        {"id": JID, "pane": ""},
+        {"id": JID, "pane": "", "cancelled": "2026-12-01T17:05:00Z"},
+    ):
+        text = sections(**{**base, **extra})
+        job, measure = (
+            parse_job_status("h", GATE, "/d", text),
+            parse_measure_status("h", "/d", text),
+        )
+        assert isinstance(job, DetachedRecord) and isinstance(measure, DetachedRecord)
+        assert (job.record_id, job.state, job.exit_status, job.cancelled_at, job.release) == (
+            measure.record_id,
+            measure.state,
+            measure.exit_status,
+            measure.cancelled_at,
+            measure.release,
+        ), extra
+        assert (job.running, job.age(), job.since()) == (
+            measure.running,
+            measure.age(),
+            measure.since(),
+        )
 
 
 def test_outcomes_pass_the_modules_own_line_through_naming_the_host() -> None:

@@ -36,6 +36,7 @@ from dflashctl.remote import LocalTransport
 from dflashctl.remote.layout import RemoteLayout, measure_session
 from dflashctl.remote.run import MARK
 from dflashctl.runs.control import RunControl
+from dflashctl.runs.detached import error_line
 from dflashctl.runs.follow import Backoff
 from dflashctl.runs.measure import (
     MeasureBusy,
@@ -44,7 +45,6 @@ from dflashctl.runs.measure import (
     MeasureRefused,
     MeasureRequest,
     check_local_target,
-    error_line,
     how_far,
     measure_argv,
     outcome_error,
