@@ -103,7 +103,9 @@ def test_faults_end_every_row_exactly_once_with_bounded_retries(
     failing = next(r for r in ref_rows if r["messages"][0]["content"] == f"question {FAILING}")
     assert [e["id"] for e in errors] == [failing["id"]]
     assert errors[0]["reason"] == "retries_exhausted" and errors[0]["attempts"] == MAX_RETRIES + 1
-    assert attempts[(f"question {FAILING}", 1)] == MAX_RETRIES + 1
+    # the proxy saw them, but for those that fell in its restart's down time (a refused
+    # connection is an attempt of the job's that never reaches the proxy): never more
+    assert 1 <= attempts[(f"question {FAILING}", 1)] <= MAX_RETRIES + 1, attempts
 
     # retries bounded by what was injected (+ the requests the "restart" cut in flight)
     needed = sum(
