@@ -99,6 +99,26 @@ def test_eval_input_errors_come_before_the_heavy_imports(tmp_path: Path) -> None
         assert message in err and err.startswith("error: ") and err.count("\n") == 0, err
 
 
+def test_an_engine_we_cannot_check_is_refused_by_name_with_the_reason(tmp_path: Path) -> None:
+    """SGLang cannot run here (docs/serving.md): `--engine sglang` says so in one line, exit 2,
+    before anything loads; an unknown name lists the engines; `vllm` (any case) is taken."""
+    target, drafter, prompts = _eval_inputs(tmp_path)
+    base = ["--target", str(target), "--drafter", str(drafter), "--prompts", str(prompts)]
+    for module, argv in (("trainer.eval", base), ("trainer.gate", ["--config", "x.toml"])):
+        for engine, message in (
+            ("sglang", "argument --engine: sglang: SGLang is not supported: its DFlash worker"),
+            ("SGLang", "SGLang: SGLang is not supported"),
+            ("tgi", "argument --engine: 'tgi': one of vllm"),
+        ):
+            code, heavy, err = _probe(module, *argv, "--engine", engine)
+            assert (code, heavy) == (2, []), (module, engine, err)
+            assert message in err.splitlines()[-1] and err.count("error:") == 1, err
+    # negative control: the engine we can check passes argparse and fails later, on its own
+    # missing --server/--serve-cmd
+    code, _, err = _probe("trainer.eval", *base, "--engine", "VLLM")
+    assert (code, err) == (2, "error: --engine needs exactly one of --server URL or --serve-cmd CMD")
+
+
 def test_data_import_input_errors_come_before_the_heavy_imports(tmp_path: Path) -> None:
     source = tmp_path / "c.jsonl"
     source.write_text('{"messages": []}\n')

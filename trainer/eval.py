@@ -71,14 +71,13 @@ from trainer.eval_results import (
     summarize,
     summarize_sets,
 )
-from trainer.events.served import served_summary
+from trainer.events.served import engine_arg, served_summary
 from trainer.model.errors import TargetError
 from trainer.model.export_files import read_export_json
 from trainer.model.protocols import PROTOCOLS, Protocol
 from trainer.serving.compare import DEFAULT_TOLERANCE
 from trainer.serving.errors import EngineError
 from trainer.serving.served_eval import (
-    ENGINES,
     EngineSpec,
     ServedSession,
     format_turn,
@@ -277,7 +276,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     served = p.add_argument_group("served evaluation (the same turns in a serving engine)")
     served.add_argument(
-        "--engine", choices=ENGINES, default=None, help="also decode every turn in this engine"
+        "--engine",
+        type=engine_arg,
+        default=None,
+        metavar="{vllm}",
+        help="also decode every turn in this engine",
     )
     served.add_argument("--server", default=None, metavar="URL", help="an engine already running")
     served.add_argument(

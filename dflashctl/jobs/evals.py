@@ -42,9 +42,8 @@ from dflashctl.remote.layout import (
 )
 from dflashctl.remote.transport import Transport
 from trainer.events import sanitize_for_terminal
-from trainer.events.served import ServedSummary, parse_served_summary
+from trainer.events.served import ServedSummary, engine_name, parse_served_summary
 
-ENGINES = ("vllm",)
 NAMED_CHECKPOINTS = ("latest", "best")
 SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.+-]{0,127}$")
 REMOTE_PATH = re.compile(r"^/[A-Za-z0-9_./@+-]*$")
@@ -77,8 +76,10 @@ class EvalRequest:
             raise UsageError("eval: --prompts FILE (local) or --remote-prompts PATH is required")
         if self.drafter is not None and self.checkpoint is not None:
             raise UsageError("eval: --drafter DIR and --checkpoint C exclude each other")
-        if self.engine not in ENGINES:
-            raise UsageError(f"eval: --engine {self.engine!r}: one of {', '.join(ENGINES)}")
+        try:
+            engine_name(self.engine)
+        except ValueError as err:
+            raise UsageError(f"eval: --engine {err}") from None
         reach = [f for f, v in (("--server", self.server), ("--serve-cmd", self.serve_cmd)) if v]
         if len(reach) != 1:
             raise UsageError("eval: exactly one of --server URL or --serve-cmd CMD")

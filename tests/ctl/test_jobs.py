@@ -163,6 +163,10 @@ def test_eval_requests_are_checked_before_anything_connects() -> None:
         ),
         (EvalRequest(remote_prompts=("/p",), server="x:1"), "not an http(s) URL"),
         (
+            EvalRequest(remote_prompts=("/p",), server="http://x", engine="sglang"),
+            "eval: --engine sglang: SGLang is not supported: its DFlash worker needs CUDA",
+        ),
+        (
             EvalRequest(remote_prompts=("/p",), server="http://x", serve_args=("--a",)),
             "--serve-arg goes with --serve-cmd",
         ),

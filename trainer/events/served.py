@@ -17,20 +17,51 @@ parser (`parse_served_summary`), small enough to read on every status poll.
 
 from __future__ import annotations
 
+import argparse
 from collections.abc import Mapping
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 __all__ = [
+    "ENGINES",
     "SUMMARY_VERSION",
     "ServedSide",
     "ServedSummary",
+    "engine_arg",
+    "engine_name",
     "parse_served_summary",
     "served_summary",
 ]
 
 SUMMARY_VERSION = 1
+
+# The engines `--engine` takes (trainer.eval, trainer.gate, dflashctl eval/gate), and why the
+# others are refused (docs/serving.md, "SGLang").
+ENGINES = ("vllm",)
+NOT_SUPPORTED = {
+    "sglang": "SGLang is not supported: its DFlash worker needs CUDA and its CPU kernels are on "
+    "no package index, so its counters were never checked against a running SGLang; serve the "
+    "export with vLLM (docs/serving.md)",
+}
+
+
+def engine_name(value: str) -> str:
+    """`--engine`'s value as a supported engine name; ValueError saying why it is not one."""
+    name = value.strip().lower()
+    if name in ENGINES:
+        return name
+    if name in NOT_SUPPORTED:
+        raise ValueError(f"{value}: {NOT_SUPPORTED[name]}")
+    raise ValueError(f"{value!r}: one of {', '.join(ENGINES)}")
+
+
+def engine_arg(value: str) -> str:
+    """argparse's `type=` for `--engine`: its error line says why a name is refused."""
+    try:
+        return engine_name(value)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
 
 
 class ServedSide(BaseModel):

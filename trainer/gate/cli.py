@@ -26,8 +26,9 @@ import tempfile
 from pathlib import Path
 
 from trainer.errors import ExitCode, TrainerError
+from trainer.events.served import engine_arg
 from trainer.gate.report import GateFailure, Report
-from trainer.serving.served_eval import ENGINES, EngineSpec, serve_cmd_problem
+from trainer.serving.served_eval import EngineSpec, serve_cmd_problem
 
 MAX_RESPONSE = 64
 
@@ -54,7 +55,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when visible)")
     p.add_argument("--json", type=Path, default=None, help="also write the stages as JSON here")
     served = p.add_argument_group("the engine stage")
-    served.add_argument("--engine", choices=ENGINES, default=None, help="also decode there")
+    served.add_argument(
+        "--engine", type=engine_arg, default=None, metavar="{vllm}", help="also decode there"
+    )
     served.add_argument(
         "--server", default=None, metavar="URL", help="an engine serving OUT/export"
     )

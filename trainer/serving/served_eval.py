@@ -32,8 +32,6 @@ from trainer.serving.compare import (
 from trainer.serving.errors import EngineError
 from trainer.serving.launch import RunningEngine, free_port, served_engine, vllm_serve_argv
 
-ENGINES = ("vllm",)
-
 
 def serve_cmd_problem(serve_cmd: str | None) -> str | None:
     """Why `--serve-cmd` cannot be a command line (None when it can)."""
