@@ -116,7 +116,10 @@ def test_an_engine_we_cannot_check_is_refused_by_name_with_the_reason(tmp_path: 
     # negative control: the engine we can check passes argparse and fails later, on its own
     # missing --server/--serve-cmd
     code, _, err = _probe("trainer.eval", *base, "--engine", "VLLM")
-    assert (code, err) == (2, "error: --engine needs exactly one of --server URL or --serve-cmd CMD")
+    assert (code, err) == (
+        2,
+        "error: --engine needs exactly one of --server URL or --serve-cmd CMD",
+    )
 
 
 def test_data_import_input_errors_come_before_the_heavy_imports(tmp_path: Path) -> None:

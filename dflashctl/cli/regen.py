@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import shlex
 
@@ -87,9 +88,19 @@ async def cmd_regen(args: argparse.Namespace) -> int:
                 f"is, `--stop` ends it; `dflashctl status {host.name}` and the TUI show it too"
             )
             return ExitCode.OK
-        job = await rc.follow(
-            lambda line: print(f"{host.name}| {line}", flush=True), started.job_id
-        )
+        try:
+            job = await rc.follow(
+                lambda line: print(f"{host.name}| {line}", flush=True),
+                lambda note: say(f"{host.name}: {note}"),
+                job_id=started.job_id,
+            )
+        except asyncio.CancelledError:  # Ctrl-C: this client leaves, the job does not
+            say(
+                f"{host.name}: regeneration job {started.job_id} goes on in tmux session "
+                f"{started.session!r}; `dflashctl regen {host.name} --status` shows it, `--stop` "
+                "ends it"
+            )
+            raise
         print(regen_line(host.name, job).strip())
         if job.state != "finished":
             raise RegenError(

@@ -14,7 +14,7 @@ import json
 import re
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from dflashctl.config.inventory import HostConfig
 from dflashctl.errors import DflashctlError
@@ -228,7 +228,14 @@ def training_busy(host: HostConfig, run: RunStatus, what: str) -> str | None:
     )
 
 
-S = TypeVar("S", bound=DetachedRecord)
+class _Follows(Protocol):
+    """What a follow polls: whether the job still runs."""
+
+    @property
+    def running(self) -> bool: ...
+
+
+S = TypeVar("S", bound=_Follows)
 
 
 # --- the service -----------------------------------------------------------------------------

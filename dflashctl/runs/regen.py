@@ -18,8 +18,6 @@ Pure request checks first, then `RegenControl`, the service over a Transport (no
 from __future__ import annotations
 
 import asyncio
-import json
-import re
 import shlex
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -28,7 +26,6 @@ from typing import Any
 from dflashctl.config.inventory import HostConfig
 from dflashctl.errors import DflashctlError, ExitCode, UsageError
 from dflashctl.remote.layout import (
-    MEASURE_ID_PATTERN,
     REGEN_ENGINE_WINDOW,
     REGEN_JOB_WINDOW,
     REGEN_SOURCE,
@@ -45,8 +42,10 @@ from dflashctl.remote.regen import (
     regen_stop_argv,
 )
 from dflashctl.remote.tmux import tmux_kill_session
-from dflashctl.remote.transport import CommandResult, HostUnreachable, Transport
+from dflashctl.remote.transport import Transport
 from dflashctl.runs.control import RunControl
+from dflashctl.runs.detached import DetachedControl
+from dflashctl.runs.follow import Backoff
 from dflashctl.runs.regen_view import RegenJob, parse_regen_job
 from dflashctl.runs.service import LIVE_STATES
 from dflashctl.runs.snapshot import split_sections
@@ -57,7 +56,6 @@ SUPERVISOR_MODULE = "trainer.supervise"
 DEFAULT_ENGINE_PORT = 8000  # vLLM's (`vllm serve` without --port)
 ENGINE_WAIT_S = 1800.0
 FOLLOW_POLL_S = 30.0
-ROUND_TRIP_MARGIN_S = 30.0
 STOP_WAIT_S = 120.0
 
 
@@ -167,6 +165,11 @@ class RegenReport:
     release: str | None = None
     capable: bool = False
 
+    @property
+    def running(self) -> bool:
+        """Its job still runs (or restarts): what a follow waits out."""
+        return self.job is not None and self.job.live
+
 
 def parse_report(stdout: str) -> RegenReport:
     sections = split_sections(stdout)
@@ -180,27 +183,21 @@ def parse_report(stdout: str) -> RegenReport:
     )
 
 
-class RegenControl:
-    """Start, read, follow and stop one host's regeneration job through a Transport."""
+class RegenControl(DetachedControl):
+    """Start, read, follow and stop one host's regeneration job through a Transport (the
+    plumbing measure and the eval/gate jobs share: `dflashctl.runs.detached`)."""
+
+    error = RegenError
 
     def __init__(self, transport: Transport, host: HostConfig) -> None:
-        self.transport, self.host = transport, host
+        super().__init__(transport, host, regen_session(host.session))
         self.layout = RemoteLayout(host.workdir)
-        self.session = regen_session(host.session)
-
-    async def _run(
-        self, argv: list[str], *, timeout: float | None = None, input: bytes | None = None
-    ) -> CommandResult:
-        return await self.transport.run(argv, timeout=timeout, input=input)
 
     async def report(
         self, from_line: int = 0, wait_s: float = 0.0, job_id: str | None = None
     ) -> RegenReport:
         argv = regen_status_argv(self.host.workdir, self.session, from_line, wait_s, job_id)
-        res = await self._run(argv, timeout=wait_s + ROUND_TRIP_MARGIN_S)
-        if not res.ok:
-            raise HostUnreachable(sanitize_for_terminal(f"{self.host.name}: {res.error_line()}"))
-        return parse_report(res.stdout)
+        return parse_report(await self._status(argv, wait_s))
 
     async def start(self, req: RegenRequest) -> RegenStarted:
         req.check()
@@ -229,12 +226,7 @@ class RegenControl:
                 "trainer.regen existed); deploy a newer tree"
             )
         info = req.info(now.release, self.session)
-        prep = await self._run(
-            regen_prepare_argv(self.host.workdir), input=json.dumps(info).encode()
-        )
-        jid = prep.stdout.strip().splitlines()[-1] if prep.ok and prep.stdout.strip() else ""
-        if not prep.ok or not re.match(MEASURE_ID_PATTERN, jid):
-            raise RegenError(f"{name}: preparing the job directory: {prep.error_line()}")
+        jid = await self._prepare(regen_prepare_argv(self.host.workdir), info, "job directory")
         run_dir = self.layout.path(regen_dir(jid))
         job = [
             self.host.python, "-m", SUPERVISOR_MODULE, *self.host.supervisor_policy().cli_args(),
@@ -258,33 +250,38 @@ class RegenControl:
             "PYTHONPATH": self.layout.release_dir(now.release),
             "DFLASH_RELEASE": now.release,
         }
-        res = await self._run(
-            regen_session_argv(self.session, windows, cwd=self.host.workdir, env=env)
+        await self._launch(
+            regen_session_argv(self.session, windows, cwd=self.host.workdir, env=env),
+            run_dir,
+            "regeneration job",
+            RegenBusy,
         )
-        if not res.ok:
-            await self._run(["rm", "-rf", "--", run_dir])
-            raise RegenError(f"{name}: tmux new-session: {res.error_line()}")
         return RegenStarted(name, jid, now.release, self.session, job, run_dir, serve)
 
     async def follow(
         self,
         on_line: Callable[[str], None],
-        job_id: str,
+        on_note: Callable[[str], None],
         *,
+        job_id: str,
         from_line: int = 0,
         poll_s: float = FOLLOW_POLL_S,
+        backoff: Backoff | None = None,
     ) -> RegenJob:
-        """Pass each new status.log line of job `job_id` to `on_line` until it ends."""
-        seen = from_line
-        while True:
-            rep = await self.report(seen, poll_s, job_id)
-            for line in rep.new_lines:
-                on_line(line)
-            seen += len(rep.new_lines)
+        """Pass each new status.log line of job `job_id` to `on_line` until it ends; a dropped
+        link is retried (the job goes on: it lives in tmux), each drop and reconnect one
+        `on_note`."""
+
+        async def fetch(seen: int) -> RegenReport:
+            rep = await self.report(from_line + seen, poll_s, job_id)
             if rep.job is None:
                 raise RegenError(f"{self.host.name}: regeneration job {job_id} is gone")
-            if not rep.job.live:
-                return rep.job
+            return rep
+
+        what = "the regeneration job"
+        rep, _ = await self._follow(fetch, lambda r: r.new_lines, on_line, on_note, what, backoff)
+        assert rep.job is not None  # fetch refuses a report without one
+        return rep.job
 
     async def stop(self) -> RegenJob | None:
         """SIGINT the running job's supervisor (trainer.regen stops, the engine is stopped);

@@ -32,6 +32,7 @@ from dflashctl.releases.release import build_release
 from dflashctl.remote import LocalTransport
 from dflashctl.remote.run import MARK
 from dflashctl.runs.control import RunControl
+from dflashctl.runs.follow import Backoff
 from dflashctl.runs.regen import RegenBusy, RegenControl, RegenRequest, engine_url
 from dflashctl.runs.regen_view import parse_regen_job, regen_line
 from dflashctl.tui.widgets.panes import regen_text
@@ -216,9 +217,29 @@ async def test_a_job_runs_supervised_to_its_end_and_status_shows_it(
     assert "--child" in started.argv and started.engine is None
     with pytest.raises(RegenBusy, match=f"regeneration job {started.job_id} is running"):
         await rc.start(req)
+    # the link drops after the first line (the transport's PATH has no `sh` for 1.5 s, so every
+    # round trip fails as a lost host does): follow says so, retries, and goes on from the line
+    # it had, none repeated, none skipped (the job lives in tmux)
+    transport = rc.transport
+    assert isinstance(transport, LocalTransport)
+    path = transport._env["PATH"]
     lines: list[str] = []
-    job = await rc.follow(lines.append, started.job_id, poll_s=2.0)
+    notes: list[str] = []
+
+    def line(text: str) -> None:
+        lines.append(text)
+        if len(lines) == 1:
+            transport._env["PATH"] = "/nonexistent"
+            asyncio.get_running_loop().call_later(1.5, transport._env.__setitem__, "PATH", path)
+
+    job = await rc.follow(
+        line, notes.append, job_id=started.job_id, poll_s=2.0, backoff=Backoff(0.2, jitter=0)
+    )
     assert job.state == "finished" and job.exit_status == 0, (job, lines)
+    assert notes[0].startswith("lost the link (loc: sh: command not found); the regeneration job")
+    assert notes[-1] == "reconnected", notes
+    log = (wd / "regen" / started.job_id / "status.log").read_text()
+    assert lines == [ln for ln in log.splitlines() if ln.strip()]
     assert any(ln.startswith("Regen: ") for ln in lines) and any(
         ln.startswith("Regen finished: ") for ln in lines
     )
@@ -247,7 +268,7 @@ async def test_serve_starts_the_engine_waits_for_it_and_stops_it(
     )  # fmt: skip
     started = await rc.start(req)
     assert started.engine is not None and started.engine[-len(serve) :] == serve
-    job = await rc.follow(lambda line: None, started.job_id, poll_s=5.0)
+    job = await rc.follow(lambda line: None, print, job_id=started.job_id, poll_s=5.0)
     d = wd / "regen" / started.job_id
     assert job.state == "finished", (job, (d / "health.log").read_text())
     assert f"http://127.0.0.1:{port} is up after" in (d / "health.log").read_text()
@@ -292,7 +313,7 @@ async def test_a_stop_ends_the_job_and_a_server_away_past_wait_s_is_a_restart_wi
             flags=(*base, "--wait-s", "2"),
         )
         started = await rc.start(req)
-        job = await rc.follow(lambda line: None, started.job_id, poll_s=2.0)
+        job = await rc.follow(lambda line: None, print, job_id=started.job_id, poll_s=2.0)
     assert job.state == "finished", job
     assert job.restarts >= 1
     sup = json.loads((wd / "regen" / started.job_id / "supervisor.json").read_text())
