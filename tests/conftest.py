@@ -184,6 +184,16 @@ def qwen3_tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 # vLLM's CPU build as a real serving engine, one server per session (tests/serving/engine.py).
+# A drafter distilled from a target it can learn, served by its own engine (tests/serving/distilled.py).
+from tests.serving.distilled import (  # noqa: E402
+    bigram_target_dir as bigram_target_dir,
+)
+from tests.serving.distilled import (  # noqa: E402
+    distilled_run as distilled_run,
+)
+from tests.serving.distilled import (  # noqa: E402
+    distilled_server as distilled_server,
+)
 from tests.serving.engine import (  # noqa: E402
     gate_run as gate_run,
 )
