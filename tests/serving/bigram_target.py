@@ -13,20 +13,19 @@ dimension of its own too (a zero embedding would give every mask slot the same q
 
 from __future__ import annotations
 
-import json
-import shutil
 from pathlib import Path
 
 import numpy as np
 import torch
-from transformers import Qwen3Config, Qwen3ForCausalLM
+from transformers import Qwen3ForCausalLM
+
+from tests.serving.scripted_target import save_wired, wired_config, zero_but_norms
 
 VOCAB = 151_936
-HIDDEN, HEADS, KV_HEADS, HEAD_DIM, LAYERS = 256, 4, 2, 64, 4
+LAYERS = 4
 ALPHABET_SIZE = 64
 MASK_DIM = 200  # the mask token's own dimension (past the alphabet's)
 SUCCESSOR = 10.0  # the LM-head weight from a token's dimension to its successor
-IM_END, ENDOFTEXT = 151645, 151643
 SEED = 0
 
 
@@ -43,31 +42,8 @@ def successors() -> dict[int, int]:
     return {int(tokens[i]): int(tokens[order[i]]) for i in range(ALPHABET_SIZE)}
 
 
-def bigram_config() -> Qwen3Config:
-    return Qwen3Config(
-        vocab_size=VOCAB,
-        hidden_size=HIDDEN,
-        intermediate_size=512,
-        num_hidden_layers=LAYERS,
-        num_attention_heads=HEADS,
-        num_key_value_heads=KV_HEADS,
-        head_dim=HEAD_DIM,
-        max_position_embeddings=4096,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
-        rms_norm_eps=1e-6,
-        tie_word_embeddings=False,
-        bos_token_id=None,
-        eos_token_id=[IM_END, ENDOFTEXT],
-        pad_token_id=None,
-    )
-
-
 def _wire(model: Qwen3ForCausalLM, mask_token_id: int) -> None:
-    for param in model.parameters():
-        param.zero_()
-    for name, param in model.named_parameters():
-        if name.endswith("norm.weight"):
-            param.fill_(1.0)
+    zero_but_norms(model)
     embed, head = model.model.embed_tokens.weight, model.lm_head.weight
     dim = {int(token): k for k, token in enumerate(alphabet())}
     for token, after in successors().items():
@@ -78,13 +54,7 @@ def _wire(model: Qwen3ForCausalLM, mask_token_id: int) -> None:
 
 def build_bigram_target(out: Path, tokenizer_dir: Path, mask_token_id: int) -> Path:
     """Write the bigram target (fp32 safetensors) with Qwen3's tokenizer files into `out`."""
-    model = Qwen3ForCausalLM(bigram_config())
+    model = Qwen3ForCausalLM(wired_config(LAYERS))
     with torch.no_grad():
         _wire(model, mask_token_id)
-    model.train(False)
-    out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out, safe_serialization=True)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copyfile(tokenizer_dir / name, out / name)
-    (out / "generation_config.json").write_text(json.dumps({"eos_token_id": [IM_END, ENDOFTEXT]}))
-    return out
+    return save_wired(model, out, tokenizer_dir)

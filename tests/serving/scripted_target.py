@@ -73,12 +73,14 @@ def _chain_tokens() -> list[int]:
     return seen
 
 
-def scripted_config() -> Qwen3Config:
+def wired_config(num_layers: int) -> Qwen3Config:
+    """A Qwen3 in the shapes vLLM's CPU attention takes, with Qwen3's vocabulary, to be wired by
+    hand (this target, and tests/serving/bigram_target.py)."""
     return Qwen3Config(
         vocab_size=VOCAB,
         hidden_size=HIDDEN,
         intermediate_size=512,
-        num_hidden_layers=LAYERS,
+        num_hidden_layers=num_layers,
         num_attention_heads=HEADS,
         num_key_value_heads=KV_HEADS,
         head_dim=HEAD_DIM,
@@ -92,15 +94,36 @@ def scripted_config() -> Qwen3Config:
     )
 
 
-def _wire(model: Qwen3ForCausalLM) -> None:
-    chain = _chain_tokens()
-    dim = {token: k for k, token in enumerate(chain)}
-    assert len(chain) < ONE
+def scripted_config() -> Qwen3Config:
+    return wired_config(LAYERS)
+
+
+def zero_but_norms(model: Qwen3ForCausalLM) -> None:
+    """Every weight 0, every norm weight 1: what the wiring starts from."""
     for param in model.parameters():
         param.zero_()
     for name, param in model.named_parameters():
         if name.endswith("norm.weight"):
             param.fill_(1.0)
+
+
+def save_wired(model: Qwen3ForCausalLM, out: Path, tokenizer_dir: Path) -> Path:
+    """Write a wired target (fp32 safetensors) with Qwen3's tokenizer files into `out`."""
+    model.train(False)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out, safe_serialization=True)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copyfile(tokenizer_dir / name, out / name)
+    generation = {"eos_token_id": [IM_END, ENDOFTEXT]}
+    (out / "generation_config.json").write_text(json.dumps(generation) + "\n")
+    return out
+
+
+def _wire(model: Qwen3ForCausalLM) -> None:
+    chain = _chain_tokens()
+    dim = {token: k for k, token in enumerate(chain)}
+    assert len(chain) < ONE
+    zero_but_norms(model)
     embed = model.model.embed_tokens.weight
     embed[:, ONE] = 1.0
     for token, k in dim.items():
@@ -131,11 +154,4 @@ def build_scripted_target(out: Path, tokenizer_dir: Path) -> Path:
     model = Qwen3ForCausalLM(scripted_config())
     with torch.no_grad():
         _wire(model)
-    model.train(False)
-    out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out, safe_serialization=True)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copyfile(tokenizer_dir / name, out / name)
-    generation = {"eos_token_id": [IM_END, ENDOFTEXT]}
-    (out / "generation_config.json").write_text(json.dumps(generation) + "\n")
-    return out
+    return save_wired(model, out, tokenizer_dir)
