@@ -208,33 +208,40 @@ async def test_a_job_runs_supervised_to_its_end_and_status_shows_it(
 ) -> None:
     rc, host, wd = local
     source = write_many(wd / "in.jsonl", 6)
-    req = RegenRequest(
-        inputs=(str(source),), out="out.jsonl", servers=(regen_server.url,),
-        flags=("--reasoning", "disable", "--max-tokens", "64", "--status-interval-s", "1"),
-    )  # fmt: skip
-    started = await rc.start(req)
-    assert started.argv[1:4] == ["-m", "trainer.supervise", "--restart=on-failure"]
-    assert "--child" in started.argv and started.engine is None
-    with pytest.raises(RegenBusy, match=f"regeneration job {started.job_id} is running"):
-        await rc.start(req)
     # the link drops after the first line (the transport's PATH has no `sh` for 1.5 s, so every
     # round trip fails as a lost host does): follow says so, retries, and goes on from the line
-    # it had, none repeated, none skipped (the job lives in tmux)
-    transport = rc.transport
-    assert isinstance(transport, LocalTransport)
-    path = transport._env["PATH"]
-    lines: list[str] = []
-    notes: list[str] = []
+    # it had, none repeated, none skipped (the job lives in tmux). The proxy holds the job's
+    # requests until the link is back, so the job cannot end before the drop.
+    with FaultProxy(regen_server.url, lambda key, attempt: "pass") as gate:
+        gate.hold()
+        req = RegenRequest(
+            inputs=(str(source),), out="out.jsonl", servers=(gate.url,),
+            flags=("--reasoning", "disable", "--max-tokens", "64", "--status-interval-s", "1"),
+        )  # fmt: skip
+        started = await rc.start(req)
+        assert started.argv[1:4] == ["-m", "trainer.supervise", "--restart=on-failure"]
+        assert "--child" in started.argv and started.engine is None
+        with pytest.raises(RegenBusy, match=f"regeneration job {started.job_id} is running"):
+            await rc.start(req)
+        transport = rc.transport
+        assert isinstance(transport, LocalTransport)
+        path = transport._env["PATH"]
+        lines: list[str] = []
+        notes: list[str] = []
 
-    def line(text: str) -> None:
-        lines.append(text)
-        if len(lines) == 1:
-            transport._env["PATH"] = "/nonexistent"
-            asyncio.get_running_loop().call_later(1.5, transport._env.__setitem__, "PATH", path)
+        def back() -> None:
+            transport._env["PATH"] = path
+            gate.release()
 
-    job = await rc.follow(
-        line, notes.append, job_id=started.job_id, poll_s=2.0, backoff=Backoff(0.2, jitter=0)
-    )
+        def line(text: str) -> None:
+            lines.append(text)
+            if len(lines) == 1:
+                transport._env["PATH"] = "/nonexistent"
+                asyncio.get_running_loop().call_later(1.5, back)
+
+        job = await rc.follow(
+            line, notes.append, job_id=started.job_id, poll_s=2.0, backoff=Backoff(0.2, jitter=0)
+        )
     assert job.state == "finished" and job.exit_status == 0, (job, lines)
     assert notes[0].startswith("lost the link (loc: sh: command not found); the regeneration job")
     assert notes[-1] == "reconnected", notes

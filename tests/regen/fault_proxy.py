@@ -10,6 +10,9 @@ of messages) and counted; `plan(key, attempt)` decides what that attempt gets:
 * `restart`: as a server restart looks from outside: the request's connection and every other
   open one are cut, the port refuses connections for `restart_s`, then it listens again.
 
+`hold()` makes every chat request wait, unanswered, until `release()` (a job that cannot end
+before the test has done what it must do while the job runs).
+
 Everything else (GET /v1/models: the client's probes) is forwarded while the proxy listens.
 It runs its own event loop in a thread, so the process under test is a real separate client.
 """
@@ -56,6 +59,15 @@ class FaultProxy:
         self._ready = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._http: httpx.AsyncClient | None = None
+        self._open = asyncio.Event()
+        self._open.set()
+
+    def hold(self) -> None:
+        """From now, chat requests wait (unanswered, not forwarded) until `release()`."""
+        self.loop.call_soon_threadsafe(self._open.clear)
+
+    def release(self) -> None:
+        self.loop.call_soon_threadsafe(self._open.set)
 
     @property
     def url(self) -> str:
@@ -140,6 +152,8 @@ class FaultProxy:
             writer.transport.abort()
             asyncio.get_running_loop().create_task(self._restart())
             return False
+        if key is not None:
+            await self._open.wait()
         if key is not None and self.delay_s:
             await asyncio.sleep(self.delay_s)
         assert self._http is not None
