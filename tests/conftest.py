@@ -183,8 +183,8 @@ def qwen3_tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return unpack_qwen3_tokenizer(tmp_path_factory.mktemp("qwen3-tokenizer"))
 
 
-# vLLM's CPU build as a real serving engine, one server per session (tests/serving/engine.py).
-# A drafter distilled from a target it can learn, served by its own engine (tests/serving/distilled.py).
+# vLLM's CPU build as a real serving engine, one server per session (tests/serving/engine.py);
+# a drafter distilled from a target it can learn, served by its own (tests/serving/distilled.py).
 from tests.serving.distilled import (  # noqa: E402
     bigram_target_dir as bigram_target_dir,
 )

@@ -71,7 +71,7 @@ from trainer.eval_results import (
     summarize,
     summarize_sets,
 )
-from trainer.events.served import engine_arg, served_summary
+from trainer.events.served import ENGINE_METAVAR, engine_arg, served_summary
 from trainer.model.errors import TargetError
 from trainer.model.export_files import read_export_json
 from trainer.model.protocols import PROTOCOLS, Protocol
@@ -279,7 +279,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--engine",
         type=engine_arg,
         default=None,
-        metavar="{vllm}",
+        metavar=ENGINE_METAVAR,
         help="also decode every turn in this engine",
     )
     served.add_argument("--server", default=None, metavar="URL", help="an engine already running")

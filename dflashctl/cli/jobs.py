@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Protocol
 from dflashctl.config.inventory import HostConfig
 from dflashctl.errors import ExitCode, UsageError
 from dflashctl.remote.transport import Transport
-from trainer.events.served import engine_arg
+from trainer.events.served import ENGINE_METAVAR, engine_arg
 
 if TYPE_CHECKING:
     from dflashctl.jobs.control import JobControl, JobStarted
@@ -224,7 +224,11 @@ def _modes(sp: argparse.ArgumentParser, word: str) -> None:
 
 def _engine_flags(sp: argparse.ArgumentParser, *, default: str | None) -> None:
     sp.add_argument(
-        "--engine", type=engine_arg, default=default, metavar="{vllm}", help="the serving engine"
+        "--engine",
+        type=engine_arg,
+        default=default,
+        metavar=ENGINE_METAVAR,
+        help="the serving engine",
     )
     sp.add_argument(
         "--server", metavar="URL", help="an engine already serving, as the container reaches it"

@@ -11,6 +11,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -42,6 +43,15 @@ def served_eval(
     return subprocess.run(argv, cwd=REPO, env=python_env(), capture_output=True, text=True)
 
 
+def assert_every_turn_agrees(result: dict[str, Any]) -> None:
+    """Each turn: the engine committed our loop's tokens, and its drafts and accepted tokens
+    are our loop's verify steps and accepted drafts."""
+    for own, turn in zip(result["prompts"], result["served"]["turns"], strict=True):
+        assert turn["tokens"] == own["tokens"] and turn["tokens_match"]
+        assert turn["counters"]["drafts"] == own["verify_steps"]
+        assert turn["counters"]["accepted"] == sum(own["accept_lengths"]) - own["verify_steps"]
+
+
 def test_served_acceptance_equals_the_projects_loop(
     vllm_server: RunningEngine, served_target_dir: Path, gate_run: GateRun, tmp_path: Path
 ) -> None:
@@ -63,10 +73,7 @@ def test_served_acceptance_equals_the_projects_loop(
         served["turns"]
     )
     assert gsm8k["served"]["verify_steps"] > 0
-    for own, turn in zip(result["prompts"], served["turns"], strict=True):
-        assert turn["tokens"] == own["tokens"] and turn["tokens_match"]
-        assert turn["counters"]["drafts"] == own["verify_steps"]
-        assert turn["counters"]["accepted"] == sum(own["accept_lengths"]) - own["verify_steps"]
+    assert_every_turn_agrees(result)
     summary = served["summary"]
     assert summary["served"]["acceptance_per_position"] == summary["own"]["acceptance_per_position"]
     assert "all sets: vllm 0.32.0 tau=" in done.stdout and "all sets: own loop" in done.stdout
@@ -100,10 +107,4 @@ def test_a_drafter_distilled_from_its_target_accepts_alike_in_vllm_on_prompts_it
     assert engine["acceptance_per_position"] == per_position
     assert engine["tau"] == own["tau"] and summary["agree"]
     assert summary["tokens_match"] == len(served["turns"]) == HELD_OUT
-    for own_turn, turn in zip(result["prompts"], served["turns"], strict=True):
-        assert turn["tokens"] == own_turn["tokens"] and turn["tokens_match"]
-        assert turn["counters"]["drafts"] == own_turn["verify_steps"]
-        assert (
-            turn["counters"]["accepted"]
-            == sum(own_turn["accept_lengths"]) - own_turn["verify_steps"]
-        )
+    assert_every_turn_agrees(result)

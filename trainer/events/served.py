@@ -25,6 +25,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 __all__ = [
     "ENGINES",
+    "ENGINE_METAVAR",
     "SUMMARY_VERSION",
     "ServedSide",
     "ServedSummary",
@@ -39,6 +40,7 @@ SUMMARY_VERSION = 1
 # The engines `--engine` takes (trainer.eval, trainer.gate, dflashctl eval/gate), and why the
 # others are refused (docs/serving.md, "SGLang").
 ENGINES = ("vllm",)
+ENGINE_METAVAR = "{" + ",".join(ENGINES) + "}"  # what --help shows, as argparse's choices do
 NOT_SUPPORTED = {
     "sglang": "SGLang is not supported: its DFlash worker needs CUDA and its CPU kernels are on "
     "no package index, so its counters were never checked against a running SGLang; serve the "

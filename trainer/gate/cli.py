@@ -26,7 +26,7 @@ import tempfile
 from pathlib import Path
 
 from trainer.errors import ExitCode, TrainerError
-from trainer.events.served import engine_arg
+from trainer.events.served import ENGINE_METAVAR, engine_arg
 from trainer.gate.report import GateFailure, Report
 from trainer.serving.served_eval import EngineSpec, serve_cmd_problem
 
@@ -56,7 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", type=Path, default=None, help="also write the stages as JSON here")
     served = p.add_argument_group("the engine stage")
     served.add_argument(
-        "--engine", type=engine_arg, default=None, metavar="{vllm}", help="also decode there"
+        "--engine", type=engine_arg, default=None, metavar=ENGINE_METAVAR, help="also decode there"
     )
     served.add_argument(
         "--server", default=None, metavar="URL", help="an engine serving OUT/export"
